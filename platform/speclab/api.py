@@ -1,0 +1,166 @@
+"""Public Python API: load a target (and draft) once, generate many times.
+
+    from speclab import Decoder
+    dec = Decoder.from_pretrained("path/to/target", "path/to/draft")
+    res = dec.generate("def main(", method="salf", max_new_tokens=64, nodes=16, batch=4,
+                       threshold=0.3)
+    res.token_ids, res.text, res.stats.tau
+
+Methods: ``ar`` (no draft), ``chain`` (gamma), ``tree`` (EAGLE-2: top_k, depth, nodes),
+``optimal`` (nodes, batch, depth), ``salf`` (nodes, batch, threshold, depth).
+Verification: ``greedy`` (temperature 0), ``sample`` (lossless speculative sampling),
+``typical`` (Medusa typical acceptance, relaxed). Default: greedy at temperature 0,
+sample otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from speclab.models.loading import check_same_vocab, load_model, load_tokenizer
+from speclab.spec.drafters import ChainDrafter, Drafter, Eagle2TreeDrafter, OptimalTreeDrafter
+from speclab.spec.engine import GenerationStats, autoregressive_generate, speculative_generate
+from speclab.spec.kv import ModelRunner
+from speclab.spec.sampling import SamplingParams
+
+METHODS = ("ar", "chain", "tree", "optimal", "salf")
+
+
+@dataclass
+class MethodParams:
+    """Drafting hyperparameters (unused ones are ignored by a method)."""
+
+    gamma: int = 4
+    top_k: int = 4
+    depth: int = 5
+    nodes: int = 16
+    batch: int = 4
+    threshold: float = 0.3
+
+
+@dataclass
+class GenerationResult:
+    """New tokens (prompt excluded), their text when a tokenizer is known, and stats."""
+
+    token_ids: list[int]
+    text: str | None
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "stats": self.stats.to_dict()}
+
+
+def make_drafter(
+    method: str,
+    draft: ModelRunner | None,
+    hp: MethodParams,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> Drafter | None:
+    """Build the drafter for ``method`` (``None`` for ``ar``)."""
+    if method not in METHODS:
+        raise ValueError(f"method: must be one of {METHODS}, got {method!r}")
+    if method == "ar":
+        return None
+    if draft is None:
+        raise ValueError(f"draft: method {method!r} needs a draft model")
+    if method == "chain":
+        return ChainDrafter(draft, hp.gamma, params, generator)
+    if method == "tree":
+        return Eagle2TreeDrafter(draft, hp.top_k, hp.depth, hp.nodes)
+    if method == "salf" and not 0.0 < hp.threshold < 1.0:
+        raise ValueError(f"threshold: must be in (0, 1), got {hp.threshold}")
+    threshold = hp.threshold if method == "salf" else 0.0
+    return OptimalTreeDrafter(draft, hp.nodes, hp.batch, threshold, hp.depth)
+
+
+class Decoder:
+    """A target (and optional draft) model pair ready for repeated generation."""
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None = None,
+        tokenizer=None,
+    ) -> None:
+        if draft is not None:
+            check_same_vocab(target, draft)
+        self.target = ModelRunner(target)
+        self.draft = ModelRunner(draft) if draft is not None else None
+        self.tokenizer = tokenizer
+        eos = target.generation_config.eos_token_id if target.generation_config else None
+        self.eos_token_id = eos if eos is not None else target.config.eos_token_id
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str,
+        draft: str | None = None,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> Decoder:
+        """Load from local folders or hub ids; the tokenizer comes from the target's folder."""
+        target_model = load_model(target, dtype, device, field="target")
+        draft_model = load_model(draft, dtype, device, field="draft") if draft else None
+        return cls(target_model, draft_model, load_tokenizer(target, field="target"))
+
+    def encode(self, prompt: str) -> list[int]:
+        """Text -> token ids (no special tokens added)."""
+        if self.tokenizer is None:
+            raise ValueError("prompt: no tokenizer next to the target; pass prompt_ids instead")
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_ids: list[int] | None = None,
+        method: str = "chain",
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k_sampling: int = 0,
+        top_p: float = 1.0,
+        verify: str | None = None,
+        seed: int = 0,
+        typical_epsilon: float = 0.09,
+        typical_delta: float = 0.3,
+        **method_params,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after the prompt (text or ids).
+
+        ``method_params`` are :class:`MethodParams` fields (gamma, top_k, depth, nodes,
+        batch, threshold). ``top_k_sampling`` is the top-k filter of the sampler.
+        """
+        if (prompt is None) == (prompt_ids is None):
+            raise ValueError("prompt: give exactly one of prompt (text) or prompt_ids")
+        ids = self.encode(prompt) if prompt is not None else [int(t) for t in prompt_ids]
+        unknown = set(method_params) - set(MethodParams.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown method parameter(s): {sorted(unknown)}")
+        params = SamplingParams(temperature, top_k_sampling, top_p)
+        generator = torch.Generator().manual_seed(seed)
+        drafter = make_drafter(method, self.draft, MethodParams(**method_params), params, generator)
+        if verify is None:
+            verify = "greedy" if params.greedy else "sample"
+        if drafter is None:
+            tokens, stats = autoregressive_generate(
+                self.target, ids, max_new_tokens, params, self.eos_token_id, generator
+            )
+        else:
+            tokens, stats = speculative_generate(
+                self.target, drafter, ids, max_new_tokens, params, verify,
+                self.eos_token_id, generator, typical_epsilon, typical_delta,
+            )
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+        return GenerationResult(tokens, text, stats)
+
+
+def generate(target: str, draft: str | None = None, **kwargs) -> GenerationResult:
+    """One-shot convenience: load the models and call :meth:`Decoder.generate`."""
+    load_kw = {k: kwargs.pop(k) for k in ("dtype", "device") if k in kwargs}
+    return Decoder.from_pretrained(target, draft, **load_kw).generate(**kwargs)

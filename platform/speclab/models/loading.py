@@ -1,0 +1,79 @@
+"""Load target / draft causal LMs and tokenizers from a local folder or a hub id.
+
+A local folder (written by ``save_pretrained``) is used when it exists; anything else
+that looks like ``org/name`` is passed to the Hugging Face hub loader; MLflow registry
+URIs (``models:/name/version``) are resolved by :mod:`speclab.tracking` callers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer could not be found or does not fit its partner."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA when present else CPU; anything else is used as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device: {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def _check_source(source: str, field: str) -> str:
+    path = Path(source).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{field}: {source!r} has no config.json (not a saved model folder)")
+        return str(path)
+    looks_like_path = source.startswith((".", "/", "~")) or source.count("/") != 1
+    if looks_like_path:
+        raise ModelLoadError(f"{field}: model directory {source!r} does not exist")
+    return source  # a hub id such as "org/name"
+
+
+def load_model(
+    source: str, dtype: str = "float32", device: str = "cpu", field: str = "model"
+) -> PreTrainedModel:
+    """Load a causal LM in eval mode with sdpa attention.
+
+    Args:
+        source: local folder or hub id.
+        dtype: one of ``float32``, ``float16``, ``bfloat16``.
+        device: ``cpu``, ``cuda[:i]`` or ``auto``.
+        field: name used in error messages (``target`` / ``draft``).
+    """
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
+    src = _check_source(source, field)
+    model = AutoModelForCausalLM.from_pretrained(
+        src, dtype=DTYPES[dtype], attn_implementation="sdpa"
+    )
+    return model.to(resolve_device(device)).eval()
+
+
+def load_tokenizer(source: str, field: str = "tokenizer"):
+    """Load the tokenizer saved next to a model (or from the hub); ``None`` if absent."""
+    src = _check_source(source, field)
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError):
+        return None
+
+
+def check_same_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """Target and draft must index the same vocabulary."""
+    vt, vd = int(target.config.vocab_size), int(draft.config.vocab_size)
+    if vt != vd:
+        raise ModelLoadError(
+            f"vocab mismatch: target vocab_size={vt} but draft vocab_size={vd}; "
+            "target and draft must share one tokenizer"
+        )

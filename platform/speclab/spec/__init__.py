@@ -1,0 +1,20 @@
+"""Speculative decoding engine: pure PyTorch (+ transformers models), no Ray, no MLflow.
+
+Conventions used everywhere in this package:
+
+* ``p`` is the TARGET distribution, ``q`` the DRAFT distribution (Leviathan et al.,
+  AtSpeed). transformers uses the opposite letters internally; they never leak here.
+* A round is: a drafter proposes a :class:`~speclab.spec.tree.TokenTree` rooted at the
+  last committed token that the target has not processed yet (node 0, the *root*);
+  the target scores every node in ONE forward with tree attention; a verification
+  rule (:mod:`speclab.spec.verify`) picks the accepted root-to-node path plus one
+  corrected/bonus token; both KV caches keep only the accepted path (a gather).
+* The target's logits at node ``i`` are its distribution over the children of ``i``.
+* "Lossless": at temperature 0 the output equals the target's greedy decoding; at
+  temperature > 0 (with identical top-k/top-p warping of ``p`` and ``q``) the output
+  distribution equals the target's. Relaxed rules (typical acceptance) say so.
+
+Modules: ``sampling`` (warping), ``tree`` (TokenTree, masks, positions), ``verify``
+(acceptance rules), ``kv`` (a model plus its KV cache), ``drafters/`` (chain, EAGLE-2
+tree, optimal tree / SALF), ``engine`` (the draft -> verify -> commit loop and stats).
+"""

@@ -1,0 +1,21 @@
+"""Drafters propose a TokenTree from the committed context.
+
+Registry: ``chain`` (Leviathan, fixed gamma), ``tree`` (EAGLE-2 dynamic beam tree),
+``optimal`` (optimal tree search, SALF Algorithm 2 without stopping), ``salf``
+(Algorithm 2 with stopping at low further gains).
+"""
+
+from speclab.spec.drafters.base import Drafter, ModelDrafter
+from speclab.spec.drafters.chain import ChainDrafter
+from speclab.spec.drafters.eagle2 import Eagle2TreeDrafter, build_eagle2_tree
+from speclab.spec.drafters.optimal import OptimalTreeDrafter, build_optimal_tree
+
+__all__ = [
+    "ChainDrafter",
+    "Drafter",
+    "Eagle2TreeDrafter",
+    "ModelDrafter",
+    "OptimalTreeDrafter",
+    "build_eagle2_tree",
+    "build_optimal_tree",
+]

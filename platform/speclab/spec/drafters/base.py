@@ -1,0 +1,109 @@
+"""Drafter interface and the shared machinery of drafters backed by a draft LM.
+
+A drafter has two duties (as in transformers' candidate generators): ``propose`` a
+tree for the current committed context, and ``accept`` the verified path so its own
+state (KV cache) keeps only what was committed.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from speclab.spec.kv import ModelRunner
+from speclab.spec.tree import TokenTree
+
+
+class Drafter(ABC):
+    """Proposes draft trees; ``calls`` / ``seconds`` count its model forwards."""
+
+    name = "drafter"
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Start a new sequence."""
+
+    @abstractmethod
+    def propose(self, committed: list[int], budget: int) -> TokenTree:
+        """Draft a tree rooted at ``committed[-1]`` with at most ``budget`` levels."""
+
+    @abstractmethod
+    def accept(self, tree: TokenTree, path: list[int]) -> None:
+        """The target accepted ``path`` (root first) of the last proposed tree."""
+
+    @property
+    def calls(self) -> int:
+        return 0
+
+    @property
+    def seconds(self) -> float:
+        return 0.0
+
+
+class ModelDrafter(Drafter):
+    """Base for drafters that run a draft causal LM with a KV cache.
+
+    The cache holds a prefix of the committed tokens; :meth:`sync` feeds the ones it
+    lacks (always including the root) and returns the root's next-token logits. During
+    a round, expanded tree nodes are appended to the cache (``slot`` maps node -> cache
+    position); :meth:`accept` gathers the prefix plus the accepted, processed nodes.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.slot: dict[int, int] = {}
+        self.base = 0
+
+    @property
+    def calls(self) -> int:
+        return self.runner.calls
+
+    @property
+    def seconds(self) -> float:
+        return self.runner.seconds
+
+    def reset(self) -> None:
+        self.runner.reset()
+
+    def sync(self, committed: list[int]) -> torch.Tensor:
+        """Process committed tokens missing from the cache; returns ``[V]`` root logits."""
+        if self.runner.length >= len(committed):  # root already processed: re-run it
+            self.runner.crop(len(committed) - 1)
+        pending = torch.tensor(committed[self.runner.length :], dtype=torch.long)
+        logits = self.runner.forward(pending)[-1]
+        self.base = self.runner.length
+        self.slot = {0: self.base - 1}
+        return logits
+
+    def expand(self, tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+        """Run the draft on tree ``nodes`` in ONE forward with tree attention.
+
+        Every node's parent must already be processed. Returns ``[len(nodes), V]``
+        logits (each node's distribution over its children).
+        """
+        length = self.runner.length
+        n = len(nodes)
+        tokens = torch.tensor([tree.tokens[i] for i in nodes], dtype=torch.long)
+        positions = torch.tensor([self.base - 1 + tree.depths[i] for i in nodes])
+        allowed = torch.zeros(n, length + n, dtype=torch.bool)
+        allowed[:, : self.base] = True
+        for row, node in enumerate(nodes):
+            allowed[row, length + row] = True
+            anc = tree.parents[node]
+            while anc > 0:
+                allowed[row, self.slot[anc]] = True
+                anc = tree.parents[anc]
+        simple = n == 1 and bool(allowed.all())
+        logits = self.runner.forward(tokens, positions, None if simple else allowed)
+        for row, node in enumerate(nodes):
+            self.slot[node] = length + row
+        return logits
+
+    def accept(self, tree: TokenTree, path: list[int]) -> None:
+        keep = list(range(self.base))
+        for node in path[1:]:
+            if node not in self.slot:
+                break
+            keep.append(self.slot[node])
+        self.runner.keep(keep)

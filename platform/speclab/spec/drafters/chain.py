@@ -1,0 +1,53 @@
+"""Chain drafter with a fixed draft length gamma (Leviathan et al. Algorithm 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from speclab.spec.drafters.base import ModelDrafter
+from speclab.spec.kv import ModelRunner
+from speclab.spec.sampling import SamplingParams, sample, warp_probs
+from speclab.spec.tree import DETERMINISTIC, SAMPLED, TokenTree
+
+
+class ChainDrafter(ModelDrafter):
+    """Drafts ``gamma`` tokens one after another from the draft model.
+
+    Greedy (temperature 0): argmax tokens (deterministic children). Sampling: tokens are
+    drawn from ``q`` warped exactly like the target's ``p`` and recorded with ``q`` so
+    that speculative sampling can verify them losslessly.
+    """
+
+    name = "chain"
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        gamma: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if gamma < 1:
+            raise ValueError(f"gamma: must be >= 1, got {gamma}")
+        super().__init__(runner)
+        self.gamma = gamma
+        self.params = params
+        self.generator = generator
+
+    def propose(self, committed: list[int], budget: int) -> TokenTree:
+        logits = self.sync(committed)
+        tree = TokenTree(committed[-1])
+        node = 0
+        steps = min(self.gamma, budget)
+        for i in range(steps):
+            q = warp_probs(logits, self.params)
+            if self.params.greedy:
+                x = int(q.argmax())
+                tree.set_children_kind(node, DETERMINISTIC)
+            else:
+                x = sample(q, self.generator)
+                tree.set_children_kind(node, SAMPLED, q)
+            node = tree.add(x, node, float(q[x]))
+            if i + 1 < steps:
+                logits = self.expand(tree, [node])[-1]
+        return tree

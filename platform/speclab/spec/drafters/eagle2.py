@@ -1,0 +1,86 @@
+"""EAGLE-2 dynamic draft tree: beam expansion by path probability, then top-N rerank.
+
+At each of ``depth`` levels the ``top_k`` most probable nodes of the newest level (by
+path probability, the product of draft probabilities from the root) are expanded in
+ONE draft forward with tree attention; each contributes its ``top_k`` children. Finally
+the ``nodes`` most probable nodes of all candidates are kept (a node's path probability
+never exceeds its parent's, so the kept set is a connected tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from speclab.spec.drafters.base import ModelDrafter
+from speclab.spec.kv import ModelRunner
+from speclab.spec.tree import DETERMINISTIC, TokenTree, select_subtree
+
+ExpandFn = Callable[[TokenTree, list[int]], torch.Tensor]
+
+
+def _add_top_children(tree: TokenTree, node: int, probs: torch.Tensor, k: int) -> list[int]:
+    vals, ids = torch.topk(probs, min(k, probs.shape[-1]))
+    tree.set_children_kind(node, DETERMINISTIC)
+    return [tree.add(int(t), node, float(v)) for v, t in zip(vals.tolist(), ids.tolist())]
+
+
+def build_eagle2_tree(
+    root_token: int,
+    root_probs: torch.Tensor,
+    expand: ExpandFn,
+    top_k: int,
+    depth: int,
+    nodes: int,
+) -> tuple[TokenTree, dict[int, int]]:
+    """Build an EAGLE-2 tree.
+
+    Args:
+        root_token: the root's token.
+        root_probs: ``[V]`` draft distribution over the root's children.
+        expand: ``expand(tree, node_ids) -> [len(node_ids), V]`` draft probabilities.
+        top_k: children per expanded node and nodes expanded per level.
+        depth: maximum depth of drafted tokens.
+        nodes: number of draft nodes kept after reranking.
+    Returns:
+        The kept tree and the map from candidate-tree index to kept-tree index.
+    """
+    work = TokenTree(root_token)
+    frontier = _add_top_children(work, 0, root_probs, top_k)
+    for _ in range(depth - 1):
+        frontier = sorted(frontier, key=lambda i: -work.path_prob[i])[:top_k]
+        probs = expand(work, frontier)
+        level = []
+        for row, node in enumerate(frontier):
+            level += _add_top_children(work, node, probs[row], top_k)
+        frontier = level
+    # rerank: ties broken towards earlier (shallower) nodes so parents precede children
+    order = sorted(range(1, len(work)), key=lambda i: (-work.path_prob[i], i))[:nodes]
+    return select_subtree(work, [0, *order])
+
+
+class Eagle2TreeDrafter(ModelDrafter):
+    """EAGLE-2 tree drafting with a draft LM (scores use the raw draft softmax)."""
+
+    name = "tree"
+
+    def __init__(self, runner: ModelRunner, top_k: int, depth: int, nodes: int) -> None:
+        for field, v in (("top_k", top_k), ("depth", depth), ("nodes", nodes)):
+            if v < 1:
+                raise ValueError(f"{field}: must be >= 1, got {v}")
+        super().__init__(runner)
+        self.top_k, self.depth, self.nodes = top_k, depth, nodes
+
+    def propose(self, committed: list[int], budget: int) -> TokenTree:
+        root_probs = self.sync(committed).softmax(-1)
+        tree, old_to_new = build_eagle2_tree(
+            committed[-1],
+            root_probs,
+            lambda t, ns: self.expand(t, ns).softmax(-1),
+            self.top_k,
+            min(self.depth, max(budget, 1)),
+            self.nodes,
+        )
+        self.slot = {old_to_new[o]: s for o, s in self.slot.items() if o in old_to_new}
+        return tree

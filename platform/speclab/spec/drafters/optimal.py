@@ -1,0 +1,153 @@
+"""Optimal tree search with optional SALF stopping (SALF/TALF paper, Algorithm 2).
+
+``G`` (capacity ``nodes + 1`` including the root) holds the best nodes found so far;
+``Q`` (capacity ``nodes``) holds unexpanded candidates. Each iteration pops the ``batch``
+best candidates, moves them to ``G``, drops those that cannot stay in ``G`` (``pr <= eps``),
+and expands the rest in ONE draft forward. Without stopping (``threshold = 0``) the
+result is exactly the top-``nodes`` nodes by path probability (Theorems 2-3). SALF
+stops once the summed probability ``S_i`` of the nodes about to be expanded falls
+below ``threshold``; ``S_i`` strictly decreases (Theorem 1).
+
+Ties in path probability are broken by insertion order (earlier ranks higher), so a
+parent always outranks its children and ``G`` stays a connected tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from speclab.spec.drafters.base import ModelDrafter
+from speclab.spec.drafters.eagle2 import ExpandFn
+from speclab.spec.kv import ModelRunner
+from speclab.spec.tree import DETERMINISTIC, TokenTree, select_subtree
+
+
+@dataclass(order=True)
+class _Cand:
+    key: tuple[float, int]  # (-path_prob, insertion order): smaller is better
+    parent: int = field(compare=False)
+    token: int = field(compare=False)
+    q: float = field(compare=False)
+
+
+@dataclass
+class OptimalTreeResult:
+    """The drafted tree, the map work-index -> tree-index, and the sums ``S_i``."""
+
+    tree: TokenTree
+    old_to_new: dict[int, int]
+    sums: list[float]
+
+
+def build_optimal_tree(
+    root_token: int,
+    root_probs: torch.Tensor,
+    expand: ExpandFn,
+    nodes: int,
+    batch: int,
+    threshold: float = 0.0,
+    max_depth: int = 64,
+) -> OptimalTreeResult:
+    """Algorithm 2 (SALF when ``threshold > 0``).
+
+    Args:
+        root_token: the root's token.
+        root_probs: ``[V]`` draft distribution over the root's children.
+        expand: ``expand(tree, node_ids) -> [len(node_ids), V]`` draft probabilities.
+        nodes: N, the number of draft nodes (root excluded).
+        batch: B, nodes expanded per draft forward.
+        threshold: SALF threshold ``th`` in [0, 1); 0 disables stopping.
+        max_depth: nodes at this depth are not expanded.
+    """
+    if not 1 <= batch <= nodes:
+        raise ValueError(f"batch: must be in [1, nodes={nodes}], got {batch}")
+    work = TokenTree(root_token)
+    order = 0
+    rank: dict[int, tuple[float, int]] = {0: (-1.0, -1)}
+    in_g: list[int] = [0]
+    queue: list[_Cand] = []
+    sums: list[float] = []
+
+    def push_children(node: int, probs: torch.Tensor) -> None:
+        nonlocal order
+        vals, ids = torch.topk(probs, min(nodes, probs.shape[-1]))
+        work.set_children_kind(node, DETERMINISTIC)
+        pr = work.path_prob[node]
+        for v, t in zip(vals.tolist(), ids.tolist()):
+            order += 1
+            queue.append(_Cand((-pr * v, order), node, t, v))
+
+    sums.append(1.0)  # iteration 0 expands the root alone (pr = 1)
+    push_children(0, root_probs)
+    queue.sort()
+    del queue[nodes:]
+    while queue:
+        popped = queue[:batch]
+        del queue[:batch]
+        chosen = []
+        for c in popped:
+            idx = work.add(c.token, c.parent, c.q)
+            rank[idx] = c.key
+            in_g.append(idx)
+            chosen.append(idx)
+        in_g.sort(key=rank.__getitem__)
+        del in_g[nodes + 1 :]
+        eps_key = rank[in_g[-1]] if len(in_g) == nodes + 1 else None
+        # line 12: keep nodes with pr > eps (G's minimum), i.e. strictly above G's last entry
+        expandable = [i for i in chosen if eps_key is None or rank[i] < eps_key]
+        s_i = sum(work.path_prob[i] for i in expandable)
+        sums.append(s_i)
+        if threshold > 0 and s_i < threshold:
+            break
+        expandable = [i for i in expandable if work.depths[i] < max_depth]
+        if not expandable:
+            break
+        probs = expand(work, expandable)
+        for row, node in enumerate(expandable):
+            push_children(node, probs[row])
+        queue.sort()
+        del queue[nodes:]
+    tree, old_to_new = select_subtree(work, in_g)
+    return OptimalTreeResult(tree, old_to_new, sums)
+
+
+class OptimalTreeDrafter(ModelDrafter):
+    """Optimal-tree / SALF drafting with a draft LM (scores use the raw draft softmax)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        nodes: int,
+        batch: int,
+        threshold: float = 0.0,
+        depth: int = 64,
+    ) -> None:
+        if nodes < 1:
+            raise ValueError(f"nodes: must be >= 1, got {nodes}")
+        if not 1 <= batch <= nodes:
+            raise ValueError(f"batch: must be in [1, nodes={nodes}], got {batch}")
+        if not 0.0 <= threshold < 1.0:
+            raise ValueError(f"threshold: must be in [0, 1), got {threshold}")
+        if depth < 1:
+            raise ValueError(f"depth: must be >= 1, got {depth}")
+        super().__init__(runner)
+        self.nodes, self.batch, self.threshold, self.depth = nodes, batch, threshold, depth
+        self.name = "salf" if threshold > 0 else "optimal"
+        self.last_sums: list[float] = []
+
+    def propose(self, committed: list[int], budget: int) -> TokenTree:
+        root_probs = self.sync(committed).softmax(-1)
+        res = build_optimal_tree(
+            committed[-1],
+            root_probs,
+            lambda t, ns: self.expand(t, ns).softmax(-1),
+            self.nodes,
+            self.batch,
+            self.threshold,
+            min(self.depth, max(budget, 1)),
+        )
+        self.last_sums = res.sums
+        self.slot = {res.old_to_new[o]: s for o, s in self.slot.items() if o in res.old_to_new}
+        return res.tree

@@ -1,0 +1,97 @@
+"""A causal LM plus its KV cache: plain and tree-masked forwards, and pruning by gather.
+
+The cache holds ``length`` processed positions. Tree forwards append nodes at the end of
+the cache; after verification :meth:`ModelRunner.keep` gathers the positions to keep
+along the sequence axis (never a recompute), :meth:`ModelRunner.crop` drops a tail.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from speclab.spec.tree import additive_mask
+
+
+class ModelRunner:
+    """Runs one HF causal LM over a single sequence with a persistent ``DynamicCache``.
+
+    ``calls`` counts forwards and ``seconds`` their wall time (synchronised on CUDA).
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache: DynamicCache | None = None
+        self.length = 0
+        self.calls = 0
+        self.seconds = 0.0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def reset(self) -> None:
+        """Forget the cache (start a new sequence); counters are kept."""
+        self.cache = DynamicCache(config=self.model.config)
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Process ``tokens`` on top of the cache and append them to it.
+
+        Args:
+            tokens: ``[T]`` token ids.
+            positions: ``[T]`` position ids; default ``length .. length+T-1`` (causal).
+            allowed: ``[T, length + T]`` bool attention pattern; ``None`` means causal.
+        Returns:
+            ``[T, V]`` float32 logits.
+        """
+        if self.cache is None:
+            self.reset()
+        t0 = time.perf_counter()
+        n = tokens.shape[0]
+        if positions is None:
+            positions = torch.arange(self.length, self.length + n, device=self.device)
+        mask = None
+        if allowed is not None:
+            mask = additive_mask(allowed.to(self.device), self.dtype)
+        out = self.model(
+            input_ids=tokens.to(self.device)[None],
+            position_ids=positions.to(self.device)[None],
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.length += n
+        logits = out.logits[0].float()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return logits
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only cache positions ``keep`` (ascending), in that order."""
+        if keep == list(range(len(keep))):
+            self.crop(len(keep))
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+        self.length = len(keep)
+
+    def crop(self, length: int) -> None:
+        """Drop every cache position from ``length`` on."""
+        if length < self.length:
+            self.cache.crop(length - self.length)  # crop(-n) removes n positions
+        self.length = length

@@ -1,0 +1,186 @@
+"""TokenTree: the one draft structure for chains, trees, beams and retrieved n-grams.
+
+Node 0 is the root: the last committed token, not yet processed by the target.
+Every other node has a parent with a smaller index (nodes are appended in
+topological order), so ``depth[i] = depth[parent[i]] + 1``.
+
+What verification needs is stored per node:
+
+* ``q_prob[i]``: the draft's probability of ``tokens[i]`` given its parent (the scoring
+  distribution; used for path probabilities and stats);
+* ``child_kind[j]``: how the children of node ``j`` were produced: ``"sampled"`` (drawn
+  i.i.d. from ``q_dist[j]``, verified by rejection with residual ``max(p - q, 0)``) or
+  ``"deterministic"`` (chosen, e.g. top-k; verified as point-mass proposals);
+* ``q_dist[j]``: ``[V]`` the exact proposal distribution at an expanded node ``j`` whose
+  children were sampled.
+
+Tree attention: a node sees the committed prefix, its ancestors and itself; its
+position id is ``prefix_len + depth``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+SAMPLED = "sampled"
+DETERMINISTIC = "deterministic"
+
+
+class TokenTree:
+    """A rooted token tree built by appending nodes parent-first."""
+
+    def __init__(self, root_token: int) -> None:
+        self.tokens: list[int] = [int(root_token)]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self.q_prob: list[float] = [1.0]
+        self.path_prob: list[float] = [1.0]
+        self.children: list[list[int]] = [[]]
+        self.child_kind: dict[int, str] = {}
+        self.q_dist: dict[int, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ building
+    def add(self, token: int, parent: int, q_prob: float = 1.0) -> int:
+        """Append a child of ``parent``; returns the new node's index."""
+        if not 0 <= parent < len(self.tokens):
+            raise IndexError(f"parent {parent} not in tree of {len(self.tokens)} nodes")
+        idx = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.q_prob.append(float(q_prob))
+        self.path_prob.append(self.path_prob[parent] * float(q_prob))
+        self.children.append([])
+        self.children[parent].append(idx)
+        return idx
+
+    def set_children_kind(self, node: int, kind: str, q_dist: torch.Tensor | None = None) -> None:
+        """Record how ``node``'s children were drafted (and, if sampled, from what ``q``)."""
+        if kind not in (SAMPLED, DETERMINISTIC):
+            raise ValueError(f"child kind must be {SAMPLED!r} or {DETERMINISTIC!r}, got {kind!r}")
+        if kind == SAMPLED and q_dist is None:
+            raise ValueError("sampled children need the proposal distribution q_dist")
+        self.child_kind[node] = kind
+        if q_dist is not None:
+            self.q_dist[node] = q_dist
+
+    def find_child(self, node: int, token: int) -> int:
+        """Index of ``node``'s child carrying ``token``, or -1."""
+        for c in self.children[node]:
+            if self.tokens[c] == token:
+                return c
+        return -1
+
+    @classmethod
+    def chain(cls, root_token: int, tokens: Sequence[int]) -> TokenTree:
+        """A chain root -> tokens[0] -> tokens[1] -> ... (deterministic children)."""
+        tree = cls(root_token)
+        node = 0
+        for t in tokens:
+            tree.set_children_kind(node, DETERMINISTIC)
+            node = tree.add(t, node)
+        return tree
+
+    @classmethod
+    def from_sequences(cls, root_token: int, sequences: Sequence[Sequence[int]]) -> TokenTree:
+        """Merge token sequences (beams, retrieved n-grams) into a prefix trie.
+
+        Nodes are added level by level (all first tokens, then all second tokens, ...),
+        which reproduces AtSpeed's flattened beam order (Table 3: "a1 a2 b1 b2 c1 c2").
+        """
+        tree = cls(root_token)
+        at = [0] * len(sequences)
+        for level in range(max((len(s) for s in sequences), default=0)):
+            for i, seq in enumerate(sequences):
+                if level >= len(seq):
+                    continue
+                parent = at[i]
+                child = tree.find_child(parent, seq[level])
+                if child < 0:
+                    tree.set_children_kind(parent, DETERMINISTIC)
+                    child = tree.add(seq[level], parent)
+                at[i] = child
+        return tree
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_drafted(self) -> int:
+        """Number of draft tokens (all nodes but the root)."""
+        return len(self.tokens) - 1
+
+    def is_chain(self) -> bool:
+        """True when every node's parent is the node before it."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to ``node`` inclusive."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def ancestor_matrix(self) -> torch.Tensor:
+        """``[T, T]`` bool, ``[i, j]`` True iff ``j`` is ``i`` or an ancestor of ``i``."""
+        n = len(self.tokens)
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            anc[i, i] = True
+            if self.parents[i] >= 0:
+                anc[i] |= anc[self.parents[i]]
+        return anc
+
+    def token_tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[T]`` token ids."""
+        return torch.tensor(self.tokens, dtype=torch.long, device=device)
+
+    def position_ids(self, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[T]`` positions ``prefix_len + depth``."""
+        return torch.tensor(self.depths, dtype=torch.long, device=device) + prefix_len
+
+    def attention_mask(self, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[T, prefix_len + T]`` bool: each node sees the prefix, its ancestors, itself."""
+        n = len(self.tokens)
+        mask = torch.ones(n, prefix_len + n, dtype=torch.bool, device=device)
+        mask[:, prefix_len:] = self.ancestor_matrix().to(device)
+        return mask
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool ``[T, S]`` -> additive float mask ``[1, 1, T, S]`` (0 where allowed, min elsewhere).
+
+    A float mask is right for both sdpa and eager attention in transformers 5 (a bool
+    mask silently gives wrong results with eager).
+    """
+    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return out[None, None]
+
+
+def select_subtree(tree: TokenTree, keep: Sequence[int]) -> tuple[TokenTree, dict[int, int]]:
+    """A new tree with the nodes ``keep`` (must contain 0 and be closed under parents).
+
+    Returns the new tree and the map old index -> new index. Children kinds and
+    proposal distributions are carried over.
+    """
+    keep_sorted = sorted(set(keep))
+    if not keep_sorted or keep_sorted[0] != 0:
+        raise ValueError("select_subtree: the root (node 0) must be kept")
+    new = TokenTree(tree.tokens[0])
+    old_to_new = {0: 0}
+    for old in keep_sorted[1:]:
+        parent = tree.parents[old]
+        if parent not in old_to_new:
+            raise ValueError(f"select_subtree: node {old} kept without its parent {parent}")
+        old_to_new[old] = new.add(tree.tokens[old], old_to_new[parent], tree.q_prob[old])
+    for old, kind in tree.child_kind.items():
+        if old in old_to_new:
+            new.child_kind[old_to_new[old]] = kind
+            if old in tree.q_dist:
+                new.q_dist[old_to_new[old]] = tree.q_dist[old]
+    return new, old_to_new

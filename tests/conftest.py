@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny models written with save_pretrained into a session temp dir."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _noisy_copy(src: str, dst: str, scale: float, seed: int) -> str:
+    """A draft that mostly agrees with the target: its weights plus Gaussian noise."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().clamp_min(1e-3))
+    model.save_pretrained(dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> dict[str, str]:
+    """Target (2 layers), a close draft (noisy copy) and a weak draft (1 layer, random)."""
+    from speclab.models.tiny import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny")
+    target = str(build_tiny_llama(root / "target", seed=1, vocab_size=64, num_layers=2))
+    close = _noisy_copy(target, str(root / "close"), 0.3, seed=2)
+    weak = str(build_tiny_llama(root / "weak", seed=3, vocab_size=64, num_layers=1))
+    return {"target": target, "close": close, "weak": weak}
+
+
+@pytest.fixture(scope="session")
+def micro_pair(tmp_path_factory) -> dict[str, str]:
+    """Vocabulary of 8 tokens: cheap enough for thousands of sampled generations."""
+    from speclab.models.tiny import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("micro")
+    target = str(build_tiny_llama(root / "target", seed=5, vocab_size=8, hidden_size=16,
+                                  num_layers=1, num_heads=2))
+    with torch.no_grad():  # flatten the distributions so many continuations are likely
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(target)
+        m.lm_head.weight.mul_(0.15)
+        m.save_pretrained(target)
+    draft = _noisy_copy(target, str(root / "draft"), 0.8, seed=6)
+    return {"target": target, "draft": draft}
