@@ -52,5 +52,10 @@ def micro_pair(tmp_path_factory) -> dict[str, str]:
         m = AutoModelForCausalLM.from_pretrained(target)
         m.lm_head.weight.mul_(0.15)
         m.save_pretrained(target)
-    draft = _noisy_copy(target, str(root / "draft"), 0.8, seed=6)
+    draft = str(build_tiny_llama(root / "draft", seed=6, vocab_size=8, hidden_size=16,
+                                 num_layers=1, num_heads=2))
+    with torch.no_grad():  # an independent draft: q clearly differs from p
+        m = AutoModelForCausalLM.from_pretrained(draft)
+        m.lm_head.weight.mul_(0.1)
+        m.save_pretrained(draft)
     return {"target": target, "draft": draft}

@@ -102,13 +102,14 @@ def build_optimal_tree(
         if threshold > 0 and s_i < threshold:
             break
         expandable = [i for i in expandable if work.depths[i] < max_depth]
-        if not expandable:
-            break
-        probs = expand(work, expandable)
-        for row, node in enumerate(expandable):
-            push_children(node, probs[row])
-        queue.sort()
-        del queue[nodes:]
+        if expandable:
+            probs = expand(work, expandable)
+            for row, node in enumerate(expandable):
+                push_children(node, probs[row])
+            queue.sort()
+            del queue[nodes:]
+        if queue and eps_key is not None and queue[0].key > eps_key:
+            break  # G is full and no candidate left can enter it
     tree, old_to_new = select_subtree(work, in_g)
     return OptimalTreeResult(tree, old_to_new, sums)
 

@@ -1,0 +1,82 @@
+"""Temperature > 0: speculative sampling is lossless end to end.
+
+On an 8-token vocabulary, the joint distribution of the first two new tokens from
+chain / tree SD with sampling verification must match direct sampling from the target
+(computed exactly from the model). Tolerance: a chi-square goodness-of-fit test over
+3000 samples (cells with expected count < 5 pooled) must not reject at p = 0.001; with
+fixed seeds the outcome is deterministic. A biased rule (e.g. accepting every draft)
+fails it (p < 1e-4) (see ``test_chi_square_detects_a_biased_sampler``).
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from speclab.api import Decoder
+from speclab.spec.sampling import SamplingParams, warp_probs
+
+N = 3000
+PROMPT = [1, 4, 2]
+
+
+def exact_two_token_dist(dec: Decoder, params: SamplingParams) -> dict:
+    model = dec.target.model
+    with torch.no_grad():
+        first = warp_probs(model(torch.tensor([PROMPT])).logits[0, -1], params)
+        out = {}
+        for a in range(8):
+            if first[a] == 0:
+                continue
+            second = warp_probs(model(torch.tensor([PROMPT + [a]])).logits[0, -1], params)
+            for b in range(8):
+                out[(a, b)] = float(first[a] * second[b])
+    return out
+
+
+def chi_square_p(counts: dict, exact: dict, n: int) -> float:
+    """p-value of observed ``counts`` against ``exact`` probabilities (small cells pooled)."""
+    assert not any(k not in exact for k in counts), "emitted a pair of probability 0"
+    big = [k for k in exact if exact[k] * n >= 5]
+    obs = [counts.get(k, 0) for k in big]
+    exp = [exact[k] * n for k in big]
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    return float(chisquare(obs, exp).pvalue)
+
+
+def test_chi_square_detects_a_biased_sampler(micro_pair):
+    dec = Decoder.from_pretrained(micro_pair["target"], micro_pair["draft"])
+    exact = exact_two_token_dist(dec, SamplingParams(1.0))
+    q = exact_two_token_dist(Decoder.from_pretrained(micro_pair["draft"]), SamplingParams(1.0))
+    keys = list(q)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.multinomial(torch.tensor([q[k] for k in keys]), N, True, generator=g)
+    counts = {}
+    for i in draws.tolist():  # sampling from the DRAFT instead of the target
+        counts[keys[i]] = counts.get(keys[i], 0) + 1
+    assert chi_square_p(counts, exact, N) < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method,hp,temperature,top_p",
+    [
+        ("chain", {"gamma": 2}, 1.0, 1.0),
+        ("tree", {"top_k": 3, "depth": 2, "nodes": 6}, 1.0, 1.0),
+        ("chain", {"gamma": 3}, 1.0, 0.8),
+        ("salf", {"nodes": 6, "batch": 2, "threshold": 0.2}, 0.8, 0.9),
+    ],
+)
+def test_first_two_tokens_match_target_distribution(micro_pair, method, hp, temperature, top_p):
+    dec = Decoder.from_pretrained(micro_pair["target"], micro_pair["draft"])
+    exact = exact_two_token_dist(dec, SamplingParams(temperature, 0, top_p))
+    assert len(exact) >= 20  # the test only means something if many outcomes are likely
+    counts, accepted = {}, 0
+    for seed in range(N):
+        res = dec.generate(prompt_ids=PROMPT, method=method, max_new_tokens=2,
+                           temperature=temperature, top_p=top_p, seed=seed, **hp)
+        key = tuple(res.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += res.stats.accepted_tokens
+    assert accepted > N // 4  # drafts were really accepted, not just corrected
+    assert chi_square_p(counts, exact, N) > 1e-3
