@@ -1,0 +1,13 @@
+"""Ray job entry points: ``python -m jobs.<name> --config experiments/<x>.yaml [k=v ...]``.
+
+The package makes ``speclab`` importable from a plain checkout (e.g. a Ray Jobs
+working_dir) by putting ``platform/`` on ``sys.path`` when it is not installed.
+"""
+
+import sys
+from pathlib import Path
+
+try:  # installed (pip install -e .) or shipped as a py_module
+    import speclab  # noqa: F401
+except ImportError:  # plain checkout: platform/ holds the package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))

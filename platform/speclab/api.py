@@ -7,7 +7,8 @@
     res.token_ids, res.text, res.stats.tau
 
 Methods: ``ar`` (no draft), ``chain`` (gamma), ``tree`` (EAGLE-2: top_k, depth, nodes),
-``optimal`` (nodes, batch, depth), ``salf`` (nodes, batch, threshold, depth).
+``optimal`` (nodes, batch, depth), ``salf`` (nodes, batch, threshold, depth). Tree
+methods also take ``score_temperature`` (the softmax temperature used to rank nodes).
 Verification: ``greedy`` (temperature 0), ``sample`` (lossless speculative sampling),
 ``typical`` (Medusa typical acceptance, relaxed). Default: greedy at temperature 0,
 sample otherwise.
@@ -39,6 +40,7 @@ class MethodParams:
     nodes: int = 16
     batch: int = 4
     threshold: float = 0.3
+    score_temperature: float = 1.0
 
 
 @dataclass
@@ -70,11 +72,12 @@ def make_drafter(
     if method == "chain":
         return ChainDrafter(draft, hp.gamma, params, generator)
     if method == "tree":
-        return Eagle2TreeDrafter(draft, hp.top_k, hp.depth, hp.nodes)
+        return Eagle2TreeDrafter(draft, hp.top_k, hp.depth, hp.nodes, hp.score_temperature)
     if method == "salf" and not 0.0 < hp.threshold < 1.0:
         raise ValueError(f"threshold: must be in (0, 1), got {hp.threshold}")
     threshold = hp.threshold if method == "salf" else 0.0
-    return OptimalTreeDrafter(draft, hp.nodes, hp.batch, threshold, hp.depth)
+    return OptimalTreeDrafter(draft, hp.nodes, hp.batch, threshold, hp.depth,
+                              hp.score_temperature)
 
 
 class Decoder:
@@ -134,7 +137,7 @@ class Decoder:
         """Generate up to ``max_new_tokens`` after the prompt (text or ids).
 
         ``method_params`` are :class:`MethodParams` fields (gamma, top_k, depth, nodes,
-        batch, threshold). ``top_k_sampling`` is the top-k filter of the sampler.
+        batch, threshold, score_temperature). ``top_k_sampling`` is the top-k filter of the sampler.
         """
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("prompt: give exactly one of prompt (text) or prompt_ids")

@@ -15,6 +15,8 @@ SETTINGS = [
     ("optimal", {"nodes": 12, "batch": 3, "depth": 6}),
     ("salf", {"nodes": 16, "batch": 4, "threshold": 0.3}),
     ("salf", {"nodes": 6, "batch": 1, "threshold": 0.8}),
+    ("salf", {"nodes": 12, "batch": 3, "threshold": 0.2, "score_temperature": 0.5}),
+    ("tree", {"top_k": 2, "depth": 6, "nodes": 8, "score_temperature": 0.5}),
 ]
 
 

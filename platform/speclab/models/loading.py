@@ -32,7 +32,9 @@ def _check_source(source: str, field: str) -> str:
     path = Path(source).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
-            raise ModelLoadError(f"{field}: {source!r} has no config.json (not a saved model folder)")
+            raise ModelLoadError(
+                f"{field}: {source!r} has no config.json (not a saved model folder)"
+            )
         return str(path)
     looks_like_path = source.startswith((".", "/", "~")) or source.count("/") != 1
     if looks_like_path:

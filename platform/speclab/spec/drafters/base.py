@@ -100,6 +100,15 @@ class ModelDrafter(Drafter):
             self.slot[node] = length + row
         return logits
 
+    def score_probs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Draft probabilities used to RANK tree nodes: ``softmax(logits / temperature)``.
+
+        Tree children are verified as deterministic proposals, so this choice never
+        affects losslessness; ``temperature < 1`` sharpens an under-confident drafter
+        so path probabilities track real acceptance (see README, Benchmark).
+        """
+        return (logits / temperature).softmax(-1)
+
     def accept(self, tree: TokenTree, path: list[int]) -> None:
         keep = list(range(self.base))
         for node in path[1:]:

@@ -61,23 +61,29 @@ def build_eagle2_tree(
 
 
 class Eagle2TreeDrafter(ModelDrafter):
-    """EAGLE-2 tree drafting with a draft LM (scores use the raw draft softmax)."""
+    """EAGLE-2 tree drafting with a draft LM (nodes ranked by :meth:`score_probs`)."""
 
     name = "tree"
 
-    def __init__(self, runner: ModelRunner, top_k: int, depth: int, nodes: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, top_k: int, depth: int, nodes: int,
+        score_temperature: float = 1.0,
+    ) -> None:
         for field, v in (("top_k", top_k), ("depth", depth), ("nodes", nodes)):
             if v < 1:
                 raise ValueError(f"{field}: must be >= 1, got {v}")
+        if score_temperature <= 0:
+            raise ValueError(f"score_temperature: must be > 0, got {score_temperature}")
         super().__init__(runner)
         self.top_k, self.depth, self.nodes = top_k, depth, nodes
+        self.score_temperature = score_temperature
 
     def propose(self, committed: list[int], budget: int) -> TokenTree:
-        root_probs = self.sync(committed).softmax(-1)
+        st = self.score_temperature
         tree, old_to_new = build_eagle2_tree(
             committed[-1],
-            root_probs,
-            lambda t, ns: self.expand(t, ns).softmax(-1),
+            self.score_probs(self.sync(committed), st),
+            lambda t, ns: self.score_probs(self.expand(t, ns), st),
             self.top_k,
             min(self.depth, max(budget, 1)),
             self.nodes,

@@ -115,7 +115,7 @@ def build_optimal_tree(
 
 
 class OptimalTreeDrafter(ModelDrafter):
-    """Optimal-tree / SALF drafting with a draft LM (scores use the raw draft softmax)."""
+    """Optimal-tree / SALF drafting with a draft LM (nodes ranked by :meth:`score_probs`)."""
 
     def __init__(
         self,
@@ -124,7 +124,10 @@ class OptimalTreeDrafter(ModelDrafter):
         batch: int,
         threshold: float = 0.0,
         depth: int = 64,
+        score_temperature: float = 1.0,
     ) -> None:
+        if score_temperature <= 0:
+            raise ValueError(f"score_temperature: must be > 0, got {score_temperature}")
         if nodes < 1:
             raise ValueError(f"nodes: must be >= 1, got {nodes}")
         if not 1 <= batch <= nodes:
@@ -135,15 +138,16 @@ class OptimalTreeDrafter(ModelDrafter):
             raise ValueError(f"depth: must be >= 1, got {depth}")
         super().__init__(runner)
         self.nodes, self.batch, self.threshold, self.depth = nodes, batch, threshold, depth
+        self.score_temperature = score_temperature
         self.name = "salf" if threshold > 0 else "optimal"
         self.last_sums: list[float] = []
 
     def propose(self, committed: list[int], budget: int) -> TokenTree:
-        root_probs = self.sync(committed).softmax(-1)
+        st = self.score_temperature
         res = build_optimal_tree(
             committed[-1],
-            root_probs,
-            lambda t, ns: self.expand(t, ns).softmax(-1),
+            self.score_probs(self.sync(committed), st),
+            lambda t, ns: self.score_probs(self.expand(t, ns), st),
             self.nodes,
             self.batch,
             self.threshold,

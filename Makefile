@@ -1,0 +1,34 @@
+# speclab: the two commands of the README, plus helpers. Every target sets up .venv first.
+PY := .venv/bin/python
+export RAY_AUTH_MODE ?= disabled
+export RAY_USAGE_STATS_ENABLED ?= 0
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test lint bench ui clean
+
+.venv/.installed: pyproject.toml constraints.txt
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+setup: .venv/.installed
+
+demo: setup ## main job: reference pair + every engine method on local Ray, logged to MLflow
+	$(PY) -m jobs.evaluate --config experiments/engine_methods.yaml
+
+lint: setup
+	.venv/bin/ruff check platform jobs serve_apps tests
+
+test: setup lint ## ruff + the whole test suite
+	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+bench: setup
+	.venv/bin/speclab bench
+
+ui: setup
+	.venv/bin/speclab ui
+
+clean:
+	rm -rf .venv bench_out

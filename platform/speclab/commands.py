@@ -1,0 +1,136 @@
+"""Subcommands of ``speclab`` other than ``generate`` (bench, reference, run, submit, ui)."""
+
+from __future__ import annotations
+
+import argparse
+
+HANDLERS: dict = {}
+
+
+def add_parsers(sub) -> None:
+    """Register the subcommands on an argparse subparsers object."""
+    p = sub.add_parser("reference", help="build the reference target/draft pair if missing")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    HANDLERS["reference"] = cmd_reference
+
+    p = sub.add_parser("bench", help="engine benchmark on the reference pair (table + JSON)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", default="bench_out", help="folder for bench.json")
+    HANDLERS["bench"] = cmd_bench
+    _add_job_parsers(sub)
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    from speclab.models.reference import ensure_reference_pair
+
+    pair = ensure_reference_pair(force=args.force)
+    print(f"target: {pair.target}\ndraft:  {pair.draft}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from speclab.bench import run_bench
+
+    run_bench(args.prompts, args.max_new_tokens, args.out)
+    return 0
+
+
+JOBS = ("evaluate",)
+
+
+def _add_job_parsers(sub) -> None:
+    p = sub.add_parser("run", help="run a job here (embedded Ray unless RAY_ADDRESS is set)")
+    p.add_argument("job", choices=JOBS)
+    p.add_argument("--config", required=True)
+    p.add_argument("--address")
+    p.add_argument("overrides", nargs="*")
+    HANDLERS["run"] = cmd_run
+
+    p = sub.add_parser("submit", help="submit a job to a Ray cluster through the Jobs API")
+    p.add_argument("job", choices=JOBS)
+    p.add_argument("--config", required=True)
+    p.add_argument("--address", help="Ray dashboard address (default $RAY_ADDRESS or "
+                                     "http://127.0.0.1:8265)")
+    p.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    p.add_argument("overrides", nargs="*")
+    HANDLERS["submit"] = cmd_submit
+
+    p = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over speclab's store")
+    p.add_argument("--port", type=int, default=5000)
+    HANDLERS["ui"] = cmd_ui
+
+
+def _validate_job_config(job: str, config: str, overrides: list[str]) -> None:
+    """Fail before submitting anything when the config is invalid."""
+    from speclab.config import ExperimentConfig
+
+    ExperimentConfig.from_yaml(config, overrides)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import importlib
+
+    module = importlib.import_module(f"jobs.{args.job}")
+    argv = ["--config", args.config, *(["--address", args.address] if args.address else []),
+            *args.overrides]
+    return module.main(argv)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Submit ``python -m jobs.<job>`` with the project as runtime_env; follow the logs."""
+    import asyncio
+    import os
+    import shlex
+    import sys
+
+    from speclab.raylib import project_runtime_env, quiet_ray_env
+
+    _validate_job_config(args.job, args.config, args.overrides)
+    quiet_ray_env()
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    address = args.address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265"
+    if not address.startswith("http"):
+        address = "http://" + address
+    client = JobSubmissionClient(address)
+    entry = " ".join(shlex.quote(a) for a in
+                     ["python", "-m", f"jobs.{args.job}", "--config", args.config,
+                      *args.overrides])
+    job_id = client.submit_job(entrypoint=entry, runtime_env=project_runtime_env())
+    print(f"submitted job {job_id} to {address}", flush=True)
+    if args.no_wait:
+        return 0
+
+    async def follow() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            sys.stdout.write(chunk)
+            sys.stdout.flush()
+
+    asyncio.run(follow())
+    status = client.get_job_status(job_id)
+    print(f"job {job_id} finished: {status}", flush=True)
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    """Run ``mlflow server`` (light mode) on 127.0.0.1 over the store jobs write to."""
+    import os
+    import subprocess
+    import sys
+
+    from speclab.tracking import default_artifact_root, resolve_tracking_uri
+
+    uri = resolve_tracking_uri()
+    if uri.startswith("http"):
+        print(f"tracking server already at {uri}: open it in a browser")
+        return 0
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+           "--default-artifact-root", default_artifact_root(), "--host", "127.0.0.1",
+           "--port", str(args.port), "--workers", "1"]
+    print(f"MLflow UI on http://127.0.0.1:{args.port} over {uri} (Ctrl-C to stop)", flush=True)
+    try:
+        return subprocess.call(cmd, env=env)
+    except KeyboardInterrupt:
+        return 0

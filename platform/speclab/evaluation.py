@@ -1,0 +1,167 @@
+"""Evaluate decoding methods over a prompt set and aggregate their stats (no Ray here).
+
+Timing protocol: methods run one after another in the same process; before each method
+the autoregressive baseline runs over the same prompts again (A B A B ...), and a
+method's speedup is the AR wall time of ITS block over its own wall time. Hardware-
+independent figures (tau, target calls per token, acceptance) come from all prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from speclab import theory
+from speclab.api import Decoder, GenerationResult
+
+
+@dataclass(frozen=True)
+class MethodRun:
+    """One method configuration to evaluate (``label`` names it in tables)."""
+
+    method: str
+    params: dict = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        if not self.params:
+            return self.method
+        inner = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.method}({inner})"
+
+
+@dataclass
+class Totals:
+    """Summed counters over prompts for one method."""
+
+    prompts: int = 0
+    new_tokens: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    judged: int = 0
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    def add(self, res: GenerationResult) -> None:
+        s = res.stats
+        self.prompts += 1
+        self.new_tokens += s.new_tokens
+        self.target_calls += s.target_calls
+        self.draft_calls += s.draft_calls
+        self.drafted += s.drafted_tokens
+        self.accepted += s.accepted_tokens
+        self.judged += s.judged_tokens
+        self.wall_s += s.wall_s
+        self.draft_s += s.draft_s
+        self.verify_s += s.verify_s
+        self.outputs.append(res.token_ids)
+
+    def merge(self, other: Totals) -> None:
+        for k in ("prompts", "new_tokens", "target_calls", "draft_calls", "drafted", "accepted",
+                  "judged", "wall_s", "draft_s", "verify_s"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.outputs += other.outputs
+
+
+def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dict) -> Totals:
+    """Generate for every prompt with one method; ``gen`` holds Decoder.generate kwargs."""
+    totals = Totals()
+    for i, ids in enumerate(prompts):
+        res = dec.generate(prompt_ids=ids, method=run.method, seed=gen.get("seed", 0) + i,
+                           **{k: v for k, v in gen.items() if k != "seed"}, **run.params)
+        totals.add(res)
+    return totals
+
+
+def interleaved_comparison(
+    dec: Decoder, runs: list[MethodRun], prompts: list[list[int]], gen: dict, warmup: bool = True
+) -> dict[str, dict]:
+    """For each method: AR block then method block on the same prompts.
+
+    Returns ``{name: {"totals": Totals, "ar": Totals}}`` where ``ar`` is the AR block
+    timed right before that method.
+    """
+    if warmup and prompts:
+        for run in [MethodRun("ar"), *runs]:
+            run_prompts(dec, run, prompts[:1], {**gen, "max_new_tokens": 8})
+    out = {}
+    for run in runs:
+        ar = run_prompts(dec, MethodRun("ar"), prompts, gen)
+        out[run.name] = {"run": run, "totals": run_prompts(dec, run, prompts, gen), "ar": ar}
+    return out
+
+
+def summarize(
+    run: MethodRun, totals: Totals, ar: Totals, reference_outputs: list[list[int]] | None = None
+) -> dict:
+    """One table row: hardware-independent figures next to wall-clock ones.
+
+    ``c`` = time of one draft forward / time of one target forward (AR per-token time);
+    ``predicted_speedup``: Leviathan Theorem 3.8 for chains (measured alpha, gamma, c),
+    the SpecDec++ cost model (eq. 2.1 with the measured call counts) for other methods.
+    """
+    n = max(totals.new_tokens, 1)
+    t_target = ar.wall_s / max(ar.target_calls, 1)
+    t_draft = totals.draft_s / totals.draft_calls if totals.draft_calls else 0.0
+    c = t_draft / t_target if t_target else 0.0
+    alpha = totals.accepted / totals.judged if totals.judged else 0.0
+    tokens_per_s = totals.new_tokens / totals.wall_s if totals.wall_s else 0.0
+    ar_tps = ar.new_tokens / ar.wall_s if ar.wall_s else 0.0
+    speedup = tokens_per_s / ar_tps if ar_tps else 0.0
+    if run.method == "chain":
+        gamma = int(run.params.get("gamma", 4))
+        predicted = theory.walltime_improvement(min(alpha, 1.0), gamma, c)
+    elif run.method == "ar":
+        predicted = 1.0
+    else:
+        model_time = theory.total_time(t_draft, t_target, totals.draft_calls, totals.target_calls)
+        predicted = (t_target * n) / model_time if model_time else 0.0
+    row = {
+        "method": run.name,
+        "prompts": totals.prompts,
+        "new_tokens": totals.new_tokens,
+        "tau": totals.new_tokens / max(totals.target_calls, 1),
+        "target_calls_per_token": totals.target_calls / n,
+        "draft_calls_per_token": totals.draft_calls / n,
+        "acceptance_rate": alpha,
+        "discard_rate": (totals.drafted - totals.accepted) / n,
+        "tokens_per_s": tokens_per_s,
+        "ar_tokens_per_s": ar_tps,
+        "speedup": speedup,
+        "c": c,
+        "predicted_speedup": predicted,
+        "measured_over_predicted": speedup / predicted if predicted else 0.0,
+        "draft_s": totals.draft_s,
+        "verify_s": totals.verify_s,
+        "wall_s": totals.wall_s,
+    }
+    if reference_outputs is not None:
+        row["identical_to_ar"] = totals.outputs == reference_outputs
+    return row
+
+
+COLUMNS = [
+    ("method", "{}"), ("tau", "{:.2f}"), ("target_calls_per_token", "{:.3f}"),
+    ("acceptance_rate", "{:.2f}"), ("tokens_per_s", "{:.1f}"), ("speedup", "{:.2f}x"),
+    ("predicted_speedup", "{:.2f}x"), ("measured_over_predicted", "{:.2f}"),
+    ("identical_to_ar", "{}"),
+]
+
+
+def format_table(rows: list[dict], columns=COLUMNS) -> str:
+    """A plain-text table of ``rows`` (missing cells shown as ``-``)."""
+    header = [c for c, _ in columns]
+    cells = [[(fmt.format(r[c]) if c in r and r[c] is not None else "-") for c, fmt in columns]
+             for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h)
+              for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

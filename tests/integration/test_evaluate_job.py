@@ -1,0 +1,63 @@
+"""jobs.evaluate end to end on embedded Ray, and its fail-fast paths."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.integration.conftest import find_run, free_port, python, run_cmd
+
+pytestmark = pytest.mark.integration
+SMOKE = "experiments/smoke/evaluate.yaml"
+
+
+def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> None:
+    client, run = find_run(tracking_uri, experiment)
+    assert run.info.status == "FINISHED"
+    m = run.data.metrics
+    for key in ("ar.tau", "chain_gamma2.tau", "chain_gamma2.speedup",
+                "salf_batch2_nodes8_threshold0.3.tau", "best_speedup"):
+        assert key in m, sorted(m)
+    assert m["ar.tau"] == 1.0 and m["chain_gamma2.tau"] >= 1.0
+    assert run.data.params["methods.0.gamma"] == "2"
+    assert run.data.tags["git_commit"] and run.data.tags["config_hash"]
+    history = client.get_metric_history(run.info.run_id, "chain.speedup")
+    assert sorted(h.step for h in history) == [2, 4]  # steps = gamma
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "results.csv", "results.json", "tau_per_method.png",
+            "tokens_per_s.png", "speedup_vs_gamma.png"} <= arts, arts
+
+
+def test_smoke_evaluate_on_embedded_ray(job_env):
+    res = run_cmd([python(), "-m", "jobs.evaluate", "--config", SMOKE], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "embedded local Ray" in res.stdout
+    assert "tau" in res.stdout and "salf(" in res.stdout  # the printed table
+    assert "True" in res.stdout  # greedy outputs identical to AR
+    check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
+
+
+def test_bad_config_fails_fast_naming_the_field(job_env):
+    t0 = time.perf_counter()
+    res = run_cmd([python(), "-m", "jobs.evaluate", "--config", SMOKE, "methods.0.gamma=0",
+                   "resources.num_cpus_per_actor=-1"], job_env)
+    assert res.returncode == 2
+    assert "methods.0.gamma: Input should be greater than 0" in res.stderr
+    assert "resources.num_cpus_per_actor" in res.stderr
+    assert "Ray" not in res.stdout  # nothing started
+    assert time.perf_counter() - t0 < 60
+
+
+def test_unreachable_tracking_server_is_reported_before_work(job_env):
+    job_env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{free_port()}"
+    res = run_cmd([python(), "-m", "jobs.evaluate", "--config", SMOKE], job_env)
+    assert res.returncode == 2
+    assert job_env["MLFLOW_TRACKING_URI"] in res.stderr and "unreachable" in res.stderr
+    assert "running on" not in res.stdout
+
+
+def test_speclab_cli_rejects_bad_submit_config(job_env):
+    res = run_cmd([python(), "-m", "speclab.cli", "submit", "evaluate", "--config", SMOKE,
+                   "--address", f"http://127.0.0.1:{free_port()}", "decoding.top_p=2"], job_env)
+    assert res.returncode == 2 and "decoding.top_p" in res.stderr

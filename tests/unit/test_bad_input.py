@@ -1,0 +1,89 @@
+"""Bad input gives a clear error naming the field, from the API and from the CLI."""
+
+import subprocess
+import sys
+
+import pytest
+
+from speclab.api import Decoder
+from speclab.cli import main
+from speclab.models.loading import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def dec(tiny_pair):
+    return Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"prompt_ids": []}, "prompt"),
+        ({"prompt_ids": [1], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt_ids": [1], "max_new_tokens": -3}, "max_new_tokens"),
+        ({"prompt_ids": [1], "method": "chain", "gamma": 0}, "gamma"),
+        ({"prompt_ids": [1], "method": "salf", "threshold": 1.5}, "threshold"),
+        ({"prompt_ids": [1], "method": "salf", "threshold": 0.0}, "threshold"),
+        ({"prompt_ids": [1], "method": "nope"}, "method"),
+        ({"prompt_ids": [1], "verify": "nope"}, "verify"),
+        ({"prompt_ids": [1], "temperature": -1.0}, "temperature"),
+        ({"prompt_ids": [1], "top_p": 0.0}, "top_p"),
+        ({"prompt_ids": [10_000]}, "prompt_ids"),
+        ({"prompt": ""}, "prompt"),
+    ],
+)
+def test_api_errors_name_the_field(dec, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        dec.generate(**kwargs)
+
+
+def test_vocab_mismatch_names_both_sizes(tiny_pair, tmp_path):
+    from speclab.models.tiny import build_tiny_llama
+
+    other = build_tiny_llama(tmp_path / "v100", vocab_size=100, num_layers=1)
+    with pytest.raises(ModelLoadError, match="target vocab_size=64.*draft vocab_size=100"):
+        Decoder.from_pretrained(tiny_pair["target"], str(other))
+
+
+def test_missing_model_dir(tmp_path):
+    with pytest.raises(ModelLoadError, match="target: model directory"):
+        Decoder.from_pretrained(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize(
+    "extra,field",
+    [
+        (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens"),
+        (["--prompt-ids", "1,2", "--gamma", "0"], "gamma"),
+        (["--prompt-ids", "1,2", "--method", "salf", "--threshold", "1.2"], "threshold"),
+        (["--prompt-ids", ""], "prompt_ids"),
+        (["--prompt", ""], "prompt"),
+        (["--prompt-ids", "a,b"], "prompt_ids"),
+    ],
+)
+def test_cli_errors_exit_nonzero(tiny_pair, capsys, extra, field):
+    argv = ["generate", "--target", tiny_pair["target"], "--draft", tiny_pair["close"], *extra]
+    assert main(argv) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_cli_missing_dir_and_vocab_mismatch(tiny_pair, tmp_path, capsys):
+    assert main(["generate", "--target", str(tmp_path / "x"), "--method", "ar",
+                 "--prompt-ids", "1"]) == 2
+    assert "target: model directory" in capsys.readouterr().err
+
+
+def test_cli_json_output_through_the_installed_command(tiny_pair):
+    cmd = [sys.executable, "-m", "speclab.cli", "generate", "--target", tiny_pair["target"],
+           "--draft", tiny_pair["close"], "--method", "salf", "--prompt-ids", "1,2,3",
+           "--max-new-tokens", "12", "--num-samples", "2", "--temperature", "1", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    import json
+
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert len(row["token_ids"]) == 12
+        assert set(row["stats"]) >= {"new_tokens", "target_calls", "draft_calls", "tau",
+                                     "acceptance_rate", "discard_rate", "verification_rate",
+                                     "wall_s", "draft_s", "verify_s"}

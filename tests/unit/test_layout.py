@@ -1,0 +1,55 @@
+"""Project layout guarantees: platform/ is not a package, the engine is Ray/MLflow free,
+every experiment config validates, cluster.yaml passes Ray's own schema validation."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_platform_is_not_a_package_and_stdlib_platform_works():
+    assert not (ROOT / "platform" / "__init__.py").exists()
+    code = "import platform, ray, torch; print(platform.system())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() in {"Linux", "Darwin", "Windows"}
+
+
+def test_engine_imports_neither_ray_nor_mlflow():
+    code = ("import sys, speclab.spec.engine, speclab.spec.drafters, speclab.api, "
+            "speclab.theory, speclab.evaluation; "
+            "print(any(m == 'ray' or m.startswith('ray.') for m in sys.modules), "
+            "any(m == 'mlflow' or m.startswith('mlflow.') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+CONFIGS = sorted((ROOT / "experiments").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT)) for p in CONFIGS])
+def test_every_experiment_config_validates_and_opens_with_its_command(path):
+    from speclab.config import ExperimentConfig
+
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# Run: ") and str(path.relative_to(ROOT)) in first
+    ExperimentConfig.from_yaml(path)
+
+
+def test_cluster_yaml_passes_ray_schema_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    cfg = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(cfg))
+    types = cfg["available_node_types"]
+    assert "GPU" not in types[cfg["head_node_type"]]["resources"]
+    assert any(t["resources"].get("GPU", 0) > 0 for t in types.values())
+    bad = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    bad["available_node_types"]["head_cpu"]["not_a_field"] = 1
+    with pytest.raises(Exception, match="not_a_field|additional"):
+        validate_config(prepare_config(bad))
