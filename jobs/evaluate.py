@@ -17,7 +17,7 @@ import time
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
 from jobs._cli import load_or_exit, parse_job_args
 from speclab.config import ExperimentConfig
-from speclab.tracking import TrackingUnavailable, metric_key, open_tracker
+from speclab.tracking import TrackingUnavailable, open_tracker
 
 
 def _plots(rows: list[dict], runs) -> dict:
@@ -132,10 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows), flush=True)
 
     with tracker as t:
-        for run_cfg, row in zip([None, *runs], rows):
-            key = metric_key(row["method"].replace("(", "_").replace(")", "").replace(",", "_")
-                             .replace("=", ""))
-            t.log_metrics({f"{key}.{k}": v for k, v in row.items()})
+        for run_cfg, run, row in zip([None, *runs], [MethodRun("ar"), *method_runs], rows):
+            t.log_metrics({f"{run.key}.{k}": v for k, v in row.items()})
             if run_cfg is not None and run_cfg.name == "chain":
                 t.log_metrics({"chain.speedup": row["speedup"], "chain.tau": row["tau"]},
                               step=run_cfg.gamma)

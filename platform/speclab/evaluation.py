@@ -31,6 +31,12 @@ class MethodRun:
         inner = ",".join(f"{k}={v}" for k, v in sorted(self.params.items()))
         return f"{self.method}({inner})"
 
+    @property
+    def key(self) -> str:
+        """``name`` as a valid MLflow metric prefix, e.g. ``chain_gamma3``."""
+        out = self.name.replace("(", "_").replace(")", "").replace(",", "_").replace("=", "")
+        return "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in out)
+
 
 @dataclass
 class Totals:

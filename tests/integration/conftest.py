@@ -30,6 +30,8 @@ def job_env(tmp_path) -> dict[str, str]:
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONUNBUFFERED": "1",
+        # as if the venv were activated: `python` in job entrypoints is the venv's
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     })
     return env
 

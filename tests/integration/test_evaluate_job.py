@@ -16,9 +16,9 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> 
     client, run = find_run(tracking_uri, experiment)
     assert run.info.status == "FINISHED"
     m = run.data.metrics
-    for key in ("ar.tau", "chain_gamma2.tau", "chain_gamma2.speedup",
-                "salf_batch2_nodes8_threshold0.3.tau", "best_speedup"):
+    for key in ("ar.tau", "chain_gamma2.tau", "chain_gamma2.speedup", "best_speedup"):
         assert key in m, sorted(m)
+    assert any(k.startswith("salf_") and "nodes8" in k and k.endswith(".tau") for k in m), m
     assert m["ar.tau"] == 1.0 and m["chain_gamma2.tau"] >= 1.0
     assert run.data.params["methods.0.gamma"] == "2"
     assert run.data.tags["git_commit"] and run.data.tags["config_hash"]
