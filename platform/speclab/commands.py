@@ -11,6 +11,8 @@ def add_parsers(sub) -> None:
     """Register the subcommands on an argparse subparsers object."""
     p = sub.add_parser("reference", help="build the reference target/draft pair if missing")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--check", action="store_true",
+                   help="measure greedy chain alpha and the target/draft cost ratio")
     HANDLERS["reference"] = cmd_reference
 
     p = sub.add_parser("bench", help="engine benchmark on the reference pair (table + JSON)")
@@ -26,6 +28,15 @@ def cmd_reference(args: argparse.Namespace) -> int:
 
     pair = ensure_reference_pair(force=args.force)
     print(f"target: {pair.target}\ndraft:  {pair.draft}")
+    if args.check:
+        from speclab.models.reference import check_reference_pair
+
+        res = check_reference_pair(pair)
+        print(f"greedy chain alpha (gamma={res['gamma']}, {res['prompts']} held-out prompts): "
+              f"{res['alpha']:.3f}  (required >= 0.6)")
+        print(f"per-forward cost: target {res['t_target_ms']:.2f} ms, draft "
+              f"{res['t_draft_ms']:.2f} ms, ratio {res['cost_ratio']:.1f}x  (required >= 5x)")
+        return 0 if res["alpha"] >= 0.6 and res["cost_ratio"] >= 5 else 1
     return 0
 
 

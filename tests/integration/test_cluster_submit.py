@@ -60,6 +60,14 @@ def test_submit_evaluate_to_two_node_cluster(two_node_cluster, job_env):
     assert "cluster at" in out.stdout  # the job joined the cluster, no embedded Ray
     check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
 
+    # plain Ray works too: the working_dir honours .gitignore (no .venv upload)
+    plain = run_cmd(["ray", "job", "submit", "--address", two_node_cluster, "--working-dir",
+                     ".", "--", "python", "-m", "jobs.evaluate", "--config",
+                     "experiments/smoke/evaluate.yaml", "tracking.experiment=plain-submit"],
+                    job_env)
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    check_evaluate_run(job_env["MLFLOW_TRACKING_URI"], "plain-submit")
+
 
 def _wait(client, job_id, timeout=300) -> str:
     deadline = time.time() + timeout

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+import yaml
 
-from tests.integration.conftest import find_run, free_port, python, run_cmd
+from tests.integration.conftest import ROOT, find_run, free_port, python, run_cmd
 
 pytestmark = pytest.mark.integration
 SMOKE = "experiments/smoke/evaluate.yaml"
@@ -29,13 +30,22 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> 
             "tokens_per_s.png", "speedup_vs_gamma.png"} <= arts, arts
 
 
-def test_smoke_evaluate_on_embedded_ray(job_env):
-    res = run_cmd([python(), "-m", "jobs.evaluate", "--config", SMOKE], job_env)
+SMOKE_CONFIGS = sorted((ROOT / "experiments" / "smoke").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SMOKE_CONFIGS, ids=[p.name for p in SMOKE_CONFIGS])
+def test_every_smoke_config_runs_end_to_end(job_env, path):
+    """`python -m jobs.<job> --config experiments/smoke/<job>.yaml` on embedded Ray."""
+    job = yaml.safe_load(path.read_text())["job"]
+    assert path.stem == job  # experiments/smoke/<job>.yaml
+    res = run_cmd([python(), "-m", f"jobs.{job}", "--config", str(path.relative_to(ROOT))],
+                  job_env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "embedded local Ray" in res.stdout
-    assert "tau" in res.stdout and "salf(" in res.stdout  # the printed table
-    assert "True" in res.stdout  # greedy outputs identical to AR
-    check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
+    if job == "evaluate":
+        assert "tau" in res.stdout and "salf(" in res.stdout  # the printed table
+        assert "True" in res.stdout  # greedy outputs identical to AR
+        check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
 
 
 def test_bad_config_fails_fast_naming_the_field(job_env):

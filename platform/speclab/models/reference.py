@@ -140,3 +140,40 @@ def ensure_reference_pair(
         torch.set_num_threads(max(torch.get_num_threads(), 1))
         return build_reference_pair(out, spec)
     return ReferencePair(str(out / "target"), str(out / "draft"))
+
+
+def check_reference_pair(pair: ReferencePair, num_prompts: int = 8, max_new_tokens: int = 64,
+                         gamma: int = 4) -> dict:
+    """Measure what the pair must provide: greedy chain acceptance alpha on held-out
+    prompts (test split) and the target/draft cost ratio per single-token forward
+    (timed alternately on the same context, median of 40)."""
+    import statistics
+
+    from speclab.api import Decoder
+    from speclab.data.corpus import function_header_prompts
+
+    dec = Decoder.from_pretrained(pair.target, pair.draft)
+    prompts = [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
+    accepted = judged = 0
+    for ids in prompts:
+        st = dec.generate(prompt_ids=ids, method="chain", gamma=gamma,
+                          max_new_tokens=max_new_tokens).stats
+        accepted += st.accepted_tokens
+        judged += st.judged_tokens
+    times: dict[str, list[float]] = {"target": [], "draft": []}
+    context = torch.tensor(prompts[0], dtype=torch.long)
+    for runner in (dec.target, dec.draft):
+        runner.reset()
+        runner.forward(context)
+    one = torch.tensor([prompts[0][-1]], dtype=torch.long)
+    for _ in range(40):
+        for name, runner in (("target", dec.target), ("draft", dec.draft)):
+            t0 = time.perf_counter()
+            runner.forward(one)
+            times[name].append(time.perf_counter() - t0)
+            runner.crop(runner.length - 1)
+    t_target = statistics.median(times["target"])
+    t_draft = statistics.median(times["draft"])
+    return {"alpha": accepted / max(judged, 1), "t_target_ms": 1e3 * t_target,
+            "t_draft_ms": 1e3 * t_draft, "cost_ratio": t_target / t_draft,
+            "prompts": len(prompts), "gamma": gamma}
