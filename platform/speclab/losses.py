@@ -1,0 +1,110 @@
+"""Distillation losses for drafters, with shapes in comments (pure PyTorch).
+
+Notation: ``B`` sequences, ``L`` positions, ``V`` vocabulary, ``K`` kept target entries.
+The target's distribution ``p`` is stored sparsely as its top-``K`` entries per position
+(``ids [B, L, K]``, ``probs [B, L, K]``; renormalised over the kept entries, which is
+what the generation stage writes to disk). The drafter's logits give ``q``.
+Every loss takes ``mask [B, L]`` (1 = position counts) and optional per-sequence
+``weights [B]``, and returns the weighted mean over counted positions.
+
+* ``sft`` / ``seq_kd``: cross-entropy on data / on target-generated sequences;
+* ``word_kd``: forward KL(p || q) (AtSpeed sec. 4.1 WordKD);
+* ``tvd_kd``: total variation 0.5 * sum |p - q| (TVD-KD);
+* ``hass_topk``: HASS top-K distillation, -sum_{k in top-K(p)} p_k log q_k;
+* ``talf``: cross-entropy summed over every node of target-built draft trees (the
+  caller runs one drafter forward per tree with tree attention and passes the node
+  logits here as ``[B, T, V]`` with ``mask`` over real nodes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+LossFn = Callable[..., torch.Tensor]
+
+
+def _reduce(per_pos: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None):
+    """Weighted mean of ``per_pos [B, L]`` over positions where ``mask [B, L]`` is 1."""
+    mask = mask.to(per_pos.dtype)
+    if weights is not None:
+        mask = mask * weights.to(per_pos.dtype)[:, None]
+    return (per_pos * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``logits [B, L, V]``, ``labels [B, L]`` -> scalar CE (``sft`` and ``seq_kd``)."""
+    per_pos = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # [B, L]
+    return _reduce(per_pos, mask, weights)
+
+
+def _student_logq(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logq_full = logits.float().log_softmax(-1)  # [B, L, V]
+    return logq_full, logq_full.gather(-1, ids)  # [B, L, K]
+
+
+def word_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Forward KL(p || q) over the target's kept entries: sum_k p_k (log p_k - log q_k)."""
+    _, logq = _student_logq(logits, ids)  # [B, L, K]
+    p = probs.float()
+    per_pos = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)  # [B, L]
+    return _reduce(per_pos, mask, weights)
+
+
+def tvd_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
+           weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Total variation 0.5 * sum_v |p_v - q_v| with p zero outside its kept entries."""
+    logq_full, logq = _student_logq(logits, ids)
+    q_kept = logq.exp()  # [B, L, K]
+    outside = (1.0 - q_kept.sum(-1)).clamp_min(0.0)  # q mass where p is 0: [B, L]
+    per_pos = 0.5 * ((probs.float() - q_kept).abs().sum(-1) + outside)
+    del logq_full
+    return _reduce(per_pos, mask, weights)
+
+
+def hass_topk(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
+              weights: torch.Tensor | None = None, top_k: int | None = None) -> torch.Tensor:
+    """HASS top-K distillation: -sum over the target's top-K tokens of p_k log q_k.
+
+    ``top_k`` (<= K) restricts to the first entries (``ids`` sorted by probability).
+    """
+    if top_k is not None:
+        ids, probs = ids[..., :top_k], probs[..., :top_k]
+    _, logq = _student_logq(logits, ids)
+    per_pos = -(probs.float() * logq).sum(-1)  # [B, L]
+    return _reduce(per_pos, mask, weights)
+
+
+def talf(node_logits: torch.Tensor, node_ids: torch.Tensor, node_probs: torch.Tensor,
+         node_mask: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """TALF: cross-entropy to the target's distribution at every tree node.
+
+    ``node_logits [B, T, V]`` are the drafter's logits at the ``T`` nodes of each tree
+    (one forward per tree with tree attention), ``node_ids/probs [B, T, K]`` the target's
+    kept distribution there, ``node_mask [B, T]`` marks real nodes. On a one-path tree
+    whose target distributions are one-hot this is exactly the sequence CE.
+    """
+    _, logq = _student_logq(node_logits, node_ids)
+    per_node = -(node_probs.float() * logq).sum(-1)  # [B, T]
+    return _reduce(per_node, node_mask, weights)
+
+
+LOSSES: dict[str, LossFn] = {
+    "sft": cross_entropy,
+    "seq_kd": cross_entropy,
+    "word_kd": word_kd,
+    "tvd_kd": tvd_kd,
+    "hass_topk": hass_topk,
+    "talf": talf,
+}
+
+
+def get_loss(name: str) -> LossFn:
+    """Look a loss up by name; unknown names list the known ones."""
+    if name not in LOSSES:
+        raise ValueError(f"loss: unknown loss {name!r}; known: {sorted(LOSSES)}")
+    return LOSSES[name]
