@@ -106,6 +106,7 @@ class NullTracker:
     """Does nothing; same interface as :class:`MlflowTracker`."""
 
     run_id: str | None = None
+    uri: str | None = None
 
     def __enter__(self):
         return self
@@ -124,6 +125,9 @@ class NullTracker:
     def log_figure(self, fig, name: str) -> None: ...
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
+
+    def log_model(self, folder: str | Path, registered_name: str | None) -> str | None:
+        return None
 
 
 class MlflowTracker(NullTracker):
@@ -186,6 +190,10 @@ class MlflowTracker(NullTracker):
     def log_figure(self, fig, name: str) -> None:
         self.mlflow.log_figure(fig, name)
 
+    def log_model(self, folder: str | Path, registered_name: str | None) -> str | None:
+        """Log a saved HF folder as this run's model; register it when named."""
+        return log_hf_model(folder, registered_name)
+
 
 def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str | None,
                  config: dict) -> NullTracker:
@@ -195,3 +203,62 @@ def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str 
     resolved = resolve_tracking_uri(uri)
     check_reachable(resolved)
     return MlflowTracker(resolved, experiment, run_name, config)
+
+
+MODEL_URI_PREFIXES = ("models:/", "runs:/")
+
+
+def _hf_pyfunc_class():
+    import mlflow.pyfunc
+
+    class HFCausalLM(mlflow.pyfunc.PythonModel):
+        """A saved HF causal LM (+ tokenizer) as an MLflow pyfunc: greedy completion."""
+
+        def load_context(self, context) -> None:
+            from speclab.api import Decoder
+
+            self.decoder = Decoder.from_pretrained(context.artifacts["hf"])
+
+        def predict(self, context, model_input, params=None):
+            params = params or {}
+            prompts = list(model_input["prompt"])
+            return [self.decoder.generate(p, method="ar",
+                                          max_new_tokens=int(params.get("max_new_tokens", 32))
+                                          ).text for p in prompts]
+
+    return HFCausalLM
+
+
+def log_hf_model(folder: str | Path, registered_name: str | None) -> str | None:
+    """Log a ``save_pretrained`` folder to the ACTIVE run as an MLflow model (pyfunc with
+    the folder as artifact ``hf``) and register it; returns ``models:/name/version``."""
+    import mlflow
+
+    info = mlflow.pyfunc.log_model(
+        name="model", python_model=_hf_pyfunc_class()(), artifacts={"hf": str(folder)},
+        registered_model_name=registered_name, pip_requirements=["torch", "transformers"],
+    )
+    if not registered_name:
+        return None
+    version = getattr(info, "registered_model_version", None)
+    if version is None:
+        from mlflow.tracking import MlflowClient
+
+        versions = MlflowClient().search_model_versions(f"name='{registered_name}'")
+        version = max(int(v.version) for v in versions)
+    return f"models:/{registered_name}/{version}"
+
+
+def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
+    """Download ``models:/name/version`` (or ``runs:/...``) and return the HF folder in it."""
+    import mlflow
+
+    mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
+    try:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
+    except Exception as exc:  # MLflow raises several types for a missing model
+        raise ValueError(f"model: cannot resolve {uri!r} in the MLflow registry: {exc}") from None
+    configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))
+    if not configs:
+        raise ValueError(f"model: {uri!r} holds no saved HF model (no config.json)")
+    return str(configs[0].parent)

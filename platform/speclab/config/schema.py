@@ -3,7 +3,9 @@
 Groups: ``models`` (which target/draft), ``data`` (prompt set), ``decoding`` (sampling
 settings shared by all methods), ``method`` (the method and its hyperparameters) or
 ``methods`` (several to compare), ``resources`` (Ray actors), ``tracking`` (MLflow),
-``ray`` (cluster address).
+``ray`` (cluster address); training jobs add ``corpus``, ``tokenizer``, ``arch``,
+``train``, ``scaling`` (Ray Train workers) and ``output``. Every job ignores the groups
+it does not use, so one schema serves all jobs.
 """
 
 from __future__ import annotations
@@ -114,11 +116,83 @@ class RayConfig(StrictModel):
     num_cpus: int | None = Field(None, gt=0, description="CPUs of an embedded Ray")
 
 
+class CorpusConfig(StrictModel):
+    """Training text: the stdlib (default), a folder of text files, a JSONL file (field
+    ``text_field``), or a Hugging Face dataset id (``hf_dataset``, needs a hub)."""
+
+    source: Literal["stdlib", "text_folder", "jsonl", "hf_dataset"] = "stdlib"
+    path: str | None = None
+    text_field: str = "text"
+    max_chars: int = Field(4_000_000, gt=0)
+    val_chars: int = Field(200_000, gt=0)
+
+    @model_validator(mode="after")
+    def _path_needed(self):
+        if self.source != "stdlib" and not self.path:
+            raise ValueError(f"path is required when source is {self.source!r}")
+        return self
+
+
+class TokenizerConfig(StrictModel):
+    """``path`` reuses a saved tokenizer; otherwise byte-level BPE is trained."""
+
+    path: str | None = None
+    vocab_size: int = Field(1024, ge=300)
+    train_chars: int = Field(2_000_000, gt=0)
+
+
+class ArchConfig(StrictModel):
+    """LLaMA architecture of a trained model."""
+
+    layers: int = Field(4, gt=0)
+    hidden: int = Field(128, gt=0)
+    heads: int = Field(4, gt=0)
+    context: int = Field(1024, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self):
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        return self
+
+
+class TrainConfig(StrictModel):
+    """Optimisation of a Ray Train job (``batch_size`` is per worker)."""
+
+    steps: int = Field(200, gt=0)
+    batch_size: int = Field(16, gt=0)
+    seq_len: int = Field(128, gt=1)
+    lr: float = Field(3e-3, gt=0)
+    warmup: int = Field(20, ge=0)
+    report_every: int = Field(20, gt=0, description="steps between report + checkpoint")
+    val_windows: int = Field(16, gt=0)
+    seed: int = 0
+    resume: bool = Field(False, description="continue the run named output.run_name")
+    max_failures: int = Field(2, ge=0, description="worker-group restarts (FailureConfig)")
+
+
+class TrainScalingConfig(StrictModel):
+    """Ray Train ``ScalingConfig``: DDP over gloo on CPU, NCCL with GPUs."""
+
+    num_workers: int = Field(2, gt=0)
+    use_gpu: bool = False
+    cpus_per_worker: float = Field(1.0, gt=0)
+
+
+class OutputConfig(StrictModel):
+    """Where a training job writes (checkpoints, data, the final model) and what it
+    registers in the MLflow Model Registry."""
+
+    storage_path: str | None = Field(None, description="default $SPECLAB_HOME/runs")
+    run_name: str | None = Field(None, description="default <name>-<timestamp>")
+    register_as: str | None = Field(None, description="registered model name")
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
     name: str = "experiment"
-    job: Literal["evaluate"] = "evaluate"
+    job: Literal["evaluate", "train_target"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -127,6 +201,12 @@ class ExperimentConfig(StrictModel):
     resources: ResourcesConfig = ResourcesConfig()
     tracking: TrackingConfig = TrackingConfig()
     ray: RayConfig = RayConfig()
+    corpus: CorpusConfig = CorpusConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    arch: ArchConfig = ArchConfig()
+    train: TrainConfig = TrainConfig()
+    scaling: TrainScalingConfig = TrainScalingConfig()
+    output: OutputConfig = OutputConfig()
 
     def method_list(self) -> list[MethodConfig]:
         """``methods`` when given, else the single ``method``."""

@@ -2,7 +2,8 @@
 
 A local folder (written by ``save_pretrained``) is used when it exists; anything else
 that looks like ``org/name`` is passed to the Hugging Face hub loader; MLflow registry
-URIs (``models:/name/version``) are resolved by :mod:`speclab.tracking` callers.
+URIs (``models:/name/version``, ``runs:/id/model``) are downloaded through
+:func:`speclab.tracking.resolve_model_uri` (MLflow is imported only then).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _check_source(source: str, field: str) -> str:
+    if source.startswith(("models:/", "runs:/")):  # MLflow registry: download, then a folder
+        from speclab.tracking import resolve_model_uri
+
+        return resolve_model_uri(source)
     path = Path(source).expanduser()
     if path.exists():
         if not (path / "config.json").exists():

@@ -68,6 +68,21 @@ def eval_loss(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int, max_wi
     return sum(losses) / max(len(losses), 1)
 
 
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup: int,
+                   steps: int):
+    """AdamW with linear warm-up then cosine decay to 10% of ``lr``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                            betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(steps - warmup, 1)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+
+
 def train_causal_lm(
     model: torch.nn.Module,
     tokens: torch.Tensor,
@@ -78,16 +93,8 @@ def train_causal_lm(
     """Train ``model`` on random windows of ``tokens`` ``[N]``; returns per-step losses."""
     g = torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(settings.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr,
-                            weight_decay=settings.weight_decay, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < settings.warmup:
-            return (step + 1) / settings.warmup
-        frac = (step - settings.warmup) / max(settings.steps - settings.warmup, 1)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    opt, sched = make_optimizer(model, settings.lr, settings.weight_decay, settings.warmup,
+                                settings.steps)
     model.train()
     if teacher is not None:
         teacher.eval()

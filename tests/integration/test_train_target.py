@@ -1,0 +1,93 @@
+"""jobs.train_target on local Ray Train: registry round trip, worker failure, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import ROOT, find_run, python, run_cmd
+
+pytestmark = pytest.mark.integration
+SMOKE = "experiments/smoke/train_target.yaml"
+
+
+def test_registered_target_loads_into_the_engine(job_env, tmp_path, monkeypatch):
+    res = run_cmd([python(), "-m", "jobs.train_target", "--config", SMOKE,
+                   f"output.storage_path={tmp_path / 'runs'}"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "registered as models:/speclab-smoke-target/1" in res.stdout
+    client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
+    assert steps == [10, 20, 30]
+    assert run.data.metrics["final_step"] == 30
+    assert run.data.metrics["tokens_per_s_per_worker"] > 0
+    assert run.data.metrics["peak_rss_mb"] > 0
+
+    from speclab.api import Decoder
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", job_env["MLFLOW_TRACKING_URI"])
+    dec = Decoder.from_pretrained("models:/speclab-smoke-target/1")
+    out = dec.generate("def main(", method="ar", max_new_tokens=8)
+    assert len(out.token_ids) == 8 and isinstance(out.text, str)
+
+
+def test_killed_worker_resumes_from_checkpoint(job_env, tmp_path):
+    storage = tmp_path / "runs"
+    run_dir = storage / "ft"
+    args = [python(), "-m", "jobs.train_target", "--config", SMOKE, "train.steps=300",
+            "train.report_every=20", "arch.layers=3", "arch.hidden=96",
+            f"output.storage_path={storage}", "output.run_name=ft", "output.register_as=null",
+            "tracking.experiment=fault"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=job_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:  # wait for a checkpoint, then kill rank 1
+            if list(run_dir.glob("checkpoint_*")) and (run_dir / "pids" / "rank1.pid").exists():
+                break
+            if proc.poll() is not None:
+                pytest.fail("job ended before a checkpoint: " + proc.stdout.read()[-3000:])
+            time.sleep(0.2)
+        else:
+            pytest.fail("no checkpoint appeared")
+        victim = int((run_dir / "pids" / "rank1.pid").read_text())
+        os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    assert "resumed from step" in out
+    client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "fault")
+    assert run.data.metrics["final_step"] == 300
+    steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "loss")})
+    assert steps[-1] == 300 and all(s % 20 == 0 for s in steps)
+    assert (run_dir / "model" / "config.json").exists()
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["corpus.source=text_folder", "corpus.path=/nonexistent/corpus"],
+         "corpus.path: folder '/nonexistent/corpus' does not exist"),
+        (["corpus.source=jsonl", "corpus.path={empty}"], "is empty"),
+        (["tokenizer.path=/nonexistent/tok"], "tokenizer.path"),
+        (["arch.hidden=100", "arch.heads=3"], "hidden (100) must be divisible by heads (3)"),
+        (["train.resume=true"], "output.run_name: required"),
+    ],
+)
+def test_bad_input_fails_before_training(job_env, tmp_path, overrides, message):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    overrides = [o.replace("{empty}", str(empty)) for o in overrides]
+    res = run_cmd([python(), "-m", "jobs.train_target", "--config", SMOKE, *overrides,
+                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert message in res.stderr
+    assert "running on" not in res.stdout  # no Ray, no training
+    assert not list(Path(tmp_path / "runs").rglob("checkpoint_*"))
