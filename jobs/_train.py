@@ -1,9 +1,10 @@
-"""Ray Train glue shared by training jobs: the per-worker LM loop, fit, final save.
+"""Ray Train glue shared by training jobs: the per-worker loop, fit, final save.
 
-The loop is plain PyTorch from :mod:`speclab.train.lm`; this module adds what Ray Train
-needs: DDP via ``prepare_model``, checkpoints through ``ray.train.report`` (rank 0
-writes, every rank reports), resume from ``ray.train.get_checkpoint()``, and MLflow
-metrics from rank 0 into the run the driver opened.
+What a step trains on comes from a task in :mod:`speclab.train.tasks` (plain PyTorch);
+this module adds what Ray Train needs: DDP via ``prepare_model``, checkpoints
+through ``ray.train.report`` (rank 0 writes, every rank reports), resume from
+``ray.train.get_checkpoint()``, and MLflow metrics from rank 0 into the run the driver
+opened.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def lm_train_loop(config: dict) -> None:
-    """Runs on every Ray Train worker."""
+def train_loop(config: dict) -> None:
+    """Runs on every Ray Train worker; ``config["task"]`` picks the training task."""
     import ray.train
     import ray.train.torch
 
-    from speclab.train.lm import eval_loss, lm_loss, make_optimizer, random_windows
+    from speclab.train.lm import make_optimizer
+    from speclab.train.tasks import TASKS
 
     cfg = ExperimentConfig.model_validate(config["cfg"])  # workers re-validate
     tr = cfg.train
@@ -64,9 +66,7 @@ def lm_train_loop(config: dict) -> None:
     device = ray.train.torch.get_device()
     model = ray.train.torch.prepare_model(model)
     core = model.module if hasattr(model, "module") else model
-    data = Path(config["data_dir"])
-    tokens = torch.load(data / "train.pt")
-    val = torch.load(data / "val.pt")
+    task = TASKS[config["task"]](cfg, Path(config["data_dir"]), device)
     mlflow_client = None
     if rank == 0 and config.get("run_id"):
         from mlflow.tracking import MlflowClient
@@ -76,17 +76,15 @@ def lm_train_loop(config: dict) -> None:
         print(f"[train] resumed from step {start}", flush=True)
     t_last, seen, losses = time.perf_counter(), 0, []
     for step in range(start, tr.steps):
-        # windows depend only on (seed, step, rank): a resumed run sees the same data
-        g = torch.Generator().manual_seed(tr.seed * 1_000_003 + step * 1009 + rank)
-        window = random_windows(tokens, tr.batch_size, tr.seq_len, g).to(device)
-        loss = lm_loss(model, window)
+        batch = task.batch(step, rank)  # depends only on (seed, step, rank)
+        loss = task.loss(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
-        seen += window.numel()
+        seen += task.tokens_in(batch)
         done = step + 1
         if done % tr.report_every and done != tr.steps:
             continue
@@ -97,8 +95,10 @@ def lm_train_loop(config: dict) -> None:
         checkpoint = None
         with tempfile.TemporaryDirectory() as tmp:
             if rank == 0:
-                val_loss = eval_loss(core, val.to(device), tr.seq_len, tr.val_windows)
-                metrics.update(val_loss=val_loss, val_ppl=float(torch.exp(torch.tensor(val_loss))))
+                val_loss = task.validate(core)
+                metrics["val_loss"] = val_loss
+                if config["task"] == "lm":
+                    metrics["val_ppl"] = float(torch.exp(torch.tensor(val_loss)))
                 torch.save({"model": core.state_dict(), "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": done}, Path(tmp) / "state.pt")
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)
@@ -115,16 +115,17 @@ def lm_train_loop(config: dict) -> None:
         t_last, seen, losses = time.perf_counter(), 0, []
 
 
-def fit_lm(cfg: ExperimentConfig, storage: Path, run_name: str, data_dir: Path, vocab: int,
-           eos: int, run_id: str | None, tracking_uri: str | None):
-    """Run :func:`lm_train_loop` on a ``TorchTrainer``; returns the Ray Train result."""
+def fit(task: str, cfg: ExperimentConfig, storage: Path, run_name: str, data_dir: Path,
+        vocab: int, eos: int, run_id: str | None, tracking_uri: str | None):
+    """Run :func:`train_loop` for ``task`` on a ``TorchTrainer``; returns the Ray result."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     sc = cfg.scaling
     trainer = TorchTrainer(
-        lm_train_loop,
-        train_loop_config={"cfg": cfg.model_dump(mode="json"), "data_dir": str(data_dir),
+        train_loop,
+        train_loop_config={"task": task, "cfg": cfg.model_dump(mode="json"),
+                           "data_dir": str(data_dir),
                            "run_dir": str(storage / run_name), "vocab": vocab, "eos": eos,
                            "run_id": run_id, "tracking_uri": tracking_uri},
         scaling_config=ScalingConfig(num_workers=sc.num_workers, use_gpu=sc.use_gpu,

@@ -88,15 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from jobs._train import fit_lm, save_final
+    from jobs._train import fit, save_final
     from speclab.raylib import init_ray
 
     where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
     print(f"[train_target] running on {where}; run dir {run_dir}", flush=True)
     with tracker as t:
         t.set_tags({"job": "train_target", "run_dir": str(run_dir)})
-        result = fit_lm(cfg, storage, run_name, data_dir, vocab, eos, tracker.run_id,
-                        tracker.uri if tracker.run_id else None)
+        result = fit("lm", cfg, storage, run_name, data_dir, vocab, eos, tracker.run_id,
+                     tracker.uri if tracker.run_id else None)
         final = save_final(result, cfg, run_dir, data_dir / "tokenizer", vocab, eos)
         t.log_metrics({"final_step": result.metrics["step"],
                        "final_val_loss": result.metrics["val_loss"]})

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from speclab.models.loading import check_same_vocab, load_model, load_tokenizer
+from speclab.models.loading import check_same_vocab, load_model, load_tokenizer, resolve_source
 from speclab.spec.drafters import ChainDrafter, Drafter, Eagle2TreeDrafter, OptimalTreeDrafter
 from speclab.spec.engine import GenerationStats, autoregressive_generate, speculative_generate
 from speclab.spec.kv import ModelRunner
@@ -105,7 +105,10 @@ class Decoder:
         dtype: str = "float32",
         device: str = "cpu",
     ) -> Decoder:
-        """Load from local folders or hub ids; the tokenizer comes from the target's folder."""
+        """Load from local folders, hub ids or ``models:/name/version`` URIs; the tokenizer
+        comes from the target's folder."""
+        target = resolve_source(target, "target")
+        draft = resolve_source(draft, "draft") if draft else None
         target_model = load_model(target, dtype, device, field="target")
         draft_model = load_model(draft, dtype, device, field="draft") if draft else None
         return cls(target_model, draft_model, load_tokenizer(target, field="target"))

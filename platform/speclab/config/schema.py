@@ -188,11 +188,55 @@ class OutputConfig(StrictModel):
     register_as: str | None = Field(None, description="registered model name")
 
 
+class DistillConfig(StrictModel):
+    """Drafter distillation: what the target generates and which loss trains the drafter.
+
+    ``loss`` is a name (``sft``, ``word_kd``, ``seq_kd``, ``tvd_kd``, ``hass_topk``,
+    ``talf``) or a weighted mix ``{name: weight}``.
+    """
+
+    loss: str | dict[str, float] = "word_kd"
+    top_k: int = Field(8, gt=0, description="target probabilities kept per position/node")
+    hass_k: int | None = Field(None, gt=0, description="HASS top-K (<= top_k)")
+    examples: int = Field(256, gt=0, description="generated examples per kind")
+    shard_size: int = Field(64, gt=0)
+    seq_len: int = Field(64, gt=1, description="window length of kd/sft examples")
+    prompt_len: int = Field(32, gt=0)
+    response_len: int = Field(32, gt=0)
+    context_len: int = Field(48, gt=1)
+    tree_top_k: int = Field(4, gt=0)
+    tree_depth: int = Field(4, gt=0)
+    tree_nodes: int = Field(16, gt=0)
+    gen_actors: int = Field(2, gt=0)
+    gen_cpus_per_actor: float = Field(0.5, gt=0)
+    gen_gpus_per_actor: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _known_losses(self):
+        from speclab.losses import LOSSES
+
+        names = [self.loss] if isinstance(self.loss, str) else list(self.loss)
+        unknown = [n for n in names if n not in LOSSES]
+        if unknown:
+            raise ValueError(f"unknown loss {unknown}; known: {sorted(LOSSES)}")
+        if isinstance(self.loss, dict) and not any(w > 0 for w in self.loss.values()):
+            raise ValueError("a loss mix needs at least one positive weight")
+        if self.hass_k is not None and self.hass_k > self.top_k:
+            raise ValueError(f"hass_k ({self.hass_k}) must not exceed top_k ({self.top_k})")
+        return self
+
+    def loss_weights(self) -> dict[str, float]:
+        """``{loss name: weight}`` (a single loss has weight 1)."""
+        if isinstance(self.loss, str):
+            return {self.loss: 1.0}
+        return {k: float(v) for k, v in self.loss.items() if v > 0}
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
     name: str = "experiment"
-    job: Literal["evaluate", "train_target"] = "evaluate"
+    job: Literal["evaluate", "train_target", "distill"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -207,6 +251,7 @@ class ExperimentConfig(StrictModel):
     train: TrainConfig = TrainConfig()
     scaling: TrainScalingConfig = TrainScalingConfig()
     output: OutputConfig = OutputConfig()
+    distill: DistillConfig = DistillConfig()
 
     def method_list(self) -> list[MethodConfig]:
         """``methods`` when given, else the single ``method``."""

@@ -29,6 +29,11 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolve_source(source: str, field: str = "model") -> str:
+    """A local folder (MLflow URIs downloaded) or a hub id; errors name ``field``."""
+    return _check_source(source, field)
+
+
 def _check_source(source: str, field: str) -> str:
     if source.startswith(("models:/", "runs:/")):  # MLflow registry: download, then a folder
         from speclab.tracking import resolve_model_uri

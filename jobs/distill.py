@@ -1,0 +1,189 @@
+"""Distil a drafter for a target: generate the target's signals on Ray actors, train the
+drafter with Ray Train, register it in MLflow and evaluate it with the engine.
+
+    python -m jobs.distill --config experiments/smoke/distill.yaml [key=value ...]
+
+Stage 1, generate: the corpus (tokenised with the target's tokenizer) is cut into
+deterministic windows; target replicas on Ray actors turn them into what the losses
+need (``distill.loss``; see :mod:`speclab.train.distill_data`) and write Parquet shards
+``<run>/data/<kind>/shard-NNNNN.parquet`` one at a time (written to a temporary name,
+then renamed, so a shard is either whole or absent). Shards already present are not
+regenerated, so a rerun with ``train.resume=true`` resumes generation too.
+Stage 2, train: a LLaMA drafter (``arch``, sharing the target's tokenizer) is trained on
+the shards with Ray Train (same loop, checkpoints and FailureConfig as train_target).
+Then the drafter is saved, registered (``output.register_as``) and evaluated against the
+target (``methods``, ``data``, ``decoding``) in the same MLflow run (metrics ``eval/...``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
+from jobs._cli import load_or_exit, parse_job_args
+from speclab.config import ExperimentConfig
+from speclab.tracking import TrackingUnavailable, open_tracker
+
+
+def plan_examples(cfg: ExperimentConfig, tokens, kind: str) -> list[list[int]]:
+    """Deterministic inputs for ``kind``: windows / prompts / contexts of the corpus."""
+    import torch
+
+    d = cfg.distill
+    length = {"kd": d.seq_len + 1, "seq": d.prompt_len, "tree": d.context_len}[kind]
+    if tokens.numel() <= length + 1:
+        raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
+    g = torch.Generator().manual_seed(cfg.train.seed + 7919 * len(kind))
+    starts = torch.randint(0, tokens.numel() - length - 1, (d.examples,), generator=g).tolist()
+    return [tokens[s : s + length].tolist() for s in starts]
+
+
+def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str],
+             tokens) -> dict[str, int]:
+    """Stage 1 on an actor pool; returns the number of shards written per kind."""
+    import ray
+
+    d = cfg.distill
+    device = "cuda" if d.gen_gpus_per_actor > 0 else cfg.models.device
+    dtype = cfg.models.dtype
+
+    @ray.remote
+    class Generator:
+        """Holds one target replica; turns example inputs into Parquet shards."""
+
+        def __init__(self) -> None:
+            from speclab.api import Decoder
+
+            self.dec = Decoder.from_pretrained(target, None, dtype, device)
+
+        def shard(self, kind: str, inputs: list[list[int]], path: str) -> int:
+            import os
+
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            from speclab.train import distill_data as dd
+
+            runner, eos = self.dec.target, self.dec.eos_token_id
+            if kind == "kd":
+                rows = [dd.kd_example(runner, x, d.top_k) for x in inputs]
+            elif kind == "seq":
+                rows = [dd.seq_example(runner, x, d.response_len, eos) for x in inputs]
+            else:
+                rows = [dd.tree_example(runner, x, d.tree_top_k, d.tree_depth, d.tree_nodes,
+                                        d.top_k) for x in inputs]
+            tmp = path + ".tmp"
+            pq.write_table(pa.Table.from_pylist(rows), tmp)
+            os.replace(tmp, path)  # atomic: a shard is whole or absent
+            return len(rows)
+
+    pool = [Generator.options(num_cpus=d.gen_cpus_per_actor,
+                              num_gpus=d.gen_gpus_per_actor).remote()
+            for _ in range(d.gen_actors)]
+    pending, written = [], {}
+    try:
+        for kind in sorted(kinds):
+            folder = data_dir / kind
+            folder.mkdir(parents=True, exist_ok=True)
+            inputs = plan_examples(cfg, tokens, kind)
+            chunks = [inputs[i : i + d.shard_size] for i in range(0, len(inputs), d.shard_size)]
+            written[kind] = len(chunks)
+            for i, chunk in enumerate(chunks):
+                path = folder / f"shard-{i:05d}.parquet"
+                if path.exists():
+                    continue  # resumed generation: finished shards are kept
+                actor = pool[len(pending) % len(pool)]
+                pending.append(actor.shard.remote(kind, chunk, str(path)))
+        ray.get(pending)
+    finally:
+        for a in pool:
+            ray.kill(a)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_job_args(__doc__, argv)
+    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
+    if cfg.train.resume and not cfg.output.run_name:
+        print("config error: output.run_name: required when train.resume is true",
+              file=sys.stderr)
+        return 2
+    config = cfg.model_dump(mode="json")
+    try:
+        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
+                               cfg.tracking.run_name or cfg.name, config)
+    except TrackingUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from speclab.data.text import load_corpus
+    from speclab.models.loading import load_model, resolve_source
+    from speclab.models.registry import resolve_models
+    from speclab.paths import speclab_home
+    from speclab.train.distill_data import LOSS_KIND
+
+    # everything that can be wrong with the inputs fails here, before Ray starts
+    try:
+        target, _ = resolve_models(cfg.models.target, None)
+        target = resolve_source(target, "models.target")  # models:/ URIs -> a local folder
+        target_cfg = load_model(target, field="models.target").config
+        tok = AutoTokenizer.from_pretrained(target)
+        if cfg.tokenizer.path:
+            other = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+            if len(other) != len(tok):
+                raise ValueError(f"tokenizer.path: vocabulary of {len(other)} tokens does not "
+                                 f"match the target's tokenizer ({len(tok)} tokens)")
+        if len(tok) > target_cfg.vocab_size:
+            raise ValueError(f"models.target: tokenizer has {len(tok)} tokens but the model's "
+                             f"vocab_size is {target_cfg.vocab_size}")
+        train_text, _ = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
+                                    cfg.corpus.val_chars, cfg.corpus.text_field)
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    tokens = torch.tensor(tok.encode(train_text), dtype=torch.long)
+    vocab, eos = int(target_cfg.vocab_size), tok.eos_token_id
+
+    storage = Path(cfg.output.storage_path or speclab_home() / "runs").expanduser().resolve()
+    run_name = cfg.output.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = storage / run_name
+    data_dir = run_dir / "data"
+    kinds = {LOSS_KIND[name] for name in cfg.distill.loss_weights()}
+
+    from jobs._evaluate import evaluate_pair, tokenized_prompts
+    from jobs._train import fit, peak_rss_mb, save_final
+    from speclab.raylib import init_ray
+
+    where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
+    print(f"[distill] running on {where}; run dir {run_dir}", flush=True)
+    with tracker as t:
+        t.set_tags({"job": "distill", "run_dir": str(run_dir), "target": target,
+                    "loss": ",".join(sorted(cfg.distill.loss_weights()))})
+        t0 = time.perf_counter()
+        shards = generate(cfg, target, data_dir, kinds, tokens)
+        t.log_metrics({"generate_s": time.perf_counter() - t0,
+                       "generate_driver_peak_rss_mb": peak_rss_mb(),
+                       **{f"shards.{k}": v for k, v in shards.items()}})
+        print(f"[distill] generated {shards} in {time.perf_counter() - t0:.0f}s", flush=True)
+        t1 = time.perf_counter()
+        result = fit("distill", cfg, storage, run_name, data_dir, vocab, eos, tracker.run_id,
+                     tracker.uri if tracker.run_id else None)
+        tok.save_pretrained(data_dir / "tokenizer")
+        final = save_final(result, cfg, run_dir, data_dir / "tokenizer", vocab, eos)
+        t.log_metrics({"train_s": time.perf_counter() - t1,
+                       "final_step": result.metrics["step"],
+                       "final_val_loss": result.metrics["val_loss"]})
+        uri = t.log_model(final, cfg.output.register_as)
+        print(f"[distill] drafter saved to {final}" + (f", registered as {uri}" if uri else ""),
+              flush=True)
+        evaluate_pair(cfg, target, str(final), tokenized_prompts(cfg, target), t, "eval/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

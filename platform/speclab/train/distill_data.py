@@ -1,0 +1,88 @@
+"""What distillation losses need from the target, computed with the engine (no Ray).
+
+One function per example kind; each returns a plain dict of lists (a Parquet row):
+
+* :func:`kd_example` — a corpus window and the target's top-k next-token distribution at
+  every position (``word_kd``, ``tvd_kd``, ``hass_topk``; ``sft`` uses the window only);
+* :func:`seq_example` — a prompt and the target's greedy continuation (``seq_kd``);
+* :func:`tree_example` — a context and a target-built EAGLE-2 draft tree (top-k children,
+  depth d, as in TALF Algorithm 1) with the target's top-k distribution at every node
+  (``talf``).
+
+Top-k probabilities are renormalised over the kept entries (k from the config bounds
+disk use instead of storing the full vocabulary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speclab.spec.drafters.eagle2 import build_eagle2_tree
+from speclab.spec.kv import ModelRunner
+
+KINDS = ("kd", "seq", "tree")
+LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",
+             "talf": "tree"}
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[list, list]:
+    """``logits [N, V]`` -> (ids ``[N][k]``, renormalised probs ``[N][k]``)."""
+    probs, ids = torch.topk(logits.float().softmax(-1), k, dim=-1)
+    probs = probs / probs.sum(-1, keepdim=True)
+    return ids.tolist(), probs.tolist()
+
+
+def kd_example(target: ModelRunner, window: list[int], k: int) -> dict:
+    """``window`` of L+1 tokens: inputs ``window[:L]`` and target top-k at each input."""
+    target.reset()
+    logits = target.forward(torch.tensor(window[:-1], dtype=torch.long))  # [L, V]
+    ids, probs = _topk(logits, k)
+    return {"tokens": window, "topk_ids": ids, "topk_probs": probs}
+
+
+def seq_example(target: ModelRunner, prompt: list[int], response_len: int,
+                eos: int | None) -> dict:
+    """Prompt + the target's greedy continuation; ``loss_from`` marks the response start."""
+    from speclab.spec.engine import autoregressive_generate
+    from speclab.spec.sampling import SamplingParams
+
+    out, _ = autoregressive_generate(target, prompt, response_len, SamplingParams(0.0), eos)
+    return {"tokens": prompt + out, "loss_from": len(prompt)}
+
+
+def _tree_forward(target: ModelRunner, tree, nodes: list[int], base: int,
+                  slot: dict[int, int]) -> torch.Tensor:
+    """Target forward on ``nodes`` of ``tree`` over a cache holding ``base`` context
+    positions (root last); ancestors already processed are found through ``slot``."""
+    length = target.length
+    for row, node in enumerate(nodes):  # columns of this batch (ancestors may be in it)
+        slot[node] = length + row
+    allowed = torch.zeros(len(nodes), length + len(nodes), dtype=torch.bool)
+    allowed[:, :base] = True
+    for row, node in enumerate(nodes):
+        anc = node
+        while anc > 0:
+            allowed[row, slot[anc]] = True
+            anc = tree.parents[anc]
+    pos = torch.tensor([base - 1 + tree.depths[i] for i in nodes])
+    return target.forward(torch.tensor([tree.tokens[i] for i in nodes]), pos, allowed)
+
+
+def tree_example(target: ModelRunner, context: list[int], top_k: int, depth: int, nodes: int,
+                 k: int) -> dict:
+    """A target-built tree rooted at ``context[-1]`` and the target's top-k at every node."""
+    target.reset()
+    root_logits = target.forward(torch.tensor(context, dtype=torch.long))[-1]
+    base = target.length
+    slot: dict[int, int] = {}
+    tree, _ = build_eagle2_tree(
+        context[-1], root_logits.softmax(-1),
+        lambda t, ids: _tree_forward(target, t, ids, base, slot).softmax(-1),
+        top_k, depth, nodes)
+    # the kept tree's own distributions (leaves included) in one forward over the context
+    target.crop(base)
+    kept = list(range(1, len(tree)))
+    node_logits = _tree_forward(target, tree, kept, base, {}) if kept else root_logits[:0]
+    ids, probs = _topk(torch.cat([root_logits[None], node_logits]), k)
+    return {"tokens": context, "tree_tokens": tree.tokens, "tree_parents": tree.parents,
+            "topk_ids": ids, "topk_probs": probs}

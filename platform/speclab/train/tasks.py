@@ -1,0 +1,111 @@
+"""Training tasks handed to the Ray Train loop: what a step's batch is and its loss.
+
+A task is built on each worker from the (re-validated) config and a data folder:
+``batch(step, rank)`` is deterministic in (seed, step, rank), so a run resumed from a
+checkpoint sees the same data; ``loss(model, batch)``; ``validate(model)`` on held-out data.
+
+* :class:`LMTask` — next-token cross-entropy on random windows of a token stream
+  (target training);
+* :class:`DistillTask` — a drafter loss (or a weighted mix) on shards written by the
+  distillation job's generation stage; the last shard of each kind is held out.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from speclab.train.distill_batches import COLLATE, batch_loss
+from speclab.train.distill_data import LOSS_KIND
+from speclab.train.lm import eval_loss, lm_loss, random_windows
+
+
+def _gen(seed: int, step: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+
+
+class LMTask:
+    """Causal-LM training on ``data_dir/train.pt`` with validation on ``val.pt``."""
+
+    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+        self.tr = cfg.train
+        self.device = device
+        self.tokens = torch.load(Path(data_dir) / "train.pt")
+        self.val = torch.load(Path(data_dir) / "val.pt")
+
+    def batch(self, step: int, rank: int) -> torch.Tensor:
+        """``[B, seq_len + 1]`` windows."""
+        g = _gen(self.tr.seed, step, rank)
+        return random_windows(self.tokens, self.tr.batch_size, self.tr.seq_len, g).to(self.device)
+
+    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return lm_loss(model, batch)
+
+    def tokens_in(self, batch: torch.Tensor) -> int:
+        return batch.numel()
+
+    def validate(self, model: torch.nn.Module) -> float:
+        return eval_loss(model, self.val.to(self.device), self.tr.seq_len, self.tr.val_windows)
+
+
+def read_shards(folder: Path) -> list[dict]:
+    """All rows of the Parquet shards in ``folder`` (sorted by name)."""
+    import pyarrow.parquet as pq
+
+    rows: list[dict] = []
+    for f in sorted(Path(folder).glob("shard-*.parquet")):
+        rows += pq.read_table(f).to_pylist()
+    return rows
+
+
+class DistillTask:
+    """A drafter loss (``distill.loss``: a name or ``{name: weight}``) on generated shards."""
+
+    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+        self.tr = cfg.train
+        self.device = device
+        self.hass_k = cfg.distill.hass_k
+        self.weights = cfg.distill.loss_weights()
+        self.train_rows: dict[str, list[dict]] = {}
+        self.val_rows: dict[str, list[dict]] = {}
+        for kind in {LOSS_KIND[name] for name in self.weights}:
+            shards = sorted((Path(data_dir) / kind).glob("shard-*.parquet"))
+            if len(shards) < 2:
+                raise ValueError(f"distill: need >= 2 {kind} shards (one is held out), "
+                                 f"found {len(shards)} in {data_dir / kind}")
+            import pyarrow.parquet as pq
+
+            self.val_rows[kind] = pq.read_table(shards[-1]).to_pylist()
+            self.train_rows[kind] = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
+
+    def _collate(self, kind: str, rows: list[dict]) -> dict:
+        return {k: v.to(self.device) for k, v in COLLATE[kind](rows).items()}
+
+    def batch(self, step: int, rank: int) -> dict[str, dict]:
+        """One collated batch per example kind in use."""
+        g = _gen(self.tr.seed, step, rank)
+        out = {}
+        for kind, rows in self.train_rows.items():
+            idx = torch.randint(0, len(rows), (self.tr.batch_size,), generator=g).tolist()
+            out[kind] = self._collate(kind, [rows[i] for i in idx])
+        return out
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, dict]) -> torch.Tensor:
+        return sum(w * batch_loss(model, name, batch[LOSS_KIND[name]], self.hass_k)
+                   for name, w in self.weights.items())
+
+    def tokens_in(self, batch: dict[str, dict]) -> int:
+        return sum(int(b["inputs"].numel()) for b in batch.values())
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module) -> float:
+        model.eval()
+        val = {k: self._collate(k, rows[: self.tr.batch_size * 4])
+               for k, rows in self.val_rows.items()}
+        out = float(self.loss(model, val))
+        model.train()
+        return out
+
+
+TASKS = {"lm": LMTask, "distill": DistillTask}

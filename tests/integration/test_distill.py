@@ -1,0 +1,96 @@
+"""jobs.distill end to end, chained after jobs.train_target through the MLflow registry;
+generation resume; bad input before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import find_run, python, run_cmd
+
+pytestmark = pytest.mark.integration
+DISTILL = "experiments/smoke/distill.yaml"
+
+
+def test_target_then_drafter_both_registered_and_loadable(job_env, tmp_path, monkeypatch):
+    runs = f"output.storage_path={tmp_path / 'runs'}"
+    t = run_cmd([python(), "-m", "jobs.train_target", "--config",
+                 "experiments/smoke/train_target.yaml", runs, "tracking.experiment=t"], job_env)
+    assert t.returncode == 0, t.stderr[-3000:]
+    d = run_cmd([python(), "-m", "jobs.distill", "--config", DISTILL, runs,
+                 "models.target=models:/speclab-smoke-target/1", "tracking.experiment=d"],
+                job_env)
+    assert d.returncode == 0, d.stderr[-3000:]
+    assert "registered as models:/speclab-smoke-drafter/1" in d.stdout
+    client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "d")
+    m = run.data.metrics
+    assert m["final_step"] == 20 and m["shards.kd"] == 2 and m["shards.tree"] == 2
+    assert any(k.startswith("eval/salf_") and k.endswith(".tau") for k in m), sorted(m)
+    assert [h.step for h in client.get_metric_history(run.info.run_id, "loss")] == [10, 20]
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"eval_results.csv", "eval_tau_per_method.png", "config.yaml"} <= arts, arts
+    version = client.get_model_version("speclab-smoke-drafter", "1")
+    assert version.run_id == run.info.run_id  # registered from this very run
+
+    from speclab.api import Decoder
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", job_env["MLFLOW_TRACKING_URI"])
+    dec = Decoder.from_pretrained("models:/speclab-smoke-target/1",
+                                  "models:/speclab-smoke-drafter/1")
+    ar = dec.generate("def f(x):", method="ar", max_new_tokens=10)
+    sd = dec.generate("def f(x):", method="salf", max_new_tokens=10, threshold=0.3)
+    assert sd.token_ids == ar.token_ids  # lossless with the distilled drafter
+
+
+def test_generation_keeps_finished_shards(tiny_pair, tmp_path):
+    """A rerun regenerates only missing shards (resume without redoing finished work)."""
+    import ray
+    import torch
+
+    from jobs.distill import generate
+    from speclab.config import ExperimentConfig
+    from speclab.raylib import quiet_ray_env
+
+    quiet_ray_env()
+    cfg = ExperimentConfig.from_dict({"distill": {"loss": "word_kd", "examples": 12,
+                                                  "shard_size": 4, "seq_len": 8, "top_k": 3,
+                                                  "gen_actors": 1}})
+    tokens = torch.arange(200) % 60
+    data = tmp_path / "data"
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        assert generate(cfg, tiny_pair["target"], data, {"kd"}, tokens) == {"kd": 3}
+        shards = sorted((data / "kd").glob("shard-*.parquet"))
+        assert len(shards) == 3
+        before = {p.name: p.stat().st_mtime_ns for p in shards}
+        shards[1].unlink()
+        generate(cfg, tiny_pair["target"], data, {"kd"}, tokens)
+        after = {p.name: p.stat().st_mtime_ns for p in (data / "kd").glob("shard-*.parquet")}
+    finally:
+        ray.shutdown()
+    assert set(after) == set(before)
+    assert after[shards[0].name] == before[shards[0].name]  # untouched
+    assert after[shards[2].name] == before[shards[2].name]
+    assert not list((data / "kd").glob("*.tmp"))
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["distill.loss=nope"], "unknown loss ['nope']"),
+        (["distill.loss={sft: 0}"], "at least one positive weight"),
+        (["corpus.source=text_folder", "corpus.path=/nonexistent/c"], "corpus.path"),
+        (["tokenizer.path={tok}"], "does not match the target's tokenizer"),
+        (["models.target=/nonexistent/model"], "models.target: model directory"),
+    ],
+)
+def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
+    from speclab.models.tokenizer import train_bpe_tokenizer
+
+    if any("{tok}" in o for o in overrides):
+        train_bpe_tokenizer(["def f(x):\n    return x\n" * 50], 320, tmp_path / "tok")
+    overrides = [o.replace("{tok}", str(tmp_path / "tok")) for o in overrides]
+    res = run_cmd([python(), "-m", "jobs.distill", "--config", DISTILL, *overrides,
+                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=180)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert message in res.stderr
+    assert "running on" not in res.stdout
