@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
@@ -103,6 +104,75 @@ def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str]
     return written
 
 
+@dataclass
+class Prepared:
+    """Inputs checked and loaded on the driver before any Ray work."""
+
+    target: str
+    tokenizer: object
+    tokens: object  # 1-D LongTensor of the tokenised training corpus
+    vocab: int
+    eos: int | None
+
+
+def prepare(cfg: ExperimentConfig) -> Prepared:
+    """Resolve the target, check tokenizer/vocabulary, load the corpus (ValueError if bad)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from speclab.data.text import load_corpus
+    from speclab.models.loading import load_model, resolve_source
+    from speclab.models.registry import resolve_models
+
+    target, _ = resolve_models(cfg.models.target, None)
+    target = resolve_source(target, "models.target")  # models:/ URIs -> a local folder
+    target_cfg = load_model(target, field="models.target").config
+    tok = AutoTokenizer.from_pretrained(target)
+    if cfg.tokenizer.path:
+        other = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+        if len(other) != len(tok):
+            raise ValueError(f"tokenizer.path: vocabulary of {len(other)} tokens does not "
+                             f"match the target's tokenizer ({len(tok)} tokens)")
+    if len(tok) > target_cfg.vocab_size:
+        raise ValueError(f"models.target: tokenizer has {len(tok)} tokens but the model's "
+                         f"vocab_size is {target_cfg.vocab_size}")
+    train_text, _ = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
+                                cfg.corpus.val_chars, cfg.corpus.text_field)
+    tokens = torch.tensor(tok.encode(train_text), dtype=torch.long)
+    return Prepared(target, tok, tokens, int(target_cfg.vocab_size), tok.eos_token_id)
+
+
+def train_register_evaluate(cfg: ExperimentConfig, prep: Prepared, storage: Path,
+                            run_name: str, data_dir: Path, tracker,
+                            register_as: str | None) -> list[dict]:
+    """Stage 2 + registry + engine evaluation into ``tracker``'s run; returns eval rows."""
+    from jobs._evaluate import evaluate_pair, tokenized_prompts
+    from jobs._train import fit, save_final
+
+    t1 = time.perf_counter()
+    result = fit("distill", cfg, storage, run_name, data_dir, prep.vocab, prep.eos,
+                 tracker.run_id, tracker.uri if tracker.run_id else None)
+    prep.tokenizer.save_pretrained(data_dir / "tokenizer")
+    final = save_final(result, cfg, storage / run_name, data_dir / "tokenizer", prep.vocab,
+                       prep.eos)
+    tracker.log_metrics({"train_s": time.perf_counter() - t1,
+                         "final_step": result.metrics["step"],
+                         "final_val_loss": result.metrics["val_loss"]})
+    uri = tracker.log_model(final, register_as)
+    print(f"[distill] drafter saved to {final}" + (f", registered as {uri}" if uri else ""),
+          flush=True)
+    return evaluate_pair(cfg, prep.target, str(final), tokenized_prompts(cfg, prep.target),
+                         tracker, "eval/")
+
+
+def run_dirs(cfg: ExperimentConfig) -> tuple[Path, str]:
+    """(storage folder, run name) from the ``output`` group."""
+    from speclab.paths import speclab_home
+
+    storage = Path(cfg.output.storage_path or speclab_home() / "runs").expanduser().resolve()
+    return storage, cfg.output.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_job_args(__doc__, argv)
     cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
@@ -110,78 +180,34 @@ def main(argv: list[str] | None = None) -> int:
         print("config error: output.run_name: required when train.resume is true",
               file=sys.stderr)
         return 2
-    config = cfg.model_dump(mode="json")
     try:
         tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, config)
-    except TrackingUnavailable as exc:
+                               cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
+        prep = prepare(cfg)  # everything wrong with the inputs fails here, before Ray
+    except (TrackingUnavailable, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    import torch
-    from transformers import AutoTokenizer
-
-    from speclab.data.text import load_corpus
-    from speclab.models.loading import load_model, resolve_source
-    from speclab.models.registry import resolve_models
-    from speclab.paths import speclab_home
+    from jobs._train import peak_rss_mb
+    from speclab.raylib import init_ray
     from speclab.train.distill_data import LOSS_KIND
 
-    # everything that can be wrong with the inputs fails here, before Ray starts
-    try:
-        target, _ = resolve_models(cfg.models.target, None)
-        target = resolve_source(target, "models.target")  # models:/ URIs -> a local folder
-        target_cfg = load_model(target, field="models.target").config
-        tok = AutoTokenizer.from_pretrained(target)
-        if cfg.tokenizer.path:
-            other = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
-            if len(other) != len(tok):
-                raise ValueError(f"tokenizer.path: vocabulary of {len(other)} tokens does not "
-                                 f"match the target's tokenizer ({len(tok)} tokens)")
-        if len(tok) > target_cfg.vocab_size:
-            raise ValueError(f"models.target: tokenizer has {len(tok)} tokens but the model's "
-                             f"vocab_size is {target_cfg.vocab_size}")
-        train_text, _ = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
-                                    cfg.corpus.val_chars, cfg.corpus.text_field)
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    tokens = torch.tensor(tok.encode(train_text), dtype=torch.long)
-    vocab, eos = int(target_cfg.vocab_size), tok.eos_token_id
-
-    storage = Path(cfg.output.storage_path or speclab_home() / "runs").expanduser().resolve()
-    run_name = cfg.output.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = storage / run_name
-    data_dir = run_dir / "data"
+    storage, run_name = run_dirs(cfg)
+    data_dir = storage / run_name / "data"
     kinds = {LOSS_KIND[name] for name in cfg.distill.loss_weights()}
-
-    from jobs._evaluate import evaluate_pair, tokenized_prompts
-    from jobs._train import fit, peak_rss_mb, save_final
-    from speclab.raylib import init_ray
-
     where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
-    print(f"[distill] running on {where}; run dir {run_dir}", flush=True)
+    print(f"[distill] running on {where}; run dir {storage / run_name}", flush=True)
     with tracker as t:
-        t.set_tags({"job": "distill", "run_dir": str(run_dir), "target": target,
-                    "loss": ",".join(sorted(cfg.distill.loss_weights()))})
+        t.set_tags({"job": "distill", "run_dir": str(storage / run_name),
+                    "target": prep.target, "loss": ",".join(sorted(cfg.distill.loss_weights()))})
         t0 = time.perf_counter()
-        shards = generate(cfg, target, data_dir, kinds, tokens)
+        shards = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
         t.log_metrics({"generate_s": time.perf_counter() - t0,
                        "generate_driver_peak_rss_mb": peak_rss_mb(),
                        **{f"shards.{k}": v for k, v in shards.items()}})
         print(f"[distill] generated {shards} in {time.perf_counter() - t0:.0f}s", flush=True)
-        t1 = time.perf_counter()
-        result = fit("distill", cfg, storage, run_name, data_dir, vocab, eos, tracker.run_id,
-                     tracker.uri if tracker.run_id else None)
-        tok.save_pretrained(data_dir / "tokenizer")
-        final = save_final(result, cfg, run_dir, data_dir / "tokenizer", vocab, eos)
-        t.log_metrics({"train_s": time.perf_counter() - t1,
-                       "final_step": result.metrics["step"],
-                       "final_val_loss": result.metrics["val_loss"]})
-        uri = t.log_model(final, cfg.output.register_as)
-        print(f"[distill] drafter saved to {final}" + (f", registered as {uri}" if uri else ""),
-              flush=True)
-        evaluate_pair(cfg, target, str(final), tokenized_prompts(cfg, target), t, "eval/")
+        train_register_evaluate(cfg, prep, storage, run_name, data_dir, t,
+                                cfg.output.register_as)
     return 0
 
 

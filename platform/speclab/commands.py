@@ -47,7 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-JOBS = ("evaluate",)
+JOBS = ("evaluate", "train_target", "distill", "compare_losses")
 
 
 def _add_job_parsers(sub) -> None:

@@ -129,15 +129,22 @@ class NullTracker:
     def log_model(self, folder: str | Path, registered_name: str | None) -> str | None:
         return None
 
+    def child(self, run_name: str, config: dict) -> NullTracker:
+        """A nested run (a trial, one loss of a comparison); no-op here."""
+        return NullTracker()
+
 
 class MlflowTracker(NullTracker):
     """One MLflow run: ``with MlflowTracker(uri, experiment, run_name, config) as t: ...``."""
 
-    def __init__(self, uri: str, experiment: str, run_name: str | None, config: dict) -> None:
+    def __init__(self, uri: str, experiment: str, run_name: str | None, config: dict,
+                 nested: bool = False) -> None:
         import mlflow
 
         self.mlflow = mlflow
         self.uri = uri
+        self.experiment = experiment
+        self.nested = nested
         mlflow.set_tracking_uri(uri)
         if mlflow.get_experiment_by_name(experiment) is None:
             embedded = uri.startswith("sqlite:")
@@ -149,7 +156,7 @@ class MlflowTracker(NullTracker):
         self.config = config
 
     def __enter__(self):
-        run = self.mlflow.start_run(run_name=self.run_name)
+        run = self.mlflow.start_run(run_name=self.run_name, nested=self.nested)
         self.run_id = run.info.run_id
         self.set_tags({"git_commit": git_commit(), "config_hash": config_hash(self.config)})
         self.log_params(flatten(self.config))
@@ -193,6 +200,10 @@ class MlflowTracker(NullTracker):
     def log_model(self, folder: str | Path, registered_name: str | None) -> str | None:
         """Log a saved HF folder as this run's model; register it when named."""
         return log_hf_model(folder, registered_name)
+
+    def child(self, run_name: str, config: dict) -> MlflowTracker:
+        """A nested run under the active one (use inside this run's ``with``)."""
+        return MlflowTracker(self.uri, self.experiment, run_name, config, nested=True)
 
 
 def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str | None,

@@ -232,11 +232,28 @@ class DistillConfig(StrictModel):
         return {k: float(v) for k, v in self.loss.items() if v > 0}
 
 
+class CompareConfig(StrictModel):
+    """Losses trained one after another by ``compare_losses`` (same data, arch, budget)."""
+
+    losses: list[str] = Field(
+        default_factory=lambda: ["sft", "word_kd", "seq_kd", "tvd_kd", "hass_topk", "talf"])
+
+    @model_validator(mode="after")
+    def _known(self):
+        from speclab.losses import LOSSES
+
+        unknown = [n for n in self.losses if n not in LOSSES]
+        if unknown or not self.losses:
+            raise ValueError(f"losses must be non-empty names from {sorted(LOSSES)}; "
+                             f"unknown: {unknown}")
+        return self
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
     name: str = "experiment"
-    job: Literal["evaluate", "train_target", "distill"] = "evaluate"
+    job: Literal["evaluate", "train_target", "distill", "compare_losses"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -252,6 +269,7 @@ class ExperimentConfig(StrictModel):
     scaling: TrainScalingConfig = TrainScalingConfig()
     output: OutputConfig = OutputConfig()
     distill: DistillConfig = DistillConfig()
+    compare: CompareConfig = CompareConfig()
 
     def method_list(self) -> list[MethodConfig]:
         """``methods`` when given, else the single ``method``."""
