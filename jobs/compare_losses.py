@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         parent.set_tags({"job": "compare_losses", "target": prep.target})
         t0 = time.perf_counter()
         kinds = {LOSS_KIND[name] for name in cfg.compare.losses}
-        shards = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
+        shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
         parent.log_metrics({"generate_s": time.perf_counter() - t0,
+                            "generate_actor_peak_rss_mb": actor_peak,
                             **{f"shards.{k}": v for k, v in shards.items()}})
         for loss in cfg.compare.losses:
             sub = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"loss": loss})})

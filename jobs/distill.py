@@ -28,8 +28,9 @@ from speclab.config import ExperimentConfig
 from speclab.tracking import TrackingUnavailable, open_tracker
 
 
-def plan_examples(cfg: ExperimentConfig, tokens, kind: str) -> list[list[int]]:
-    """Deterministic inputs for ``kind``: windows / prompts / contexts of the corpus."""
+def plan_starts(cfg: ExperimentConfig, tokens, kind: str) -> tuple[list[int], int]:
+    """Deterministic corpus offsets and length of ``kind``'s inputs (windows / prompts /
+    contexts); the inputs themselves are sliced per shard, so memory stays bounded."""
     import torch
 
     d = cfg.distill
@@ -37,13 +38,13 @@ def plan_examples(cfg: ExperimentConfig, tokens, kind: str) -> list[list[int]]:
     if tokens.numel() <= length + 1:
         raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
     g = torch.Generator().manual_seed(cfg.train.seed + 7919 * len(kind))
-    starts = torch.randint(0, tokens.numel() - length - 1, (d.examples,), generator=g).tolist()
-    return [tokens[s : s + length].tolist() for s in starts]
+    starts = torch.randint(0, tokens.numel() - length - 1, (d.examples,), generator=g)
+    return starts.tolist(), length
 
 
 def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str],
-             tokens) -> dict[str, int]:
-    """Stage 1 on an actor pool; returns the number of shards written per kind."""
+             tokens) -> tuple[dict[str, int], float]:
+    """Stage 1 on an actor pool; returns (shards per kind, the actors' peak RSS in MB)."""
     import ray
 
     d = cfg.distill
@@ -59,8 +60,10 @@ def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str]
 
             self.dec = Decoder.from_pretrained(target, None, dtype, device)
 
-        def shard(self, kind: str, inputs: list[list[int]], path: str) -> int:
+        def shard(self, kind: str, inputs: list[list[int]], path: str) -> float:
+            """Write one shard; returns this actor's peak RSS in MB."""
             import os
+            import resource
 
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -78,30 +81,35 @@ def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str]
             tmp = path + ".tmp"
             pq.write_table(pa.Table.from_pylist(rows), tmp)
             os.replace(tmp, path)  # atomic: a shard is whole or absent
-            return len(rows)
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     pool = [Generator.options(num_cpus=d.gen_cpus_per_actor,
                               num_gpus=d.gen_gpus_per_actor).remote()
             for _ in range(d.gen_actors)]
-    pending, written = [], {}
+    pending, written, submitted, peak = [], {}, 0, 0.0
     try:
         for kind in sorted(kinds):
             folder = data_dir / kind
             folder.mkdir(parents=True, exist_ok=True)
-            inputs = plan_examples(cfg, tokens, kind)
-            chunks = [inputs[i : i + d.shard_size] for i in range(0, len(inputs), d.shard_size)]
-            written[kind] = len(chunks)
-            for i, chunk in enumerate(chunks):
+            starts, length = plan_starts(cfg, tokens, kind)
+            n_shards = (len(starts) + d.shard_size - 1) // d.shard_size
+            written[kind] = n_shards
+            for i in range(n_shards):
                 path = folder / f"shard-{i:05d}.parquet"
                 if path.exists():
                     continue  # resumed generation: finished shards are kept
-                actor = pool[len(pending) % len(pool)]
-                pending.append(actor.shard.remote(kind, chunk, str(path)))
-        ray.get(pending)
+                chunk = [tokens[s : s + length].tolist()
+                         for s in starts[i * d.shard_size : (i + 1) * d.shard_size]]
+                if len(pending) >= 2 * len(pool):  # bounded number of shards in flight
+                    done, pending = ray.wait(pending, num_returns=1)
+                    peak = max(peak, *ray.get(done))
+                pending.append(pool[submitted % len(pool)].shard.remote(kind, chunk, str(path)))
+                submitted += 1
+        peak = max(peak, *ray.get(pending)) if pending else peak
     finally:
         for a in pool:
             ray.kill(a)
-    return written
+    return written, peak
 
 
 @dataclass
@@ -201,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         t.set_tags({"job": "distill", "run_dir": str(storage / run_name),
                     "target": prep.target, "loss": ",".join(sorted(cfg.distill.loss_weights()))})
         t0 = time.perf_counter()
-        shards = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
+        shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
         t.log_metrics({"generate_s": time.perf_counter() - t0,
                        "generate_driver_peak_rss_mb": peak_rss_mb(),
+                       "generate_actor_peak_rss_mb": actor_peak,
                        **{f"shards.{k}": v for k, v in shards.items()}})
         print(f"[distill] generated {shards} in {time.perf_counter() - t0:.0f}s", flush=True)
         train_register_evaluate(cfg, prep, storage, run_name, data_dir, t,

@@ -24,6 +24,7 @@ def test_target_then_drafter_both_registered_and_loadable(job_env, tmp_path, mon
     client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "d")
     m = run.data.metrics
     assert m["final_step"] == 20 and m["shards.kd"] == 2 and m["shards.tree"] == 2
+    assert m["generate_actor_peak_rss_mb"] > 0 and m["peak_rss_mb"] > 0
     assert any(k.startswith("eval/salf_") and k.endswith(".tau") for k in m), sorted(m)
     assert [h.step for h in client.get_metric_history(run.info.run_id, "loss")] == [10, 20]
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
@@ -58,7 +59,8 @@ def test_generation_keeps_finished_shards(tiny_pair, tmp_path):
     data = tmp_path / "data"
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        assert generate(cfg, tiny_pair["target"], data, {"kd"}, tokens) == {"kd": 3}
+        shards, peak = generate(cfg, tiny_pair["target"], data, {"kd"}, tokens)
+        assert shards == {"kd": 3} and peak > 0
         shards = sorted((data / "kd").glob("shard-*.parquet"))
         assert len(shards) == 3
         before = {p.name: p.stat().st_mtime_ns for p in shards}

@@ -39,8 +39,11 @@ def _jsonl_text(path: str, field: str, max_chars: int) -> str:
         except json.JSONDecodeError as exc:
             raise ValueError(f"corpus.path: {path}:{i} is not JSON ({exc.msg})") from None
         text = obj.get(field) if isinstance(obj, dict) else None
+        if text is None and isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            text = obj["prompt"] + str(obj.get("response", ""))  # prompt/response pairs
         if not isinstance(text, str):
-            raise ValueError(f"corpus.path: {path}:{i} has no string field {field!r}")
+            raise ValueError(f"corpus.path: {path}:{i} has no string field {field!r} "
+                             "(nor prompt/response)")
         parts.append(text)
         total += len(text)
         if total >= max_chars:
