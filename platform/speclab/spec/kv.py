@@ -12,7 +12,7 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from speclab.spec.tree import additive_mask
+from speclab.spec.tree import TokenTree, additive_mask
 
 
 class ModelRunner:
@@ -95,3 +95,32 @@ class ModelRunner:
         if length < self.length:
             self.cache.crop(length - self.length)  # crop(-n) removes n positions
         self.length = length
+
+
+def forward_tree_nodes(runner: ModelRunner, tree: TokenTree, nodes: list[int], base: int,
+                       slot: dict[int, int]) -> torch.Tensor:
+    """Process tree ``nodes`` in ONE forward with tree attention, appended to the cache.
+
+    The cache holds ``base`` committed positions (the tree's root is the last of them)
+    followed by nodes processed earlier; ``slot`` maps node -> cache position and is
+    updated with the new nodes. Each node sees the committed prefix, its ancestors
+    (earlier or in this batch; nodes must come parent-first) and itself; its position
+    is ``base - 1 + depth``.
+
+    Returns ``[len(nodes), V]`` logits (each node's distribution over its children).
+    """
+    length = runner.length
+    n = len(nodes)
+    for row, node in enumerate(nodes):
+        slot[node] = length + row
+    allowed = torch.zeros(n, length + n, dtype=torch.bool)
+    allowed[:, :base] = True
+    for row, node in enumerate(nodes):
+        anc = node
+        while anc > 0:
+            allowed[row, slot[anc]] = True
+            anc = tree.parents[anc]
+    tokens = torch.tensor([tree.tokens[i] for i in nodes], dtype=torch.long)
+    positions = torch.tensor([base - 1 + tree.depths[i] for i in nodes])
+    causal = n == 1 and bool(allowed.all())  # e.g. the next node of a chain
+    return runner.forward(tokens, positions, None if causal else allowed)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from speclab.spec.drafters.eagle2 import build_eagle2_tree
-from speclab.spec.kv import ModelRunner
+from speclab.spec.kv import ModelRunner, forward_tree_nodes
 
 KINDS = ("kd", "seq", "tree")
 LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",
@@ -50,24 +50,6 @@ def seq_example(target: ModelRunner, prompt: list[int], response_len: int,
     return {"tokens": prompt + out, "loss_from": len(prompt)}
 
 
-def _tree_forward(target: ModelRunner, tree, nodes: list[int], base: int,
-                  slot: dict[int, int]) -> torch.Tensor:
-    """Target forward on ``nodes`` of ``tree`` over a cache holding ``base`` context
-    positions (root last); ancestors already processed are found through ``slot``."""
-    length = target.length
-    for row, node in enumerate(nodes):  # columns of this batch (ancestors may be in it)
-        slot[node] = length + row
-    allowed = torch.zeros(len(nodes), length + len(nodes), dtype=torch.bool)
-    allowed[:, :base] = True
-    for row, node in enumerate(nodes):
-        anc = node
-        while anc > 0:
-            allowed[row, slot[anc]] = True
-            anc = tree.parents[anc]
-    pos = torch.tensor([base - 1 + tree.depths[i] for i in nodes])
-    return target.forward(torch.tensor([tree.tokens[i] for i in nodes]), pos, allowed)
-
-
 def tree_example(target: ModelRunner, context: list[int], top_k: int, depth: int, nodes: int,
                  k: int) -> dict:
     """A target-built tree rooted at ``context[-1]`` and the target's top-k at every node."""
@@ -77,12 +59,12 @@ def tree_example(target: ModelRunner, context: list[int], top_k: int, depth: int
     slot: dict[int, int] = {}
     tree, _ = build_eagle2_tree(
         context[-1], root_logits.softmax(-1),
-        lambda t, ids: _tree_forward(target, t, ids, base, slot).softmax(-1),
+        lambda t, ids: forward_tree_nodes(target, t, ids, base, slot).softmax(-1),
         top_k, depth, nodes)
     # the kept tree's own distributions (leaves included) in one forward over the context
     target.crop(base)
     kept = list(range(1, len(tree)))
-    node_logits = _tree_forward(target, tree, kept, base, {}) if kept else root_logits[:0]
+    node_logits = forward_tree_nodes(target, tree, kept, base, {}) if kept else root_logits[:0]
     ids, probs = _topk(torch.cat([root_logits[None], node_logits]), k)
     return {"tokens": context, "tree_tokens": tree.tokens, "tree_parents": tree.parents,
             "topk_ids": ids, "topk_probs": probs}

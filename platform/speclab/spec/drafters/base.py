@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from speclab.spec.kv import ModelRunner
+from speclab.spec.kv import ModelRunner, forward_tree_nodes
 from speclab.spec.tree import TokenTree
 
 
@@ -82,23 +82,7 @@ class ModelDrafter(Drafter):
         Every node's parent must already be processed. Returns ``[len(nodes), V]``
         logits (each node's distribution over its children).
         """
-        length = self.runner.length
-        n = len(nodes)
-        tokens = torch.tensor([tree.tokens[i] for i in nodes], dtype=torch.long)
-        positions = torch.tensor([self.base - 1 + tree.depths[i] for i in nodes])
-        allowed = torch.zeros(n, length + n, dtype=torch.bool)
-        allowed[:, : self.base] = True
-        for row, node in enumerate(nodes):
-            allowed[row, length + row] = True
-            anc = tree.parents[node]
-            while anc > 0:
-                allowed[row, self.slot[anc]] = True
-                anc = tree.parents[anc]
-        simple = n == 1 and bool(allowed.all())
-        logits = self.runner.forward(tokens, positions, None if simple else allowed)
-        for row, node in enumerate(nodes):
-            self.slot[node] = length + row
-        return logits
+        return forward_tree_nodes(self.runner, tree, nodes, self.base, self.slot)
 
     def score_probs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
         """Draft probabilities used to RANK tree nodes: ``softmax(logits / temperature)``.
