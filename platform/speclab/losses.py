@@ -41,15 +41,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
     return _reduce(per_pos, mask, weights)
 
 
-def _student_logq(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logq_full = logits.float().log_softmax(-1)  # [B, L, V]
-    return logq_full, logq_full.gather(-1, ids)  # [B, L, K]
+def _student_logq(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log q at the kept entries: ``logits [B, L, V]``, ``ids [B, L, K]`` -> ``[B, L, K]``."""
+    return logits.float().log_softmax(-1).gather(-1, ids)
 
 
 def word_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
             weights: torch.Tensor | None = None) -> torch.Tensor:
     """Forward KL(p || q) over the target's kept entries: sum_k p_k (log p_k - log q_k)."""
-    _, logq = _student_logq(logits, ids)  # [B, L, K]
+    logq = _student_logq(logits, ids)  # [B, L, K]
     p = probs.float()
     per_pos = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)  # [B, L]
     return _reduce(per_pos, mask, weights)
@@ -58,11 +58,9 @@ def word_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: 
 def tvd_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
            weights: torch.Tensor | None = None) -> torch.Tensor:
     """Total variation 0.5 * sum_v |p_v - q_v| with p zero outside its kept entries."""
-    logq_full, logq = _student_logq(logits, ids)
-    q_kept = logq.exp()  # [B, L, K]
+    q_kept = _student_logq(logits, ids).exp()  # [B, L, K]
     outside = (1.0 - q_kept.sum(-1)).clamp_min(0.0)  # q mass where p is 0: [B, L]
     per_pos = 0.5 * ((probs.float() - q_kept).abs().sum(-1) + outside)
-    del logq_full
     return _reduce(per_pos, mask, weights)
 
 
@@ -74,7 +72,7 @@ def hass_topk(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask
     """
     if top_k is not None:
         ids, probs = ids[..., :top_k], probs[..., :top_k]
-    _, logq = _student_logq(logits, ids)
+    logq = _student_logq(logits, ids)
     per_pos = -(probs.float() * logq).sum(-1)  # [B, L]
     return _reduce(per_pos, mask, weights)
 
@@ -88,7 +86,7 @@ def talf(node_logits: torch.Tensor, node_ids: torch.Tensor, node_probs: torch.Te
     kept distribution there, ``node_mask [B, T]`` marks real nodes. On a one-path tree
     whose target distributions are one-hot this is exactly the sequence CE.
     """
-    _, logq = _student_logq(node_logits, node_ids)
+    logq = _student_logq(node_logits, node_ids)
     per_node = -(node_probs.float() * logq).sum(-1)  # [B, T]
     return _reduce(per_node, node_mask, weights)
 

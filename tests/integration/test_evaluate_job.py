@@ -46,6 +46,25 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         assert "tau" in res.stdout and "salf(" in res.stdout  # the printed table
         assert "True" in res.stdout  # greedy outputs identical to AR
         check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
+    if job == "compare_losses":
+        check_comparison_runs(job_env["MLFLOW_TRACKING_URI"])
+
+
+def check_comparison_runs(tracking_uri: str) -> None:
+    """One parent run with the table and plot, one child run per loss."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("speclab-smoke")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    parent = parents[0]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.tags["loss"] for r in children) == ["sft", "talf"]
+    assert all(r.data.metrics["final_step"] == 10 for r in children)
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"loss_comparison.csv", "loss_comparison.txt", "tau_by_loss.png"} <= arts, arts
 
 
 def test_bad_config_fails_fast_naming_the_field(job_env):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 from speclab.train.distill_batches import COLLATE, batch_loss
@@ -49,16 +50,6 @@ class LMTask:
         return eval_loss(model, self.val.to(self.device), self.tr.seq_len, self.tr.val_windows)
 
 
-def read_shards(folder: Path) -> list[dict]:
-    """All rows of the Parquet shards in ``folder`` (sorted by name)."""
-    import pyarrow.parquet as pq
-
-    rows: list[dict] = []
-    for f in sorted(Path(folder).glob("shard-*.parquet")):
-        rows += pq.read_table(f).to_pylist()
-    return rows
-
-
 class DistillTask:
     """A drafter loss (``distill.loss``: a name or ``{name: weight}``) on generated shards."""
 
@@ -74,8 +65,6 @@ class DistillTask:
             if len(shards) < 2:
                 raise ValueError(f"distill: need >= 2 {kind} shards (one is held out), "
                                  f"found {len(shards)} in {data_dir / kind}")
-            import pyarrow.parquet as pq
-
             self.val_rows[kind] = pq.read_table(shards[-1]).to_pylist()
             self.train_rows[kind] = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
 
