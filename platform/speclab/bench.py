@@ -44,7 +44,7 @@ def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwa
     model = dec.target.model
     totals = Totals()
     for ids in prompts:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
@@ -59,14 +59,15 @@ def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwa
 
 
 def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
-              runs: list[MethodRun] | None = None) -> list[dict]:
+              runs: list[MethodRun] | None = None, device: str = "cpu",
+              dtype: str = "float32") -> list[dict]:
     """Run the benchmark, print the table, write ``bench.json``; returns the rows."""
     from speclab.api import Decoder
     from speclab.data.corpus import function_header_prompts
     from speclab.models.reference import ensure_reference_pair
 
     pair = ensure_reference_pair()
-    dec = Decoder.from_pretrained(pair.target, pair.draft)
+    dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device)
     prompts = [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
     gen = {"max_new_tokens": max_new_tokens}
     runs = runs or DEFAULT_RUNS
@@ -94,7 +95,9 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "torch_threads": torch.get_num_threads(),
-            "machine": platform.platform(), "temperature": 0.0}
+            "machine": platform.platform(), "temperature": 0.0, "device": device,
+            "dtype": dtype, "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
+            else None}
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\nwrote {out / 'bench.json'}")
     return rows

@@ -19,6 +19,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default="bench_out", help="folder for bench.json")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--dtype", default="float32")
     HANDLERS["bench"] = cmd_bench
     _add_job_parsers(sub)
 
@@ -43,7 +45,7 @@ def cmd_reference(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from speclab.bench import run_bench
 
-    run_bench(args.prompts, args.max_new_tokens, args.out)
+    run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype)
     return 0
 
 
