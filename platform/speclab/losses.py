@@ -106,3 +106,47 @@ def get_loss(name: str) -> LossFn:
     if name not in LOSSES:
         raise ValueError(f"loss: unknown loss {name!r}; known: {sorted(LOSSES)}")
     return LOSSES[name]
+
+
+# --- AtSpeed alignment losses (recommendation; item ids are constrained token sequences) ---
+# Shapes: draft ``logits [B, L, V]``, target ``target_logp [B, L, V]`` (log-probabilities;
+# any value where invalid), ``valid [B, L, V]`` bool (tokens the item trie allows),
+# ``labels [B, L]`` ground-truth item tokens (L_Rec, eq. 37), ``mask [B, L]``.
+
+
+def atspeed_s(logits: torch.Tensor, labels: torch.Tensor, target_logp: torch.Tensor,
+              valid: torch.Tensor, log_p_k: torch.Tensor, mask: torch.Tensor, k: int,
+              alpha: float, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """AtSpeed-S (eq. 5): ``alpha * L_Align-S + (1 - alpha) * L_Rec``.
+
+    L_Align-S (eq. 4) at a position: RKLD over ``V_c`` (the draft's top-``k`` VALID tokens)
+    minus the density regularisation, which together equal
+    ``sum_{v in V_c} q(v) (log p_K - log p(v))`` with ``log_p_k [B, L]`` the target's
+    log-probability of the K-th ranked sequence's token there. ``q`` is the draft's full
+    softmax, so mass outside ``V_c`` is pushed into it.
+    """
+    logq = logits.float().log_softmax(-1)  # [B, L, V]
+    ranked = logq.masked_fill(~valid, float("-inf"))
+    idx = torch.topk(ranked, k, dim=-1).indices  # [B, L, k]: V_c
+    q_c = logq.gather(-1, idx).exp()  # [B, L, k]
+    p_c = target_logp.float().gather(-1, idx)  # [B, L, k]
+    align = (q_c * (log_p_k.float()[..., None] - p_c)).sum(-1)  # [B, L]
+    rec = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # [B, L]
+    return _reduce(alpha * align + (1 - alpha) * rec, mask, weights)
+
+
+def atspeed_r(logits: torch.Tensor, labels: torch.Tensor, target_logp: torch.Tensor,
+              valid: torch.Tensor, mask: torch.Tensor, k: int, alpha: float,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
+    """AtSpeed-R (eq. 9): ``alpha * L_Align-R + (1 - alpha) * L_Rec``.
+
+    L_Align-R (eq. 8): TVD between ``p'`` and ``q'``, the target's and the draft's
+    distributions truncated to the target's top-``k`` VALID tokens and renormalised.
+    """
+    ranked = target_logp.float().masked_fill(~valid, float("-inf"))
+    idx = torch.topk(ranked, k, dim=-1).indices  # [B, L, k]
+    p_t = target_logp.float().gather(-1, idx).softmax(-1)
+    q_t = logits.float().gather(-1, idx).softmax(-1)
+    align = 0.5 * (p_t - q_t).abs().sum(-1)  # [B, L]
+    rec = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    return _reduce(alpha * align + (1 - alpha) * rec, mask, weights)

@@ -71,3 +71,55 @@ def test_talf_on_one_path_tree_equals_sequence_loss():
 def test_unknown_loss_name():
     with pytest.raises(ValueError, match="loss: unknown loss 'nope'"):
         losses.get_loss("nope")
+
+
+def _rec_setup(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(2, 3, V, generator=g)
+    target = torch.randn(2, 3, V, generator=g).log_softmax(-1)
+    labels = torch.randint(0, V, (2, 3), generator=g)
+    valid = torch.zeros(2, 3, V, dtype=torch.bool)
+    valid[..., :4] = True  # tokens 0-3 are valid item tokens
+    return logits, target, labels, valid, torch.ones(2, 3)
+
+
+@pytest.mark.parametrize("name", ["s", "r"])
+def test_atspeed_alpha_zero_is_the_recommendation_loss(name):
+    logits, target, labels, valid, mask = _rec_setup()
+    rec = losses.cross_entropy(logits, labels, mask)
+    if name == "s":
+        got = losses.atspeed_s(logits, labels, target, valid, target[..., 0], mask, 2, 0.0)
+    else:
+        got = losses.atspeed_r(logits, labels, target, valid, mask, 2, 0.0)
+    assert got.item() == pytest.approx(rec.item(), rel=1e-6)
+
+
+def test_atspeed_s_known_value_and_zero_case():
+    # one position, V = 6, tokens 0..3 valid; draft q puts 0.5/0.3 on tokens 1/2 (top-2 valid)
+    q = torch.tensor([0.05, 0.5, 0.3, 0.05, 0.1, 0.0])
+    p = torch.tensor([0.1, 0.2, 0.4, 0.1, 0.1, 0.1])
+    valid = torch.tensor([True, True, True, True, False, False])[None, None]
+    lab, mask = torch.tensor([[1]]), torch.ones(1, 1)
+    log_p_k = torch.tensor([[math.log(0.2)]])
+    got = losses.atspeed_s(logits_of(q)[None, None], lab, logits_of(p)[None, None], valid,
+                           log_p_k, mask, k=2, alpha=1.0)
+    want = 0.5 * (math.log(0.2) - math.log(0.2)) + 0.3 * (math.log(0.2) - math.log(0.4))
+    assert got.item() == pytest.approx(want, rel=1e-5)
+    # when every V_c token has the K-th sequence's probability, the loss is 0
+    p_flat = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])
+    zero = losses.atspeed_s(logits_of(q)[None, None], lab, logits_of(p_flat)[None, None], valid,
+                            log_p_k, mask, k=2, alpha=1.0)
+    assert zero.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_atspeed_r_known_values():
+    valid = torch.tensor([True, True, True, False, False, False])[None, None]
+    lab, mask = torch.tensor([[0]]), torch.ones(1, 1)
+    p = torch.tensor([0.4, 0.2, 0.1, 0.2, 0.05, 0.05])  # target top-2 valid: tokens 0, 1
+    same = losses.atspeed_r(logits_of(p)[None, None], lab, logits_of(p)[None, None], valid,
+                            mask, k=2, alpha=1.0)
+    assert same.item() == pytest.approx(0.0, abs=1e-6)
+    q = torch.tensor([0.1, 0.3, 0.3, 0.1, 0.1, 0.1])  # truncated: q' = (0.25, 0.75)
+    got = losses.atspeed_r(logits_of(q)[None, None], lab, logits_of(p)[None, None], valid,
+                           mask, k=2, alpha=1.0)
+    assert got.item() == pytest.approx(0.5 * (abs(2 / 3 - 0.25) + abs(1 / 3 - 0.75)), rel=1e-5)

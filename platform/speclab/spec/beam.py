@@ -1,0 +1,184 @@
+"""Constrained beam search and beam speculative decoding (AtSpeed, N-to-K verification).
+
+A beam is ``(tokens, score)``: the item-id tokens generated so far after the prompt and
+their summed log-probability, each step's log-probabilities renormalised over the tokens
+the :class:`~speclab.spec.trie.ItemTrie` allows. Ranking ties break by token sequence, so
+every search here is deterministic.
+
+* :func:`constrained_beam_search` — the target's (or drafter's) own beam search;
+  beams share the prompt's KV cache and are expanded with tree attention.
+* :func:`beam_speculative_search` — each round the drafter runs beam search with beam
+  ``N`` for ``gamma`` steps from the committed beams; every drafted beam sequence and the
+  committed beams are merged into ONE TokenTree and scored by ONE target forward; strict
+  top-K verification (AtSpeed Algorithm 1) accepts step ``s`` iff the target's top-K at
+  ``s`` are all among the drafted beams at ``s``. The target's top-K at the first
+  rejected step (or one step past the last accepted) is committed as well, so the
+  result is exactly the target's own beam search (lossless).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from speclab.spec.kv import ModelRunner, forward_tree_nodes
+from speclab.spec.tree import TokenTree
+from speclab.spec.trie import ItemTrie
+
+Beam = tuple[tuple[int, ...], float]
+
+
+def _expand(beams: list[Beam], logits: list[torch.Tensor], trie: ItemTrie,
+            width: int) -> list[Beam]:
+    """Top-``width`` one-token extensions of ``beams`` (``logits[i]``: ``[V]`` at beam i)."""
+    cands: list[Beam] = []
+    for (seq, score), row in zip(beams, logits):
+        allowed = trie.allowed(seq)
+        if not allowed:
+            continue
+        lp = row.float()[allowed].log_softmax(-1).tolist()
+        cands += [(seq + (tok,), score + v) for tok, v in zip(allowed, lp)]
+    cands.sort(key=lambda b: (-b[1], b[0]))
+    return cands[:width]
+
+
+def _check(prompt: list[int], trie: ItemTrie, k: int, runner: ModelRunner) -> None:
+    if not prompt:
+        raise ValueError("history: must contain at least one token")
+    if k < 1:
+        raise ValueError(f"k: must be >= 1, got {k}")
+    bad = [t for t in prompt if not 0 <= t < runner.vocab_size]
+    if bad:
+        raise ValueError(f"history: token ids {bad[:5]} outside the vocabulary")
+
+
+class _BeamTree:
+    """Beams as nodes of a TokenTree over a cached prompt (root = last prompt token)."""
+
+    def __init__(self, runner: ModelRunner, prompt: list[int]) -> None:
+        self.runner = runner
+        runner.reset()
+        self.root_logits = runner.forward(torch.tensor(prompt, dtype=torch.long))[-1]
+        self.base = runner.length
+        self.tree = TokenTree(prompt[-1])
+        self.node: dict[tuple[int, ...], int] = {(): 0}
+        self.slot: dict[int, int] = {0: self.base - 1}
+        self.logits: dict[tuple[int, ...], torch.Tensor] = {(): self.root_logits}
+
+    def restart(self) -> None:
+        """Drop every beam node (keep the prompt's cache)."""
+        self.runner.crop(self.base)
+        self.tree = TokenTree(self.tree.tokens[0])
+        self.node, self.slot = {(): 0}, {0: self.base - 1}
+        self.logits = {(): self.root_logits}
+
+    def add(self, seqs: list[tuple[int, ...]]) -> list[int]:
+        """Add beam sequences (and missing prefixes) as nodes; returns new node ids."""
+        new = []
+        for seq in sorted(seqs, key=len):
+            for i in range(1, len(seq) + 1):
+                if seq[:i] not in self.node:
+                    self.node[seq[:i]] = self.tree.add(seq[i - 1], self.node[seq[: i - 1]])
+                    new.append(self.node[seq[:i]])
+        return new
+
+    def score(self, seqs: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Logits at the end of each sequence; processes missing nodes in ONE forward."""
+        self.add(seqs)
+        todo = sorted({self.node[s[:i]] for s in seqs for i in range(1, len(s) + 1)}
+                      - set(self.slot))
+        if todo:
+            out = forward_tree_nodes(self.runner, self.tree, todo, self.base, self.slot)
+            inv = {n: s for s, n in self.node.items()}
+            for row, n in enumerate(todo):
+                self.logits[inv[n]] = out[row]
+        return [self.logits[s] for s in seqs]
+
+
+def constrained_beam_search(
+    runner: ModelRunner, prompt: list[int], trie: ItemTrie, k: int
+) -> tuple[list[Beam], int]:
+    """Beam search of width ``k`` over the trie's ``L`` steps.
+
+    Returns the final ``k`` beams (best first) and the number of model forwards.
+    """
+    _check(prompt, trie, k, runner)
+    calls0 = runner.calls
+    bt = _BeamTree(runner, prompt)
+    beams: list[Beam] = [((), 0.0)]
+    for _ in range(trie.length):
+        logits = bt.score([b[0] for b in beams])
+        beams = _expand(beams, logits, trie, k)
+    return beams, runner.calls - calls0
+
+
+@dataclass
+class BeamSDStats:
+    """Per-search counters: ``accepted_steps`` (AS@K's numerator), ``target_calls`` (one
+    verification forward per round; the prompt's prefill is not counted)."""
+
+    steps: int = 0
+    accepted_steps: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    drafted_beams: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+
+
+def beam_speculative_search(
+    target: ModelRunner,
+    draft: ModelRunner,
+    prompt: list[int],
+    trie: ItemTrie,
+    k: int,
+    n: int,
+    gamma: int,
+) -> tuple[list[Beam], BeamSDStats]:
+    """Beam SD with strict top-K verification; returns the target's top-``k`` beams."""
+    _check(prompt, trie, k, target)
+    if n < k:
+        raise ValueError(f"n: draft beam size must be >= k ({k}), got {n}")
+    if gamma < 1:
+        raise ValueError(f"gamma: must be >= 1, got {gamma}")
+    stats = BeamSDStats()
+    d_calls0 = draft.calls
+    tgt = _BeamTree(target, prompt)
+    drf = _BeamTree(draft, prompt)
+    committed: list[Beam] = [((), 0.0)]
+    step = 0
+    while step < trie.length:
+        g = min(gamma, trie.length - step)
+        # 1. draft: beam search with beam n for g steps from the committed beams
+        drf.restart()
+        drafted: list[list[Beam]] = []
+        beams = committed
+        for _ in range(g):
+            beams = _expand(beams, drf.score([b[0] for b in beams]), trie, n)
+            drafted.append(beams)
+        # 2. verify: committed + all drafted beams in one tree, one target forward
+        tgt.restart()
+        seqs = [b[0] for b in committed] + [b[0] for level in drafted for b in level]
+        tgt.score(seqs)
+        stats.target_calls += 1
+        stats.drafted_beams += sum(len(level) for level in drafted)
+        # 3. strict top-K: the target's own top-k step by step while it stays drafted
+        cur, accepted = committed, 0
+        for level in drafted:
+            top = _expand(cur, [tgt.logits[b[0]] for b in cur], trie, k)
+            cur = top
+            drafted_seqs = {b[0] for b in level}
+            if all(b[0] in drafted_seqs for b in top):
+                accepted += 1
+                continue
+            break
+        else:  # every drafted step accepted: one more step from logits already computed
+            if step + g < trie.length:
+                cur = _expand(cur, [tgt.logits[b[0]] for b in cur], trie, k)
+        advanced = len(cur[0][0]) - step
+        stats.accepted_steps += accepted
+        stats.accepted_per_round.append(accepted)
+        committed, step = cur, step + advanced
+    stats.steps = step
+    stats.draft_calls = draft.calls - d_calls0
+    return committed, stats

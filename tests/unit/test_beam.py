@@ -1,0 +1,100 @@
+"""Constrained beam search and beam SD with strict top-K verification (AtSpeed Alg. 1)."""
+
+import itertools
+
+import pytest
+import torch
+
+from speclab.models.loading import load_model
+from speclab.spec.beam import beam_speculative_search, constrained_beam_search
+from speclab.spec.kv import ModelRunner
+from speclab.spec.trie import ItemTrie
+
+
+def random_trie(n_items: int, length: int = 4, codebook: int = 6, offset: int = 40, seed=0):
+    """Items with ``length`` code tokens from ``offset .. offset+codebook-1`` (distinct)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = set()
+    while len(seqs) < n_items:
+        seqs.add(tuple((torch.randint(0, codebook, (length,), generator=g) + offset).tolist()))
+    seqs = sorted(seqs)
+    return ItemTrie(seqs, items=[1000 + i for i in range(len(seqs))])
+
+
+def brute_force_top_k(model_runner, prompt, trie, k):
+    """Reference: exact step-wise beam search by scoring full prefixes from scratch."""
+    beams = [((), 0.0)]
+    for _ in range(trie.length):
+        cands = []
+        for seq, score in beams:
+            model_runner.reset()
+            logits = model_runner.forward(torch.tensor(prompt + list(seq)))[-1]
+            allowed = trie.allowed(seq)
+            lp = logits[allowed].log_softmax(-1).tolist()
+            cands += [(seq + (t,), score + v) for t, v in zip(allowed, lp)]
+        cands.sort(key=lambda b: (-b[1], b[0]))
+        beams = cands[:k]
+    return beams
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_pair):
+    return ModelRunner(load_model(tiny_pair["target"])), {
+        name: ModelRunner(load_model(tiny_pair[name])) for name in ("close", "weak")}
+
+
+def test_trie_basics():
+    trie = ItemTrie([(1, 2), (1, 3), (4, 2)], items=[7, 8, 9])
+    assert trie.allowed(()) == [1, 4] and trie.allowed((1,)) == [2, 3]
+    assert trie.allowed((1, 2)) == [] and trie.item_of((4, 2)) == 9
+    assert (1, 3) in trie and (3, 1) not in trie
+    with pytest.raises(ValueError, match="same length"):
+        ItemTrie([(1, 2), (1, 2, 3)])
+    with pytest.raises(ValueError, match="two items"):
+        ItemTrie([(1, 2), (1, 2)])
+
+
+def test_beam_search_matches_brute_force(runners):
+    target, _ = runners
+    trie = random_trie(60)
+    for prompt in ([3, 9, 27], [5, 1, 2, 8, 11, 30]):
+        for k in (1, 3, 5):
+            beams, calls = constrained_beam_search(target, prompt, trie, k)
+            want = brute_force_top_k(target, prompt, trie, k)
+            assert [b[0] for b in beams] == [b[0] for b in want]
+            assert all(b[0] in trie for b in beams)
+            assert calls == trie.length  # prompt + one forward per later step
+
+
+@pytest.mark.parametrize("draft_name", ["close", "weak"])
+def test_strict_verification_returns_the_target_beam_search(runners, draft_name):
+    target, drafts = runners
+    draft = drafts[draft_name]
+    trie = random_trie(80, seed=1)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 40, (int(torch.randint(2, 8, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(12)]
+    accepted = 0
+    for prompt, (k, n, gamma) in itertools.product(prompts, [(1, 2, 1), (3, 6, 2), (5, 10, 3),
+                                                             (4, 4, 4)]):
+        want, _ = constrained_beam_search(target, prompt, trie, k)
+        got, stats = beam_speculative_search(target, draft, prompt, trie, k, n, gamma)
+        assert [b[0] for b in got] == [b[0] for b in want], (prompt, k, n, gamma)
+        assert [round(b[1], 4) for b in got] == [round(b[1], 4) for b in want]
+        assert all(b[0] in trie for b in got)
+        assert stats.steps == trie.length
+        assert stats.target_calls == len(stats.accepted_per_round) <= trie.length
+        accepted += stats.accepted_steps
+    if draft_name == "close":  # the close drafter really gets steps accepted
+        assert accepted > 20
+
+
+def test_beam_sd_bad_input(runners):
+    target, drafts = runners
+    trie = random_trie(10)
+    with pytest.raises(ValueError, match="n: draft beam size"):
+        beam_speculative_search(target, drafts["close"], [1, 2], trie, k=5, n=3, gamma=2)
+    with pytest.raises(ValueError, match="history"):
+        constrained_beam_search(target, [], trie, 3)
+    with pytest.raises(ValueError, match="gamma"):
+        beam_speculative_search(target, drafts["close"], [1], trie, k=2, n=3, gamma=0)
