@@ -98,3 +98,65 @@ def test_beam_sd_bad_input(runners):
         constrained_beam_search(target, [], trie, 3)
     with pytest.raises(ValueError, match="gamma"):
         beam_speculative_search(target, drafts["close"], [1], trie, k=2, n=3, gamma=0)
+
+
+@pytest.fixture(scope="module")
+def sampling_pair(tmp_path_factory):
+    """Two unrelated 16-token models with moderately peaked distributions."""
+    from transformers import AutoModelForCausalLM
+
+    from speclab.models.tiny import build_tiny_llama
+
+    root = tmp_path_factory.mktemp("relaxed")
+    out = []
+    for name, seed in (("t", 5), ("q", 9)):
+        build_tiny_llama(root / name, seed=seed, vocab_size=16, hidden_size=16, num_layers=1,
+                         num_heads=2)
+        m = AutoModelForCausalLM.from_pretrained(root / name)
+        with torch.no_grad():
+            m.lm_head.weight.mul_(0.3)
+        m.save_pretrained(root / name)
+        out.append(ModelRunner(load_model(str(root / name))))
+    return out
+
+
+def _item_dist(trie, fn, n):
+    counts = {}
+    for s in range(n):
+        for seq, _ in fn(torch.Generator().manual_seed(s)):
+            item = trie.item_of(seq)
+            counts[item] = counts.get(item, 0) + 1
+    total = sum(counts.values())
+    return {k: v / total for k, v in counts.items()}
+
+
+def _tv(a, b):
+    return 0.5 * sum(abs(a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b))
+
+
+def test_relaxed_sampling_verification_tracks_target_sampling_beam_search(sampling_pair):
+    """Relaxed verification is approximate (AtSpeed A.2.1). Test: over 800 seeded runs
+    (K=2, gamma=2, 15 items of 3 tokens), the distribution of returned items is within
+    total variation 0.10 of the target's own sampling beam search (two independent
+    target runs differ by ~0.03), while the drafter's own sampling beam search is > 0.2
+    away (so the test can tell the two apart), and drafted steps are really accepted."""
+    from speclab.spec.beam import beam_speculative_sampling, sampling_beam_search
+
+    target, draft = sampling_pair
+    seqs = sorted({(10 + a, 13 + b, 10 + c) for a in range(3) for b in range(3)
+                   for c in range(3)})[:15]
+    trie = ItemTrie(seqs)
+    prompt = [1, 2, 3]
+    want = _item_dist(trie, lambda g: sampling_beam_search(target, prompt, trie, 2, g), 800)
+    got = _item_dist(trie, lambda g: beam_speculative_sampling(target, draft, prompt, trie, 2,
+                                                               2, g)[0], 800)
+    other = _item_dist(trie, lambda g: sampling_beam_search(draft, prompt, trie, 2, g), 800)
+    assert _tv(got, want) < 0.10
+    assert _tv(other, want) > 0.20
+    accepted = sum(beam_speculative_sampling(target, draft, prompt, trie, 2, 2,
+                                             torch.Generator().manual_seed(s))[1].accepted_steps
+                   for s in range(50))
+    assert accepted > 25
+    out, stats = beam_speculative_sampling(target, draft, prompt, trie, 2, 2,
+                                           torch.Generator().manual_seed(0))
+    assert len(out) == 2 and all(s in trie for s, _ in out) and stats.steps == 3

@@ -182,3 +182,115 @@ def beam_speculative_search(
     stats.steps = step
     stats.draft_calls = draft.calls - d_calls0
     return committed, stats
+
+
+# --- relaxed sampling verification (AtSpeed Algorithm 2; RELAXED: approximately, not
+# exactly, the target's sampling beam search) ---
+
+
+def _seq_logp(bt: _BeamTree, trie: ItemTrie, seq: tuple[int, ...]) -> float:
+    """The model's constrained log-probability of ``seq`` (all prefixes must be scored)."""
+    total = 0.0
+    for i, tok in enumerate(seq):
+        allowed = trie.allowed(seq[:i])
+        lp = bt.logits[seq[:i]].float()[allowed].log_softmax(-1)
+        total += float(lp[allowed.index(tok)])
+    return total
+
+
+def _step_dist(bt: _BeamTree, trie: ItemTrie, beams: list[tuple[int, ...]]):
+    """Candidates one token past ``beams`` and the model's sequence distribution over them."""
+    bt.score(beams)  # logits at every beam (and its prefixes) are now known
+    cands = [b + (t,) for b in beams for t in trie.allowed(b)]
+    logp = torch.tensor([_seq_logp(bt, trie, c) for c in cands])
+    return cands, logp.softmax(-1)
+
+
+def _sample(cands: list, probs: torch.Tensor, k: int, g: torch.Generator | None) -> list:
+    k = min(k, int((probs > 0).sum()))
+    idx = torch.multinomial(probs, k, replacement=False, generator=g).tolist()
+    return [cands[i] for i in idx]
+
+
+def _ranked(bt: _BeamTree, trie: ItemTrie, seqs: list[tuple[int, ...]]) -> list[Beam]:
+    beams = [(s, _seq_logp(bt, trie, s)) for s in seqs]
+    return sorted(beams, key=lambda b: (-b[1], b[0]))
+
+
+def sampling_beam_search(runner: ModelRunner, prompt: list[int], trie: ItemTrie, k: int,
+                         generator: torch.Generator | None = None) -> list[Beam]:
+    """The target's sampling-based beam search: at every step ``k`` sequences are drawn
+    (without replacement) from the sequence distribution over the extensions of the
+    current beams. Returns ``k`` beams ranked by the model's log-probability."""
+    _check(prompt, trie, k, runner)
+    bt = _BeamTree(runner, prompt)
+    beams: list[tuple[int, ...]] = [()]
+    for _ in range(trie.length):
+        cands, probs = _step_dist(bt, trie, beams)
+        beams = _sample(cands, probs, k, generator)
+    return _ranked(bt, trie, beams)  # needs logits at proper prefixes only (all scored)
+
+
+def beam_speculative_sampling(
+    target: ModelRunner, draft: ModelRunner, prompt: list[int], trie: ItemTrie, k: int,
+    gamma: int, generator: torch.Generator | None = None,
+) -> tuple[list[Beam], BeamSDStats]:
+    """Beam SD with relaxed sampling verification (AtSpeed Algorithm 2).
+
+    The drafter samples ``k`` sequences per step from its sequence distribution ``q_j``
+    for ``gamma`` steps; one target forward scores them all. At step ``j`` each drafted
+    sequence is accepted with ``min(1, p_j(y)/q_j(y))``; if all ``k`` are accepted the step
+    is accepted, otherwise the missing ones are resampled from
+    ``norm(max(0, p_j - q_j))`` (accepted ones zeroed) and the round ends.
+    """
+    _check(prompt, trie, k, target)
+    if gamma < 1:
+        raise ValueError(f"gamma: must be >= 1, got {gamma}")
+    stats = BeamSDStats()
+    d_calls0 = draft.calls
+    tgt = _BeamTree(target, prompt)
+    drf = _BeamTree(draft, prompt)
+    committed: list[tuple[int, ...]] = [()]
+    step = 0
+    while step < trie.length:
+        g = min(gamma, trie.length - step)
+        drf.restart()
+        drafted, q_dists, cur = [], [], committed
+        for _ in range(g):
+            cands, q = _step_dist(drf, trie, cur)
+            cur = _sample(cands, q, k, generator)
+            drafted.append(cur)
+            q_dists.append(dict(zip(cands, q.tolist())))
+        tgt.restart()
+        tgt.score(committed + [s for level in drafted for s in level])
+        stats.target_calls += 1
+        stats.drafted_beams += sum(len(level) for level in drafted)
+        cur, accepted, rejected = committed, 0, False
+        for level, q in zip(drafted, q_dists):
+            cands, p = _step_dist(tgt, trie, cur)
+            p_of = dict(zip(cands, p.tolist()))
+            out = [y for y in level
+                   if float(torch.rand((), generator=generator)) <= p_of[y] / max(q[y], 1e-30)]
+            if len(out) == len(level):
+                cur, accepted = level, accepted + 1
+                continue
+            resid = torch.tensor([max(0.0, p_of[c] - q.get(c, 0.0)) for c in cands])
+            for y in out:
+                resid[cands.index(y)] = 0.0
+            if resid.sum() <= 0:  # numerically empty residual: fall back to p
+                resid = p.clone()
+                for y in out:
+                    resid[cands.index(y)] = 0.0
+            cur = out + _sample(cands, resid / resid.sum(), len(level) - len(out), generator)
+            rejected = True
+            break
+        if not rejected and step + g < trie.length:  # bonus step from the target
+            cands, p = _step_dist(tgt, trie, cur)
+            cur = _sample(cands, p, k, generator)
+        stats.accepted_steps += accepted
+        stats.accepted_per_round.append(accepted)
+        step = len(cur[0])
+        committed = cur
+    stats.steps = step
+    stats.draft_calls = draft.calls - d_calls0
+    return _ranked(tgt, trie, committed), stats
