@@ -49,7 +49,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-JOBS = ("evaluate", "train_target", "distill", "compare_losses")
+JOBS = ("evaluate", "train_target", "distill", "compare_losses", "train_recommender")
 
 
 def _add_job_parsers(sub) -> None:

@@ -249,11 +249,33 @@ class CompareConfig(StrictModel):
         return self
 
 
+class RecConfig(StrictModel):
+    """Recommendation data (AtSpeed): synthetic, or Amazon JSON lines / MovieLens
+    ``ratings.dat`` at ``path``; semantic ids of ``levels`` codes from ``codebook``."""
+
+    source: Literal["synthetic", "amazon", "movielens"] = "synthetic"
+    path: str | None = None
+    users: int = Field(500, gt=0)
+    items: int = Field(400, gt=1)
+    dim: int = Field(16, gt=0)
+    levels: int = Field(4, gt=0)
+    codebook: int = Field(32, gt=1)
+    history: int = Field(10, gt=0, description="items of history in a prompt")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _path_for_files(self):
+        if self.source != "synthetic" and not self.path:
+            raise ValueError(f"path is required when source is {self.source!r}")
+        return self
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
     name: str = "experiment"
-    job: Literal["evaluate", "train_target", "distill", "compare_losses"] = "evaluate"
+    job: Literal["evaluate", "train_target", "distill", "compare_losses",
+                 "train_recommender"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -270,6 +292,7 @@ class ExperimentConfig(StrictModel):
     output: OutputConfig = OutputConfig()
     distill: DistillConfig = DistillConfig()
     compare: CompareConfig = CompareConfig()
+    rec: RecConfig = RecConfig()
 
     def method_list(self) -> list[MethodConfig]:
         """``methods`` when given, else the single ``method``."""

@@ -170,3 +170,23 @@ def semantic_ids(features: torch.Tensor, levels: int = 4, codebook: int = 32,
 def id_tokens(ids: list[tuple[int, ...]], offset: int, codebook: int) -> list[tuple[int, ...]]:
     """Codes -> token ids: level ``l`` code ``c`` is token ``offset + l * codebook + c``."""
     return [tuple(offset + lvl * codebook + c for lvl, c in enumerate(code)) for code in ids]
+
+
+def interaction_features(
+    events: list[Interaction], dim: int = 16
+) -> tuple[list[int], torch.Tensor]:
+    """Item features for real data without them: a rank-``dim`` SVD of the user x item
+    interaction matrix. Returns (item ids in index order, ``[items, dim]`` features)."""
+    users = sorted({e.user for e in events})
+    items = sorted({e.item for e in events})
+    u_ix = {u: i for i, u in enumerate(users)}
+    i_ix = {it: i for i, it in enumerate(items)}
+    mat = torch.zeros(len(users), len(items))
+    for e in events:
+        mat[u_ix[e.user], i_ix[e.item]] += 1.0
+    q = min(dim, min(mat.shape))
+    _, s, v = torch.svd_lowrank(mat, q=q)
+    feats = v * s  # [items, q]
+    if q < dim:
+        feats = torch.cat([feats, torch.zeros(len(items), dim - q)], dim=1)
+    return items, feats

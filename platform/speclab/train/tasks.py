@@ -7,7 +7,8 @@ checkpoint sees the same data; ``loss(model, batch)``; ``validate(model)`` on he
 * :class:`LMTask` — next-token cross-entropy on random windows of a token stream
   (target training);
 * :class:`DistillTask` — a drafter loss (or a weighted mix) on shards written by the
-  distillation job's generation stage; the last shard of each kind is held out.
+  distillation job's generation stage; the last shard of each kind is held out;
+* :class:`RecTask` — L_Rec on "history -> next item id" examples (AtSpeed).
 """
 
 from __future__ import annotations
@@ -97,4 +98,49 @@ class DistillTask:
         return out
 
 
-TASKS = {"lm": LMTask, "distill": DistillTask}
+
+
+class RecTask:
+    """L_Rec (AtSpeed eq. 37): cross-entropy on the next item's id tokens given the
+    history prompt; examples and ``rec_meta.json`` come from ``data_dir``."""
+
+    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+        import json
+
+        from speclab.data.rec_dataset import RecExample, RecMeta
+
+        self.tr = cfg.train
+        self.device = device
+        self.meta = RecMeta.load(data_dir)
+        rows = json.loads((Path(data_dir) / "examples.json").read_text())
+        self.train = [RecExample(**r) for r in rows["train"]]
+        self.val = [RecExample(**r) for r in rows["validation"]] or self.train[:64]
+
+    def _collate(self, examples) -> dict:
+        from speclab.data.rec_dataset import collate_rec
+
+        return {k: v.to(self.device) for k, v in collate_rec(examples, self.meta).items()}
+
+    def batch(self, step: int, rank: int) -> dict:
+        g = _gen(self.tr.seed, step, rank)
+        idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
+        return self._collate([self.train[i] for i in idx])
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        from speclab.losses import cross_entropy
+
+        logits = model(input_ids=batch["inputs"]).logits
+        return cross_entropy(logits, batch["labels"], batch["mask"])
+
+    def tokens_in(self, batch: dict) -> int:
+        return int(batch["inputs"].numel())
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module) -> float:
+        model.eval()
+        out = float(self.loss(model, self._collate(self.val[: self.tr.batch_size * 4])))
+        model.train()
+        return out
+
+
+TASKS = {"lm": LMTask, "distill": DistillTask, "rec": RecTask}
