@@ -69,6 +69,19 @@ def _add_job_parsers(sub) -> None:
     p.add_argument("overrides", nargs="*")
     HANDLERS["submit"] = cmd_submit
 
+    p = sub.add_parser("recommend", help="top-K items for a history (AtSpeed beam / beam SD)")
+    p.add_argument("--target", required=True, help="recommender folder or models:/ URI")
+    p.add_argument("--draft", help="drafter folder or models:/ URI (for --method sd)")
+    p.add_argument("--history", required=True, help="comma-separated dataset item ids")
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--method", choices=["beam", "sd"], default="beam")
+    p.add_argument("--n", type=int, default=40, help="draft beam size")
+    p.add_argument("--gamma", type=int, default=3)
+    p.add_argument("--verify", choices=["strict", "relaxed"], default="strict")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    HANDLERS["recommend"] = cmd_recommend
+
     p = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over speclab's store")
     p.add_argument("--port", type=int, default=5000)
     HANDLERS["ui"] = cmd_ui
@@ -147,3 +160,28 @@ def cmd_ui(args: argparse.Namespace) -> int:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
         return 0
+
+
+def cmd_recommend(args: argparse.Namespace) -> int:
+    """Print the K recommended item ids (rank order) with scores (+ SD stats)."""
+    import json
+
+    from speclab.recommend import Recommender
+
+    try:
+        history = [int(h) for h in args.history.split(",") if h.strip()]
+    except ValueError:
+        raise ValueError(
+            f"history: expected comma-separated item ids, got {args.history!r}") from None
+    rec = Recommender.from_pretrained(args.target, args.draft if args.method == "sd" else None)
+    out = rec.recommend(history, args.k, args.method, args.n, args.gamma, args.verify,
+                        args.seed)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for rank, (item, score) in enumerate(zip(out["items"], out["scores"]), start=1):
+            print(f"{rank:3d}. item {item}  (log p = {score:.3f})")
+        if "stats" in out:
+            print(f"accepted steps {out['stats']['accepted_steps']}, target calls "
+                  f"{out['stats']['target_calls']}")
+    return 0

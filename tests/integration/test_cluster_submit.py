@@ -20,7 +20,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def two_node_cluster(job_env, tmp_path):
     ray_bin = str(Path(python()).parent / "ray")
     gcs, dash = free_port(), free_port()
-    temp = Path("/tmp") / f"rt{os.getpid()}"  # short: Ray's socket paths are length-limited
+    # short paths (Ray's socket paths are length-limited), one per node: nodes on one host
+    # that share a session directory re-extract each other's runtime_env packages under
+    # running processes (their working directory vanishes)
+    temp = Path("/tmp") / f"rt{os.getpid()}"
+    temp_worker = Path("/tmp") / f"rw{os.getpid()}"
     head = run_cmd([ray_bin, "start", "--head", f"--port={gcs}", "--num-cpus=2",
                     "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                     "--node-ip-address=127.0.0.1", "--object-store-memory=500000000",
@@ -29,12 +33,14 @@ def two_node_cluster(job_env, tmp_path):
         assert head.returncode == 0, head.stderr[-2000:]
         worker = run_cmd([ray_bin, "start", f"--address=127.0.0.1:{gcs}", "--num-cpus=1",
                           "--node-ip-address=127.0.0.1", "--object-store-memory=300000000",
-                          "--memory=3000000000"], job_env, timeout=180)
+                          "--memory=3000000000", f"--temp-dir={temp_worker}"], job_env,
+                         timeout=180)
         assert worker.returncode == 0, worker.stderr[-2000:]
         yield f"http://127.0.0.1:{dash}"
     finally:
         run_cmd([ray_bin, "stop", "--force"], job_env, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(temp_worker, ignore_errors=True)
 
 
 PROBE = ("import ray, platform; ray.init(); "
