@@ -16,11 +16,49 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
 from jobs._cli import load_or_exit, parse_job_args
 from speclab.config import ExperimentConfig
 from speclab.tracking import TrackingUnavailable, open_tracker
+
+
+def prepare(cfg: ExperimentConfig):
+    """(RecMeta, examples per split) for the ``rec`` group; ValueError on bad input."""
+    from speclab.data.rec_dataset import prepare_rec_data
+
+    r = cfg.rec
+    meta, examples = prepare_rec_data(r.source, r.path, r.users, r.items, r.dim, r.levels,
+                                      r.codebook, r.history, r.seed)
+    if not examples["train"]:
+        raise ValueError("rec: no training examples (too few interactions per user)")
+    return meta, examples
+
+
+def train_model(cfg: ExperimentConfig, meta, examples, storage: Path, run_name: str,
+                tracker, register_as: str | None) -> Path:
+    """Write the data folder, train with Ray Train, save (+ rec_meta.json), register."""
+    from jobs._train import fit, save_final
+    from speclab.data.rec_dataset import EOS, save_rec_tokenizer
+
+    data_dir = storage / run_name / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    meta.save(data_dir)
+    save_rec_tokenizer(meta, data_dir / "tokenizer")
+    (data_dir / "examples.json").write_text(json.dumps(
+        {k: [asdict(e) for e in v] for k, v in examples.items()}))
+    result = fit("rec", cfg, storage, run_name, data_dir, meta.vocab_size, EOS,
+                 tracker.run_id, tracker.uri if tracker.run_id else None)
+    final = save_final(result, cfg, storage / run_name, data_dir / "tokenizer",
+                       meta.vocab_size, EOS)
+    meta.save(final)
+    tracker.log_metrics({"final_step": result.metrics["step"],
+                         "final_val_loss": result.metrics["val_loss"]})
+    uri = tracker.log_model(final, register_as)
+    print(f"[rec] model saved to {final}" + (f", registered as {uri}" if uri else ""),
+          flush=True)
+    return final
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,31 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
                                cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
-        from speclab.data.rec_dataset import prepare_rec_data
-
-        r = cfg.rec
-        meta, examples = prepare_rec_data(r.source, r.path, r.users, r.items, r.dim, r.levels,
-                                          r.codebook, r.history, r.seed)
+        meta, examples = prepare(cfg)
     except (TrackingUnavailable, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not examples["train"]:
-        print("error: rec: no training examples (too few interactions per user)",
-              file=sys.stderr)
-        return 2
 
-    from jobs._train import fit, save_final
     from jobs.distill import run_dirs
-    from speclab.data.rec_dataset import EOS, save_rec_tokenizer
     from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
-    data_dir = storage / run_name / "data"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    meta.save(data_dir)
-    save_rec_tokenizer(meta, data_dir / "tokenizer")
-    (data_dir / "examples.json").write_text(json.dumps(
-        {k: [asdict(e) for e in v] for k, v in examples.items()}))
     where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
     print(f"[train_recommender] running on {where}; {len(meta.items)} items, "
           f"{ {k: len(v) for k, v in examples.items()} } examples", flush=True)
@@ -61,16 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         t.set_tags({"job": "train_recommender", "run_dir": str(storage / run_name)})
         t.log_metrics({"items": len(meta.items), "train_examples": len(examples["train"]),
                        "test_examples": len(examples["test"])})
-        result = fit("rec", cfg, storage, run_name, data_dir, meta.vocab_size, EOS,
-                     tracker.run_id, tracker.uri if tracker.run_id else None)
-        final = save_final(result, cfg, storage / run_name, data_dir / "tokenizer",
-                           meta.vocab_size, EOS)
-        meta.save(final)
-        t.log_metrics({"final_step": result.metrics["step"],
-                       "final_val_loss": result.metrics["val_loss"]})
-        uri = t.log_model(final, cfg.output.register_as)
-    print(f"[train_recommender] model saved to {final}" + (f", registered as {uri}" if uri
-                                                             else ""), flush=True)
+        train_model(cfg, meta, examples, storage, run_name, t, cfg.output.register_as)
     return 0
 
 

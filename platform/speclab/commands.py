@@ -49,7 +49,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-JOBS = ("evaluate", "train_target", "distill", "compare_losses", "train_recommender")
+JOBS = ("evaluate", "train_target", "distill", "compare_losses", "train_recommender",
+        "recommend_eval")
 
 
 def _add_job_parsers(sub) -> None:

@@ -270,12 +270,33 @@ class RecConfig(StrictModel):
         return self
 
 
+class RecEvalConfig(StrictModel):
+    """``recommend_eval``: models (trained on the fly when not given), K, N, gamma."""
+
+    target: str | None = Field(None, description="recommender folder / models:/ URI")
+    drafts: dict[str, str] = Field(default_factory=dict, description="name -> drafter")
+    draft_arch: ArchConfig = ArchConfig(layers=1, hidden=64, heads=4)
+    draft_steps: int = Field(60, gt=0, description="steps of the on-the-fly SFT drafter")
+    ks: list[int] = Field(default_factory=lambda: [1, 3, 5, 10, 20])
+    ns: list[int] = Field(default_factory=lambda: [40], description="draft beam sizes N")
+    gamma: int = Field(3, gt=0)
+    verify: list[Literal["strict", "relaxed"]] = Field(
+        default_factory=lambda: ["strict", "relaxed"])
+    test_users: int = Field(50, gt=0)
+
+    @model_validator(mode="after")
+    def _positive(self):
+        if not self.ks or min(self.ks) < 1 or not self.ns or min(self.ns) < 1:
+            raise ValueError("ks and ns must be non-empty lists of positive integers")
+        return self
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
     name: str = "experiment"
     job: Literal["evaluate", "train_target", "distill", "compare_losses",
-                 "train_recommender"] = "evaluate"
+                 "train_recommender", "recommend_eval"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -293,6 +314,7 @@ class ExperimentConfig(StrictModel):
     distill: DistillConfig = DistillConfig()
     compare: CompareConfig = CompareConfig()
     rec: RecConfig = RecConfig()
+    rec_eval: RecEvalConfig = RecEvalConfig()
 
     def method_list(self) -> list[MethodConfig]:
         """``methods`` when given, else the single ``method``."""

@@ -1,0 +1,128 @@
+"""AtSpeed evaluation: Table 1 shape (verification x method x K) with WS@K, AS@K,
+Recall@K and NDCG@K, plus WS/AS against the draft beam size N.
+
+    python -m jobs.recommend_eval --config experiments/smoke/recommend_eval.yaml
+
+Models come from ``rec_eval.target`` / ``rec_eval.drafts`` (folders or ``models:/``
+URIs) or, when absent, are trained on the fly with Ray Train on the ``rec`` data: the
+target with ``arch``/``train``, an SFT drafter with ``rec_eval.draft_arch`` and
+``rec_eval.draft_steps`` (each a child MLflow run, registered when
+``output.register_as`` is set). Evaluation runs on the driver, methods timed one after
+another per user.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
+from jobs._cli import load_or_exit, parse_job_args
+from speclab.config import ExperimentConfig
+from speclab.tracking import TrackingUnavailable, open_tracker
+
+
+def _plots(rows: list[dict]) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = {}
+    strict = [r for r in rows if r["verify"] == "strict"]
+    ns = sorted({r["N"] for r in strict})
+    if len(ns) >= 2:
+        k = max(r["K"] for r in strict if all(any(
+            x["K"] == r["K"] and x["N"] == n for x in strict) for n in ns))
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
+        for name in sorted({r["method"] for r in strict}):
+            sel = sorted((r for r in strict if r["method"] == name and r["K"] == k),
+                         key=lambda r: r["N"])
+            axes[0].plot([r["N"] for r in sel], [r["WS@K"] for r in sel], "o-", label=name)
+            axes[1].plot([r["N"] for r in sel], [r["AS@K"] for r in sel], "o-", label=name)
+        axes[0].set(xlabel="draft beam size N", ylabel=f"WS@{k}")
+        axes[1].set(xlabel="draft beam size N", ylabel=f"AS@{k}")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        figs["ws_as_vs_n.png"] = fig
+    fig, ax = plt.subplots(figsize=(5, 3.3))
+    for (verify, name) in sorted({(r["verify"], r["method"]) for r in rows}):
+        sel = sorted((r for r in rows if r["verify"] == verify and r["method"] == name
+                      and r["N"] == max(x["N"] for x in rows)), key=lambda r: r["K"])
+        ax.plot([r["K"] for r in sel], [r["AS@K"] for r in sel], "o-", label=f"{verify}/{name}")
+    ax.set(xlabel="K", ylabel="AS@K (accepted steps per user)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    figs["as_vs_k.png"] = fig
+    return figs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_job_args(__doc__, argv)
+    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
+    from jobs.train_recommender import prepare, train_model
+
+    try:
+        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
+                               cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
+        meta, examples = prepare(cfg)
+    except (TrackingUnavailable, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    from jobs.distill import run_dirs
+    from speclab.evaluation import format_table
+    from speclab.models.loading import load_model, resolve_source
+    from speclab.raylib import init_ray
+    from speclab.rec_eval import evaluate
+    from speclab.recommend import Recommender
+    from speclab.spec.kv import ModelRunner
+
+    re = cfg.rec_eval
+    storage, run_name = run_dirs(cfg)
+    where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
+    print(f"[recommend_eval] running on {where}", flush=True)
+    reg = cfg.output.register_as
+    with tracker as t:
+        t.set_tags({"job": "recommend_eval"})
+        target = re.target
+        if target is None:
+            with t.child(f"{cfg.name}-target", cfg.model_dump(mode="json")) as c:
+                target = str(train_model(cfg, meta, examples, storage, f"{run_name}-target", c,
+                                         f"{reg}-target" if reg else None))
+        drafts = dict(re.drafts)
+        if not drafts:
+            dcfg = cfg.model_copy(update={
+                "arch": re.draft_arch,
+                "train": cfg.train.model_copy(update={"steps": re.draft_steps})})
+            with t.child(f"{cfg.name}-draft-sft", dcfg.model_dump(mode="json")) as c:
+                drafts["sft"] = str(train_model(dcfg, meta, examples, storage,
+                                                f"{run_name}-draft-sft", c,
+                                                f"{reg}-draft-sft" if reg else None))
+        rec = Recommender.from_pretrained(target)
+        runners = {}
+        for name, path in drafts.items():
+            model = load_model(resolve_source(path, f"rec_eval.drafts.{name}"),
+                               field=f"rec_eval.drafts.{name}")
+            rec.meta.check_model(int(model.config.vocab_size))
+            runners[name] = ModelRunner(model)
+        test = examples["test"][: re.test_users]
+        rows = evaluate(rec, runners, test, re.ks, re.ns, re.gamma, re.verify, cfg.train.seed)
+        cols = [("verify", "{}"), ("method", "{}"), ("K", "{}"), ("N", "{}"),
+                ("WS@K", "{:.2f}"), ("AS@K", "{:.2f}"), ("Recall@K", "{:.3f}"),
+                ("NDCG@K", "{:.3f}"), ("baseline_Recall@K", "{:.3f}")]
+        text = format_table(rows, cols)
+        print(text, flush=True)
+        t.log_table(rows, "rec_results")
+        t.log_text(text, "rec_results.txt")
+        for fname, fig in _plots(rows).items():
+            t.log_figure(fig, fname)
+        for r in rows:
+            key = f"{r['verify']}.{r['method']}.N{r['N']}"
+            t.log_metrics({f"{key}.WS": r["WS@K"], f"{key}.AS": r["AS@K"],
+                           f"{key}.Recall": r["Recall@K"], f"{key}.NDCG": r["NDCG@K"]},
+                          step=r["K"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
