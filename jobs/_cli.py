@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
-from speclab.config import ConfigError, StrictModel
+from speclab.config import ConfigError, ExperimentConfig, StrictModel
 
 
 def parse_job_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -24,3 +26,11 @@ def load_or_exit(schema: type[StrictModel], path: str, overrides: list[str]):
     except ConfigError as exc:
         print(f"config error in {path}:\n{exc}", file=sys.stderr)
         sys.exit(2)
+
+
+def run_dirs(cfg: ExperimentConfig) -> tuple[Path, str]:
+    """(storage folder, run name) from the ``output`` group."""
+    from speclab.paths import speclab_home
+
+    storage = Path(cfg.output.storage_path or speclab_home() / "runs").expanduser().resolve()
+    return storage, cfg.output.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -16,7 +16,7 @@ import sys
 import time
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args
+from jobs._cli import load_or_exit, parse_job_args, run_dirs
 from speclab.config import ExperimentConfig
 from speclab.tracking import TrackingUnavailable, open_tracker
 
@@ -45,7 +45,7 @@ def _plot(table: list[dict]):
 def main(argv: list[str] | None = None) -> int:
     args = parse_job_args(__doc__, argv)
     cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
-    from jobs.distill import generate, prepare, run_dirs, train_register_evaluate
+    from jobs.distill import generate, prepare, train_register_evaluate
 
     try:
         tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args
+from jobs._cli import load_or_exit, parse_job_args, run_dirs
 from speclab.config import ExperimentConfig
 from speclab.tracking import TrackingUnavailable, open_tracker
 
@@ -171,14 +171,6 @@ def train_register_evaluate(cfg: ExperimentConfig, prep: Prepared, storage: Path
           flush=True)
     return evaluate_pair(cfg, prep.target, str(final), tokenized_prompts(cfg, prep.target),
                          tracker, "eval/")
-
-
-def run_dirs(cfg: ExperimentConfig) -> tuple[Path, str]:
-    """(storage folder, run name) from the ``output`` group."""
-    from speclab.paths import speclab_home
-
-    storage = Path(cfg.output.storage_path or speclab_home() / "runs").expanduser().resolve()
-    return storage, cfg.output.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def main(argv: list[str] | None = None) -> int:

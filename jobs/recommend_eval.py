@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from jobs.distill import run_dirs
+    from jobs._cli import run_dirs
     from speclab.evaluation import format_table
     from speclab.models.loading import load_model, resolve_source
     from speclab.raylib import init_ray

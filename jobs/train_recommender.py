@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from jobs.distill import run_dirs
+    from jobs._cli import run_dirs
     from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)

@@ -16,11 +16,10 @@ tokenizer are saved with ``save_pretrained`` and registered (``output.register_a
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args
+from jobs._cli import load_or_exit, parse_job_args, run_dirs
 from speclab.config import ExperimentConfig
 from speclab.tracking import TrackingUnavailable, open_tracker
 
@@ -73,10 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
-    from speclab.paths import speclab_home
-
-    storage = Path(cfg.output.storage_path or speclab_home() / "runs").expanduser().resolve()
-    run_name = cfg.output.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    storage, run_name = run_dirs(cfg)
     run_dir = storage / run_name
     if run_dir.exists() and not cfg.train.resume and cfg.output.run_name:
         print(f"config error: output.run_name: {run_name!r} exists in {storage}; "
