@@ -5,9 +5,12 @@ Recall@K and NDCG@K, plus WS/AS against the draft beam size N.
 
 Models come from ``rec_eval.target`` / ``rec_eval.drafts`` (folders or ``models:/``
 URIs) or, when absent, are trained on the fly with Ray Train on the ``rec`` data: the
-target with ``arch``/``train``, an SFT drafter with ``rec_eval.draft_arch`` and
-``rec_eval.draft_steps`` (each a child MLflow run, registered when
-``output.register_as`` is set). Evaluation runs on the driver, methods timed one after
+target with ``arch``/``train``, then one drafter per ``rec_eval.losses`` entry (sft,
+seq_kd, word_kd, tvd_kd, atspeed_s, atspeed_r; AtSpeed losses once per value in
+``rec_eval.alphas``) with ``rec_eval.draft_arch`` and ``rec_eval.draft_steps``, on
+alignment data from the target's top-``align_k`` beams (each a child MLflow run,
+registered when ``output.register_as`` is set). Plots: AS vs K, WS/AS vs N, WS/AS vs
+alpha. Evaluation runs on the driver, methods timed one after
 another per user.
 """
 
@@ -44,6 +47,22 @@ def _plots(rows: list[dict]) -> dict:
         axes[0].legend(fontsize=7)
         fig.tight_layout()
         figs["ws_as_vs_n.png"] = fig
+    tuned = [r for r in rows if "@" in r["method"] and r["N"] == max(x["N"] for x in rows)]
+    if len({r["method"] for r in tuned}) >= 2:
+        k = max(r["K"] for r in tuned)
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.3))
+        for (verify, loss) in sorted({(r["verify"], r["method"].split("@")[0]) for r in tuned}):
+            sel = sorted((r for r in tuned if r["verify"] == verify and r["K"] == k
+                          and r["method"].split("@")[0] == loss),
+                         key=lambda r: float(r["method"].split("@")[1]))
+            alphas = [float(r["method"].split("@")[1]) for r in sel]
+            axes[0].plot(alphas, [r["WS@K"] for r in sel], "o-", label=f"{verify}/{loss}")
+            axes[1].plot(alphas, [r["AS@K"] for r in sel], "o-", label=f"{verify}/{loss}")
+        axes[0].set(xlabel="alpha", ylabel=f"WS@{k}")
+        axes[1].set(xlabel="alpha", ylabel=f"AS@{k}")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        figs["ws_as_vs_alpha.png"] = fig
     fig, ax = plt.subplots(figsize=(5, 3.3))
     for (verify, name) in sorted({(r["verify"], r["method"]) for r in rows}):
         sel = sorted((r for r in rows if r["verify"] == verify and r["method"] == name
@@ -54,6 +73,43 @@ def _plots(rows: list[dict]) -> dict:
     fig.tight_layout()
     figs["as_vs_k.png"] = fig
     return figs
+
+
+def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, run_name: str,
+                   tracker) -> dict[str, str]:
+    """One drafter per ``rec_eval.losses`` entry (per alpha for atspeed_s / atspeed_r),
+    each a child run; alignment data (target top-K beams) is generated once."""
+    from jobs.train_recommender import train_model
+    from speclab.models.loading import load_model
+    from speclab.spec.kv import ModelRunner
+    from speclab.train.rec_align import alignment_example
+
+    re, reg = cfg.rec_eval, cfg.output.register_as
+    rows = None
+    if any(loss != "sft" for loss in re.losses):
+        runner, trie = ModelRunner(load_model(target, field="rec_eval.target")), meta.trie()
+        train = examples["train"][: re.align_examples]
+        rows = [alignment_example(runner, trie, e.prompt, re.align_k) for e in train]
+        print(f"[recommend_eval] alignment data: {len(rows)} histories x top-{re.align_k}",
+              flush=True)
+    drafts = {}
+    for loss in re.losses:
+        alphas = re.alphas if loss.startswith("atspeed") else [re.alpha]
+        for alpha in alphas:
+            name = f"{loss}@{alpha:g}" if loss.startswith("atspeed") else loss
+            dcfg = cfg.model_copy(update={
+                "arch": re.draft_arch,
+                "train": cfg.train.model_copy(update={"steps": re.draft_steps}),
+                "rec_eval": re.model_copy(update={"draft_loss": loss, "alpha": alpha})})
+            slug = name.replace("@", "-a")
+            with tracker.child(f"{cfg.name}-draft-{slug}", dcfg.model_dump(mode="json")) as c:
+                c.set_tags({"loss": loss, "alpha": str(alpha)})
+                drafts[name] = str(train_model(
+                    dcfg, meta, examples, storage, f"{run_name}-draft-{slug}", c,
+                    f"{reg}-draft-{slug}" if reg else None,
+                    task="rec" if loss == "sft" else "rec_align",
+                    extra={"align.pt": rows} if loss != "sft" else None))
+    return drafts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,13 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                                          f"{reg}-target" if reg else None))
         drafts = dict(re.drafts)
         if not drafts:
-            dcfg = cfg.model_copy(update={
-                "arch": re.draft_arch,
-                "train": cfg.train.model_copy(update={"steps": re.draft_steps})})
-            with t.child(f"{cfg.name}-draft-sft", dcfg.model_dump(mode="json")) as c:
-                drafts["sft"] = str(train_model(dcfg, meta, examples, storage,
-                                                f"{run_name}-draft-sft", c,
-                                                f"{reg}-draft-sft" if reg else None))
+            drafts = train_drafters(cfg, meta, examples, target, storage, run_name, t)
         rec = Recommender.from_pretrained(target)
         runners = {}
         for name, path in drafts.items():

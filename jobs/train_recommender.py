@@ -37,8 +37,12 @@ def prepare(cfg: ExperimentConfig):
 
 
 def train_model(cfg: ExperimentConfig, meta, examples, storage: Path, run_name: str,
-                tracker, register_as: str | None) -> Path:
-    """Write the data folder, train with Ray Train, save (+ rec_meta.json), register."""
+                tracker, register_as: str | None, task: str = "rec",
+                extra: dict | None = None) -> Path:
+    """Write the data folder (+ ``extra`` files saved with torch.save), train ``task``
+    with Ray Train, save the model (+ rec_meta.json) and register it."""
+    import torch
+
     from jobs._train import fit, save_final
     from speclab.data.rec_dataset import EOS, save_rec_tokenizer
 
@@ -48,7 +52,9 @@ def train_model(cfg: ExperimentConfig, meta, examples, storage: Path, run_name: 
     save_rec_tokenizer(meta, data_dir / "tokenizer")
     (data_dir / "examples.json").write_text(json.dumps(
         {k: [asdict(e) for e in v] for k, v in examples.items()}))
-    result = fit("rec", cfg, storage, run_name, data_dir, meta.vocab_size, EOS,
+    for name, obj in (extra or {}).items():
+        torch.save(obj, data_dir / name)
+    result = fit(task, cfg, storage, run_name, data_dir, meta.vocab_size, EOS,
                  tracker.run_id, tracker.uri if tracker.run_id else None)
     final = save_final(result, cfg, storage / run_name, data_dir / "tokenizer",
                        meta.vocab_size, EOS)

@@ -48,6 +48,26 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
     if job == "compare_losses":
         check_comparison_runs(job_env["MLFLOW_TRACKING_URI"])
+    if job == "recommend_eval":
+        check_recommend_eval_runs(job_env["MLFLOW_TRACKING_URI"], res.stdout)
+
+
+def check_recommend_eval_runs(tracking_uri: str, stdout: str) -> None:
+    """Target + one drafter per loss as child runs; the Table 1 shape on the parent."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("speclab-smoke")
+    runs = client.search_runs([exp.experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.tags.get("loss", "target") for r in children) == [
+        "atspeed_s", "sft", "target"]
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"rec_results.csv", "as_vs_k.png", "ws_as_vs_n.png"} <= arts, arts
+    for verify in ("strict", "relaxed"):
+        for method in ("sft", "atspeed_s@0.5"):
+            assert any(line.split()[:2] == [verify, method] for line in stdout.splitlines())
 
 
 def check_comparison_runs(tracking_uri: str) -> None:

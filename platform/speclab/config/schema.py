@@ -276,7 +276,15 @@ class RecEvalConfig(StrictModel):
     target: str | None = Field(None, description="recommender folder / models:/ URI")
     drafts: dict[str, str] = Field(default_factory=dict, description="name -> drafter")
     draft_arch: ArchConfig = ArchConfig(layers=1, hidden=64, heads=4)
-    draft_steps: int = Field(60, gt=0, description="steps of the on-the-fly SFT drafter")
+    draft_steps: int = Field(60, gt=0, description="steps of each on-the-fly drafter")
+    losses: list[str] = Field(default_factory=lambda: ["sft"],
+                              description="one drafter per loss when drafts is empty")
+    alphas: list[float] = Field(default_factory=lambda: [0.5],
+                                description="alpha values tried for atspeed_s/atspeed_r")
+    draft_loss: str = Field("sft", description="set per drafter by recommend_eval")
+    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    align_k: int = Field(5, gt=0, description="target top-K beams per alignment example")
+    align_examples: int = Field(512, gt=0, description="training examples with beams")
     ks: list[int] = Field(default_factory=lambda: [1, 3, 5, 10, 20])
     ns: list[int] = Field(default_factory=lambda: [40], description="draft beam sizes N")
     gamma: int = Field(3, gt=0)
@@ -286,8 +294,15 @@ class RecEvalConfig(StrictModel):
 
     @model_validator(mode="after")
     def _positive(self):
+        from speclab.train.rec_align import REC_LOSSES
+
         if not self.ks or min(self.ks) < 1 or not self.ns or min(self.ns) < 1:
             raise ValueError("ks and ns must be non-empty lists of positive integers")
+        unknown = [n for n in [*self.losses, self.draft_loss] if n not in REC_LOSSES]
+        if unknown:
+            raise ValueError(f"unknown recommendation loss {unknown}; known: {list(REC_LOSSES)}")
+        if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
+            raise ValueError("alphas must be a non-empty list of values in [0, 1]")
         return self
 
 

@@ -53,8 +53,13 @@ def _check(prompt: list[int], trie: ItemTrie, k: int, runner: ModelRunner) -> No
         raise ValueError(f"history: token ids {bad[:5]} outside the vocabulary")
 
 
-class _BeamTree:
-    """Beams as nodes of a TokenTree over a cached prompt (root = last prompt token)."""
+class BeamTree:
+    """Beams as nodes of a TokenTree over a cached prompt (root = last prompt token).
+
+    ``score(seqs)`` returns the model's logits ``[V]`` at the end of each beam sequence,
+    processing every node not yet seen in ONE forward with tree attention; ``logits``
+    keeps them by sequence; ``restart()`` drops the beams but keeps the prompt's cache.
+    """
 
     def __init__(self, runner: ModelRunner, prompt: list[int]) -> None:
         self.runner = runner
@@ -105,7 +110,7 @@ def constrained_beam_search(
     """
     _check(prompt, trie, k, runner)
     calls0 = runner.calls
-    bt = _BeamTree(runner, prompt)
+    bt = BeamTree(runner, prompt)
     beams: list[Beam] = [((), 0.0)]
     for _ in range(trie.length):
         logits = bt.score([b[0] for b in beams])
@@ -143,8 +148,8 @@ def beam_speculative_search(
         raise ValueError(f"gamma: must be >= 1, got {gamma}")
     stats = BeamSDStats()
     d_calls0 = draft.calls
-    tgt = _BeamTree(target, prompt)
-    drf = _BeamTree(draft, prompt)
+    tgt = BeamTree(target, prompt)
+    drf = BeamTree(draft, prompt)
     committed: list[Beam] = [((), 0.0)]
     step = 0
     while step < trie.length:
@@ -188,7 +193,7 @@ def beam_speculative_search(
 # exactly, the target's sampling beam search) ---
 
 
-def _seq_logp(bt: _BeamTree, trie: ItemTrie, seq: tuple[int, ...]) -> float:
+def _seq_logp(bt: BeamTree, trie: ItemTrie, seq: tuple[int, ...]) -> float:
     """The model's constrained log-probability of ``seq`` (all prefixes must be scored)."""
     total = 0.0
     for i, tok in enumerate(seq):
@@ -198,7 +203,7 @@ def _seq_logp(bt: _BeamTree, trie: ItemTrie, seq: tuple[int, ...]) -> float:
     return total
 
 
-def _step_dist(bt: _BeamTree, trie: ItemTrie, beams: list[tuple[int, ...]]):
+def _step_dist(bt: BeamTree, trie: ItemTrie, beams: list[tuple[int, ...]]):
     """Candidates one token past ``beams`` and the model's sequence distribution over them."""
     bt.score(beams)  # logits at every beam (and its prefixes) are now known
     cands = [b + (t,) for b in beams for t in trie.allowed(b)]
@@ -212,7 +217,7 @@ def _sample(cands: list, probs: torch.Tensor, k: int, g: torch.Generator | None)
     return [cands[i] for i in idx]
 
 
-def _ranked(bt: _BeamTree, trie: ItemTrie, seqs: list[tuple[int, ...]]) -> list[Beam]:
+def _ranked(bt: BeamTree, trie: ItemTrie, seqs: list[tuple[int, ...]]) -> list[Beam]:
     beams = [(s, _seq_logp(bt, trie, s)) for s in seqs]
     return sorted(beams, key=lambda b: (-b[1], b[0]))
 
@@ -223,7 +228,7 @@ def sampling_beam_search(runner: ModelRunner, prompt: list[int], trie: ItemTrie,
     (without replacement) from the sequence distribution over the extensions of the
     current beams. Returns ``k`` beams ranked by the model's log-probability."""
     _check(prompt, trie, k, runner)
-    bt = _BeamTree(runner, prompt)
+    bt = BeamTree(runner, prompt)
     beams: list[tuple[int, ...]] = [()]
     for _ in range(trie.length):
         cands, probs = _step_dist(bt, trie, beams)
@@ -248,8 +253,8 @@ def beam_speculative_sampling(
         raise ValueError(f"gamma: must be >= 1, got {gamma}")
     stats = BeamSDStats()
     d_calls0 = draft.calls
-    tgt = _BeamTree(target, prompt)
-    drf = _BeamTree(draft, prompt)
+    tgt = BeamTree(target, prompt)
+    drf = BeamTree(draft, prompt)
     committed: list[tuple[int, ...]] = [()]
     step = 0
     while step < trie.length:

@@ -8,7 +8,8 @@ checkpoint sees the same data; ``loss(model, batch)``; ``validate(model)`` on he
   (target training);
 * :class:`DistillTask` — a drafter loss (or a weighted mix) on shards written by the
   distillation job's generation stage; the last shard of each kind is held out;
-* :class:`RecTask` — L_Rec on "history -> next item id" examples (AtSpeed).
+* :class:`RecTask` — L_Rec on "history -> next item id" examples (AtSpeed);
+* :class:`RecAlignTask` — an AtSpeed drafter loss on the target's alignment data.
 """
 
 from __future__ import annotations
@@ -143,4 +144,49 @@ class RecTask:
         return out
 
 
-TASKS = {"lm": LMTask, "distill": DistillTask, "rec": RecTask}
+
+
+class RecAlignTask(RecTask):
+    """A recommendation drafter trained with ``rec_eval.draft_loss`` (sft, seq_kd,
+    word_kd, tvd_kd, atspeed_s, atspeed_r) on the target's alignment data
+    (``align.pt``: one row per training example, see :mod:`speclab.train.rec_align`)."""
+
+    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+        super().__init__(cfg, data_dir, device)
+        self.rows = torch.load(Path(data_dir) / "align.pt", weights_only=False)
+        self.train = self.train[: len(self.rows)]
+        self.loss_name = cfg.rec_eval.draft_loss
+        self.alpha = cfg.rec_eval.alpha
+        self.k = cfg.rec_eval.align_k
+        self.val_idx = list(range(min(len(self.rows), self.tr.batch_size)))
+
+    def _collate_idx(self, idx: list[int]) -> dict:
+        from speclab.train.rec_align import collate_align
+
+        batch = collate_align([self.rows[i] for i in idx], [self.train[i] for i in idx],
+                              self.meta, self.loss_name)
+        return {part: {k: v.to(self.device) for k, v in b.items()}
+                for part, b in batch.items()}
+
+    def batch(self, step: int, rank: int) -> dict:
+        g = _gen(self.tr.seed, step, rank)
+        idx = torch.randint(0, len(self.rows), (self.tr.batch_size,), generator=g).tolist()
+        return self._collate_idx(idx)
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        from speclab.train.rec_align import rec_align_loss
+
+        return rec_align_loss(model, batch, self.loss_name, self.alpha, self.k)
+
+    def tokens_in(self, batch: dict) -> int:
+        return sum(int(b["inputs"].numel()) for b in batch.values())
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module) -> float:
+        model.eval()
+        out = float(self.loss(model, self._collate_idx(self.val_idx)))  # training rows
+        model.train()
+        return out
+
+
+TASKS = {"lm": LMTask, "distill": DistillTask, "rec": RecTask, "rec_align": RecAlignTask}

@@ -1,0 +1,112 @@
+"""AtSpeed drafter alignment data (target top-K beams + distributions) and its losses."""
+
+import pytest
+import torch
+
+from speclab.data import recsys
+from speclab.data.rec_dataset import RecExample, RecMeta
+from speclab.models.loading import load_model
+from speclab.models.tiny import build_tiny_llama
+from speclab.spec.beam import constrained_beam_search
+from speclab.spec.kv import ModelRunner
+from speclab.train.rec_align import REC_LOSSES, alignment_example, collate_align, rec_align_loss
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("align")
+    feats = recsys.item_features(recsys.SyntheticSpec(items=30, seed=3))
+    codes = recsys.semantic_ids(feats, levels=3, codebook=4)
+    meta = RecMeta(list(range(30)), [list(c) for c in codes], 3, 4, history=3)
+    t = build_tiny_llama(root / "t", seed=1, vocab_size=meta.vocab_size, hidden_size=32)
+    d = build_tiny_llama(root / "d", seed=2, vocab_size=meta.vocab_size, hidden_size=16,
+                         num_layers=1)
+    return meta, ModelRunner(load_model(str(t))), str(d)
+
+
+def test_alignment_example_holds_the_target_distributions(setup):
+    meta, target, _ = setup
+    trie = meta.trie()
+    prompt = meta.prompt([3, 7, 11])
+    row = alignment_example(target, trie, prompt, k=4)
+    beams, _ = constrained_beam_search(target, prompt, trie, 4)
+    assert row["beams"] == [list(b[0]) for b in beams]
+    for j, beam in enumerate(row["beams"]):
+        for t in range(3):
+            target.reset()
+            want = target.forward(torch.tensor(prompt + beam[:t]))[-1].log_softmax(-1)
+            torch.testing.assert_close(row["target_logp"][j, t].float(), want,
+                                       atol=2e-2, rtol=1e-2)  # stored as float16
+            assert set(row["valid"][j, t].nonzero().flatten().tolist()) == set(
+                trie.allowed(tuple(beam[:t])))
+    last = row["beams"][-1]
+    # log p(y_K): the K-th beam's token under the target (stored logp is float16)
+    assert float(row["log_p_k"][1]) == pytest.approx(
+        float(row["target_logp"][-1, 1, last[1]]), abs=2e-3)
+
+
+@pytest.mark.parametrize("loss_name", REC_LOSSES)
+def test_every_rec_loss_trains_the_drafter(setup, loss_name):
+    from transformers import AutoModelForCausalLM
+
+    meta, target, draft_dir = setup
+    trie = meta.trie()
+    examples = [RecExample(0, meta.prompt(h), tgt) for h, tgt in
+                [([1, 2], 5), ([4], 9), ([6, 7, 8], 2), ([3], 14)]]
+    rows = [alignment_example(target, trie, e.prompt, 3) for e in examples]
+    batch = collate_align(rows, examples, meta, loss_name)
+    model = AutoModelForCausalLM.from_pretrained(draft_dir)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(8):
+        loss = rec_align_loss(model, batch, loss_name, alpha=0.7, k=3)
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert torch.isfinite(loss) and loss.item() < first
+
+
+def test_alpha_zero_reduces_atspeed_to_the_recommendation_loss(setup):
+    from transformers import AutoModelForCausalLM
+
+    meta, target, draft_dir = setup
+    examples = [RecExample(0, meta.prompt([1, 2]), 5), RecExample(0, meta.prompt([4]), 9)]
+    rows = [alignment_example(target, meta.trie(), e.prompt, 3) for e in examples]
+    model = AutoModelForCausalLM.from_pretrained(draft_dir)
+    sft = rec_align_loss(model, collate_align(rows, examples, meta, "sft"), "sft", 0.0, 3)
+    for name in ("atspeed_s", "atspeed_r"):
+        got = rec_align_loss(model, collate_align(rows, examples, meta, name), name, 0.0, 3)
+        assert got.item() == pytest.approx(sft.item(), rel=1e-6)
+    with pytest.raises(ValueError, match="unknown recommendation loss"):
+        collate_align(rows, examples, meta, "talf")
+
+
+def test_rec_align_task_batches_deterministically_and_trains(setup, tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from transformers import AutoModelForCausalLM
+
+    from speclab.config import ExperimentConfig
+    from speclab.train.tasks import TASKS
+
+    meta, target, draft_dir = setup
+    train = [RecExample(0, meta.prompt([i % 30, (i * 7) % 30]), (i * 3) % 30) for i in range(12)]
+    meta.save(tmp_path)
+    (tmp_path / "examples.json").write_text(json.dumps(
+        {"train": [asdict(e) for e in train], "validation": [asdict(e) for e in train[:2]],
+         "test": []}))
+    rows = [alignment_example(target, meta.trie(), e.prompt, 3) for e in train[:8]]
+    torch.save(rows, tmp_path / "align.pt")
+    cfg = ExperimentConfig.from_dict({"train": {"batch_size": 4}, "rec_eval": {
+        "draft_loss": "atspeed_r", "alpha": 0.6, "align_k": 3}})
+    task = TASKS["rec_align"](cfg, tmp_path, torch.device("cpu"))
+    assert len(task.train) == 8  # only examples that have alignment rows
+    a, b = task.batch(5, 1), task.batch(5, 1)
+    assert torch.equal(a["beams"]["inputs"], b["beams"]["inputs"])  # same (step, rank)
+    model = AutoModelForCausalLM.from_pretrained(draft_dir)
+    loss = task.loss(model, a)
+    loss.backward()
+    assert torch.isfinite(loss) and task.tokens_in(a) > 0
+    assert task.validate(model) > 0
