@@ -1,13 +1,23 @@
-"""Argument parsing and config loading shared by every job (fail fast, name the field)."""
+"""Argument parsing, config loading and tracker opening shared by every job.
+
+Every job starts the same way: parse ``--config PATH [--address ADDR] [key=value ...]``,
+validate the config, open the MLflow run and check the job's inputs, all before Ray
+starts, so a bad field fails in a second with exit status 2 and a message naming it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from speclab.config import ConfigError, ExperimentConfig, StrictModel
+
+T = TypeVar("T")
 
 
 def parse_job_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,6 +36,42 @@ def load_or_exit(schema: type[StrictModel], path: str, overrides: list[str]):
     except ConfigError as exc:
         print(f"config error in {path}:\n{exc}", file=sys.stderr)
         sys.exit(2)
+
+
+@dataclass
+class JobStart(Generic[T]):
+    """What :func:`start_job` hands a job: its arguments, config, tracker and inputs."""
+
+    args: argparse.Namespace
+    cfg: ExperimentConfig
+    tracker: Any  # speclab.tracking.Tracker (opened lazily by ``with``)
+    inputs: T
+
+    @property
+    def address(self) -> str | None:
+        """The Ray address: ``--address``, else ``ray.address`` from the config."""
+        return self.args.address or self.cfg.ray.address
+
+
+def start_job(description: str, argv: list[str] | None,
+              prepare: Callable[[ExperimentConfig], T] | None = None) -> JobStart[T]:
+    """Parse, validate, open the tracker and run ``prepare(cfg)``; exit 2 on bad input.
+
+    ``prepare`` checks and loads the job's inputs (corpus, models, interactions) on the
+    driver; any ``ValueError``/``OSError`` it raises is printed as ``error: ...``.
+    """
+    from speclab.tracking import TrackingUnavailable, open_tracker
+
+    args = parse_job_args(description, argv)
+    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
+    try:  # a remote tracking server is checked before any expensive work
+        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
+                               cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
+        inputs = prepare(cfg) if prepare is not None else None
+    except (TrackingUnavailable, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    return JobStart(args, cfg, tracker, inputs)
 
 
 def run_dirs(cfg: ExperimentConfig) -> tuple[Path, str]:

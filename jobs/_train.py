@@ -74,6 +74,8 @@ def train_loop(config: dict) -> None:
         mlflow_client = MlflowClient(config["tracking_uri"])
     if rank == 0 and start:
         print(f"[train] resumed from step {start}", flush=True)
+        if mlflow_client is not None:  # the run records each restart, not only the log
+            mlflow_client.log_metric(config["run_id"], "resumed_from_step", start, step=start)
     t_last, seen, losses = time.perf_counter(), 0, []
     for step in range(start, tr.steps):
         batch = task.batch(step, rank)  # depends only on (seed, step, rank)

@@ -16,9 +16,7 @@ import sys
 import time
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args, run_dirs
-from speclab.config import ExperimentConfig
-from speclab.tracking import TrackingUnavailable, open_tracker
+from jobs._cli import run_dirs, start_job
 
 
 def _plot(table: list[dict]):
@@ -43,17 +41,10 @@ def _plot(table: list[dict]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_job_args(__doc__, argv)
-    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
     from jobs.distill import generate, prepare, train_register_evaluate
 
-    try:
-        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
-        prep = prepare(cfg)
-    except (TrackingUnavailable, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    job = start_job(__doc__, argv, prepare)
+    cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
     from speclab.evaluation import format_table
     from speclab.raylib import init_ray
@@ -61,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"
-    where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
+    where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[compare_losses] running on {where}; run dir {storage / run_name}", flush=True)
     table: list[dict] = []
     with tracker as parent:

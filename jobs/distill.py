@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args, run_dirs
+from jobs._cli import run_dirs, start_job
 from speclab.config import ExperimentConfig
-from speclab.tracking import TrackingUnavailable, open_tracker
 
 
 def plan_starts(cfg: ExperimentConfig, tokens, kind: str) -> tuple[list[int], int]:
@@ -174,19 +173,8 @@ def train_register_evaluate(cfg: ExperimentConfig, prep: Prepared, storage: Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_job_args(__doc__, argv)
-    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
-    if cfg.train.resume and not cfg.output.run_name:
-        print("config error: output.run_name: required when train.resume is true",
-              file=sys.stderr)
-        return 2
-    try:
-        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
-        prep = prepare(cfg)  # everything wrong with the inputs fails here, before Ray
-    except (TrackingUnavailable, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    job = start_job(__doc__, argv, prepare)  # bad inputs fail here, before Ray
+    cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
     from jobs._train import peak_rss_mb
     from speclab.raylib import init_ray
@@ -195,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"
     kinds = {LOSS_KIND[name] for name in cfg.distill.loss_weights()}
-    where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
+    where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[distill] running on {where}; run dir {storage / run_name}", flush=True)
     with tracker as t:
         t.set_tags({"job": "distill", "run_dir": str(storage / run_name),

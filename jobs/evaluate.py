@@ -15,28 +15,19 @@ import sys
 import time
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args
-from speclab.config import ExperimentConfig
-from speclab.tracking import TrackingUnavailable, open_tracker
+from jobs._cli import start_job
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_job_args(__doc__, argv)
-    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
-    config = cfg.model_dump(mode="json")
-    try:  # a remote tracking server is checked before any expensive work
-        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, config)
-    except TrackingUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    job = start_job(__doc__, argv)
+    cfg, tracker = job.cfg, job.tracker
 
     from jobs._evaluate import evaluate_pair, tokenized_prompts
     from speclab.models.registry import resolve_models
     from speclab.raylib import init_ray
 
     t_start = time.perf_counter()
-    where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
+    where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[evaluate] running on {where}", flush=True)
     target, draft = resolve_models(cfg.models.target, cfg.models.draft)
     if any(m.name != "ar" for m in cfg.method_list()) and not draft:

@@ -19,9 +19,8 @@ from __future__ import annotations
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args
+from jobs._cli import start_job
 from speclab.config import ExperimentConfig
-from speclab.tracking import TrackingUnavailable, open_tracker
 
 
 def _plots(rows: list[dict]) -> dict:
@@ -75,28 +74,71 @@ def _plots(rows: list[dict]) -> dict:
     return figs
 
 
+def generate_alignment(target: str, draft: str | None, meta, prompts: list[list[int]],
+                       k: int, lam: float, tasks: int) -> list[dict]:
+    """Alignment rows (:func:`speclab.train.rec_align.alignment_example`) for ``prompts``,
+    computed by ``tasks`` Ray tasks (0: one per cluster CPU), each loading the models
+    once for its contiguous chunk; rows come back in prompt order."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def chunk(part: list[list[int]]) -> list[dict]:
+        import torch
+
+        from speclab.models.loading import load_model
+        from speclab.spec.kv import ModelRunner
+        from speclab.train.rec_align import alignment_example
+
+        torch.set_num_threads(1)
+        runner = ModelRunner(load_model(target, field="rec_eval.target"))
+        d = ModelRunner(load_model(draft, field="rec_eval.drafts")) if draft else None
+        trie = meta.trie()
+        return [alignment_example(runner, trie, p, k, d, lam) for p in part]
+
+    n = tasks or max(1, int(ray.cluster_resources().get("CPU", 1)))
+    size = -(-len(prompts) // n)
+    refs = [chunk.remote(prompts[i: i + size]) for i in range(0, len(prompts), size)]
+    return [row for part in ray.get(refs) for row in part]
+
+
 def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, run_name: str,
                    tracker) -> dict[str, str]:
     """One drafter per ``rec_eval.losses`` entry (per alpha for atspeed_s / atspeed_r),
-    each a child run; alignment data (target top-K beams) is generated once."""
+    each a child run. Alignment data is generated once per kind on Ray tasks: the
+    target's top-K beams, and for AtSpeed-S (``mix_lambda < 1``) the top-K beams of the
+    mixture with the sft drafter, which is therefore trained first (added if absent)."""
+    import time
+
     from jobs.train_recommender import train_model
-    from speclab.models.loading import load_model
-    from speclab.spec.kv import ModelRunner
-    from speclab.train.rec_align import alignment_example
 
     re, reg = cfg.rec_eval, cfg.output.register_as
-    rows = None
-    if any(loss != "sft" for loss in re.losses):
-        runner, trie = ModelRunner(load_model(target, field="rec_eval.target")), meta.trie()
-        train = examples["train"][: re.align_examples]
-        rows = [alignment_example(runner, trie, e.prompt, re.align_k) for e in train]
-        print(f"[recommend_eval] alignment data: {len(rows)} histories x top-{re.align_k}",
-              flush=True)
-    drafts = {}
-    for loss in re.losses:
+    mixed = "atspeed_s" in re.losses and re.mix_lambda < 1.0
+    losses = list(dict.fromkeys(["sft", *re.losses] if mixed else re.losses))
+    losses.sort(key=lambda name: name != "sft")  # sft first: the mixture needs it
+    prompts = [e.prompt for e in examples["train"][: re.align_examples]]
+    data: dict[str, list[dict]] = {}
+
+    def rows_for(loss: str, drafts: dict[str, str]) -> list[dict] | None:
+        kind = "mix" if loss == "atspeed_s" and mixed else "target"
+        if loss == "sft":
+            return None
+        if kind not in data:
+            t0 = time.perf_counter()
+            draft, lam = (drafts["sft"], re.mix_lambda) if kind == "mix" else (None, 1.0)
+            data[kind] = generate_alignment(target, draft, meta, prompts, re.align_k, lam,
+                                            re.align_tasks)
+            secs = time.perf_counter() - t0
+            tracker.log_metrics({f"align_{kind}_s": secs})
+            print(f"[recommend_eval] alignment data ({kind}, lambda={lam:g}): {len(prompts)} "
+                  f"histories x top-{re.align_k} in {secs:.0f}s", flush=True)
+        return data[kind]
+
+    drafts: dict[str, str] = {}
+    for loss in losses:
         alphas = re.alphas if loss.startswith("atspeed") else [re.alpha]
         for alpha in alphas:
             name = f"{loss}@{alpha:g}" if loss.startswith("atspeed") else loss
+            rows = rows_for(loss, drafts)
             dcfg = cfg.model_copy(update={
                 "arch": re.draft_arch,
                 "train": cfg.train.model_copy(update={"steps": re.draft_steps}),
@@ -107,23 +149,16 @@ def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, 
                 drafts[name] = str(train_model(
                     dcfg, meta, examples, storage, f"{run_name}-draft-{slug}", c,
                     f"{reg}-draft-{slug}" if reg else None,
-                    task="rec" if loss == "sft" else "rec_align",
-                    extra={"align.pt": rows} if loss != "sft" else None))
+                    task="rec" if rows is None else "rec_align",
+                    extra={"align.pt": rows} if rows is not None else None))
     return drafts
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_job_args(__doc__, argv)
-    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
     from jobs.train_recommender import prepare, train_model
 
-    try:
-        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
-        meta, examples = prepare(cfg)
-    except (TrackingUnavailable, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    job = start_job(__doc__, argv, prepare)
+    cfg, tracker, (meta, examples) = job.cfg, job.tracker, job.inputs
 
     from jobs._cli import run_dirs
     from speclab.evaluation import format_table
@@ -135,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     re = cfg.rec_eval
     storage, run_name = run_dirs(cfg)
-    where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
+    where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[recommend_eval] running on {where}", flush=True)
     reg = cfg.output.register_as
     with tracker as t:

@@ -19,9 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args
+from jobs._cli import start_job
 from speclab.config import ExperimentConfig
-from speclab.tracking import TrackingUnavailable, open_tracker
 
 
 def prepare(cfg: ExperimentConfig):
@@ -68,21 +67,14 @@ def train_model(cfg: ExperimentConfig, meta, examples, storage: Path, run_name: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_job_args(__doc__, argv)
-    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
-    try:
-        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
-        meta, examples = prepare(cfg)
-    except (TrackingUnavailable, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    job = start_job(__doc__, argv, prepare)
+    cfg, tracker, (meta, examples) = job.cfg, job.tracker, job.inputs
 
     from jobs._cli import run_dirs
     from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
-    where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
+    where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[train_recommender] running on {where}; {len(meta.items)} items, "
           f"{ {k: len(v) for k, v in examples.items()} } examples", flush=True)
     with tracker as t:

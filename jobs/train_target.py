@@ -19,9 +19,8 @@ import sys
 from pathlib import Path
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import load_or_exit, parse_job_args, run_dirs
+from jobs._cli import run_dirs, start_job
 from speclab.config import ExperimentConfig
-from speclab.tracking import TrackingUnavailable, open_tracker
 
 
 def prepare_data(cfg: ExperimentConfig, run_dir: Path) -> tuple[Path, int, int]:
@@ -57,37 +56,25 @@ def prepare_data(cfg: ExperimentConfig, run_dir: Path) -> tuple[Path, int, int]:
     return data, len(tok), tok.eos_token_id
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_job_args(__doc__, argv)
-    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
-    if cfg.train.resume and not cfg.output.run_name:
-        print("config error: output.run_name: required when train.resume is true",
-              file=sys.stderr)
-        return 2
-    config = cfg.model_dump(mode="json")
-    try:
-        tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, config)
-    except TrackingUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
+def prepare(cfg: ExperimentConfig) -> tuple[Path, str, Path, int, int]:
+    """(storage, run name, data dir, vocab, eos id); refuses to overwrite a named run."""
     storage, run_name = run_dirs(cfg)
+    if (storage / run_name).exists() and not cfg.train.resume and cfg.output.run_name:
+        raise ValueError(f"output.run_name: {run_name!r} exists in {storage}; set "
+                         "train.resume=true to continue it or choose another name")
+    return storage, run_name, *prepare_data(cfg, storage / run_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    job = start_job(__doc__, argv, prepare)
+    cfg, tracker = job.cfg, job.tracker
+    storage, run_name, data_dir, vocab, eos = job.inputs
     run_dir = storage / run_name
-    if run_dir.exists() and not cfg.train.resume and cfg.output.run_name:
-        print(f"config error: output.run_name: {run_name!r} exists in {storage}; "
-              "set train.resume=true to continue it or choose another name", file=sys.stderr)
-        return 2
-    try:
-        data_dir, vocab, eos = prepare_data(cfg, run_dir)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
 
     from jobs._train import fit, save_final
     from speclab.raylib import init_ray
 
-    where = init_ray(args.address or cfg.ray.address, cfg.ray.num_cpus)
+    where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[train_target] running on {where}; run dir {run_dir}", flush=True)
     with tracker as t:
         t.set_tags({"job": "train_target", "run_dir": str(run_dir)})

@@ -62,8 +62,11 @@ def test_killed_worker_resumes_from_checkpoint(job_env, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
-    assert "resumed from step" in out
+    # the worker group was restarted: a new rank-1 process, and rank 0 recorded the resume
+    assert int((run_dir / "pids" / "rank1.pid").read_text()) != victim, out[-4000:]
     client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "fault")
+    resumed = client.get_metric_history(run.info.run_id, "resumed_from_step")
+    assert resumed and all(0 < m.value < 300 for m in resumed), out[-4000:]
     assert run.data.metrics["final_step"] == 300
     steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "loss")})
     assert steps[-1] == 300 and all(s % 20 == 0 for s in steps)

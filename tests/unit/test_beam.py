@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from speclab.models.loading import load_model
-from speclab.spec.beam import beam_speculative_search, constrained_beam_search
+from speclab.spec.beam import (
+    beam_speculative_search,
+    constrained_beam_search,
+    mixture_beam_search,
+)
 from speclab.spec.kv import ModelRunner
 from speclab.spec.trie import ItemTrie
 
@@ -21,16 +25,23 @@ def random_trie(n_items: int, length: int = 4, codebook: int = 6, offset: int = 
     return ItemTrie(seqs, items=[1000 + i for i in range(len(seqs))])
 
 
-def brute_force_top_k(model_runner, prompt, trie, k):
-    """Reference: exact step-wise beam search by scoring full prefixes from scratch."""
+def _last_probs(runner, tokens):
+    runner.reset()
+    return runner.forward(torch.tensor(tokens))[-1].float().softmax(-1)
+
+
+def brute_force_top_k(model_runner, prompt, trie, k, draft=None, lam=1.0):
+    """Reference: exact step-wise beam search by scoring full prefixes from scratch,
+    under ``lam * p + (1 - lam) * q`` when a ``draft`` is given."""
     beams = [((), 0.0)]
     for _ in range(trie.length):
         cands = []
         for seq, score in beams:
-            model_runner.reset()
-            logits = model_runner.forward(torch.tensor(prompt + list(seq)))[-1]
+            probs = _last_probs(model_runner, prompt + list(seq))
+            if draft is not None:
+                probs = lam * probs + (1 - lam) * _last_probs(draft, prompt + list(seq))
             allowed = trie.allowed(seq)
-            lp = logits[allowed].log_softmax(-1).tolist()
+            lp = probs[allowed].log().log_softmax(-1).tolist()
             cands += [(seq + (t,), score + v) for t, v in zip(allowed, lp)]
         cands.sort(key=lambda b: (-b[1], b[0]))
         beams = cands[:k]
@@ -64,6 +75,25 @@ def test_beam_search_matches_brute_force(runners):
             assert [b[0] for b in beams] == [b[0] for b in want]
             assert all(b[0] in trie for b in beams)
             assert calls == trie.length  # prompt + one forward per later step
+
+
+def test_mixture_beam_search_matches_brute_force(runners):
+    target, drafts = runners
+    draft = drafts["weak"]
+    trie = random_trie(60)
+    prompt = [3, 9, 27]
+    for lam in (0.0, 0.3, 0.7, 1.0):
+        beams = mixture_beam_search(target, draft, prompt, trie, 4, lam)
+        want = brute_force_top_k(target, prompt, trie, 4, draft, lam)
+        assert [b[0] for b in beams] == [b[0] for b in want]
+        assert [b[1] for b in beams] == pytest.approx([b[1] for b in want], abs=1e-4)
+    ends = {lam: [b[0] for b in mixture_beam_search(target, draft, prompt, trie, 4, lam)]
+            for lam in (0.0, 1.0)}
+    assert ends[1.0] == [b[0] for b in constrained_beam_search(target, prompt, trie, 4)[0]]
+    assert ends[0.0] == [b[0] for b in constrained_beam_search(draft, prompt, trie, 4)[0]]
+    assert ends[0.0] != ends[1.0]  # the weak drafter disagrees, so lambda matters
+    with pytest.raises(ValueError, match="lambda"):
+        mixture_beam_search(target, draft, prompt, trie, 4, 1.5)
 
 
 @pytest.mark.parametrize("draft_name", ["close", "weak"])

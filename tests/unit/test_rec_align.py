@@ -7,7 +7,7 @@ from speclab.data import recsys
 from speclab.data.rec_dataset import RecExample, RecMeta
 from speclab.models.loading import load_model
 from speclab.models.tiny import build_tiny_llama
-from speclab.spec.beam import constrained_beam_search
+from speclab.spec.beam import constrained_beam_search, mixture_beam_search
 from speclab.spec.kv import ModelRunner
 from speclab.train.rec_align import REC_LOSSES, alignment_example, collate_align, rec_align_loss
 
@@ -43,6 +43,19 @@ def test_alignment_example_holds_the_target_distributions(setup):
     # log p(y_K): the K-th beam's token under the target (stored logp is float16)
     assert float(row["log_p_k"][1]) == pytest.approx(
         float(row["target_logp"][-1, 1, last[1]]), abs=2e-3)
+
+
+def test_mixture_alignment_rows_follow_the_mixture_beams(setup):
+    meta, target, draft_dir = setup
+    trie, draft = meta.trie(), ModelRunner(load_model(draft_dir))
+    prompt = meta.prompt([2, 5])
+    row = alignment_example(target, trie, prompt, 4, draft, 0.5)
+    assert row["beams"] == [list(b[0]) for b in
+                            mixture_beam_search(target, draft, prompt, trie, 4, 0.5)]
+    assert all(tuple(b) in trie for b in row["beams"])
+    target.reset()  # the stored distributions are still the TARGET's
+    want = target.forward(torch.tensor(prompt))[-1].log_softmax(-1)
+    torch.testing.assert_close(row["target_logp"][0, 0].float(), want, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("loss_name", REC_LOSSES)

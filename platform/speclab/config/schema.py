@@ -285,6 +285,12 @@ class RecEvalConfig(StrictModel):
     alpha: float = Field(0.5, ge=0.0, le=1.0)
     align_k: int = Field(5, gt=0, description="target top-K beams per alignment example")
     align_examples: int = Field(512, gt=0, description="training examples with beams")
+    mix_lambda: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="AtSpeed-S data: top-K beams of (1-lambda) drafter + lambda target; "
+                    "the drafter is the sft drafter (1 = the target's beams)")
+    align_tasks: int = Field(0, ge=0, description="Ray tasks generating alignment data "
+                                                 "(0: one per CPU of the cluster)")
     ks: list[int] = Field(default_factory=lambda: [1, 3, 5, 10, 20])
     ns: list[int] = Field(default_factory=lambda: [40], description="draft beam sizes N")
     gamma: int = Field(3, gt=0)
@@ -330,6 +336,12 @@ class ExperimentConfig(StrictModel):
     compare: CompareConfig = CompareConfig()
     rec: RecConfig = RecConfig()
     rec_eval: RecEvalConfig = RecEvalConfig()
+
+    @model_validator(mode="after")
+    def _resume_needs_name(self):
+        if self.train.resume and not self.output.run_name:
+            raise ValueError("output.run_name: required when train.resume is true")
+        return self
 
     def method_list(self) -> list[MethodConfig]:
         """``methods`` when given, else the single ``method``."""

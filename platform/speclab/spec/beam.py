@@ -118,6 +118,31 @@ def constrained_beam_search(
     return beams, runner.calls - calls0
 
 
+def mixture_beam_search(
+    target: ModelRunner, draft: ModelRunner, prompt: list[int], trie: ItemTrie, k: int,
+    lam: float,
+) -> list[Beam]:
+    """Beam search of width ``k`` under the per-step mixture ``(1-lam) q + lam p``.
+
+    ``p`` is the target's and ``q`` the drafter's next-token distribution (AtSpeed
+    eq. 3's alignment data, "target-LLM-mixed sampling" of MiniLLM); ``lam = 1`` is the
+    target's own :func:`constrained_beam_search`, ``lam = 0`` the drafter's. Scores are
+    summed log mixture probabilities, renormalised over the trie's valid tokens.
+    """
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lambda: must be in [0, 1], got {lam}")
+    _check(prompt, trie, k, target)
+    trees = BeamTree(target, prompt), BeamTree(draft, prompt)
+    beams: list[Beam] = [((), 0.0)]
+    for _ in range(trie.length):
+        seqs = [b[0] for b in beams]
+        p = [x.float().softmax(-1) for x in trees[0].score(seqs)]
+        q = [x.float().softmax(-1) for x in trees[1].score(seqs)]
+        mix = [(lam * pi + (1 - lam) * qi).clamp_min(1e-30).log() for pi, qi in zip(p, q)]
+        beams = _expand(beams, mix, trie, k)
+    return beams
+
+
 @dataclass
 class BeamSDStats:
     """Per-search counters: ``accepted_steps`` (AS@K's numerator), ``target_calls`` (one

@@ -1,10 +1,11 @@
 """AtSpeed drafter alignment data and losses on it (pure PyTorch; no Ray).
 
-Alignment data (``D'`` of AtSpeed eq. 3-4, with lambda = 1: the TARGET's top-K beam
-sequences for a history; the paper's mixture with the drafter, (1-lambda) M_q +
-lambda M_p, needs the drafter inside data generation and is not done here): for each
-of the K beams and each of its L positions, the target's full log-softmax ``[V]``, the
-trie's valid tokens ``[V]`` and ``log p(y_K)`` (the K-th beam's token at that position).
+Alignment data (``D'`` of AtSpeed eq. 3-4): the top-K beam sequences for a history
+under the mixture ``(1-lambda) M_q + lambda M_p`` of a drafter ``q`` and the target
+``p`` (``lambda = 1``: the target's own top-K beams, the data of AtSpeed-R and of the
+baselines); for each of the K beams and each of its L positions, the target's full
+log-softmax ``[V]``, the trie's valid tokens ``[V]`` and ``log p(y_K)`` (the K-th
+beam's token at that position).
 
 Losses (``loss_name``): ``atspeed_s`` / ``atspeed_r`` (alignment over the beams, weight
 ``alpha``) + ``(1 - alpha)`` L_Rec on the true next item; baselines ``sft`` (L_Rec only),
@@ -18,16 +19,26 @@ import torch
 
 from speclab import losses
 from speclab.data.rec_dataset import PAD, RecExample, RecMeta, collate_rec
-from speclab.spec.beam import BeamTree, constrained_beam_search
+from speclab.spec.beam import BeamTree, constrained_beam_search, mixture_beam_search
 from speclab.spec.kv import ModelRunner
 from speclab.spec.trie import ItemTrie
 
 REC_LOSSES = ("sft", "seq_kd", "word_kd", "tvd_kd", "atspeed_s", "atspeed_r")
 
 
-def alignment_example(target: ModelRunner, trie: ItemTrie, prompt: list[int], k: int) -> dict:
-    """Target top-``k`` beams for ``prompt`` with the target's distributions along them."""
-    beams, _ = constrained_beam_search(target, prompt, trie, k)
+def alignment_example(target: ModelRunner, trie: ItemTrie, prompt: list[int], k: int,
+                      draft: ModelRunner | None = None, lam: float = 1.0) -> dict:
+    """Top-``k`` beams for ``prompt`` with the target's distributions along them.
+
+    The beams are the target's (``draft`` None or ``lam == 1``) or those of the mixture
+    ``(1-lam) q + lam p`` with ``draft``'s ``q``. Returns ``beams`` (k lists of L ids),
+    ``target_logp`` ``[k, L, V]`` (fp16), ``valid`` ``[k, L, V]`` (bool) and
+    ``log_p_k`` ``[L]``.
+    """
+    if draft is None or lam == 1.0:
+        beams, _ = constrained_beam_search(target, prompt, trie, k)
+    else:
+        beams = mixture_beam_search(target, draft, prompt, trie, k, lam)
     bt = BeamTree(target, prompt)
     prefixes = sorted({b[0][:i] for b in beams for i in range(trie.length)}, key=len)
     bt.score([p for p in prefixes if p])
