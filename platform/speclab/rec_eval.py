@@ -43,7 +43,7 @@ def evaluate(rec: Recommender, drafts: dict[str, object], examples: list[RecExam
         for name, draft in drafts.items():
             for n in ns:
                 for k in ks:
-                    if k > len(rec.meta.items) or (verify == "strict" and k > n):
+                    if k > len(rec.meta.items) or k > n:
                         continue
                     base_s = sd_s = 0.0
                     accepted = calls = 0
@@ -62,7 +62,7 @@ def evaluate(rec: Recommender, drafts: dict[str, object], examples: list[RecExam
                                                               k, n, gamma)
                         else:
                             out, st = beam_speculative_sampling(target, draft, ex.prompt, trie,
-                                                                k, gamma, g2)
+                                                                k, gamma, g2, n=n)
                         t2 = time.perf_counter()
                         base_s, sd_s = base_s + t1 - t0, sd_s + t2 - t1
                         accepted += st.accepted_steps

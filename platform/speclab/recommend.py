@@ -61,7 +61,7 @@ class Recommender:
             raise ValueError(f"k: must be in [1, {len(self.meta.items)}], got {k}")
         if method == "sd" and self.draft is None:
             raise ValueError("draft: method 'sd' needs a draft model")
-        if method == "sd" and verify == "strict" and k > n:
+        if method == "sd" and k > n:
             raise ValueError(f"k: must not exceed the draft beam size n={n}, got {k}")
         prompt = self.meta.prompt(history)
         g = torch.Generator().manual_seed(seed)
@@ -76,7 +76,7 @@ class Recommender:
                                                    k, n, gamma)
         else:
             beams, stats = beam_speculative_sampling(self.target, self.draft, prompt,
-                                                     self.trie, k, gamma, g)
+                                                     self.trie, k, gamma, g, n=n)
         out = {"items": [self.trie.item_of(s) for s, _ in beams],
                "scores": [round(score, 6) for _, score in beams],
                "wall_s": time.perf_counter() - t0}

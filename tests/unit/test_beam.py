@@ -164,12 +164,14 @@ def _tv(a, b):
     return 0.5 * sum(abs(a.get(k, 0) - b.get(k, 0)) for k in set(a) | set(b))
 
 
-def test_relaxed_sampling_verification_tracks_target_sampling_beam_search(sampling_pair):
+@pytest.mark.parametrize("n", [2, 4])
+def test_relaxed_sampling_verification_tracks_target_sampling_beam_search(sampling_pair, n):
     """Relaxed verification is approximate (AtSpeed A.2.1). Test: over 800 seeded runs
-    (K=2, gamma=2, 15 items of 3 tokens), the distribution of returned items is within
-    total variation 0.10 of the target's own sampling beam search (two independent
-    target runs differ by ~0.03), while the drafter's own sampling beam search is > 0.2
-    away (so the test can tell the two apart), and drafted steps are really accepted."""
+    (K=2, N in {2, 4}, gamma=2, 15 items of 3 tokens), the distribution of returned
+    items is within total variation 0.10 of the target's own sampling beam search (two
+    independent target runs differ by ~0.03), while the drafter's own sampling beam
+    search is > 0.2 away (so the test can tell the two apart), and drafted steps are
+    really accepted (more of them with N = 4 > K)."""
     from speclab.spec.beam import beam_speculative_sampling, sampling_beam_search
 
     target, draft = sampling_pair
@@ -177,16 +179,23 @@ def test_relaxed_sampling_verification_tracks_target_sampling_beam_search(sampli
                    for c in range(3)})[:15]
     trie = ItemTrie(seqs)
     prompt = [1, 2, 3]
+
+    def sd(g, n=n):
+        return beam_speculative_sampling(target, draft, prompt, trie, 2, 2, g, n=n)
+
     want = _item_dist(trie, lambda g: sampling_beam_search(target, prompt, trie, 2, g), 800)
-    got = _item_dist(trie, lambda g: beam_speculative_sampling(target, draft, prompt, trie, 2,
-                                                               2, g)[0], 800)
+    got = _item_dist(trie, lambda g: sd(g)[0], 800)
     other = _item_dist(trie, lambda g: sampling_beam_search(draft, prompt, trie, 2, g), 800)
     assert _tv(got, want) < 0.10
     assert _tv(other, want) > 0.20
-    accepted = sum(beam_speculative_sampling(target, draft, prompt, trie, 2, 2,
-                                             torch.Generator().manual_seed(s))[1].accepted_steps
-                   for s in range(50))
-    assert accepted > 25
-    out, stats = beam_speculative_sampling(target, draft, prompt, trie, 2, 2,
-                                           torch.Generator().manual_seed(0))
+
+    def accepted(n):
+        return sum(sd(torch.Generator().manual_seed(s), n)[1].accepted_steps for s in range(50))
+
+    assert accepted(n) > 25
+    if n > 2:
+        assert accepted(n) > accepted(2)
+    out, stats = sd(torch.Generator().manual_seed(0))
     assert len(out) == 2 and all(s in trie for s, _ in out) and stats.steps == 3
+    with pytest.raises(ValueError, match="n: draft beam size"):
+        sd(torch.Generator(), n=1)

@@ -263,19 +263,26 @@ def sampling_beam_search(runner: ModelRunner, prompt: list[int], trie: ItemTrie,
 
 def beam_speculative_sampling(
     target: ModelRunner, draft: ModelRunner, prompt: list[int], trie: ItemTrie, k: int,
-    gamma: int, generator: torch.Generator | None = None,
+    gamma: int, generator: torch.Generator | None = None, n: int | None = None,
 ) -> tuple[list[Beam], BeamSDStats]:
     """Beam SD with relaxed sampling verification (AtSpeed Algorithm 2).
 
-    The drafter samples ``k`` sequences per step from its sequence distribution ``q_j``
+    Each round the drafter samples ``n`` (default ``k``) sequences per step from its
+    sequence distribution ``q_j`` over the extensions of its previous step's samples,
     for ``gamma`` steps; one target forward scores them all. At step ``j`` each drafted
-    sequence is accepted with ``min(1, p_j(y)/q_j(y))``; if all ``k`` are accepted the step
-    is accepted, otherwise the missing ones are resampled from
-    ``norm(max(0, p_j - q_j))`` (accepted ones zeroed) and the round ends.
+    sequence is accepted with ``min(1, p_j(y)/q_j(y))`` (``p_j``: the target's sequence
+    distribution over the same extensions). If at least ``k`` are accepted the step is
+    accepted and ``k`` of them, chosen at random, are its output; otherwise the missing
+    ones are resampled from ``norm(max(0, p_j - q_j))`` (accepted ones zeroed) and the
+    round ends. After ``gamma`` accepted steps the target samples one bonus step.
+    Returns the final ``k`` beams ranked by the target's log-probability.
     """
     _check(prompt, trie, k, target)
+    n = k if n is None else n
     if gamma < 1:
         raise ValueError(f"gamma: must be >= 1, got {gamma}")
+    if n < k:
+        raise ValueError(f"n: draft beam size must be >= k ({k}), got {n}")
     stats = BeamSDStats()
     d_calls0 = draft.calls
     tgt = BeamTree(target, prompt)
@@ -288,21 +295,23 @@ def beam_speculative_sampling(
         drafted, q_dists, cur = [], [], committed
         for _ in range(g):
             cands, q = _step_dist(drf, trie, cur)
-            cur = _sample(cands, q, k, generator)
+            cur = _sample(cands, q, n, generator)
             drafted.append(cur)
             q_dists.append(dict(zip(cands, q.tolist())))
         tgt.restart()
         tgt.score(committed + [s for level in drafted for s in level])
         stats.target_calls += 1
         stats.drafted_beams += sum(len(level) for level in drafted)
-        cur, accepted, rejected = committed, 0, False
+        prev, accepted, rejected = committed, 0, False
         for level, q in zip(drafted, q_dists):
-            cands, p = _step_dist(tgt, trie, cur)
+            cands, p = _step_dist(tgt, trie, prev)
             p_of = dict(zip(cands, p.tolist()))
             out = [y for y in level
                    if float(torch.rand((), generator=generator)) <= p_of[y] / max(q[y], 1e-30)]
-            if len(out) == len(level):
-                cur, accepted = level, accepted + 1
+            want = min(k, len(cands))
+            if len(out) >= want:
+                pick = torch.randperm(len(out), generator=generator)[:want].tolist()
+                committed, prev, accepted = [out[i] for i in sorted(pick)], level, accepted + 1
                 continue
             resid = torch.tensor([max(0.0, p_of[c] - q.get(c, 0.0)) for c in cands])
             for y in out:
@@ -311,16 +320,15 @@ def beam_speculative_sampling(
                 resid = p.clone()
                 for y in out:
                     resid[cands.index(y)] = 0.0
-            cur = out + _sample(cands, resid / resid.sum(), len(level) - len(out), generator)
+            committed = out + _sample(cands, resid / resid.sum(), want - len(out), generator)
             rejected = True
             break
-        if not rejected and step + g < trie.length:  # bonus step from the target
-            cands, p = _step_dist(tgt, trie, cur)
-            cur = _sample(cands, p, k, generator)
+        if not rejected and len(committed[0]) < trie.length:  # bonus step from the target
+            cands, p = _step_dist(tgt, trie, committed)
+            committed = _sample(cands, p, k, generator)
         stats.accepted_steps += accepted
         stats.accepted_per_round.append(accepted)
-        step = len(cur[0])
-        committed = cur
+        step = len(committed[0])
     stats.steps = step
     stats.draft_calls = draft.calls - d_calls0
     return _ranked(tgt, trie, committed), stats
