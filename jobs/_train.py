@@ -51,8 +51,13 @@ def train_loop(config: dict) -> None:
     pid_dir.mkdir(parents=True, exist_ok=True)
     (pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
 
+    device = ray.train.torch.get_device()
+    task = TASKS[config["task"]](cfg, Path(config["data_dir"]), device)
     torch.manual_seed(tr.seed)
-    model = _build_model(config["cfg"]["arch"], config["vocab"], config["eos"])
+    if hasattr(task, "build_model"):  # e.g. an acceptance head on a frozen drafter
+        model = task.build_model()
+    else:
+        model = _build_model(config["cfg"]["arch"], config["vocab"], config["eos"])
     opt, sched = make_optimizer(model, tr.lr, 0.01, tr.warmup, tr.steps)
     start = 0
     ckpt = ray.train.get_checkpoint()
@@ -63,10 +68,8 @@ def train_loop(config: dict) -> None:
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start = state["step"]
-    device = ray.train.torch.get_device()
     model = ray.train.torch.prepare_model(model)
     core = model.module if hasattr(model, "module") else model
-    task = TASKS[config["task"]](cfg, Path(config["data_dir"]), device)
     mlflow_client = None
     if rank == 0 and config.get("run_id"):
         from mlflow.tracking import MlflowClient

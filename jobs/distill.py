@@ -33,7 +33,8 @@ def plan_starts(cfg: ExperimentConfig, tokens, kind: str) -> tuple[list[int], in
     import torch
 
     d = cfg.distill
-    length = {"kd": d.seq_len + 1, "seq": d.prompt_len, "tree": d.context_len}[kind]
+    length = {"kd": d.seq_len + 1, "seq": d.prompt_len, "tree": d.context_len,
+              "accept": d.prompt_len}[kind]
     if tokens.numel() <= length + 1:
         raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
     g = torch.Generator().manual_seed(cfg.train.seed + 7919 * len(kind))
@@ -42,8 +43,12 @@ def plan_starts(cfg: ExperimentConfig, tokens, kind: str) -> tuple[list[int], in
 
 
 def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str],
-             tokens) -> tuple[dict[str, int], float]:
-    """Stage 1 on an actor pool; returns (shards per kind, the actors' peak RSS in MB)."""
+             tokens, draft: str | None = None) -> tuple[dict[str, int], float]:
+    """Stage 1 on an actor pool; returns (shards per kind, the actors' peak RSS in MB).
+
+    The ``accept`` kind (SpecDec++ head data) also needs the local ``draft`` folder."""
+    if "accept" in kinds and draft is None:
+        raise ValueError("models.draft: acceptance-head data needs a drafter")
     import ray
 
     d = cfg.distill
@@ -57,9 +62,9 @@ def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str]
         def __init__(self) -> None:
             from speclab.api import Decoder
 
-            self.dec = Decoder.from_pretrained(target, None, dtype, device)
+            self.dec = Decoder.from_pretrained(target, draft, dtype, device)
 
-        def shard(self, kind: str, inputs: list[list[int]], path: str) -> float:
+        def shard(self, kind: str, inputs: list[list[int]], path: str, first: int) -> float:
             """Write one shard; returns this actor's peak RSS in MB."""
             import os
             import resource
@@ -74,6 +79,10 @@ def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str]
                 rows = [dd.kd_example(runner, x, d.top_k) for x in inputs]
             elif kind == "seq":
                 rows = [dd.seq_example(runner, x, d.response_len, eos) for x in inputs]
+            elif kind == "accept":
+                rows = [dd.accept_example(runner, self.dec.draft, x, d.response_len,
+                                          cfg.head.temperature, cfg.train.seed + first + j,
+                                          eos) for j, x in enumerate(inputs)]
             else:
                 rows = [dd.tree_example(runner, x, d.tree_top_k, d.tree_depth, d.tree_nodes,
                                         d.top_k) for x in inputs]
@@ -102,7 +111,8 @@ def generate(cfg: ExperimentConfig, target: str, data_dir: Path, kinds: set[str]
                 if len(pending) >= 2 * len(pool):  # bounded number of shards in flight
                     done, pending = ray.wait(pending, num_returns=1)
                     peak = max(peak, *ray.get(done))
-                pending.append(pool[submitted % len(pool)].shard.remote(kind, chunk, str(path)))
+                pending.append(pool[submitted % len(pool)].shard.remote(
+                    kind, chunk, str(path), i * d.shard_size))
                 submitted += 1
         peak = max(peak, *ray.get(pending)) if pending else peak
     finally:

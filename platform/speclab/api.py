@@ -7,8 +7,10 @@
     res.token_ids, res.text, res.stats.tau
 
 Methods: ``ar`` (no draft), ``chain`` (gamma), ``tree`` (EAGLE-2: top_k, depth, nodes),
-``optimal`` (nodes, batch, depth), ``salf`` (nodes, batch, threshold, depth). Tree
-methods also take ``score_temperature`` (the softmax temperature used to rank nodes).
+``optimal`` (nodes, batch, depth), ``salf`` (nodes, batch, threshold, depth),
+``specdecpp`` (head: a folder or ``models:/`` URI holding an acceptance head, threshold
+h, max_draft). Tree methods also take ``score_temperature`` (the softmax temperature
+used to rank nodes).
 Verification: ``greedy`` (temperature 0), ``sample`` (lossless speculative sampling),
 ``typical`` (Medusa typical acceptance, relaxed). Default: greedy at temperature 0,
 sample otherwise.
@@ -22,12 +24,14 @@ import torch
 from transformers import PreTrainedModel
 
 from speclab.models.loading import check_same_vocab, load_model, load_tokenizer, resolve_source
+from speclab.spec.acceptance_head import AcceptanceHead, load_head
 from speclab.spec.drafters import ChainDrafter, Drafter, Eagle2TreeDrafter, OptimalTreeDrafter
+from speclab.spec.drafters.specdecpp import SpecDecPPDrafter
 from speclab.spec.engine import GenerationStats, autoregressive_generate, speculative_generate
 from speclab.spec.kv import ModelRunner
 from speclab.spec.sampling import SamplingParams
 
-METHODS = ("ar", "chain", "tree", "optimal", "salf")
+METHODS = ("ar", "chain", "tree", "optimal", "salf", "specdecpp")
 
 
 @dataclass
@@ -41,6 +45,8 @@ class MethodParams:
     batch: int = 4
     threshold: float = 0.3
     score_temperature: float = 1.0
+    head: str | AcceptanceHead | None = None
+    max_draft: int = 20
 
 
 @dataclass
@@ -73,6 +79,14 @@ def make_drafter(
         return ChainDrafter(draft, hp.gamma, params, generator)
     if method == "tree":
         return Eagle2TreeDrafter(draft, hp.top_k, hp.depth, hp.nodes, hp.score_temperature)
+    if method == "specdecpp":
+        if hp.head is None:
+            raise ValueError("head: method 'specdecpp' needs an acceptance head (--head DIR)")
+        head = hp.head
+        if not isinstance(head, AcceptanceHead):
+            head = load_head(resolve_source(head, "head"),
+                             int(draft.model.config.hidden_size))
+        return SpecDecPPDrafter(draft, head, hp.threshold, params, hp.max_draft, generator)
     if method == "salf" and not 0.0 < hp.threshold < 1.0:
         raise ValueError(f"threshold: must be in (0, 1), got {hp.threshold}")
     threshold = hp.threshold if method == "salf" else 0.0
@@ -94,6 +108,7 @@ class Decoder:
         self.target = ModelRunner(target)
         self.draft = ModelRunner(draft) if draft is not None else None
         self.tokenizer = tokenizer
+        self._heads: dict[str, AcceptanceHead] = {}
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -140,7 +155,8 @@ class Decoder:
         """Generate up to ``max_new_tokens`` after the prompt (text or ids).
 
         ``method_params`` are :class:`MethodParams` fields (gamma, top_k, depth, nodes,
-        batch, threshold, score_temperature). ``top_k_sampling`` is the top-k filter of the sampler.
+        batch, threshold, score_temperature, head, max_draft). ``top_k_sampling`` is the
+        top-k filter of the sampler.
         """
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("prompt: give exactly one of prompt (text) or prompt_ids")
@@ -150,7 +166,13 @@ class Decoder:
             raise ValueError(f"unknown method parameter(s): {sorted(unknown)}")
         params = SamplingParams(temperature, top_k_sampling, top_p)
         generator = torch.Generator().manual_seed(seed)
-        drafter = make_drafter(method, self.draft, MethodParams(**method_params), params, generator)
+        hp = MethodParams(**method_params)
+        if method == "specdecpp" and isinstance(hp.head, str) and self.draft is not None:
+            if hp.head not in self._heads:  # resolve + load once per Decoder
+                self._heads[hp.head] = load_head(resolve_source(hp.head, "head"),
+                                                 int(self.draft.model.config.hidden_size))
+            hp.head = self._heads[hp.head]
+        drafter = make_drafter(method, self.draft, hp, params, generator)
         if verify is None:
             verify = "greedy" if params.greedy else "sample"
         if drafter is None:

@@ -21,13 +21,17 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="decode one prompt with a method of the engine")
     p.add_argument("--target", required=True, help="target model folder or hub id")
     p.add_argument("--draft", help="draft model folder or hub id (not needed for ar)")
-    p.add_argument("--method", default="chain", choices=["ar", "chain", "tree", "optimal", "salf"])
+    p.add_argument("--method", default="chain",
+                   choices=["ar", "chain", "tree", "optimal", "salf", "specdecpp"])
     p.add_argument("--gamma", type=int, default=4, help="chain draft length")
     p.add_argument("--top-k", type=int, default=4, help="EAGLE-2 children per node / beam")
     p.add_argument("--depth", type=int, default=5, help="maximum draft depth (trees)")
     p.add_argument("--nodes", type=int, default=16, help="draft nodes per tree")
     p.add_argument("--batch", type=int, default=4, help="nodes expanded per draft forward")
-    p.add_argument("--threshold", type=float, default=0.3, help="SALF threshold in (0, 1)")
+    p.add_argument("--threshold", type=float, default=0.3,
+                   help="SALF threshold / SpecDec++ stop threshold h, in (0, 1)")
+    p.add_argument("--head", help="SpecDec++ acceptance head folder or models:/ URI")
+    p.add_argument("--max-draft", type=int, default=20, help="SpecDec++ draft length cap")
     p.add_argument("--score-temperature", type=float, default=1.0,
                    help="temperature of the draft softmax that ranks tree nodes")
     p.add_argument("--verify", choices=["greedy", "sample", "typical"],
@@ -75,7 +79,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             top_k_sampling=args.sample_top_k, top_p=args.top_p, verify=args.verify,
             seed=args.seed + s, gamma=args.gamma, top_k=args.top_k, depth=args.depth,
             nodes=args.nodes, batch=args.batch, threshold=args.threshold,
-            score_temperature=args.score_temperature,
+            score_temperature=args.score_temperature, head=args.head,
+            max_draft=args.max_draft,
         )
         if args.json:
             print(json.dumps(res.to_dict()), flush=True)

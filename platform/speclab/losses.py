@@ -150,3 +150,18 @@ def atspeed_r(logits: torch.Tensor, labels: torch.Tensor, target_logp: torch.Ten
     align = 0.5 * (p_t - q_t).abs().sum(-1)  # [B, L]
     rec = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
     return _reduce(alpha * align + (1 - alpha) * rec, mask, weights)
+
+
+def weighted_bce(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,
+                 w_acc: float = 1.0, w_rej: float = 1.0) -> torch.Tensor:
+    """SpecDec++ weighted BCE (section 3.3), averaged over ``mask``ed positions.
+
+    ``-(w_acc * P log sigmoid(z) + w_rej * (1 - P) log(1 - sigmoid(z)))`` with
+    ``logits`` z ``[B, N]``, soft labels P ``[B, N]`` in [0, 1], ``mask`` ``[B, N]``.
+    """
+    if w_acc < 0 or w_rej < 0:
+        raise ValueError(f"w_acc / w_rej: must be >= 0, got {w_acc} / {w_rej}")
+    z = logits.float()
+    per = -(w_acc * target * F.logsigmoid(z) + w_rej * (1 - target) * F.logsigmoid(-z))
+    m = mask.float()
+    return (per * m).sum() / m.sum().clamp_min(1.0)

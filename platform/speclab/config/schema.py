@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 
 from speclab.config.base import StrictModel
 
-MethodName = Literal["ar", "chain", "tree", "optimal", "salf"]
+MethodName = Literal["ar", "chain", "tree", "optimal", "salf", "specdecpp"]
 
 # hyperparameters each method uses (the rest are ignored for that method)
 METHOD_PARAMS: dict[str, tuple[str, ...]] = {
@@ -25,6 +25,7 @@ METHOD_PARAMS: dict[str, tuple[str, ...]] = {
     "tree": ("top_k", "depth", "nodes", "score_temperature"),
     "optimal": ("nodes", "batch", "depth", "score_temperature"),
     "salf": ("nodes", "batch", "threshold", "depth", "score_temperature"),
+    "specdecpp": ("head", "threshold", "max_draft"),
 }
 
 
@@ -75,7 +76,10 @@ class MethodConfig(StrictModel):
     depth: int = Field(5, gt=0, description="maximum draft depth of tree methods")
     nodes: int = Field(16, gt=0, description="draft nodes per tree")
     batch: int = Field(4, gt=0, description="nodes expanded per draft forward (optimal/SALF)")
-    threshold: float = Field(0.3, gt=0.0, lt=1.0, description="SALF threshold th")
+    threshold: float = Field(0.3, gt=0.0, lt=1.0,
+                             description="SALF threshold th / SpecDec++ stop threshold h")
+    head: str | None = Field(None, description="SpecDec++ acceptance head: folder or models:/")
+    max_draft: int = Field(20, gt=0, description="SpecDec++ hard cap on draft length")
     score_temperature: float = Field(
         1.0, gt=0.0, description="softmax temperature used to rank tree nodes"
     )
@@ -85,6 +89,8 @@ class MethodConfig(StrictModel):
     def _batch_within_nodes(self):
         if self.name in ("optimal", "salf") and self.batch > self.nodes:
             raise ValueError(f"batch ({self.batch}) must not exceed nodes ({self.nodes})")
+        if self.name == "specdecpp" and not self.head:
+            raise ValueError("head: method specdecpp needs an acceptance head folder or URI")
         return self
 
     def params(self) -> dict:
@@ -312,12 +318,56 @@ class RecEvalConfig(StrictModel):
         return self
 
 
+class HeadConfig(StrictModel):
+    """SpecDec++ acceptance head: architecture, training data mix and loss weights."""
+
+    depth: int = Field(1, ge=0, le=8, description="residual SiLU blocks before the output "
+                                                  "layer (0 = linear)")
+    w_acc: float = Field(1.0, ge=0.0, description="BCE weight of the accept class")
+    w_rej: float = Field(3.0, ge=0.0, description="BCE weight of the reject class")
+    mix_ratio: float = Field(0.5, ge=0.0, lt=1.0,
+                             description="r: share of response tokens taken from the target")
+    temperature: float = Field(0.0, ge=0.0, description="decoding temperature the head is "
+                                                        "trained for (0: greedy acceptance)")
+
+    @model_validator(mode="after")
+    def _some_weight(self):
+        if self.w_acc + self.w_rej <= 0:
+            raise ValueError("w_acc and w_rej: at least one must be positive")
+        return self
+
+
+class AdaptiveEvalConfig(StrictModel):
+    """SpecDec++ comparison: fixed gamma vs heads x thresholds (jobs/specdecpp_eval.py)."""
+
+    heads: dict[str, str] = Field(
+        default_factory=dict,
+        description="name -> head folder or models:/ URI; empty: train one per depth x w_rej")
+    depths: list[int] = Field(default_factory=lambda: [1], description="heads trained (D)")
+    w_rejs: list[float] = Field(default_factory=lambda: [3.0], description="heads trained")
+    gammas: list[int] = Field(default_factory=lambda: list(range(2, 15)))
+    thresholds: list[float] = Field(
+        default_factory=lambda: [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    max_draft: int = Field(20, gt=0)
+
+    @model_validator(mode="after")
+    def _ranges(self):
+        if not self.gammas or min(self.gammas) < 1:
+            raise ValueError("gammas: must be a non-empty list of positive integers")
+        if not self.thresholds or not all(0.0 < h < 1.0 for h in self.thresholds):
+            raise ValueError("thresholds: every threshold h must be in (0, 1)")
+        if min(self.depths, default=0) < 0 or min(self.w_rejs, default=0.0) < 0:
+            raise ValueError("depths and w_rejs: must not be negative")
+        return self
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
     name: str = "experiment"
     job: Literal["evaluate", "train_target", "distill", "compare_losses",
-                 "train_recommender", "recommend_eval"] = "evaluate"
+                 "train_recommender", "recommend_eval", "train_head",
+                 "specdecpp_eval"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -336,6 +386,8 @@ class ExperimentConfig(StrictModel):
     compare: CompareConfig = CompareConfig()
     rec: RecConfig = RecConfig()
     rec_eval: RecEvalConfig = RecEvalConfig()
+    head: HeadConfig = HeadConfig()
+    adaptive: AdaptiveEvalConfig = AdaptiveEvalConfig()
 
     @model_validator(mode="after")
     def _resume_needs_name(self):

@@ -29,6 +29,18 @@ class ModelRunner:
         self.length = 0
         self.calls = 0
         self.seconds = 0.0
+        self.hidden: torch.Tensor | None = None  # [T, H] of the last forward, when tracked
+        self._hook = None
+
+    def track_hidden(self) -> None:
+        """Keep the final hidden states (the LM head's input) of every forward in
+        ``hidden`` ``[T, H]`` (SpecDec++'s acceptance head reads them)."""
+        if self._hook is None:
+            def grab(_module, args):
+                self.hidden = args[0][0].detach()
+
+            head = self.model.get_output_embeddings()
+            self._hook = head.register_forward_pre_hook(grab)
 
     @property
     def vocab_size(self) -> int:

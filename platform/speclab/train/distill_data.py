@@ -7,7 +7,10 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
 * :func:`seq_example` — a prompt and the target's greedy continuation (``seq_kd``);
 * :func:`tree_example` — a context and a target-built EAGLE-2 draft tree (top-k children,
   depth d, as in TALF Algorithm 1) with the target's top-k distribution at every node
-  (``talf``).
+  (``talf``);
+* :func:`accept_example` — a prompt, the target's response ``X``, a draft token ``Y_i`` per
+  position and its acceptance probability ``P_i`` (SpecDec++ section 3.3; the
+  acceptance head, needs the drafter too).
 
 Top-k probabilities are renormalised over the kept entries (k from the config bounds
 disk use instead of storing the full vocabulary).
@@ -20,7 +23,7 @@ import torch
 from speclab.spec.drafters.eagle2 import build_eagle2_tree
 from speclab.spec.kv import ModelRunner, forward_tree_nodes
 
-KINDS = ("kd", "seq", "tree")
+KINDS = ("kd", "seq", "tree", "accept")
 LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",
              "talf": "tree"}
 
@@ -68,3 +71,35 @@ def tree_example(target: ModelRunner, context: list[int], top_k: int, depth: int
     ids, probs = _topk(torch.cat([root_logits[None], node_logits]), k)
     return {"tokens": context, "tree_tokens": tree.tokens, "tree_parents": tree.parents,
             "topk_ids": ids, "topk_probs": probs}
+
+
+def accept_example(target: ModelRunner, draft: ModelRunner, prompt: list[int],
+                   response_len: int, temperature: float, seed: int,
+                   eos: int | None) -> dict:
+    """SpecDec++ training data for one prompt (section 3.3).
+
+    ``x``: the target's response (greedy at ``temperature == 0``, else sampled);
+    ``y[i]``: the drafter's token at position i given ``prompt + x[:i]`` (its argmax, or
+    a sample from ``q_i``); ``p[i]``: P(y_i accepted) = ``1[y_i == argmax p_i]`` (greedy)
+    or ``min(1, p_i(y_i) / q_i(y_i))`` with both distributions warped by ``temperature``.
+    """
+    from speclab.spec.engine import autoregressive_generate
+    from speclab.spec.sampling import SamplingParams, warp_probs
+
+    params = SamplingParams(temperature)
+    g = torch.Generator().manual_seed(seed)
+    x, _ = autoregressive_generate(target, prompt, response_len, params, eos, g)
+    seq = torch.tensor(prompt + x, dtype=torch.long)
+    rows = slice(len(prompt) - 1, len(prompt) - 1 + len(x))  # positions predicting x
+    target.reset()
+    draft.reset()
+    p_logits, q_logits = target.forward(seq)[rows], draft.forward(seq)[rows]  # [N, V]
+    if params.greedy:
+        y = q_logits.argmax(-1)
+        acc = (y == p_logits.argmax(-1)).float()
+    else:
+        p, q = warp_probs(p_logits, params), warp_probs(q_logits, params)
+        y = torch.multinomial(q, 1, generator=g)[:, 0]
+        ratio = p.gather(1, y[:, None])[:, 0] / q.gather(1, y[:, None])[:, 0].clamp_min(1e-30)
+        acc = ratio.clamp(max=1.0)
+    return {"prompt": prompt, "x": x, "y": y.tolist(), "p": acc.tolist()}

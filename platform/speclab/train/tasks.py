@@ -9,7 +9,10 @@ checkpoint sees the same data; ``loss(model, batch)``; ``validate(model)`` on he
 * :class:`DistillTask` — a drafter loss (or a weighted mix) on shards written by the
   distillation job's generation stage; the last shard of each kind is held out;
 * :class:`RecTask` — L_Rec on "history -> next item id" examples (AtSpeed);
-* :class:`RecAlignTask` — an AtSpeed drafter loss on the target's alignment data.
+* :class:`RecAlignTask` — an AtSpeed drafter loss on the target's alignment data;
+* :class:`HeadTask` — a SpecDec++ acceptance head on a frozen drafter.
+
+A task may define ``build_model()``; otherwise the loop builds a LLaMA from ``arch``.
 """
 
 from __future__ import annotations
@@ -189,4 +192,56 @@ class RecAlignTask(RecTask):
         return out
 
 
-TASKS = {"lm": LMTask, "distill": DistillTask, "rec": RecTask, "rec_align": RecAlignTask}
+class HeadTask:
+    """SpecDec++ acceptance head (``head`` group) on ``accept`` shards with the frozen
+    drafter ``models.draft`` (a local folder); the last shard is held out."""
+
+    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+        from speclab.models.loading import load_model
+        from speclab.train.head import DraftFeatures
+
+        self.tr, self.h, self.device = cfg.train, cfg.head, device
+        shards = sorted((Path(data_dir) / "accept").glob("shard-*.parquet"))
+        if len(shards) < 2:
+            raise ValueError(f"head: need >= 2 accept shards (one is held out), found "
+                             f"{len(shards)} in {data_dir}")
+        self.val = pq.read_table(shards[-1]).to_pylist()
+        self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
+        self.features = DraftFeatures(load_model(cfg.models.draft, field="models.draft")
+                                      .to(device))
+
+    def build_model(self) -> torch.nn.Module:
+        from speclab.spec.acceptance_head import AcceptanceHead
+
+        return AcceptanceHead(self.features.hidden_size, self.h.depth)
+
+    def _batch(self, rows: list[dict], g: torch.Generator) -> dict:
+        from speclab.train.head import mixed_batch
+
+        return mixed_batch(rows, self.features, self.h.mix_ratio, g, self.device)
+
+    def batch(self, step: int, rank: int) -> dict:
+        g = _gen(self.tr.seed, step, rank)
+        idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
+        return self._batch([self.train[i] for i in idx], g)
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        from speclab.losses import weighted_bce
+
+        return weighted_bce(model(batch["hidden"]), batch["p"], batch["mask"],
+                            self.h.w_acc, self.h.w_rej)
+
+    def tokens_in(self, batch: dict) -> int:
+        return int(batch["mask"].sum())
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module) -> float:
+        model.eval()
+        g = torch.Generator().manual_seed(self.tr.seed)
+        out = float(self.loss(model, self._batch(self.val[: self.tr.batch_size * 4], g)))
+        model.train()
+        return out
+
+
+TASKS = {"lm": LMTask, "distill": DistillTask, "rec": RecTask, "rec_align": RecAlignTask,
+         "head": HeadTask}
