@@ -64,15 +64,16 @@ def held_out_metrics(cfg: ExperimentConfig, head, draft: str, data_dir: Path) ->
 
 
 def train_head(cfg: ExperimentConfig, prep, draft: str, storage: Path, run_name: str,
-               tracker, register_as: str | None) -> Path:
-    """Generate, train, save next to the drafter, log and register; returns the folder."""
+               tracker, register_as: str | None, data_dir: Path | None = None) -> Path:
+    """Generate (into ``data_dir``, default ``<run>/data``; finished shards are reused),
+    train, save next to the drafter, log and register; returns the folder."""
     import torch
 
     from jobs._train import fit
     from jobs.distill import generate
     from speclab.spec.acceptance_head import AcceptanceHead, save_head
 
-    data_dir = storage / run_name / "data"
+    data_dir = data_dir or storage / run_name / "data"
     t0 = time.perf_counter()
     shards, peak = generate(cfg, prep.target, data_dir, {"accept"}, prep.tokens, draft)
     tracker.log_metrics({"generate_s": time.perf_counter() - t0, "shards": shards["accept"],
@@ -94,6 +95,7 @@ def train_head(cfg: ExperimentConfig, prep, draft: str, storage: Path, run_name:
                             "temperature": h.temperature, "target": prep.target})
     metrics = held_out_metrics(cfg, head.eval(), draft, data_dir)
     tracker.log_metrics({"train_s": time.perf_counter() - t1,
+                         "final_step": result.metrics["step"],
                          "final_val_loss": result.metrics["val_loss"], **metrics})
     print("[train_head] held-out: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()),
           flush=True)

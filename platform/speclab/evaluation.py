@@ -171,3 +171,28 @@ def format_table(rows: list[dict], columns=COLUMNS) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def greedy_oracle(dec: Decoder, prompt: list[int], max_new_tokens: int) -> tuple[int, int]:
+    """SpecDec++ Lemma 2.1 for one prompt: ``(N, |S|)``.
+
+    ``X``: the target's greedy tokens (N of them); ``Y_i``: the draft's argmax given
+    ``prompt + X_<i`` (one teacher-forced draft forward); ``S``: positions where they
+    differ. Stopping right before every disagreement gives the oracle
+    ``N_target = |S| + 1`` and ``N_discarded = 0``.
+    """
+    import torch
+
+    if dec.draft is None:
+        raise ValueError("draft: the oracle needs a draft model")
+    x = dec.generate(prompt_ids=prompt, method="ar", max_new_tokens=max_new_tokens).token_ids
+    dec.draft.reset()
+    logits = dec.draft.forward(torch.tensor(prompt + x, dtype=torch.long))
+    y = logits[len(prompt) - 1: len(prompt) - 1 + len(x)].argmax(-1).tolist()
+    return len(x), sum(a != b for a, b in zip(x, y))
+
+
+def pareto_dominated(point: tuple[float, float], others: list[tuple[float, float]]) -> bool:
+    """True when some point of ``others`` is at least as low on both coordinates and
+    strictly lower on one (both rates are costs: lower is better)."""
+    return any(o[0] <= point[0] and o[1] <= point[1] and o != point for o in others)
