@@ -50,6 +50,28 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         check_comparison_runs(job_env["MLFLOW_TRACKING_URI"])
     if job == "recommend_eval":
         check_recommend_eval_runs(job_env["MLFLOW_TRACKING_URI"], res.stdout)
+    if job == "specdecpp_eval":
+        check_specdecpp_runs(job_env["MLFLOW_TRACKING_URI"], res.stdout)
+
+
+def check_specdecpp_runs(tracking_uri: str, stdout: str) -> None:
+    """One head trained as a child run; the comparison, oracle and Pareto plot on the
+    parent; every method reproduces AR (greedy)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("speclab-smoke")
+    runs = client.search_runs([exp.experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == 1 and "heldout_ece" in children[0].data.metrics
+    m = parent.data.metrics
+    assert m["fixed_points"] == 2 and 0 < m["oracle_verification_rate"] <= 1
+    assert m["t_draft_s"] > 0 and m["t_target_s"] > 0
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"specdecpp_comparison.csv", "pareto_discard_vs_verification.png"} <= arts, arts
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(("gamma=", "D1-w3@h="))]
+    assert len(lines) >= 4 and all(ln.rstrip().endswith("True") for ln in lines[-4:])
 
 
 def check_recommend_eval_runs(tracking_uri: str, stdout: str) -> None:
