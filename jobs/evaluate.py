@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[evaluate] running on {where}", flush=True)
     target, draft = resolve_models(cfg.models.target, cfg.models.draft)
-    if any(m.name != "ar" for m in cfg.method_list()) and not draft:
+    if any(m.name not in ("ar", "pld", "rest", "aasd") for m in cfg.method_list()) and not draft:
         print("error: models.draft: the methods need a draft model", file=sys.stderr)
         return 2
     try:  # tokenise on the driver (fails fast on bad data); actors get token ids

@@ -9,8 +9,11 @@
 Methods: ``ar`` (no draft), ``chain`` (gamma), ``tree`` (EAGLE-2: top_k, depth, nodes),
 ``optimal`` (nodes, batch, depth), ``salf`` (nodes, batch, threshold, depth),
 ``specdecpp`` (head: a folder or ``models:/`` URI holding an acceptance head, threshold
-h, max_draft). Tree methods also take ``score_temperature`` (the softmax temperature
-used to rank nodes).
+h, max_draft); without a draft model: ``pld`` (prompt lookup: ngram, max_key,
+candidates), ``rest`` (datastore folder, ngram, max_key, candidates) and ``aasd`` (PLD +
+alignment sampling of align_k tokens + conditional verification with aasd_alpha,
+aasd_beta; relaxed: it changes outputs). Tree methods also take ``score_temperature``
+(the softmax temperature used to rank nodes).
 Verification: ``greedy`` (temperature 0), ``sample`` (lossless speculative sampling),
 ``typical`` (Medusa typical acceptance, relaxed). Default: greedy at temperature 0,
 sample otherwise.
@@ -25,13 +28,17 @@ from transformers import PreTrainedModel
 
 from speclab.models.loading import check_same_vocab, load_model, load_tokenizer, resolve_source
 from speclab.spec.acceptance_head import AcceptanceHead, load_head
+from speclab.spec.datastore import Datastore
 from speclab.spec.drafters import ChainDrafter, Drafter, Eagle2TreeDrafter, OptimalTreeDrafter
+from speclab.spec.drafters.pld import PromptLookupDrafter
+from speclab.spec.drafters.rest import RestDrafter
 from speclab.spec.drafters.specdecpp import SpecDecPPDrafter
 from speclab.spec.engine import GenerationStats, autoregressive_generate, speculative_generate
 from speclab.spec.kv import ModelRunner
 from speclab.spec.sampling import SamplingParams
 
-METHODS = ("ar", "chain", "tree", "optimal", "salf", "specdecpp")
+METHODS = ("ar", "chain", "tree", "optimal", "salf", "specdecpp", "pld", "rest", "aasd")
+MODEL_FREE = ("pld", "rest", "aasd")  # drafters that need no draft model
 
 
 @dataclass
@@ -47,6 +54,14 @@ class MethodParams:
     score_temperature: float = 1.0
     head: str | AcceptanceHead | None = None
     max_draft: int = 20
+    ngram: int = 10
+    max_key: int = 3
+    candidates: int = 1
+    datastore: str | Datastore | None = None
+    align_k: int = 2
+    conditional: bool = True
+    aasd_alpha: float = 0.1
+    aasd_beta: float = 0.1
 
 
 @dataclass
@@ -73,6 +88,20 @@ def make_drafter(
         raise ValueError(f"method: must be one of {METHODS}, got {method!r}")
     if method == "ar":
         return None
+    if method == "pld":
+        return PromptLookupDrafter(hp.ngram, hp.max_key, hp.candidates)
+    if method == "aasd":
+        if hp.aasd_alpha < 0:
+            raise ValueError(f"aasd_alpha: must be >= 0, got {hp.aasd_alpha}")
+        relax = (hp.aasd_alpha, hp.aasd_beta) if hp.conditional else None
+        return PromptLookupDrafter(hp.ngram, hp.max_key, hp.candidates, hp.align_k, relax)
+    if method == "rest":
+        if hp.datastore is None:
+            raise ValueError("datastore: method 'rest' needs a datastore folder (--datastore)")
+        store = hp.datastore
+        if not isinstance(store, Datastore):
+            store = Datastore.load(store)
+        return RestDrafter(store, hp.ngram, hp.max_key, hp.candidates)
     if draft is None:
         raise ValueError(f"draft: method {method!r} needs a draft model")
     if method == "chain":
@@ -109,6 +138,7 @@ class Decoder:
         self.draft = ModelRunner(draft) if draft is not None else None
         self.tokenizer = tokenizer
         self._heads: dict[str, AcceptanceHead] = {}
+        self._stores: dict[str, Datastore] = {}
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -155,7 +185,8 @@ class Decoder:
         """Generate up to ``max_new_tokens`` after the prompt (text or ids).
 
         ``method_params`` are :class:`MethodParams` fields (gamma, top_k, depth, nodes,
-        batch, threshold, score_temperature, head, max_draft). ``top_k_sampling`` is the
+        batch, threshold, score_temperature, head, max_draft, ngram, max_key, candidates,
+        datastore, align_k, conditional, aasd_alpha, aasd_beta). ``top_k_sampling`` is the
         top-k filter of the sampler.
         """
         if (prompt is None) == (prompt_ids is None):
@@ -172,6 +203,10 @@ class Decoder:
                 self._heads[hp.head] = load_head(resolve_source(hp.head, "head"),
                                                  int(self.draft.model.config.hidden_size))
             hp.head = self._heads[hp.head]
+        if method == "rest" and isinstance(hp.datastore, str):
+            if hp.datastore not in self._stores:  # load once per Decoder
+                self._stores[hp.datastore] = Datastore.load(hp.datastore)
+            hp.datastore = self._stores[hp.datastore]
         drafter = make_drafter(method, self.draft, hp, params, generator)
         if verify is None:
             verify = "greedy" if params.greedy else "sample"

@@ -22,7 +22,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--target", required=True, help="target model folder or hub id")
     p.add_argument("--draft", help="draft model folder or hub id (not needed for ar)")
     p.add_argument("--method", default="chain",
-                   choices=["ar", "chain", "tree", "optimal", "salf", "specdecpp"])
+                   choices=["ar", "chain", "tree", "optimal", "salf", "specdecpp", "pld",
+                            "rest", "aasd"])
     p.add_argument("--gamma", type=int, default=4, help="chain draft length")
     p.add_argument("--top-k", type=int, default=4, help="EAGLE-2 children per node / beam")
     p.add_argument("--depth", type=int, default=5, help="maximum draft depth (trees)")
@@ -32,6 +33,15 @@ def _add_generate(sub) -> None:
                    help="SALF threshold / SpecDec++ stop threshold h, in (0, 1)")
     p.add_argument("--head", help="SpecDec++ acceptance head folder or models:/ URI")
     p.add_argument("--max-draft", type=int, default=20, help="SpecDec++ draft length cap")
+    p.add_argument("--ngram", type=int, default=10, help="PLD/REST/AASD draft tokens per n-gram")
+    p.add_argument("--max-key", type=int, default=3, help="PLD/REST/AASD longest lookup key")
+    p.add_argument("--candidates", type=int, default=1, help="PLD/REST/AASD n-grams per round")
+    p.add_argument("--datastore", help="REST datastore folder (jobs/build_datastore.py)")
+    p.add_argument("--align-k", type=int, default=2, help="AASD alignment-sampled tokens")
+    p.add_argument("--no-conditional", action="store_true",
+                   help="AASD without conditional verification (strict)")
+    p.add_argument("--aasd-alpha", type=float, default=0.1, help="AASD alpha (eq. 5)")
+    p.add_argument("--aasd-beta", type=float, default=0.1, help="AASD beta (eq. 5)")
     p.add_argument("--score-temperature", type=float, default=1.0,
                    help="temperature of the draft softmax that ranks tree nodes")
     p.add_argument("--verify", choices=["greedy", "sample", "typical"],
@@ -65,12 +75,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.num_samples < 1:
         raise ValueError(f"num_samples: must be >= 1, got {args.num_samples}")
-    if args.method != "ar" and not args.draft:
+    if args.method not in ("ar", "pld", "rest", "aasd") and not args.draft:
         raise ValueError(f"draft: method {args.method!r} needs --draft")
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     if args.prompt is not None and not args.prompt:
         raise ValueError("prompt: must not be empty")
-    dec = Decoder.from_pretrained(args.target, args.draft if args.method != "ar" else None,
+    model_free = args.method in ("ar", "pld", "rest", "aasd")
+    dec = Decoder.from_pretrained(args.target, None if model_free else args.draft,
                                   args.dtype, args.device)
     for s in range(args.num_samples):
         res = dec.generate(
@@ -80,7 +91,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             seed=args.seed + s, gamma=args.gamma, top_k=args.top_k, depth=args.depth,
             nodes=args.nodes, batch=args.batch, threshold=args.threshold,
             score_temperature=args.score_temperature, head=args.head,
-            max_draft=args.max_draft,
+            max_draft=args.max_draft, ngram=args.ngram, max_key=args.max_key,
+            candidates=args.candidates, datastore=args.datastore, align_k=args.align_k,
+            conditional=not args.no_conditional, aasd_alpha=args.aasd_alpha,
+            aasd_beta=args.aasd_beta,
         )
         if args.json:
             print(json.dumps(res.to_dict()), flush=True)

@@ -16,7 +16,8 @@ from pydantic import Field, model_validator
 
 from speclab.config.base import StrictModel
 
-MethodName = Literal["ar", "chain", "tree", "optimal", "salf", "specdecpp"]
+MethodName = Literal["ar", "chain", "tree", "optimal", "salf", "specdecpp", "pld", "rest",
+                     "aasd"]
 
 # hyperparameters each method uses (the rest are ignored for that method)
 METHOD_PARAMS: dict[str, tuple[str, ...]] = {
@@ -26,6 +27,10 @@ METHOD_PARAMS: dict[str, tuple[str, ...]] = {
     "optimal": ("nodes", "batch", "depth", "score_temperature"),
     "salf": ("nodes", "batch", "threshold", "depth", "score_temperature"),
     "specdecpp": ("head", "threshold", "max_draft"),
+    "pld": ("ngram", "max_key", "candidates"),
+    "rest": ("datastore", "ngram", "max_key", "candidates"),
+    "aasd": ("ngram", "max_key", "candidates", "align_k", "conditional", "aasd_alpha",
+             "aasd_beta"),
 }
 
 
@@ -80,6 +85,14 @@ class MethodConfig(StrictModel):
                              description="SALF threshold th / SpecDec++ stop threshold h")
     head: str | None = Field(None, description="SpecDec++ acceptance head: folder or models:/")
     max_draft: int = Field(20, gt=0, description="SpecDec++ hard cap on draft length")
+    ngram: int = Field(10, ge=1, description="PLD/REST/AASD: draft tokens per retrieved n-gram")
+    max_key: int = Field(3, ge=1, description="PLD/REST/AASD: longest lookup key (tokens)")
+    candidates: int = Field(1, ge=1, description="PLD/REST/AASD: retrieved n-grams per round")
+    datastore: str | None = Field(None, description="REST: datastore folder")
+    align_k: int = Field(2, ge=0, description="AASD: alignment-sampled tokens per position")
+    conditional: bool = Field(True, description="AASD: conditional verification (eq. 4-6)")
+    aasd_alpha: float = Field(0.1, ge=0.0, description="AASD: entropy factor alpha (eq. 5)")
+    aasd_beta: float = Field(0.1, description="AASD: threshold base beta (eq. 5)")
     score_temperature: float = Field(
         1.0, gt=0.0, description="softmax temperature used to rank tree nodes"
     )
@@ -91,6 +104,8 @@ class MethodConfig(StrictModel):
             raise ValueError(f"batch ({self.batch}) must not exceed nodes ({self.nodes})")
         if self.name == "specdecpp" and not self.head:
             raise ValueError("head: method specdecpp needs an acceptance head folder or URI")
+        if self.name == "rest" and not self.datastore:
+            raise ValueError("datastore: method rest needs a datastore folder")
         return self
 
     def params(self) -> dict:

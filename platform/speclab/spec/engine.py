@@ -18,7 +18,13 @@ from speclab.spec.drafters.base import Drafter
 from speclab.spec.kv import ModelRunner
 from speclab.spec.sampling import SamplingParams, sample, warp_probs
 from speclab.spec.tree import TokenTree
-from speclab.spec.verify import Verdict, verify_greedy, verify_speculative, verify_typical_relaxed
+from speclab.spec.verify import (
+    Verdict,
+    verify_conditional,
+    verify_greedy,
+    verify_speculative,
+    verify_typical_relaxed,
+)
 
 VERIFY_RULES = ("greedy", "sample", "typical")
 
@@ -103,12 +109,16 @@ def _check_inputs(prompt_ids: list[int], max_new_tokens: int, vocab: int) -> Non
         raise ValueError(f"prompt_ids: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
-def _prefill(target: ModelRunner, prompt_ids: list[int], stats: GenerationStats) -> None:
+def _prefill(target: ModelRunner, prompt_ids: list[int],
+             stats: GenerationStats) -> torch.Tensor | None:
+    """Cache ``prompt[:-1]``; returns its ``[L-1, V]`` logits (None for 1-token prompts)."""
     t0 = time.perf_counter()
     target.reset()
+    logits = None
     if len(prompt_ids) > 1:
-        target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long))
+        logits = target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long))
     stats.prefill_s = time.perf_counter() - t0
+    return logits
 
 
 def autoregressive_generate(
@@ -139,6 +149,12 @@ def autoregressive_generate(
     return out, stats
 
 
+def _greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
+    if tree.relax_params is not None:  # AASD: the drafter asked for conditional rules
+        return verify_conditional(tree, logits, *tree.relax_params)
+    return verify_greedy(tree, logits)
+
+
 def verify_tree(
     tree: TokenTree,
     logits: torch.Tensor,
@@ -152,10 +168,10 @@ def verify_tree(
     if rule == "greedy":
         if not params.greedy:
             raise ValueError("verify: 'greedy' needs temperature 0 (use 'sample' or 'typical')")
-        return verify_greedy(tree, logits)
+        return _greedy(tree, logits)
     if rule == "sample":
         if params.greedy:  # identical outcome, no random draws
-            return verify_greedy(tree, logits)
+            return _greedy(tree, logits)
         return verify_speculative(tree, warp_probs(logits, params), generator)
     if rule == "typical":
         return verify_typical_relaxed(
@@ -184,8 +200,9 @@ def speculative_generate(
     committed = list(prompt_ids)
     t_start = time.perf_counter()
     draft_calls0 = drafter.calls
-    _prefill(target, prompt_ids, stats)
+    prefill_logits = _prefill(target, prompt_ids, stats)
     drafter.reset()
+    drafter.observe_prefill(prompt_ids, prefill_logits)
     done = False
     while not done:
         # 1. draft: a tree rooted at the last committed token

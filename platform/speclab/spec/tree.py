@@ -40,10 +40,15 @@ class TokenTree:
         self.children: list[list[int]] = [[]]
         self.child_kind: dict[int, str] = {}
         self.q_dist: dict[int, torch.Tensor] = {}
+        # AASD conditional verification: nodes that may pass by threshold, and (alpha,
+        # beta) of eq. 5; None = every node is verified strictly
+        self.relaxed: list[bool] = [False]
+        self.relax_params: tuple[float, float] | None = None
 
     # ------------------------------------------------------------------ building
-    def add(self, token: int, parent: int, q_prob: float = 1.0) -> int:
-        """Append a child of ``parent``; returns the new node's index."""
+    def add(self, token: int, parent: int, q_prob: float = 1.0, relaxed: bool = False) -> int:
+        """Append a child of ``parent``; returns the new node's index. ``relaxed`` marks
+        a node AASD's conditional verification may accept by threshold."""
         if not 0 <= parent < len(self.tokens):
             raise IndexError(f"parent {parent} not in tree of {len(self.tokens)} nodes")
         idx = len(self.tokens)
@@ -54,6 +59,7 @@ class TokenTree:
         self.path_prob.append(self.path_prob[parent] * float(q_prob))
         self.children.append([])
         self.children[parent].append(idx)
+        self.relaxed.append(bool(relaxed))
         return idx
 
     def set_children_kind(self, node: int, kind: str, q_dist: torch.Tensor | None = None) -> None:

@@ -32,6 +32,11 @@ class Drafter(ABC):
     def accept(self, tree: TokenTree, path: list[int]) -> None:
         """The target accepted ``path`` (root first) of the last proposed tree."""
 
+    def observe_prefill(self, prompt: list[int], logits: torch.Tensor | None) -> None:
+        """The target's prefill logits ``[L-1, V]`` over ``prompt[:-1]`` (row i predicts
+        ``prompt[i+1]``); AASD's alignment sampling reads them. Default: ignored."""
+        return None
+
     @property
     def calls(self) -> int:
         return 0

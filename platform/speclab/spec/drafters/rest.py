@@ -1,0 +1,46 @@
+"""REST drafter: continuations retrieved from a :class:`~speclab.spec.datastore.Datastore`.
+
+Each round the longest suffix of the committed text (up to ``max_key`` tokens) that
+occurs in the datastore gives up to ``candidates`` most frequent continuations of up
+to ``ngram`` tokens, merged into a trie (REST, He et al. 2024). Verification is the
+usual lossless rule (children are deterministic proposals).
+"""
+
+from __future__ import annotations
+
+from speclab.spec.datastore import Datastore
+from speclab.spec.drafters.base import Drafter
+from speclab.spec.tree import TokenTree
+
+
+class RestDrafter(Drafter):
+    """Retrieval drafting from an offline datastore; no draft model."""
+
+    name = "rest"
+
+    def __init__(self, store: Datastore, ngram: int = 6, max_key: int = 8,
+                 candidates: int = 8) -> None:
+        if ngram < 1:
+            raise ValueError(f"ngram: draft tokens per candidate must be >= 1, got {ngram}")
+        if max_key < 1:
+            raise ValueError(f"max_key: the n-gram key length must be >= 1, got {max_key}")
+        if candidates < 1:
+            raise ValueError(f"candidates: must be >= 1, got {candidates}")
+        self.store, self.ngram, self.candidates = store, ngram, candidates
+        self.max_key = min(max_key, store.max_len)
+
+    def reset(self) -> None:
+        """Stateless between sequences."""
+
+    def propose(self, committed: list[int], budget: int) -> TokenTree:
+        depth = min(self.ngram, budget)
+        if depth < 1:
+            return TokenTree(committed[-1])
+        for k in range(min(self.max_key, len(committed)), 0, -1):
+            conts = self.store.continuations(committed[-k:], depth, self.candidates)
+            if conts:
+                return TokenTree.from_sequences(committed[-1], conts)
+        return TokenTree(committed[-1])
+
+    def accept(self, tree: TokenTree, path: list[int]) -> None:
+        """Nothing to keep: retrieval depends only on the committed text."""
