@@ -376,13 +376,34 @@ class AdaptiveEvalConfig(StrictModel):
         return self
 
 
+class DatastoreConfig(StrictModel):
+    """REST datastore built by jobs/build_datastore.py from the ``corpus`` group."""
+
+    output: str | None = Field(None, description="folder (default <SPECLAB_HOME>/datastores/"
+                                                 "<name>)")
+    shards: int = Field(2, gt=0, description="corpus shards, one Ray task each")
+    max_len: int = Field(16, gt=0, description="suffix-array sort depth = longest key")
+
+
+class RetrievalEvalConfig(StrictModel):
+    """jobs/retrieval_eval.py: context-reuse tasks (see speclab.data.tasks)."""
+
+    tasks: list[Literal["code_completion", "docstring_qa", "docstring_summary"]] = Field(
+        default_factory=lambda: ["code_completion", "docstring_qa", "docstring_summary"])
+    num_prompts: int = Field(8, gt=0, description="examples per task")
+    context_chars: int = Field(1500, gt=0, description="file prefix / function size limit")
+    reference_chars: int = Field(200, gt=0, description="code completion reference length")
+    hf_prompt_lookup: int = Field(10, ge=0, description="also time HF prompt lookup with "
+                                                        "this many tokens (0: skip)")
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
     name: str = "experiment"
     job: Literal["evaluate", "train_target", "distill", "compare_losses",
                  "train_recommender", "recommend_eval", "train_head",
-                 "specdecpp_eval"] = "evaluate"
+                 "specdecpp_eval", "build_datastore", "retrieval_eval"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -403,6 +424,8 @@ class ExperimentConfig(StrictModel):
     rec_eval: RecEvalConfig = RecEvalConfig()
     head: HeadConfig = HeadConfig()
     adaptive: AdaptiveEvalConfig = AdaptiveEvalConfig()
+    datastore: DatastoreConfig = DatastoreConfig()
+    retrieval: RetrievalEvalConfig = RetrievalEvalConfig()
 
     @model_validator(mode="after")
     def _resume_needs_name(self):
