@@ -52,6 +52,32 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         check_recommend_eval_runs(job_env["MLFLOW_TRACKING_URI"], res.stdout)
     if job == "specdecpp_eval":
         check_specdecpp_runs(job_env["MLFLOW_TRACKING_URI"], res.stdout)
+    if job == "build_datastore":
+        check_datastore_serves_rest(job_env)
+    if job == "retrieval_eval":  # every task, every method, all lossless (greedy, no relax
+        for task in ("code_completion", "docstring_qa", "docstring_summary"):  # for pld)
+            assert any(ln.startswith(task) and " pld(" in ln and ln.rstrip().endswith("True")
+                       for ln in res.stdout.splitlines()), res.stdout[-3000:]
+
+
+def check_datastore_serves_rest(job_env: dict) -> None:
+    """The built datastore drives `speclab generate --method rest` (lossless)."""
+    import json
+    from pathlib import Path
+
+    store = Path(job_env["SPECLAB_HOME"]) / "datastores" / "smoke-build-datastore"
+    meta = json.loads((store / "datastore.json").read_text())
+    assert len(meta["shards"]) == 2 and meta["num_tokens"] > 10_000
+    target = next(Path(job_env["SPECLAB_HOME"]).glob("models/tiny-*/target"))
+    out = {}
+    for method in ("ar", "rest"):
+        res = run_cmd([python(), "-m", "speclab.cli", "generate", "--target", str(target),
+                       "--method", method, "--datastore", str(store), "--candidates", "4",
+                       "--prompt", "import os\nimport sys\n", "--max-new-tokens", "16",
+                       "--json"], job_env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        out[method] = json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
+    assert out["rest"] == out["ar"]
 
 
 def check_specdecpp_runs(tracking_uri: str, stdout: str) -> None:
