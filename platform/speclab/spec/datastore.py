@@ -73,7 +73,7 @@ class Datastore:
     @classmethod
     def load(cls, folder: str | Path, field: str = "datastore") -> Datastore:
         """Load a folder written by :meth:`save` or the build_datastore job."""
-        folder = Path(folder)
+        folder = Path(folder).expanduser()
         man = folder / MANIFEST
         if not man.is_file():
             raise ValueError(f"{field}: no datastore at {str(folder)!r} (missing {MANIFEST})")
