@@ -51,7 +51,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 JOBS = ("evaluate", "train_target", "distill", "compare_losses", "train_recommender",
         "recommend_eval", "train_head", "specdecpp_eval", "build_datastore",
-        "retrieval_eval")
+        "retrieval_eval", "tune")
 
 
 def _add_job_parsers(sub) -> None:

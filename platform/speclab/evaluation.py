@@ -196,3 +196,26 @@ def pareto_dominated(point: tuple[float, float], others: list[tuple[float, float
     """True when some point of ``others`` is at least as low on both coordinates and
     strictly lower on one (both rates are costs: lower is better)."""
     return any(o[0] <= point[0] and o[1] <= point[1] and o != point for o in others)
+
+
+def forward_times(dec: Decoder, prompt: list[int], n: int = 16) -> tuple[float, float]:
+    """``(t_draft, t_target)``: median seconds of one single-token forward after
+    ``prompt`` (SpecDec++ eq. 2.3's constants); ``t_draft`` is 0 without a draft."""
+    import statistics
+
+    import torch
+
+    out = []
+    for runner in (dec.draft, dec.target):
+        if runner is None:
+            out.append(0.0)
+            continue
+        runner.reset()
+        runner.forward(torch.tensor(prompt, dtype=torch.long))
+        times = []
+        for _ in range(n):
+            s0 = runner.seconds
+            runner.forward(torch.tensor([prompt[-1]], dtype=torch.long))
+            times.append(runner.seconds - s0)
+        out.append(statistics.median(times))
+    return out[0], out[1]

@@ -397,13 +397,82 @@ class RetrievalEvalConfig(StrictModel):
                                                         "this many tokens (0: skip)")
 
 
+class SweepParam(StrictModel):
+    """One swept parameter: exactly one of grid / choice / uniform / loguniform / randint."""
+
+    grid: list | None = None
+    choice: list | None = None
+    uniform: tuple[float, float] | None = None
+    loguniform: tuple[float, float] | None = None
+    randint: tuple[int, int] | None = Field(None, description="[low, high) integers")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k in ("grid", "choice", "uniform", "loguniform", "randint")
+                 if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of grid/choice/uniform/loguniform/randint, "
+                             f"got {given or 'none'}")
+        kind = given[0]
+        if kind in ("grid", "choice") and not getattr(self, kind):
+            raise ValueError(f"{kind}: must not be empty")
+        lo_hi = getattr(self, kind)
+        if kind in ("uniform", "loguniform", "randint") and not lo_hi[0] < lo_hi[1]:
+            raise ValueError(f"{kind}: low must be < high, got {list(lo_hi)}")
+        if kind == "loguniform" and lo_hi[0] <= 0:
+            raise ValueError("loguniform: low must be > 0")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("grid", "choice", "uniform", "loguniform", "randint")
+                    if getattr(self, k) is not None)
+
+
+class SweepConfig(StrictModel):
+    """jobs/tune.py: a Ray Tune search over dotted paths of this experiment config."""
+
+    kind: Literal["decode", "train_head"] = Field(
+        "decode", description="decode: evaluate `method` with trained models; train_head: "
+                              "train an acceptance head per trial, then evaluate specdecpp")
+    space: dict[str, SweepParam] = Field(default_factory=dict,
+                                         description="dotted config path -> values")
+    search: Literal["grid", "random", "optuna"] = "grid"
+    scheduler: Literal["fifo", "asha"] = "fifo"
+    num_samples: int = Field(1, gt=0, description="trials (grid: repeats of the grid)")
+    max_concurrent: int = Field(1, gt=0)
+    metric: str = Field("predicted_speedup", description="objective reported by every trial")
+    mode: Literal["max", "min"] = "max"
+    floor: dict[str, float] = Field(default_factory=dict,
+                                    description="constraints: metric -> minimum value")
+    task: Literal["code_completion", "docstring_qa", "docstring_summary"] | None = Field(
+        None, description="decode trials on this task's prompts, with its accuracy metric")
+    grace_period: int = Field(1, gt=0, description="ASHA: reports before a trial can stop")
+    trial_cpus: float = Field(1.0, gt=0, description="CPUs per trial actor")
+
+    @model_validator(mode="after")
+    def _space(self):
+        if not self.space:
+            raise ValueError("space: at least one swept parameter is needed")
+        kinds = {p.kind for p in self.space.values()}
+        if self.search == "grid" and kinds - {"grid", "choice"}:
+            raise ValueError("search grid: every parameter needs grid or choice values")
+        if self.search == "optuna" and "grid" in kinds:
+            raise ValueError("search optuna: use choice instead of grid")
+        for path in self.space:
+            if "." not in path:
+                raise ValueError(f"space: {path!r} must be a dotted path like method.gamma")
+        return self
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
     name: str = "experiment"
     job: Literal["evaluate", "train_target", "distill", "compare_losses",
                  "train_recommender", "recommend_eval", "train_head",
-                 "specdecpp_eval", "build_datastore", "retrieval_eval"] = "evaluate"
+                 "specdecpp_eval", "build_datastore", "retrieval_eval",
+                 "tune"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -426,6 +495,7 @@ class ExperimentConfig(StrictModel):
     adaptive: AdaptiveEvalConfig = AdaptiveEvalConfig()
     datastore: DatastoreConfig = DatastoreConfig()
     retrieval: RetrievalEvalConfig = RetrievalEvalConfig()
+    sweep: SweepConfig | None = None
 
     @model_validator(mode="after")
     def _resume_needs_name(self):

@@ -1,0 +1,299 @@
+"""Ray Tune sweep over speculative-decoding hyperparameters, tracked in MLflow.
+
+    python -m jobs.tune --config experiments/smoke/tune.yaml [key=value ...]
+
+The ``sweep`` section names the search space as dotted paths into this same config
+(``method.gamma``, ``method.threshold``, ``head.w_rej`` ...), the search (``grid``,
+``random``, ``optuna``), the scheduler (``fifo``, ``asha``), trials, concurrency, the
+objective (``metric``/``mode``; e.g. ``predicted_speedup`` from eq. 2.3 with t_draft /
+t_target measured ONCE per sweep, so noisy machines still rank trials stably) and
+constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
+
+* ``kind: decode`` trials evaluate ``method`` on the prompt set with the models cached
+  per trial process (``speclab.sweep``).
+* ``kind: train_head`` trials train a SpecDec++ acceptance head with Ray Train (the
+  trial function builds the trainer; accept data is generated once per sweep), report
+  validation loss after every ``train.report_every`` steps (ASHA stops bad trials on
+  it) and then evaluate ``specdecpp`` with the head.
+
+MLflow: the job's run is the parent (search space, best trial and config, the results
+table, plots of the objective against each parameter); each trial is a child run with
+its params, metrics and status (failed trials keep their error). The best config is
+written as ``best_config.yaml`` (a ready ``evaluate`` config) in the sweep folder and
+logged. ``train.resume=true output.run_name=X`` restores an interrupted sweep with
+``Tuner.restore``: finished trials are kept, unfinished ones continue.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
+from jobs._cli import run_dirs, start_job
+from speclab.config import ExperimentConfig
+
+
+@dataclass
+class Inputs:
+    """Everything a sweep needs, checked on the driver before Ray starts."""
+
+    target: str
+    draft: str | None
+    prompts: list[list[int]]
+    references: tuple[str, list[str]] | None
+    head_prep: object | None  # distill.Prepared for train_head sweeps
+
+
+def prepare(cfg: ExperimentConfig) -> Inputs:
+    """Resolve models, tokenise prompts (or a task's); ValueError on bad input."""
+    from jobs._evaluate import tokenized_prompts
+    from speclab.api import Decoder
+    from speclab.models.loading import resolve_source
+    from speclab.models.registry import resolve_models
+
+    sw = cfg.sweep
+    if sw is None:
+        raise ValueError("sweep: the tune job needs a sweep section")
+    base = cfg.model_dump(mode="json")
+    for path in sw.space:  # every dotted path must exist in the config
+        node = base
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                raise ValueError(f"sweep.space: {path!r} is not a field of the config")
+            node = node[key]
+    head_prep = None
+    if sw.kind == "train_head":
+        from jobs.train_head import prepare as prepare_head
+
+        head_prep, draft = prepare_head(cfg)
+        target = head_prep.target
+    else:
+        target, draft = resolve_models(cfg.models.target, cfg.models.draft)
+        target = resolve_source(target, "models.target")
+        draft = resolve_source(draft, "models.draft") if draft else None
+    references = None
+    if sw.task:
+        from speclab.data.tasks import load_task
+
+        exs = load_task(sw.task, cfg.data.num_prompts, cfg.retrieval.context_chars,
+                        cfg.retrieval.reference_chars)
+        dec = Decoder.from_pretrained(target)
+        prompts = [dec.encode(e.prompt) for e in exs]
+        references = (exs[0].metric, [e.reference for e in exs])
+    else:
+        prompts = tokenized_prompts(cfg, target)
+    return Inputs(target, draft, prompts, references, head_prep)
+
+
+def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: str,
+               prompts: list[list[int]], t_draft: float, t_target: float, vocab: int,
+               eos: int | None, run_dir: str) -> None:
+    """Tune function trainable for acceptance-head trials: Ray Train in chunks (a
+    report per chunk), then ``specdecpp`` with the trained head."""
+    import torch
+    from ray import tune
+
+    from jobs._train import fit
+    from speclab.spec.acceptance_head import AcceptanceHead, save_head
+    from speclab.sweep import evaluate_method, log_start, objective, trial_config
+
+    log_start(run_dir, config["params"])
+    cfg = trial_config(base, config["params"])
+    cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"draft": draft})})
+    name = "head-" + tune.get_context().get_trial_id()
+    storage = Path(run_dir) / "trials"
+    steps, chunk = cfg.train.steps, cfg.train.report_every
+    result = None
+    for done in range(chunk, steps + chunk, chunk):
+        part = cfg.model_copy(update={"train": cfg.train.model_copy(
+            update={"steps": min(done, steps)})})
+        result = fit("head", part, storage, name, Path(data_dir), vocab, eos, None, None)
+        if done < steps:  # intermediate result: ASHA may stop the trial here
+            tune.report({"val_loss": float(result.metrics["val_loss"]),
+                         "step": int(result.metrics["step"])})
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(Path(d) / "state.pt", weights_only=False)["model"]
+    head = AcceptanceHead(state["out.weight"].shape[1], cfg.head.depth)
+    head.load_state_dict(state)
+    folder = save_head(head.eval(), storage / name / "head")
+    m = cfg.method.model_copy(update={"name": "specdecpp", "head": str(folder)})
+    metrics = evaluate_method(cfg.model_copy(update={"method": m}), target, draft, prompts,
+                              None, t_draft, t_target)
+    sw = ExperimentConfig.model_validate(base).sweep
+    metrics["val_loss"] = float(result.metrics["val_loss"])
+    metrics["step"] = int(result.metrics["step"])
+    metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
+    tune.report(metrics)
+
+
+def _tuner(cfg: ExperimentConfig, inputs: Inputs, sweep_dir: Path, times: tuple):
+    """A fresh Tuner, or the interrupted one restored (``train.resume``)."""
+    from ray import tune
+
+    from speclab.sweep import decode_trial, param_space
+
+    sw, base = cfg.sweep, cfg.model_dump(mode="json")
+    common = {"base": base, "target": inputs.target, "draft": inputs.draft,
+              "prompts": inputs.prompts, "t_draft": times[0], "t_target": times[1],
+              "run_dir": str(sweep_dir)}
+    if sw.kind == "decode":
+        fn = tune.with_parameters(decode_trial, references=inputs.references, **common)
+    else:
+        p = inputs.head_prep
+        fn = tune.with_parameters(head_trial, data_dir=str(sweep_dir / "data"),
+                                  vocab=p.vocab, eos=p.eos, **common)
+    fn = tune.with_resources(fn, {"cpu": sw.trial_cpus})
+    exp_dir = sweep_dir / "tune"
+    if cfg.train.resume and tune.Tuner.can_restore(str(exp_dir)):
+        print(f"[tune] restoring the sweep in {exp_dir}", flush=True)
+        return tune.Tuner.restore(str(exp_dir), fn, resume_unfinished=True,
+                                  resume_errored=False, restart_errored=False)
+    search, scheduler = None, None
+    if sw.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        search = OptunaSearch(metric="objective", mode=sw.mode, seed=cfg.train.seed)
+    if sw.scheduler == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        if sw.kind == "train_head":  # intermediate reports carry the validation loss
+            rungs = max(2, math.ceil(cfg.train.steps / cfg.train.report_every))
+            scheduler = ASHAScheduler(metric="val_loss", mode="min", max_t=rungs,
+                                      grace_period=sw.grace_period, reduction_factor=2)
+        else:
+            scheduler = ASHAScheduler(metric="objective", mode=sw.mode,
+                                      grace_period=sw.grace_period)
+    return tune.Tuner(
+        fn, param_space=param_space(cfg),
+        tune_config=tune.TuneConfig(search_alg=search, scheduler=scheduler,
+                                    num_samples=sw.num_samples,
+                                    max_concurrent_trials=sw.max_concurrent),
+        run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir),
+                                  failure_config=tune.FailureConfig(max_failures=0),
+                                  verbose=1))
+
+
+def _figures(rows: list[dict], space: list[str], metric: str) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = {}
+    ok = [r for r in rows if r["status"] == "ok" and metric in r]
+    for path in space:
+        xs = [r["params"][path] for r in ok]
+        fig, ax = plt.subplots(figsize=(4.5, 3.5))
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs):
+            ax.plot(xs, [r[metric] for r in ok], "o")
+        else:
+            labels = sorted({str(x) for x in xs})
+            ax.plot([labels.index(str(x)) for x in xs], [r[metric] for r in ok], "o")
+            ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.set_xlabel(path)
+        ax.set_ylabel(metric)
+        fig.tight_layout()
+        figs[f"{metric}_vs_{path.replace('.', '_')}.png"] = fig
+    return figs
+
+
+def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | None:
+    """Child runs per trial, the parent's table / best config / plots; returns the best row."""
+    import yaml
+
+    from speclab.evaluation import format_table
+    from speclab.sweep import trial_config
+
+    sw = cfg.sweep
+    rows = []
+    for res in results:
+        params = (res.config or {}).get("params", {})
+        trial = (res.metrics or {}).get("trial_id") or Path(res.path or "?").name[:24]
+        row = {"trial": trial,
+               "params": params, "status": "failed" if res.error else "ok"}
+        metrics = {k: v for k, v in (res.metrics or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v)}
+        if res.error:
+            row["error"] = str(res.error).strip().splitlines()[-1][:500]
+        row.update({k: metrics[k] for k in (sw.metric, "objective", "speedup", "tau",
+                                            "predicted_speedup", "accuracy", "val_loss")
+                    if k in metrics})
+        rows.append(row)
+        with tracker.child(f"{cfg.name}-{row['trial']}", {"params": params}) as c:
+            c.set_tags({"status": row["status"], **({"error": row["error"]}
+                                                   if "error" in row else {})})
+            if metrics:
+                c.log_metrics(metrics)
+    ok = [r for r in rows if r["status"] == "ok" and math.isfinite(r.get("objective", math.nan))]
+    best = None
+    if ok:
+        best = (max if sw.mode == "max" else min)(ok, key=lambda r: r["objective"])
+        best_cfg = trial_config(cfg.model_dump(mode="json"), best["params"])
+        data = best_cfg.model_dump(mode="json", exclude_none=True)
+        data.update({"name": f"{cfg.name}-best", "job": "evaluate"})
+        data.pop("sweep", None)
+        path = sweep_dir / "best_config.yaml"
+        path.write_text(f"# Run: .venv/bin/python -m jobs.evaluate --config {path}\n"
+                        f"# Best trial of sweep {cfg.name}: {best['params']}\n"
+                        + yaml.safe_dump(data, sort_keys=False))
+        tracker.log_text(path.read_text(), "best_config.yaml")
+        tracker.log_metrics({f"best_{sw.metric}": best.get(sw.metric, best["objective"]),
+                             "best_objective": best["objective"]})
+        tracker.set_tags({"best_trial": best["trial"], "best_params": str(best["params"]),
+                          "best_config": str(path)})
+    flat = [{"trial": r["trial"], "status": r["status"],
+             **{f"param.{k}": v for k, v in r["params"].items()},
+             **{k: v for k, v in r.items() if k not in ("trial", "status", "params")}}
+            for r in rows]
+    cols = [("trial", "{}"), ("status", "{}")] + [(f"param.{k}", "{}") for k in sw.space] + [
+        (k, "{:.3f}") for k in (sw.metric, "speedup", "tau", "accuracy", "val_loss")
+        if any(k in r for r in flat)]
+    text = format_table(flat, list(dict.fromkeys(cols)))
+    print(text, flush=True)
+    tracker.log_table(flat, "sweep_results")
+    tracker.log_text(text, "sweep_results.txt")
+    tracker.log_metrics({"trials": len(rows), "failed_trials": len(rows) - len(ok)})
+    tracker.log_text(yaml.safe_dump(cfg.model_dump(mode="json")["sweep"]), "search_space.yaml")
+    for fname, fig in _figures(rows, list(sw.space), sw.metric).items():
+        tracker.log_figure(fig, fname)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    job = start_job(__doc__, argv, prepare)
+    cfg, tracker, inputs = job.cfg, job.tracker, job.inputs
+    from speclab.api import Decoder
+    from speclab.evaluation import forward_times
+    from speclab.raylib import init_ray
+
+    storage, run_name = run_dirs(cfg)
+    sweep_dir = storage / run_name
+    where = init_ray(job.address, cfg.ray.num_cpus)
+    print(f"[tune] running on {where}; sweep folder {sweep_dir}", flush=True)
+    with tracker as t:
+        t.set_tags({"job": "tune", "sweep_dir": str(sweep_dir), "kind": cfg.sweep.kind})
+        dec = Decoder.from_pretrained(inputs.target, inputs.draft)
+        times = forward_times(dec, inputs.prompts[0])  # once per sweep (eq. 2.3)
+        t.log_metrics({"t_draft_s": times[0], "t_target_s": times[1]})
+        if cfg.sweep.kind == "train_head":
+            from jobs.distill import generate
+
+            p = inputs.head_prep
+            generate(cfg, p.target, sweep_dir / "data", {"accept"}, p.tokens, inputs.draft)
+        results = _tuner(cfg, inputs, sweep_dir, times).fit()
+        best = record(cfg, results, t, sweep_dir)
+    if best is None:
+        print("[tune] every trial failed", file=sys.stderr)
+        return 1
+    print(f"[tune] best {best['params']} -> {cfg.sweep.metric} "
+          f"{best.get(cfg.sweep.metric, best['objective']):.3f}; "
+          f"config: {sweep_dir / 'best_config.yaml'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Ray Tune glue for SD hyperparameter sweeps (used by ``jobs/tune.py``).
+
+* :func:`param_space` turns the ``sweep.space`` of an experiment config (dotted paths ->
+  grid / choice / uniform / loguniform / randint) into a Tune ``param_space``;
+* :func:`trial_config` applies one trial's values to the base config and re-validates
+  it, so a bad combination fails THAT trial with the field named;
+* :func:`decode_trial` evaluates one method configuration on a prompt set with models
+  cached per worker process (loaded once, not once per trial) and reports
+  hardware-independent figures next to wall-clock ones, including eq. 2.3's predicted
+  speedup from ``t_draft`` / ``t_target`` measured once per sweep;
+* training trials (the acceptance head) live in ``jobs/tune.py`` next to the Ray
+  Train glue they use.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+from speclab.config import ExperimentConfig
+from speclab.config.base import apply_override
+
+_MODELS: dict = {}  # (target, draft, dtype, device) -> Decoder, one per worker process
+
+
+def param_space(cfg: ExperimentConfig) -> dict:
+    """``{"params": {dotted: tune domain}}`` from ``cfg.sweep.space``."""
+    from ray import tune
+
+    out = {}
+    for path, p in cfg.sweep.space.items():
+        if p.kind == "grid":
+            out[path] = tune.grid_search(list(p.grid))
+        elif p.kind == "choice":
+            out[path] = (tune.grid_search(list(p.choice)) if cfg.sweep.search == "grid"
+                         else tune.choice(list(p.choice)))
+        elif p.kind == "uniform":
+            out[path] = tune.uniform(*p.uniform)
+        elif p.kind == "loguniform":
+            out[path] = tune.loguniform(*p.loguniform)
+        else:
+            out[path] = tune.randint(*p.randint)
+    return {"params": out}
+
+
+def trial_config(base: dict, params: dict) -> ExperimentConfig:
+    """The experiment config of one trial: ``base`` (a JSON dump) with ``params`` set."""
+    data = copy.deepcopy(base)
+    data.pop("sweep", None)
+    for path, value in params.items():
+        apply_override(data, path, value)
+    return ExperimentConfig.from_dict(data)
+
+
+def objective(metrics: dict, metric: str, mode: str, floor: dict[str, float]) -> float:
+    """``metrics[metric]``, or the worst value when a ``floor`` constraint fails."""
+    ok = all(metrics.get(k, float("-inf")) >= v for k, v in floor.items())
+    if ok:
+        return float(metrics[metric])
+    return float("-inf") if mode == "max" else float("inf")
+
+
+def _decoder(cfg: ExperimentConfig, target: str, draft: str | None):
+    from speclab.api import Decoder
+
+    key = (target, draft, cfg.models.dtype, cfg.models.device)
+    if key not in _MODELS:
+        _MODELS[key] = Decoder.from_pretrained(target, draft, cfg.models.dtype,
+                                               cfg.models.device)
+    return _MODELS[key]
+
+
+def evaluate_method(cfg: ExperimentConfig, target: str, draft: str | None,
+                    prompts: list[list[int]], references: tuple[str, list[str]] | None,
+                    t_draft: float, t_target: float) -> dict:
+    """AR then ``cfg.method`` on ``prompts``; the metrics a trial reports.
+
+    ``references``: (metric name in :data:`speclab.text_metrics.METRICS`, one reference
+    text per prompt) adds ``accuracy``.
+    """
+    from speclab.evaluation import MethodRun, interleaved_comparison, summarize
+    from speclab.theory import specdecpp_latency
+
+    dec = _decoder(cfg, target, draft)
+    m = cfg.method
+    run = MethodRun(m.name, m.params(), m.label or "")
+    res = interleaved_comparison(dec, [run], prompts, cfg.decoding.model_dump())[run.name]
+    row = summarize(run, res["totals"], res["ar"], res["ar"].outputs)
+    lat = specdecpp_latency(t_draft, t_target, row["discard_rate"],
+                            row["target_calls_per_token"])
+    out = {k: float(row[k]) for k in ("speedup", "tokens_per_s", "tau", "acceptance_rate",
+                                      "discard_rate", "target_calls_per_token")}
+    out["predicted_speedup"] = t_target / lat if lat > 0 else 0.0
+    out["identical_to_ar"] = float(bool(row.get("identical_to_ar")))
+    if references is not None:
+        from speclab.text_metrics import METRICS
+
+        metric, refs = METRICS[references[0]], references[1]
+        texts = [dec.tokenizer.decode(o) for o in res["totals"].outputs]
+        out["accuracy"] = sum(metric(t, r) for t, r in zip(texts, refs)) / len(texts)
+    return out
+
+
+def log_start(run_dir: str, params: dict) -> None:
+    """Append this trial's params to ``trial_starts.jsonl`` (shows what (re)ran)."""
+    import json
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(run_dir) / "trial_starts.jsonl", "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "params": params}) + "\n")
+
+
+def decode_trial(config: dict, *, base: dict, target: str, draft: str | None,
+                 prompts: list[list[int]], references: tuple[str, list[str]] | None,
+                 t_draft: float,
+                 t_target: float, run_dir: str) -> None:
+    """Tune function trainable for decoding trials (one report)."""
+    from ray import tune
+
+    log_start(run_dir, config["params"])
+    cfg = trial_config(base, config["params"])
+    metrics = evaluate_method(cfg, target, draft, prompts, references, t_draft, t_target)
+    sw = ExperimentConfig.model_validate(base).sweep
+    metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
+    tune.report(metrics)
