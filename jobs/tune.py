@@ -13,8 +13,8 @@ constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
   per trial process (``speclab.sweep``).
 * ``kind: train_head`` trials train a SpecDec++ acceptance head with Ray Train (the
   trial function builds the trainer; accept data is generated once per sweep), report
-  validation loss after every ``train.report_every`` steps (ASHA stops bad trials on
-  it) and then evaluate ``specdecpp`` with the head.
+  the held-out unweighted BCE after every ``train.report_every`` steps (ASHA stops bad
+  trials on it) and then evaluate ``specdecpp`` with the head.
 
 MLflow: the job's run is the parent (search space, best trial and config, the results
 table, plots of the objective against each parameter); each trial is a child run with
@@ -88,43 +88,59 @@ def prepare(cfg: ExperimentConfig) -> Inputs:
     return Inputs(target, draft, prompts, references, head_prep)
 
 
+def _trained_head(result, depth: int):
+    import torch
+
+    from speclab.spec.acceptance_head import AcceptanceHead
+
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(Path(d) / "state.pt", weights_only=False)["model"]
+    head = AcceptanceHead(state["out.weight"].shape[1], depth)
+    head.load_state_dict(state)
+    return head.eval()
+
+
 def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: str,
                prompts: list[list[int]], t_draft: float, t_target: float, vocab: int,
                eos: int | None, run_dir: str) -> None:
-    """Tune function trainable for acceptance-head trials: Ray Train in chunks (a
-    report per chunk), then ``specdecpp`` with the trained head."""
-    import torch
+    """Tune function trainable for acceptance-head trials.
+
+    Ray Train runs in chunks of ``train.report_every`` steps (each chunk resumes the
+    last checkpoint of the same run); after each chunk the held-out UNWEIGHTED BCE,
+    ECE and accuracy are reported (comparable across w_acc / w_rej, so ASHA can rank
+    trials on them). Finally ``specdecpp`` decodes with the head (threshold =
+    ``method.threshold``) and the sweep objective is reported.
+    """
     from ray import tune
 
     from jobs._train import fit
-    from speclab.spec.acceptance_head import AcceptanceHead, save_head
+    from jobs.train_head import held_out_metrics
+    from speclab.spec.acceptance_head import save_head
     from speclab.sweep import evaluate_method, log_start, objective, trial_config
 
     log_start(run_dir, config["params"])
     cfg = trial_config(base, config["params"])
     cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"draft": draft})})
+    plain = cfg.model_copy(update={"head": cfg.head.model_copy(update={"w_acc": 1.0,
+                                                                       "w_rej": 1.0})})
     name = "head-" + tune.get_context().get_trial_id()
     storage = Path(run_dir) / "trials"
     steps, chunk = cfg.train.steps, cfg.train.report_every
-    result = None
     for done in range(chunk, steps + chunk, chunk):
         part = cfg.model_copy(update={"train": cfg.train.model_copy(
             update={"steps": min(done, steps)})})
         result = fit("head", part, storage, name, Path(data_dir), vocab, eos, None, None)
+        head = _trained_head(result, cfg.head.depth)
+        metrics = held_out_metrics(plain, head, draft, Path(data_dir))
+        metrics["step"] = int(result.metrics["step"])
         if done < steps:  # intermediate result: ASHA may stop the trial here
-            tune.report({"val_loss": float(result.metrics["val_loss"]),
-                         "step": int(result.metrics["step"])})
-    with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / "state.pt", weights_only=False)["model"]
-    head = AcceptanceHead(state["out.weight"].shape[1], cfg.head.depth)
-    head.load_state_dict(state)
-    folder = save_head(head.eval(), storage / name / "head")
+            tune.report(metrics)
+    folder = storage / name / "head"
+    save_head(head, folder)
     m = cfg.method.model_copy(update={"name": "specdecpp", "head": str(folder)})
-    metrics = evaluate_method(cfg.model_copy(update={"method": m}), target, draft, prompts,
-                              None, t_draft, t_target)
+    metrics.update(evaluate_method(cfg.model_copy(update={"method": m}), target, draft,
+                                   prompts, None, t_draft, t_target))
     sw = ExperimentConfig.model_validate(base).sweep
-    metrics["val_loss"] = float(result.metrics["val_loss"])
-    metrics["step"] = int(result.metrics["step"])
     metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
     tune.report(metrics)
 
@@ -159,9 +175,9 @@ def _tuner(cfg: ExperimentConfig, inputs: Inputs, sweep_dir: Path, times: tuple)
     if sw.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler
 
-        if sw.kind == "train_head":  # intermediate reports carry the validation loss
+        if sw.kind == "train_head":  # intermediate reports carry the held-out BCE
             rungs = max(2, math.ceil(cfg.train.steps / cfg.train.report_every))
-            scheduler = ASHAScheduler(metric="val_loss", mode="min", max_t=rungs,
+            scheduler = ASHAScheduler(metric="heldout_bce", mode="min", max_t=rungs,
                                       grace_period=sw.grace_period, reduction_factor=2)
         else:
             scheduler = ASHAScheduler(metric="objective", mode=sw.mode,
@@ -220,8 +236,8 @@ def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | N
         if res.error:
             row["error"] = str(res.error).strip().splitlines()[-1][:500]
         row.update({k: metrics[k] for k in (sw.metric, "objective", "speedup", "tau",
-                                            "predicted_speedup", "accuracy", "val_loss")
-                    if k in metrics})
+                                            "predicted_speedup", "accuracy", "heldout_bce",
+                                            "step") if k in metrics})
         rows.append(row)
         with tracker.child(f"{cfg.name}-{row['trial']}", {"params": params}) as c:
             c.set_tags({"status": row["status"], **({"error": row["error"]}
@@ -235,6 +251,8 @@ def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | N
         best_cfg = trial_config(cfg.model_dump(mode="json"), best["params"])
         data = best_cfg.model_dump(mode="json", exclude_none=True)
         data.update({"name": f"{cfg.name}-best", "job": "evaluate"})
+        if sw.kind == "train_head":  # the best trial's own head
+            data["method"]["head"] = str(sweep_dir / "trials" / f"head-{best['trial']}" / "head")
         data.pop("sweep", None)
         path = sweep_dir / "best_config.yaml"
         path.write_text(f"# Run: .venv/bin/python -m jobs.evaluate --config {path}\n"
@@ -250,7 +268,7 @@ def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | N
              **{k: v for k, v in r.items() if k not in ("trial", "status", "params")}}
             for r in rows]
     cols = [("trial", "{}"), ("status", "{}")] + [(f"param.{k}", "{}") for k in sw.space] + [
-        (k, "{:.3f}") for k in (sw.metric, "speedup", "tau", "accuracy", "val_loss")
+        (k, "{:.3f}") for k in (sw.metric, "speedup", "tau", "accuracy", "heldout_bce")
         if any(k in r for r in flat)]
     text = format_table(flat, list(dict.fromkeys(cols)))
     print(text, flush=True)

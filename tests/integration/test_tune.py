@@ -1,0 +1,128 @@
+"""jobs.tune end to end on local Ray: decoding and training sweeps in MLflow, the best
+config through evaluate, failing trials, and an interrupted sweep resumed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.conftest import ROOT, python, run_cmd
+
+pytestmark = pytest.mark.integration
+SMOKE = "experiments/smoke/tune.yaml"
+
+
+def _runs(tracking_uri: str, experiment: str):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    return client, parent, children
+
+
+def test_decode_sweep_logs_parent_children_and_a_runnable_best_config(job_env, tmp_path):
+    storage = tmp_path / "runs"
+    res = run_cmd([python(), "-m", "jobs.tune", "--config", SMOKE, "tracking.experiment=tu",
+                   f"output.storage_path={storage}", "output.run_name=sw"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    client, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "tu")
+    assert len(children) == 6
+    for c in children:
+        assert c.data.tags["status"] == "ok"
+        assert {"predicted_speedup", "speedup", "tau", "objective"} <= set(c.data.metrics)
+        assert c.data.params  # the trial's swept values
+    assert parent.data.metrics["trials"] == 6 and parent.data.metrics["failed_trials"] == 0
+    best = max(c.data.metrics["predicted_speedup"] for c in children)
+    assert parent.data.metrics["best_predicted_speedup"] == pytest.approx(best)
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"best_config.yaml", "sweep_results.csv", "search_space.yaml",
+            "predicted_speedup_vs_method_gamma.png"} <= arts, arts
+    best_cfg = storage / "sw" / "best_config.yaml"
+    data = yaml.safe_load(best_cfg.read_text())
+    assert data["job"] == "evaluate" and "sweep" not in data
+    ev = run_cmd([python(), "-m", "jobs.evaluate", "--config", str(best_cfg),
+                  "tracking.experiment=best"], job_env)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert "True" in ev.stdout  # greedy output identical to AR
+
+
+def test_failing_trials_are_recorded_and_the_sweep_goes_on(job_env, tmp_path):
+    """salf with batch 20 > nodes 8 is an invalid combination: those trials fail with
+    the field named; chain ignores batch and succeeds."""
+    res = run_cmd([python(), "-m", "jobs.tune", "--config", SMOKE, "tracking.experiment=tf",
+                   f"output.storage_path={tmp_path / 'runs'}",
+                   "sweep.space={method.name: {grid: [chain, salf]}, "
+                   "method.batch: {grid: [2, 20]}}"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "tf")
+    status = {(c.data.params["method.name"], c.data.params["method.batch"]):
+              c.data.tags["status"] for c in children}
+    assert status == {("chain", "2"): "ok", ("chain", "20"): "ok", ("salf", "2"): "ok",
+                      ("salf", "20"): "failed"}
+    failed = next(c for c in children if c.data.tags["status"] == "failed")
+    assert "batch (20) must not exceed nodes (8)" in failed.data.tags["error"]
+    assert parent.data.metrics["failed_trials"] == 1
+    assert "'method.name': 'salf', 'method.batch': 20" not in parent.data.tags["best_params"]
+
+
+def test_interrupted_sweep_resumes_without_rerunning_finished_trials(job_env, tmp_path):
+    storage = tmp_path / "runs"
+    args = [python(), "-m", "jobs.tune", "--config", SMOKE, "tracking.experiment=tr",
+            f"output.storage_path={storage}", "output.run_name=rs", "sweep.max_concurrent=1"]
+    starts = storage / "rs" / "trial_starts.jsonl"
+    proc = subprocess.Popen(args, cwd=ROOT, env=job_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:  # two trials finished, the third running
+            if starts.exists() and len(starts.read_text().splitlines()) >= 3:
+                break
+            if proc.poll() is not None:
+                pytest.fail("sweep ended before the interrupt: " + proc.stdout.read()[-3000:])
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # Tune stops gracefully and saves its state
+        proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = [json.loads(x)["params"] for x in starts.read_text().splitlines()]
+    res = run_cmd(args + ["train.resume=true"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "restoring the sweep" in res.stdout
+    after = [json.loads(x)["params"] for x in starts.read_text().splitlines()][len(before):]
+    finished = before[:-1]  # the last one was cut off by the interrupt
+    assert not [p for p in after if p in finished], (before, after)
+    assert len(finished) + len(after) == 6  # every trial ran exactly once to the end
+    _, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "tr")
+    resumed = [r for r in [parent] if r.data.metrics.get("trials") == 6]
+    assert resumed and all(c.data.tags["status"] == "ok" for c in children
+                           if c.data.tags["mlflow.parentRunId"] == resumed[0].info.run_id)
+
+
+def test_head_training_sweep_with_asha(job_env, tmp_path):
+    """4 training trials (head depth x w_rej) with ASHA on the validation loss reported
+    every 10 steps; each surviving trial then decodes with specdecpp at threshold h."""
+    res = run_cmd([python(), "-m", "jobs.tune", "--config",
+                   "experiments/sweeps/head_smoke.yaml", "tracking.experiment=th",
+                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "th")
+    assert len(children) == 4 and parent.data.metrics["trials"] == 4
+    done = [c for c in children if "objective" in c.data.metrics]
+    assert done and all(c.data.tags["status"] == "ok" for c in children)
+    for c in done:  # trained, then evaluated with the adaptive drafter (lossless)
+        m = c.data.metrics
+        assert m["identical_to_ar"] == 1.0 and m["step"] == 30 and "heldout_ece" in m
+    stopped = [c for c in children if "objective" not in c.data.metrics]
+    for c in stopped:  # stopped early by ASHA after an intermediate report
+        assert c.data.metrics["step"] < 30
+    assert Path(parent.data.tags["best_config"]).exists()
