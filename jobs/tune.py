@@ -239,7 +239,7 @@ def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | N
                                             "predicted_speedup", "accuracy", "heldout_bce",
                                             "step") if k in metrics})
         rows.append(row)
-        with tracker.child(f"{cfg.name}-{row['trial']}", {"params": params}) as c:
+        with tracker.child(f"{cfg.name}-{row['trial']}", params) as c:
             c.set_tags({"status": row["status"], **({"error": row["error"]}
                                                    if "error" in row else {})})
             if metrics:
