@@ -126,3 +126,11 @@ def test_head_training_sweep_with_asha(job_env, tmp_path):
     for c in stopped:  # stopped early by ASHA after an intermediate report
         assert c.data.metrics["step"] < 30
     assert Path(parent.data.tags["best_config"]).exists()
+
+
+def test_unknown_swept_field_fails_before_ray(job_env, tmp_path):
+    res = run_cmd([python(), "-m", "jobs.tune", "--config", SMOKE,
+                   "sweep.space={method.gama: {grid: [2, 3]}}",
+                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=120)
+    assert res.returncode == 2 and "'method.gama' is not a field" in res.stderr
+    assert "running on" not in res.stdout

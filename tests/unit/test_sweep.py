@@ -1,0 +1,44 @@
+"""Sweep helpers without Ray: search-space validation, per-trial configs, objective."""
+
+import math
+
+import pytest
+
+from speclab.config import ConfigError, ExperimentConfig
+from speclab.sweep import objective, trial_config
+
+BASE = {"models": {"target": "tiny"}, "method": {"name": "salf", "nodes": 8, "batch": 2},
+        "sweep": {"space": {"method.threshold": {"grid": [0.1, 0.3]}}}}
+
+
+def test_trial_config_applies_values_and_drops_the_sweep():
+    cfg = trial_config(BASE, {"method.threshold": 0.3, "method.nodes": 12})
+    assert cfg.method.threshold == 0.3 and cfg.method.nodes == 12 and cfg.sweep is None
+
+
+def test_a_bad_combination_fails_its_trial_with_the_field_named():
+    with pytest.raises(ConfigError, match=r"batch \(20\) must not exceed nodes \(8\)"):
+        trial_config(BASE, {"method.batch": 20})
+    with pytest.raises(ConfigError, match="method.threshold"):
+        trial_config(BASE, {"method.threshold": 1.5})
+
+
+def test_objective_respects_floors_and_mode():
+    m = {"speedup": 1.4, "accuracy": 0.2}
+    assert objective(m, "speedup", "max", {}) == 1.4
+    assert objective(m, "speedup", "max", {"accuracy": 0.3}) == -math.inf
+    assert objective(m, "speedup", "min", {"accuracy": 0.3}) == math.inf
+    assert objective(m, "speedup", "max", {"accuracy": 0.1}) == 1.4
+
+
+@pytest.mark.parametrize("sweep,message", [
+    ({"space": {}}, "at least one swept parameter"),
+    ({"space": {"method.gamma": {"uniform": [1, 4]}}}, "search grid"),
+    ({"space": {"method.gamma": {"grid": [2], "choice": [3]}}}, "exactly one"),
+    ({"space": {"gamma": {"grid": [2]}}}, "dotted path"),
+    ({"space": {"method.gamma": {"randint": [5, 2]}}, "search": "random"}, "low must be < high"),
+    ({"space": {"method.gamma": {"grid": [2]}}, "search": "optuna"}, "use choice"),
+])
+def test_bad_sweep_sections(sweep, message):
+    with pytest.raises(ConfigError, match=message):
+        ExperimentConfig.from_dict({"sweep": sweep})
