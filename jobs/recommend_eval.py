@@ -4,7 +4,7 @@ Recall@K and NDCG@K, plus WS/AS against the draft beam size N.
     python -m jobs.recommend_eval --config experiments/smoke/recommend_eval.yaml
 
 Models come from ``rec_eval.target`` / ``rec_eval.drafts`` (folders or ``models:/``
-URIs) or, when absent, are trained on the fly with Ray Train on the ``rec`` data: the
+URIs); what is not given is trained on the fly with Ray Train on the ``rec`` data: the
 target with ``arch``/``train``, then one drafter per ``rec_eval.losses`` entry (sft,
 seq_kd, word_kd, tvd_kd, atspeed_s, atspeed_r; AtSpeed losses once per value in
 ``rec_eval.alphas``) with ``rec_eval.draft_arch`` and ``rec_eval.draft_steps``, on
@@ -103,14 +103,16 @@ def generate_alignment(target: str, draft: str | None, meta, prompts: list[list[
 
 
 def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, run_name: str,
-                   tracker) -> dict[str, str]:
-    """One drafter per ``rec_eval.losses`` entry (per alpha for atspeed_s / atspeed_r),
-    each a child run. Alignment data is generated once per kind on Ray tasks: the
-    target's top-K beams, and for AtSpeed-S (``mix_lambda < 1``) the top-K beams of the
-    mixture with the sft drafter, which is therefore trained first (added if absent)."""
+                   tracker, given: dict[str, str] | None = None) -> dict[str, str]:
+    """One drafter per ``rec_eval.losses`` entry (per alpha for atspeed_s / atspeed_r)
+    not already in ``given`` (name -> folder/URI, e.g. ``sft``, ``atspeed_s@0.5``), each
+    a child run. Alignment data is generated once per kind on Ray tasks: the target's
+    top-K beams, and for AtSpeed-S (``mix_lambda < 1``) the top-K beams of the mixture
+    with the sft drafter, which is therefore trained first (added if absent)."""
     import time
 
     from jobs.train_recommender import train_model
+    from speclab.models.loading import resolve_source
 
     re, reg = cfg.rec_eval, cfg.output.register_as
     mixed = "atspeed_s" in re.losses and re.mix_lambda < 1.0
@@ -125,7 +127,10 @@ def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, 
             return None
         if kind not in data:
             t0 = time.perf_counter()
-            draft, lam = (drafts["sft"], re.mix_lambda) if kind == "mix" else (None, 1.0)
+            draft, lam = None, 1.0
+            if kind == "mix":
+                draft = str(resolve_source(drafts["sft"], "rec_eval.drafts.sft"))
+                lam = re.mix_lambda
             data[kind] = generate_alignment(target, draft, meta, prompts, re.align_k, lam,
                                             re.align_tasks)
             secs = time.perf_counter() - t0
@@ -134,11 +139,13 @@ def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, 
                   f"histories x top-{re.align_k} in {secs:.0f}s", flush=True)
         return data[kind]
 
-    drafts: dict[str, str] = {}
+    drafts: dict[str, str] = dict(given or {})
     for loss in losses:
         alphas = re.alphas if loss.startswith("atspeed") else [re.alpha]
         for alpha in alphas:
             name = f"{loss}@{alpha:g}" if loss.startswith("atspeed") else loss
+            if name in drafts:
+                continue  # given by the config
             rows = rows_for(loss, drafts)
             dcfg = cfg.model_copy(update={
                 "arch": re.draft_arch,
@@ -176,15 +183,17 @@ def main(argv: list[str] | None = None) -> int:
     reg = cfg.output.register_as
     with tracker as t:
         t.set_tags({"job": "recommend_eval"})
-        target = re.target
+        target = str(resolve_source(re.target, "rec_eval.target")) if re.target else None
         if target is None:
             with t.child(f"{cfg.name}-target", cfg.model_dump(mode="json")) as c:
                 target = str(train_model(cfg, meta, examples, storage, f"{run_name}-target", c,
                                          f"{reg}-target" if reg else None))
-        drafts = dict(re.drafts)
-        if not drafts:
-            drafts = train_drafters(cfg, meta, examples, target, storage, run_name, t)
+        drafts = train_drafters(cfg, meta, examples, target, storage, run_name, t,
+                                re.drafts)
         rec = Recommender.from_pretrained(target)
+        if (rec.meta.items, rec.meta.codes) != (meta.items, [list(c) for c in meta.codes]):
+            raise ValueError("rec_eval.target: its rec_meta.json (items / semantic ids) does "
+                             "not match the rec data this config builds")
         runners = {}
         for name, path in drafts.items():
             model = load_model(resolve_source(path, f"rec_eval.drafts.{name}"),

@@ -299,7 +299,7 @@ class RecEvalConfig(StrictModel):
     draft_arch: ArchConfig = ArchConfig(layers=1, hidden=64, heads=4)
     draft_steps: int = Field(60, gt=0, description="steps of each on-the-fly drafter")
     losses: list[str] = Field(default_factory=lambda: ["sft"],
-                              description="one drafter per loss when drafts is empty")
+                              description="drafters trained for the losses not in drafts")
     alphas: list[float] = Field(default_factory=lambda: [0.5],
                                 description="alpha values tried for atspeed_s/atspeed_r")
     draft_loss: str = Field("sft", description="set per drafter by recommend_eval")
