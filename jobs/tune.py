@@ -5,8 +5,9 @@
 The ``sweep`` section names the search space as dotted paths into this same config
 (``method.gamma``, ``method.threshold``, ``head.w_rej`` ...), the search (``grid``,
 ``random``, ``optuna``), the scheduler (``fifo``, ``asha``), trials, concurrency, the
-objective (``metric``/``mode``; e.g. ``predicted_speedup`` from eq. 2.3 with t_draft /
-t_target measured ONCE per sweep, so noisy machines still rank trials stably) and
+objective (``metric``/``mode``; e.g. ``predicted_speedup`` from the SpecDec++ cost
+model, eq. 2.1 with the trial's forward counts and t_draft / t_target measured ONCE per
+sweep, so noisy machines still rank trials stably) and
 constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
 
 * ``kind: decode`` trials evaluate ``method`` on the prompt set with the models cached
@@ -295,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     with tracker as t:
         t.set_tags({"job": "tune", "sweep_dir": str(sweep_dir), "kind": cfg.sweep.kind})
         dec = Decoder.from_pretrained(inputs.target, inputs.draft)
-        times = forward_times(dec, inputs.prompts[0])  # once per sweep (eq. 2.3)
+        times = forward_times(dec, inputs.prompts[0])  # once per sweep (cost model)
         t.log_metrics({"t_draft_s": times[0], "t_target_s": times[1]})
         if cfg.sweep.kind == "train_head":
             from jobs.distill import generate

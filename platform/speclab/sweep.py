@@ -6,8 +6,11 @@
   it, so a bad combination fails THAT trial with the field named;
 * :func:`decode_trial` evaluates one method configuration on a prompt set with models
   cached per worker process (loaded once, not once per trial) and reports
-  hardware-independent figures next to wall-clock ones, including eq. 2.3's predicted
-  speedup from ``t_draft`` / ``t_target`` measured once per sweep;
+  hardware-independent figures next to wall-clock ones, including the SpecDec++ cost
+  model's predicted speedup (eq. 2.1 per generated token: ``t_target / (t_draft *
+  draft forwards + t_target * target forwards)``, which is eq. 2.3 for chains and also
+  right for trees that expand several nodes per draft forward) from ``t_draft`` /
+  ``t_target`` measured once per sweep;
 * training trials (the acceptance head) live in ``jobs/tune.py`` next to the Ray
   Train glue they use.
 """
@@ -80,15 +83,13 @@ def evaluate_method(cfg: ExperimentConfig, target: str, draft: str | None,
     text per prompt) adds ``accuracy``.
     """
     from speclab.evaluation import MethodRun, interleaved_comparison, summarize
-    from speclab.theory import specdecpp_latency
 
     dec = _decoder(cfg, target, draft)
     m = cfg.method
     run = MethodRun(m.name, m.params(), m.label or "")
     res = interleaved_comparison(dec, [run], prompts, cfg.decoding.model_dump())[run.name]
     row = summarize(run, res["totals"], res["ar"], res["ar"].outputs)
-    lat = specdecpp_latency(t_draft, t_target, row["discard_rate"],
-                            row["target_calls_per_token"])
+    lat = t_draft * row["draft_calls_per_token"] + t_target * row["target_calls_per_token"]
     out = {k: float(row[k]) for k in ("speedup", "tokens_per_s", "tau", "acceptance_rate",
                                       "discard_rate", "target_calls_per_token")}
     out["predicted_speedup"] = t_target / lat if lat > 0 else 0.0
