@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, tracker = job.cfg, job.tracker
 
     from jobs._evaluate import evaluate_pair, tokenized_prompts
+    from speclab.api import NO_DRAFT_MODEL
     from speclab.models.registry import resolve_models
     from speclab.raylib import init_ray
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[evaluate] running on {where}", flush=True)
     target, draft = resolve_models(cfg.models.target, cfg.models.draft)
-    if any(m.name not in ("ar", "pld", "rest", "aasd") for m in cfg.method_list()) and not draft:
+    if any(m.name not in NO_DRAFT_MODEL for m in cfg.method_list()) and not draft:
         print("error: models.draft: the methods need a draft model", file=sys.stderr)
         return 2
     try:  # tokenise on the driver (fails fast on bad data); actors get token ids

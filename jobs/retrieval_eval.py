@@ -26,12 +26,13 @@ from speclab.config import ExperimentConfig
 
 def prepare(cfg: ExperimentConfig):
     """(target folder, {task: [TaskExample]}); ValueError on bad input."""
+    from speclab.api import NO_DRAFT_MODEL
     from speclab.data.tasks import load_task
     from speclab.models.loading import resolve_source
     from speclab.models.registry import resolve_models
 
     needs_draft = [m.name for m in cfg.method_list()
-                   if m.name not in ("ar", "pld", "rest", "aasd")]
+                   if m.name not in NO_DRAFT_MODEL]
     if needs_draft:
         raise ValueError(f"methods: retrieval_eval runs model-free methods only, got "
                          f"{needs_draft}")

@@ -38,7 +38,7 @@ from speclab.spec.kv import ModelRunner
 from speclab.spec.sampling import SamplingParams
 
 METHODS = ("ar", "chain", "tree", "optimal", "salf", "specdecpp", "pld", "rest", "aasd")
-MODEL_FREE = ("pld", "rest", "aasd")  # drafters that need no draft model
+NO_DRAFT_MODEL = ("ar", "pld", "rest", "aasd")  # methods that need no draft model
 
 
 @dataclass

@@ -71,17 +71,17 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from speclab.api import Decoder
+    from speclab.api import NO_DRAFT_MODEL, Decoder
 
     if args.num_samples < 1:
         raise ValueError(f"num_samples: must be >= 1, got {args.num_samples}")
-    if args.method not in ("ar", "pld", "rest", "aasd") and not args.draft:
+    if args.method not in NO_DRAFT_MODEL and not args.draft:
         raise ValueError(f"draft: method {args.method!r} needs --draft")
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     if args.prompt is not None and not args.prompt:
         raise ValueError("prompt: must not be empty")
-    model_free = args.method in ("ar", "pld", "rest", "aasd")
-    dec = Decoder.from_pretrained(args.target, None if model_free else args.draft,
+    dec = Decoder.from_pretrained(args.target,
+                                  None if args.method in NO_DRAFT_MODEL else args.draft,
                                   args.dtype, args.device)
     for s in range(args.num_samples):
         res = dec.generate(
