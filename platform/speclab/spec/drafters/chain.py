@@ -10,6 +10,24 @@ from speclab.spec.sampling import SamplingParams, sample, warp_probs
 from speclab.spec.tree import DETERMINISTIC, SAMPLED, TokenTree
 
 
+def draft_next(tree: TokenTree, node: int, logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator | None) -> int:
+    """Append one draft token as ``node``'s child and return the new node.
+
+    ``logits`` ``[V]``: the draft's next-token logits at ``node``. Greedy: the argmax
+    (a deterministic child); sampling: a draw from ``q`` warped like the target's ``p``,
+    recorded with ``q`` so speculative sampling can verify it losslessly.
+    """
+    q = warp_probs(logits, params)
+    if params.greedy:
+        x = int(q.argmax())
+        tree.set_children_kind(node, DETERMINISTIC)
+    else:
+        x = sample(q, generator)
+        tree.set_children_kind(node, SAMPLED, q)
+    return tree.add(x, node, float(q[x]))
+
+
 class ChainDrafter(ModelDrafter):
     """Drafts ``gamma`` tokens one after another from the draft model.
 
@@ -40,14 +58,7 @@ class ChainDrafter(ModelDrafter):
         node = 0
         steps = min(self.gamma, budget)
         for i in range(steps):
-            q = warp_probs(logits, self.params)
-            if self.params.greedy:
-                x = int(q.argmax())
-                tree.set_children_kind(node, DETERMINISTIC)
-            else:
-                x = sample(q, self.generator)
-                tree.set_children_kind(node, SAMPLED, q)
-            node = tree.add(x, node, float(q[x]))
+            node = draft_next(tree, node, logits, self.params, self.generator)
             if i + 1 < steps:
                 logits = self.expand(tree, [node])[-1]
         return tree

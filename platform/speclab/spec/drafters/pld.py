@@ -26,6 +26,16 @@ from speclab.spec.drafters.base import Drafter
 from speclab.spec.tree import DETERMINISTIC, TokenTree
 
 
+def check_retrieval_params(ngram: int, max_key: int, candidates: int) -> None:
+    """Bounds shared by the retrieval drafters (PLD, AASD, REST); ValueError names the field."""
+    if ngram < 1:
+        raise ValueError(f"ngram: draft tokens per candidate must be >= 1, got {ngram}")
+    if max_key < 1:
+        raise ValueError(f"max_key: the n-gram key length must be >= 1, got {max_key}")
+    if candidates < 1:
+        raise ValueError(f"candidates: must be >= 1, got {candidates}")
+
+
 class DraftPool:
     """n-gram index of a growing token list: key -> positions right after its occurrences."""
 
@@ -64,12 +74,7 @@ class PromptLookupDrafter(Drafter):
 
     def __init__(self, ngram: int = 10, max_key: int = 3, candidates: int = 1,
                  align_k: int = 0, relax: tuple[float, float] | None = None) -> None:
-        if ngram < 1:
-            raise ValueError(f"ngram: draft tokens per candidate must be >= 1, got {ngram}")
-        if max_key < 1:
-            raise ValueError(f"max_key: the n-gram key length must be >= 1, got {max_key}")
-        if candidates < 1:
-            raise ValueError(f"candidates: must be >= 1, got {candidates}")
+        check_retrieval_params(ngram, max_key, candidates)
         if align_k < 0:
             raise ValueError(f"align_k: must be >= 0, got {align_k}")
         if relax is not None and relax[0] < 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from speclab.spec.datastore import Datastore
 from speclab.spec.drafters.base import Drafter
+from speclab.spec.drafters.pld import check_retrieval_params
 from speclab.spec.tree import TokenTree
 
 
@@ -20,12 +21,7 @@ class RestDrafter(Drafter):
 
     def __init__(self, store: Datastore, ngram: int = 6, max_key: int = 8,
                  candidates: int = 8) -> None:
-        if ngram < 1:
-            raise ValueError(f"ngram: draft tokens per candidate must be >= 1, got {ngram}")
-        if max_key < 1:
-            raise ValueError(f"max_key: the n-gram key length must be >= 1, got {max_key}")
-        if candidates < 1:
-            raise ValueError(f"candidates: must be >= 1, got {candidates}")
+        check_retrieval_params(ngram, max_key, candidates)
         self.store, self.ngram, self.candidates = store, ngram, candidates
         self.max_key = min(max_key, store.max_len)
 

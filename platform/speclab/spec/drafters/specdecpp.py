@@ -16,9 +16,10 @@ import torch
 
 from speclab.spec.acceptance_head import AcceptanceHead, should_stop
 from speclab.spec.drafters.base import ModelDrafter
+from speclab.spec.drafters.chain import draft_next
 from speclab.spec.kv import ModelRunner
-from speclab.spec.sampling import SamplingParams, sample, warp_probs
-from speclab.spec.tree import DETERMINISTIC, SAMPLED, TokenTree
+from speclab.spec.sampling import SamplingParams
+from speclab.spec.tree import TokenTree
 
 
 class SpecDecPPDrafter(ModelDrafter):
@@ -58,14 +59,7 @@ class SpecDecPPDrafter(ModelDrafter):
         steps = min(self.max_len, budget)
         accept: list[float] = []  # predicted P(Y_i accepted | Y_<i accepted)
         for i in range(steps):
-            q = warp_probs(logits, self.params)
-            if self.params.greedy:
-                x = int(q.argmax())
-                tree.set_children_kind(node, DETERMINISTIC)
-            else:
-                x = sample(q, self.generator)
-                tree.set_children_kind(node, SAMPLED, q)
-            node = tree.add(x, node, float(q[x]))
+            node = draft_next(tree, node, logits, self.params, self.generator)
             if i + 1 == steps or should_stop(accept, self.threshold):
                 break
             logits = self.expand(tree, [node])[-1]
