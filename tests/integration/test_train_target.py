@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -36,6 +37,21 @@ def test_registered_target_loads_into_the_engine(job_env, tmp_path, monkeypatch)
     assert len(out.token_ids) == 8 and isinstance(out.text, str)
 
 
+def _committed_checkpoint(run_dir: Path) -> bool:
+    """True once Ray Train's controller has registered a checkpoint of the run.
+
+    A ``checkpoint_*`` folder appears when rank 0 uploads it, before every rank has
+    reported that step; killing a worker in between restarts from scratch, correctly.
+    The controller's snapshot file names the latest checkpoint once it is committed.
+    """
+    snap = run_dir / "checkpoint_manager_snapshot.json"
+    try:
+        state = json.loads(snap.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(state.get("latest_checkpoint_result"))
+
+
 def test_killed_worker_resumes_from_checkpoint(job_env, tmp_path):
     storage = tmp_path / "runs"
     run_dir = storage / "ft"
@@ -47,8 +63,8 @@ def test_killed_worker_resumes_from_checkpoint(job_env, tmp_path):
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 240
-        while time.time() < deadline:  # wait for a checkpoint, then kill rank 1
-            if list(run_dir.glob("checkpoint_*")) and (run_dir / "pids" / "rank1.pid").exists():
+        while time.time() < deadline:  # wait for a committed checkpoint, then kill rank 1
+            if _committed_checkpoint(run_dir) and (run_dir / "pids" / "rank1.pid").exists():
                 break
             if proc.poll() is not None:
                 pytest.fail("job ended before a checkpoint: " + proc.stdout.read()[-3000:])
