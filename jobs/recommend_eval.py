@@ -102,6 +102,57 @@ def generate_alignment(target: str, draft: str | None, meta, prompts: list[list[
     return [row for part in ray.get(refs) for row in part]
 
 
+def ensure_target(cfg: ExperimentConfig, meta, examples, storage, run_name: str,
+                  tracker) -> str:
+    """``rec_eval.target`` (checked against the configured data), or a target trained
+    now with ``arch`` / ``train`` as a child run (registered when ``output.register_as``)."""
+    from jobs.train_recommender import train_model
+    from speclab.data.rec_dataset import RecMeta
+    from speclab.models.loading import resolve_source
+
+    re, reg = cfg.rec_eval, cfg.output.register_as
+    if re.target:
+        target = str(resolve_source(re.target, "rec_eval.target"))
+        given = RecMeta.load(target)
+        if (given.items, given.codes) != (meta.items, [list(c) for c in meta.codes]):
+            raise ValueError("rec_eval.target: its rec_meta.json (items / semantic ids) does "
+                             "not match the rec data this config builds")
+        return target
+    with tracker.child(f"{cfg.name}-target", cfg.model_dump(mode="json")) as c:
+        return str(train_model(cfg, meta, examples, storage, f"{run_name}-target", c,
+                               f"{reg}-target" if reg else None))
+
+
+def alignment_rows(cfg: ExperimentConfig, meta, examples, target: str, loss: str,
+                   drafts: dict[str, str], cache: dict[str, list[dict]],
+                   tracker) -> list[dict] | None:
+    """Alignment data for a drafter trained with ``loss`` (None for sft), generated once
+    per kind into ``cache``: the target's top-``align_k`` beams, or for AtSpeed-S with
+    ``mix_lambda < 1`` the beams of the mixture with ``drafts["sft"]``."""
+    import time
+
+    from speclab.models.loading import resolve_source
+
+    re = cfg.rec_eval
+    if loss == "sft":
+        return None
+    kind = "mix" if loss == "atspeed_s" and re.mix_lambda < 1.0 else "target"
+    if kind not in cache:
+        t0 = time.perf_counter()
+        draft, lam = None, 1.0
+        if kind == "mix":
+            draft = str(resolve_source(drafts["sft"], "rec_eval.drafts.sft"))
+            lam = re.mix_lambda
+        prompts = [e.prompt for e in examples["train"][: re.align_examples]]
+        cache[kind] = generate_alignment(target, draft, meta, prompts, re.align_k, lam,
+                                         re.align_tasks)
+        secs = time.perf_counter() - t0
+        tracker.log_metrics({f"align_{kind}_s": secs})
+        print(f"[align] alignment data ({kind}, lambda={lam:g}): {len(prompts)} "
+              f"histories x top-{re.align_k} in {secs:.0f}s", flush=True)
+    return cache[kind]
+
+
 def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, run_name: str,
                    tracker, given: dict[str, str] | None = None) -> dict[str, str]:
     """One drafter per ``rec_eval.losses`` entry (per alpha for atspeed_s / atspeed_r)
@@ -109,36 +160,13 @@ def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, 
     a child run. Alignment data is generated once per kind on Ray tasks: the target's
     top-K beams, and for AtSpeed-S (``mix_lambda < 1``) the top-K beams of the mixture
     with the sft drafter, which is therefore trained first (added if absent)."""
-    import time
-
     from jobs.train_recommender import train_model
-    from speclab.models.loading import resolve_source
 
     re, reg = cfg.rec_eval, cfg.output.register_as
     mixed = "atspeed_s" in re.losses and re.mix_lambda < 1.0
     losses = list(dict.fromkeys(["sft", *re.losses] if mixed else re.losses))
     losses.sort(key=lambda name: name != "sft")  # sft first: the mixture needs it
-    prompts = [e.prompt for e in examples["train"][: re.align_examples]]
-    data: dict[str, list[dict]] = {}
-
-    def rows_for(loss: str, drafts: dict[str, str]) -> list[dict] | None:
-        kind = "mix" if loss == "atspeed_s" and mixed else "target"
-        if loss == "sft":
-            return None
-        if kind not in data:
-            t0 = time.perf_counter()
-            draft, lam = None, 1.0
-            if kind == "mix":
-                draft = str(resolve_source(drafts["sft"], "rec_eval.drafts.sft"))
-                lam = re.mix_lambda
-            data[kind] = generate_alignment(target, draft, meta, prompts, re.align_k, lam,
-                                            re.align_tasks)
-            secs = time.perf_counter() - t0
-            tracker.log_metrics({f"align_{kind}_s": secs})
-            print(f"[recommend_eval] alignment data ({kind}, lambda={lam:g}): {len(prompts)} "
-                  f"histories x top-{re.align_k} in {secs:.0f}s", flush=True)
-        return data[kind]
-
+    cache: dict[str, list[dict]] = {}
     drafts: dict[str, str] = dict(given or {})
     for loss in losses:
         alphas = re.alphas if loss.startswith("atspeed") else [re.alpha]
@@ -146,7 +174,7 @@ def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, 
             name = f"{loss}@{alpha:g}" if loss.startswith("atspeed") else loss
             if name in drafts:
                 continue  # given by the config
-            rows = rows_for(loss, drafts)
+            rows = alignment_rows(cfg, meta, examples, target, loss, drafts, cache, tracker)
             dcfg = cfg.model_copy(update={
                 "arch": re.draft_arch,
                 "train": cfg.train.model_copy(update={"steps": re.draft_steps}),
@@ -163,7 +191,7 @@ def train_drafters(cfg: ExperimentConfig, meta, examples, target: str, storage, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jobs.train_recommender import prepare, train_model
+    from jobs.train_recommender import prepare
 
     job = start_job(__doc__, argv, prepare)
     cfg, tracker, (meta, examples) = job.cfg, job.tracker, job.inputs
@@ -180,20 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     storage, run_name = run_dirs(cfg)
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[recommend_eval] running on {where}", flush=True)
-    reg = cfg.output.register_as
     with tracker as t:
         t.set_tags({"job": "recommend_eval"})
-        target = str(resolve_source(re.target, "rec_eval.target")) if re.target else None
-        if target is None:
-            with t.child(f"{cfg.name}-target", cfg.model_dump(mode="json")) as c:
-                target = str(train_model(cfg, meta, examples, storage, f"{run_name}-target", c,
-                                         f"{reg}-target" if reg else None))
+        target = ensure_target(cfg, meta, examples, storage, run_name, t)
         drafts = train_drafters(cfg, meta, examples, target, storage, run_name, t,
                                 re.drafts)
         rec = Recommender.from_pretrained(target)
-        if (rec.meta.items, rec.meta.codes) != (meta.items, [list(c) for c in meta.codes]):
-            raise ValueError("rec_eval.target: its rec_meta.json (items / semantic ids) does "
-                             "not match the rec data this config builds")
         runners = {}
         for name, path in drafts.items():
             model = load_model(resolve_source(path, f"rec_eval.drafts.{name}"),

@@ -35,17 +35,13 @@ def prepare(cfg: ExperimentConfig):
     return meta, examples
 
 
-def train_model(cfg: ExperimentConfig, meta, examples, storage: Path, run_name: str,
-                tracker, register_as: str | None, task: str = "rec",
-                extra: dict | None = None) -> Path:
-    """Write the data folder (+ ``extra`` files saved with torch.save), train ``task``
-    with Ray Train, save the model (+ rec_meta.json) and register it."""
+def write_data(meta, examples, data_dir: Path, extra: dict | None = None) -> Path:
+    """The folder the ``rec`` / ``rec_align`` training tasks read: ``rec_meta.json``,
+    the id tokenizer, ``examples.json`` and ``extra`` files (saved with torch.save)."""
     import torch
 
-    from jobs._train import fit, save_final
-    from speclab.data.rec_dataset import EOS, save_rec_tokenizer
+    from speclab.data.rec_dataset import save_rec_tokenizer
 
-    data_dir = storage / run_name / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     meta.save(data_dir)
     save_rec_tokenizer(meta, data_dir / "tokenizer")
@@ -53,6 +49,18 @@ def train_model(cfg: ExperimentConfig, meta, examples, storage: Path, run_name: 
         {k: [asdict(e) for e in v] for k, v in examples.items()}))
     for name, obj in (extra or {}).items():
         torch.save(obj, data_dir / name)
+    return data_dir
+
+
+def train_model(cfg: ExperimentConfig, meta, examples, storage: Path, run_name: str,
+                tracker, register_as: str | None, task: str = "rec",
+                extra: dict | None = None) -> Path:
+    """Write the data folder (+ ``extra`` files saved with torch.save), train ``task``
+    with Ray Train, save the model (+ rec_meta.json) and register it."""
+    from jobs._train import fit, save_final
+    from speclab.data.rec_dataset import EOS
+
+    data_dir = write_data(meta, examples, storage / run_name / "data", extra)
     result = fit(task, cfg, storage, run_name, data_dir, meta.vocab_size, EOS,
                  tracker.run_id, tracker.uri if tracker.run_id else None)
     final = save_final(result, cfg, storage / run_name, data_dir / "tokenizer",

@@ -16,6 +16,12 @@ constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
   trial function builds the trainer; accept data is generated once per sweep), report
   the held-out unweighted BCE after every ``train.report_every`` steps (ASHA stops bad
   trials on it) and then evaluate ``specdecpp`` with the head.
+* ``kind: atspeed`` trials train an AtSpeed drafter (``rec_eval.draft_loss`` with
+  strength ``rec_eval.alpha``; target and alignment data made once per sweep), report
+  its validation loss per chunk (ASHA), then run beam SD for ``rec_eval.ns``: objectives
+  ``as_at_k`` (AS@K) and ``ws_at_k`` (WS@K). The best config is a ``recommend_eval``
+  config holding the target and the best trial's drafter.
+(Training trials: ``jobs/_tune_trials.py``.)
 
 MLflow: the job's run is the parent (search space, best trial and config, the results
 table, plots of the objective against each parameter); each trial is a child run with
@@ -46,6 +52,7 @@ class Inputs:
     prompts: list[list[int]]
     references: tuple[str, list[str]] | None
     head_prep: object | None  # distill.Prepared for train_head sweeps
+    rec_prep: tuple | None = None  # (RecMeta, examples) for atspeed sweeps
 
 
 def prepare(cfg: ExperimentConfig) -> Inputs:
@@ -66,6 +73,10 @@ def prepare(cfg: ExperimentConfig) -> Inputs:
                 raise ValueError(f"sweep.space: {path!r} is not a field of the config")
             node = node[key]
     head_prep = None
+    if sw.kind == "atspeed":  # the target is trained (or checked) in main, under Ray
+        from jobs.train_recommender import prepare as prepare_rec
+
+        return Inputs("", None, [], None, None, prepare_rec(cfg))
     if sw.kind == "train_head":
         from jobs.train_head import prepare as prepare_head
 
@@ -89,67 +100,14 @@ def prepare(cfg: ExperimentConfig) -> Inputs:
     return Inputs(target, draft, prompts, references, head_prep)
 
 
-def _trained_head(result, depth: int):
-    import torch
-
-    from speclab.spec.acceptance_head import AcceptanceHead
-
-    with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / "state.pt", weights_only=False)["model"]
-    head = AcceptanceHead(state["out.weight"].shape[1], depth)
-    head.load_state_dict(state)
-    return head.eval()
-
-
-def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: str,
-               prompts: list[list[int]], t_draft: float, t_target: float, vocab: int,
-               eos: int | None, run_dir: str) -> None:
-    """Tune function trainable for acceptance-head trials.
-
-    Ray Train runs in chunks of ``train.report_every`` steps (each chunk resumes the
-    last checkpoint of the same run); after each chunk the held-out UNWEIGHTED BCE,
-    ECE and accuracy are reported (comparable across w_acc / w_rej, so ASHA can rank
-    trials on them). Finally ``specdecpp`` decodes with the head (threshold =
-    ``method.threshold``) and the sweep objective is reported.
-    """
-    from ray import tune
-
-    from jobs._train import fit
-    from jobs.train_head import held_out_metrics
-    from speclab.spec.acceptance_head import save_head
-    from speclab.sweep import evaluate_method, log_start, objective, trial_config
-
-    log_start(run_dir, config["params"])
-    cfg = trial_config(base, config["params"])
-    cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"draft": draft})})
-    plain = cfg.model_copy(update={"head": cfg.head.model_copy(update={"w_acc": 1.0,
-                                                                       "w_rej": 1.0})})
-    name = "head-" + tune.get_context().get_trial_id()
-    storage = Path(run_dir) / "trials"
-    steps, chunk = cfg.train.steps, cfg.train.report_every
-    for done in range(chunk, steps + chunk, chunk):
-        part = cfg.model_copy(update={"train": cfg.train.model_copy(
-            update={"steps": min(done, steps)})})
-        result = fit("head", part, storage, name, Path(data_dir), vocab, eos, None, None)
-        head = _trained_head(result, cfg.head.depth)
-        metrics = held_out_metrics(plain, head, draft, Path(data_dir))
-        metrics["step"] = int(result.metrics["step"])
-        if done < steps:  # intermediate result: ASHA may stop the trial here
-            tune.report(metrics)
-    folder = storage / name / "head"
-    save_head(head, folder)
-    m = cfg.method.model_copy(update={"name": "specdecpp", "head": str(folder)})
-    metrics.update(evaluate_method(cfg.model_copy(update={"method": m}), target, draft,
-                                   prompts, None, t_draft, t_target))
-    sw = ExperimentConfig.model_validate(base).sweep
-    metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
-    tune.report(metrics)
+_TRAINED = {"train_head": "heldout_bce", "atspeed": "val_loss"}  # kind -> ASHA metric
 
 
 def _tuner(cfg: ExperimentConfig, inputs: Inputs, sweep_dir: Path, times: tuple):
     """A fresh Tuner, or the interrupted one restored (``train.resume``)."""
     from ray import tune
 
+    from jobs._tune_trials import head_trial, rec_trial
     from speclab.sweep import decode_trial, param_space
 
     sw, base = cfg.sweep, cfg.model_dump(mode="json")
@@ -158,6 +116,13 @@ def _tuner(cfg: ExperimentConfig, inputs: Inputs, sweep_dir: Path, times: tuple)
               "run_dir": str(sweep_dir)}
     if sw.kind == "decode":
         fn = tune.with_parameters(decode_trial, references=inputs.references, **common)
+    elif sw.kind == "atspeed":
+        from speclab.data.rec_dataset import EOS
+
+        fn = tune.with_parameters(rec_trial, base=base, target=inputs.target,
+                                  data_dir=str(sweep_dir / "data"),
+                                  vocab=inputs.rec_prep[0].vocab_size, eos=EOS,
+                                  run_dir=str(sweep_dir))
     else:
         p = inputs.head_prep
         fn = tune.with_parameters(head_trial, data_dir=str(sweep_dir / "data"),
@@ -176,9 +141,10 @@ def _tuner(cfg: ExperimentConfig, inputs: Inputs, sweep_dir: Path, times: tuple)
     if sw.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler
 
-        if sw.kind == "train_head":  # intermediate reports carry the held-out BCE
-            rungs = max(2, math.ceil(cfg.train.steps / cfg.train.report_every))
-            scheduler = ASHAScheduler(metric="heldout_bce", mode="min", max_t=rungs,
+        if sw.kind in _TRAINED:  # intermediate reports carry a held-out loss
+            steps = cfg.rec_eval.draft_steps if sw.kind == "atspeed" else cfg.train.steps
+            rungs = max(2, math.ceil(steps / cfg.train.report_every))
+            scheduler = ASHAScheduler(metric=_TRAINED[sw.kind], mode="min", max_t=rungs,
                                       grace_period=sw.grace_period, reduction_factor=2)
         else:
             scheduler = ASHAScheduler(metric="objective", mode=sw.mode,
@@ -217,12 +183,40 @@ def _figures(rows: list[dict], space: list[str], metric: str) -> dict:
     return figs
 
 
-def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | None:
+_SHOWN = ("speedup", "tau", "predicted_speedup", "accuracy", "heldout_bce", "as_at_k",
+          "ws_at_k", "recall_at_k", "val_loss")  # metrics in the results table
+
+
+def _best_config(cfg: ExperimentConfig, best: dict, sweep_dir: Path, target: str) -> dict:
+    """The best trial as a ready config: ``evaluate`` (decode / train_head, with the
+    trial's own head) or ``recommend_eval`` (atspeed, with the target and the trial's
+    drafter given, so nothing is retrained)."""
+    from speclab.sweep import trial_config
+
+    best_cfg = trial_config(cfg.model_dump(mode="json"), best["params"])
+    data = best_cfg.model_dump(mode="json", exclude_none=True)
+    data.pop("sweep", None)
+    data.update({"name": f"{cfg.name}-best", "job": "evaluate"})
+    trial_dir = sweep_dir / "trials"
+    if cfg.sweep.kind == "train_head":  # the best trial's own head
+        data["method"]["head"] = str(trial_dir / f"head-{best['trial']}" / "head")
+    elif cfg.sweep.kind == "atspeed":
+        re = best_cfg.rec_eval
+        loss = re.draft_loss
+        name = f"{loss}@{re.alpha:g}" if loss.startswith("atspeed") else loss
+        data["job"] = "recommend_eval"
+        data["rec_eval"].update({
+            "target": target, "losses": [loss], "alphas": [re.alpha],
+            "drafts": {name: str(trial_dir / f"draft-{best['trial']}" / "model")}})
+    return data
+
+
+def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path,
+           target: str = "") -> dict | None:
     """Child runs per trial, the parent's table / best config / plots; returns the best row."""
     import yaml
 
     from speclab.evaluation import format_table
-    from speclab.sweep import trial_config
 
     sw = cfg.sweep
     rows = []
@@ -236,9 +230,8 @@ def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | N
                    and math.isfinite(v)}
         if res.error:
             row["error"] = str(res.error).strip().splitlines()[-1][:500]
-        row.update({k: metrics[k] for k in (sw.metric, "objective", "speedup", "tau",
-                                            "predicted_speedup", "accuracy", "heldout_bce",
-                                            "step") if k in metrics})
+        row.update({k: metrics[k] for k in (sw.metric, "objective", *_SHOWN, "step")
+                    if k in metrics})
         rows.append(row)
         with tracker.child(f"{cfg.name}-{row['trial']}", params) as c:
             c.set_tags({"status": row["status"], **({"error": row["error"]}
@@ -249,14 +242,9 @@ def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | N
     best = None
     if ok:
         best = (max if sw.mode == "max" else min)(ok, key=lambda r: r["objective"])
-        best_cfg = trial_config(cfg.model_dump(mode="json"), best["params"])
-        data = best_cfg.model_dump(mode="json", exclude_none=True)
-        data.update({"name": f"{cfg.name}-best", "job": "evaluate"})
-        if sw.kind == "train_head":  # the best trial's own head
-            data["method"]["head"] = str(sweep_dir / "trials" / f"head-{best['trial']}" / "head")
-        data.pop("sweep", None)
+        data = _best_config(cfg, best, sweep_dir, target)
         path = sweep_dir / "best_config.yaml"
-        path.write_text(f"# Run: .venv/bin/python -m jobs.evaluate --config {path}\n"
+        path.write_text(f"# Run: .venv/bin/python -m jobs.{data['job']} --config {path}\n"
                         f"# Best trial of sweep {cfg.name}: {best['params']}\n"
                         + yaml.safe_dump(data, sort_keys=False))
         tracker.log_text(path.read_text(), "best_config.yaml")
@@ -269,8 +257,7 @@ def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path) -> dict | N
              **{k: v for k, v in r.items() if k not in ("trial", "status", "params")}}
             for r in rows]
     cols = [("trial", "{}"), ("status", "{}")] + [(f"param.{k}", "{}") for k in sw.space] + [
-        (k, "{:.3f}") for k in (sw.metric, "speedup", "tau", "accuracy", "heldout_bce")
-        if any(k in r for r in flat)]
+        (k, "{:.3f}") for k in dict.fromkeys((sw.metric, *_SHOWN)) if any(k in r for r in flat)]
     text = format_table(flat, list(dict.fromkeys(cols)))
     print(text, flush=True)
     tracker.log_table(flat, "sweep_results")
@@ -295,16 +282,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[tune] running on {where}; sweep folder {sweep_dir}", flush=True)
     with tracker as t:
         t.set_tags({"job": "tune", "sweep_dir": str(sweep_dir), "kind": cfg.sweep.kind})
-        dec = Decoder.from_pretrained(inputs.target, inputs.draft)
-        times = forward_times(dec, inputs.prompts[0])  # once per sweep (cost model)
-        t.log_metrics({"t_draft_s": times[0], "t_target_s": times[1]})
+        times = (0.0, 0.0)
+        if cfg.sweep.kind == "atspeed":  # WS@K is measured against the target's search
+            from jobs._tune_trials import prepare_rec_sweep
+
+            inputs.target, _ = prepare_rec_sweep(cfg, *inputs.rec_prep, sweep_dir, t)
+        else:
+            dec = Decoder.from_pretrained(inputs.target, inputs.draft)
+            times = forward_times(dec, inputs.prompts[0])  # once per sweep (cost model)
+            t.log_metrics({"t_draft_s": times[0], "t_target_s": times[1]})
         if cfg.sweep.kind == "train_head":
             from jobs.distill import generate
 
             p = inputs.head_prep
             generate(cfg, p.target, sweep_dir / "data", {"accept"}, p.tokens, inputs.draft)
         results = _tuner(cfg, inputs, sweep_dir, times).fit()
-        best = record(cfg, results, t, sweep_dir)
+        best = record(cfg, results, t, sweep_dir, inputs.target)
     if best is None:
         print("[tune] every trial failed", file=sys.stderr)
         return 1

@@ -134,3 +134,36 @@ def test_unknown_swept_field_fails_before_ray(job_env, tmp_path):
                    f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=120)
     assert res.returncode == 2 and "'method.gama' is not a field" in res.stderr
     assert "running on" not in res.stdout
+
+
+def test_atspeed_alpha_n_sweep_trains_drafters_and_writes_a_recommend_eval_config(
+        job_env, tmp_path):
+    """The AtSpeed alpha x N sweep at toy size: 4 trials each train an AtSpeed-R drafter
+    (Ray Train, two chunks for ASHA), report AS@K / WS@K; the best config re-runs the
+    best trial's drafter through recommend_eval without training anything."""
+    storage = tmp_path / "runs"
+    res = run_cmd([python(), "-m", "jobs.tune", "--config",
+                   "experiments/sweeps/atspeed_alpha_n.yaml", "tracking.experiment=ta",
+                   "rec.users=150", "rec.items=120", "train.steps=40", "train.report_every=20",
+                   "rec_eval.draft_steps=40", "rec_eval.align_examples=100",
+                   "rec_eval.test_users=6", f"output.storage_path={storage}",
+                   "output.run_name=at", "sweep.space={rec_eval.alpha: {grid: [0.2, 0.8]}, "
+                   "rec_eval.ns: {grid: [[3], [6]]}}"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    client, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "ta")
+    trials = [c for c in children if c.data.tags.get("status")]  # not the target's run
+    assert len(trials) == 4
+    for c in trials:
+        assert c.data.tags["status"] == "ok"
+        m = c.data.metrics
+        assert 0 < m["as_at_k"] <= 4 and m["ws_at_k"] > 0 and m["val_loss"] > 0
+        assert m["K"] == (3 if c.data.params["rec_eval.ns"] == "[3]" else 5)
+    assert parent.data.metrics["best_as_at_k"] == max(c.data.metrics["as_at_k"] for c in trials)
+    data = yaml.safe_load((storage / "at" / "best_config.yaml").read_text())
+    assert data["job"] == "recommend_eval"
+    (name, drafter), = data["rec_eval"]["drafts"].items()
+    assert name.startswith("atspeed_r@") and (Path(drafter) / "config.json").exists()
+    ev = run_cmd([python(), "-m", "jobs.recommend_eval", "--config",
+                  str(storage / "at" / "best_config.yaml"), "tracking.experiment=tab"], job_env)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert name in ev.stdout and "[rec] model saved" not in ev.stdout  # nothing retrained

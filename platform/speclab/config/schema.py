@@ -432,9 +432,10 @@ class SweepParam(StrictModel):
 class SweepConfig(StrictModel):
     """jobs/tune.py: a Ray Tune search over dotted paths of this experiment config."""
 
-    kind: Literal["decode", "train_head"] = Field(
+    kind: Literal["decode", "train_head", "atspeed"] = Field(
         "decode", description="decode: evaluate `method` with trained models; train_head: "
-                              "train an acceptance head per trial, then evaluate specdecpp")
+                              "train an acceptance head per trial, then evaluate specdecpp; "
+                              "atspeed: train a rec drafter per trial, then beam SD")
     space: dict[str, SweepParam] = Field(default_factory=dict,
                                          description="dotted config path -> values")
     search: Literal["grid", "random", "optuna"] = "grid"

@@ -147,8 +147,6 @@ class RecTask:
         return out
 
 
-
-
 class RecAlignTask(RecTask):
     """A recommendation drafter trained with ``rec_eval.draft_loss`` (sft, seq_kd,
     word_kd, tvd_kd, atspeed_s, atspeed_r) on the target's alignment data
@@ -161,7 +159,6 @@ class RecAlignTask(RecTask):
         self.loss_name = cfg.rec_eval.draft_loss
         self.alpha = cfg.rec_eval.alpha
         self.k = cfg.rec_eval.align_k
-        self.val_idx = list(range(min(len(self.rows), self.tr.batch_size)))
 
     def _collate_idx(self, idx: list[int]) -> dict:
         from speclab.train.rec_align import collate_align
@@ -186,8 +183,10 @@ class RecAlignTask(RecTask):
 
     @torch.no_grad()
     def validate(self, model: torch.nn.Module) -> float:
+        """L_Rec on held-out validation examples: comparable across losses and alphas
+        (the alignment loss itself is scaled by alpha), so ASHA can rank drafters."""
         model.eval()
-        out = float(self.loss(model, self._collate_idx(self.val_idx)))  # training rows
+        out = float(RecTask.loss(self, model, self._collate(self.val[: self.tr.batch_size * 4])))
         model.train()
         return out
 

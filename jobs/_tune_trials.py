@@ -1,0 +1,172 @@
+"""Ray Tune trainables for sweeps whose trials TRAIN something (used by ``jobs/tune.py``).
+
+Both build their Ray Train trainer inside the trial (the Ray Train V2 pattern) through
+:func:`jobs._train.fit`, in chunks of ``train.report_every`` steps: each chunk resumes
+the last checkpoint of the same run, and after each chunk a held-out figure is reported
+so ASHA can stop bad trials early. The last report carries the sweep objective.
+
+* :func:`head_trial`: a SpecDec++ acceptance head (``sweep.kind: train_head``); reports
+  the held-out unweighted BCE, then decodes ``specdecpp`` with the head.
+* :func:`rec_trial`: an AtSpeed drafter (``sweep.kind: atspeed``) trained with
+  ``rec_eval.draft_loss`` / ``rec_eval.alpha`` on alignment data generated once per
+  sweep (:func:`prepare_rec_sweep`); reports the validation loss, then runs beam SD
+  against the target's beam search and reports AS@K / WS@K / Recall@K / NDCG@K.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from speclab.config import ExperimentConfig
+
+
+def _chunks(steps: int, every: int) -> list[int]:
+    """Step counts at which a chunked training trial reports: every, 2*every, ..., steps."""
+    return [min(done, steps) for done in range(every, steps + every, every)]
+
+
+def _trained_head(result, depth: int):
+    import torch
+
+    from speclab.spec.acceptance_head import AcceptanceHead
+
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(Path(d) / "state.pt", weights_only=False)["model"]
+    head = AcceptanceHead(state["out.weight"].shape[1], depth)
+    head.load_state_dict(state)
+    return head.eval()
+
+
+def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: str,
+               prompts: list[list[int]], t_draft: float, t_target: float, vocab: int,
+               eos: int | None, run_dir: str) -> None:
+    """Tune function trainable for acceptance-head trials.
+
+    Ray Train runs in chunks of ``train.report_every`` steps (each chunk resumes the
+    last checkpoint of the same run); after each chunk the held-out UNWEIGHTED BCE,
+    ECE and accuracy are reported (comparable across w_acc / w_rej, so ASHA can rank
+    trials on them). Finally ``specdecpp`` decodes with the head (threshold =
+    ``method.threshold``) and the sweep objective is reported.
+    """
+    from ray import tune
+
+    from jobs._train import fit
+    from jobs.train_head import held_out_metrics
+    from speclab.spec.acceptance_head import save_head
+    from speclab.sweep import evaluate_method, log_start, objective, trial_config
+
+    log_start(run_dir, config["params"])
+    cfg = trial_config(base, config["params"])
+    cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"draft": draft})})
+    plain = cfg.model_copy(update={"head": cfg.head.model_copy(update={"w_acc": 1.0,
+                                                                       "w_rej": 1.0})})
+    name = "head-" + tune.get_context().get_trial_id()
+    storage = Path(run_dir) / "trials"
+    steps = cfg.train.steps
+    for done in _chunks(steps, cfg.train.report_every):
+        part = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": done})})
+        result = fit("head", part, storage, name, Path(data_dir), vocab, eos, None, None)
+        head = _trained_head(result, cfg.head.depth)
+        metrics = held_out_metrics(plain, head, draft, Path(data_dir))
+        metrics["step"] = int(result.metrics["step"])
+        if done < steps:  # intermediate result: ASHA may stop the trial here
+            tune.report(metrics)
+    folder = storage / name / "head"
+    save_head(head, folder)
+    m = cfg.method.model_copy(update={"name": "specdecpp", "head": str(folder)})
+    metrics.update(evaluate_method(cfg.model_copy(update={"method": m}), target, draft,
+                                   prompts, None, t_draft, t_target))
+    sw = ExperimentConfig.model_validate(base).sweep
+    metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
+    tune.report(metrics)
+
+
+def prepare_rec_sweep(cfg: ExperimentConfig, meta, examples, sweep_dir: Path,
+                      tracker) -> tuple[str, Path]:
+    """(target folder, data folder) shared by every AtSpeed trial of a sweep.
+
+    The target is ``rec_eval.target`` or trained now; the alignment data for
+    ``rec_eval.draft_loss`` is generated once on Ray tasks (AtSpeed-S with
+    ``mix_lambda < 1`` first trains an sft drafter for the mixture, unless
+    ``rec_eval.drafts`` gives one). The data folder holds everything the training
+    tasks read (:func:`jobs.train_recommender.write_data`).
+    """
+    from jobs.recommend_eval import alignment_rows, ensure_target, train_drafters
+    from jobs.train_recommender import write_data
+
+    re = cfg.rec_eval
+    storage = sweep_dir.parent
+    done = sweep_dir / "prepared_target.txt"  # a resumed sweep reuses target and data
+    if cfg.train.resume and done.exists() and (sweep_dir / "data" / "examples.json").exists():
+        return done.read_text(), sweep_dir / "data"
+    target = ensure_target(cfg, meta, examples, storage, sweep_dir.name, tracker)
+    drafts = dict(re.drafts)
+    if re.draft_loss == "atspeed_s" and re.mix_lambda < 1.0 and "sft" not in drafts:
+        sft_only = cfg.model_copy(update={"rec_eval": re.model_copy(update={"losses": ["sft"]})})
+        drafts = train_drafters(sft_only, meta, examples, target, storage, sweep_dir.name,
+                                tracker, drafts)
+    rows = alignment_rows(cfg, meta, examples, target, re.draft_loss, drafts, {}, tracker)
+    data_dir = write_data(meta, examples, sweep_dir / "data",
+                          {"align.pt": rows} if rows is not None else None)
+    done.write_text(target)
+    return target, data_dir
+
+
+def _pick_row(rows: list[dict]) -> dict:
+    """The Table 1 row a trial is scored on: the largest K its N allows."""
+    if not rows:
+        raise ValueError("rec_eval.ks: no K <= N (and <= the number of items) to evaluate")
+    return max(rows, key=lambda r: (r["K"], r["N"]))
+
+
+def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: int,
+              eos: int, run_dir: str) -> None:
+    """Tune function trainable for AtSpeed trials: train one drafter, then beam SD.
+
+    The drafter has ``rec_eval.draft_arch`` and trains ``rec_eval.draft_steps`` steps
+    with ``rec_eval.draft_loss`` (alignment strength ``rec_eval.alpha``); evaluation
+    uses ``rec_eval.ns`` / ``ks`` / ``gamma`` and the first ``rec_eval.verify`` rule on
+    ``rec_eval.test_users`` test users. Metrics: ``as_at_k``, ``ws_at_k``,
+    ``recall_at_k``, ``ndcg_at_k`` (for the largest K <= N), ``target_calls_per_user``.
+    """
+    import json
+
+    from ray import tune
+
+    from jobs._train import fit, save_final
+    from speclab.data.rec_dataset import RecExample, RecMeta
+    from speclab.models.loading import load_model
+    from speclab.rec_eval import evaluate
+    from speclab.recommend import Recommender
+    from speclab.spec.kv import ModelRunner
+    from speclab.sweep import log_start, objective, trial_config
+
+    log_start(run_dir, config["params"])
+    cfg = trial_config(base, config["params"])
+    re = cfg.rec_eval
+    dcfg = cfg.model_copy(update={"arch": re.draft_arch, "train": cfg.train.model_copy(
+        update={"steps": re.draft_steps})})
+    task = "rec" if re.draft_loss == "sft" else "rec_align"
+    name = "draft-" + tune.get_context().get_trial_id()
+    storage = Path(run_dir) / "trials"
+    for done in _chunks(re.draft_steps, cfg.train.report_every):
+        part = dcfg.model_copy(update={"train": dcfg.train.model_copy(update={"steps": done})})
+        result = fit(task, part, storage, name, Path(data_dir), vocab, eos, None, None)
+        metrics = {"val_loss": float(result.metrics["val_loss"]), "step": done}
+        if done < re.draft_steps:  # intermediate result: ASHA may stop the trial here
+            tune.report(metrics)
+    final = save_final(result, dcfg, storage / name, Path(data_dir) / "tokenizer", vocab, eos)
+    RecMeta.load(data_dir).save(final)
+    rec = Recommender.from_pretrained(target)
+    draft = ModelRunner(load_model(str(final), field="rec_eval draft"))
+    test = [RecExample(**r) for r in json.loads(
+        (Path(data_dir) / "examples.json").read_text())["test"]][: re.test_users]
+    row = _pick_row(evaluate(rec, {name: draft}, test, re.ks, re.ns, re.gamma,
+                             re.verify[:1], cfg.train.seed))
+    metrics.update({"as_at_k": row["AS@K"], "ws_at_k": row["WS@K"],
+                    "recall_at_k": row["Recall@K"], "ndcg_at_k": row["NDCG@K"],
+                    "target_calls_per_user": row["target_calls_per_user"],
+                    "K": row["K"], "N": row["N"]})
+    sw = ExperimentConfig.model_validate(base).sweep
+    metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
+    tune.report(metrics)
