@@ -5,6 +5,7 @@
     speclab reference                                   # build (or find) the reference pair
     speclab run <job> --config experiments/x.yaml [k=v ...]   # a job on local/embedded Ray
     speclab submit <job> --config ... [--address http://HEAD:8265] [k=v ...]
+    speclab serve --config experiments/smoke/serve.yaml [k=v ...]   # HTTP app (Ray Serve)
     speclab ui [--port 5000]                            # MLflow UI over the same store
 
 Errors in arguments or configs print one line naming the field and exit with status 2.

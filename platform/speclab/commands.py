@@ -1,8 +1,10 @@
-"""Subcommands of ``speclab`` other than ``generate`` (bench, reference, run, submit, ui)."""
+"""Subcommands of ``speclab`` other than ``generate`` (bench, reference, run, submit,
+recommend, serve, ui)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 HANDLERS: dict = {}
 
@@ -84,6 +86,12 @@ def _add_job_parsers(sub) -> None:
     p.add_argument("--json", action="store_true")
     HANDLERS["recommend"] = cmd_recommend
 
+    p = sub.add_parser("serve", help="serve target + draft deployments over HTTP (Ray Serve)")
+    p.add_argument("--config", required=True, help="experiment config with a serve group")
+    p.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS or embedded)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    HANDLERS["serve"] = cmd_serve
+
     p = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 over speclab's store")
     p.add_argument("--port", type=int, default=5000)
     HANDLERS["ui"] = cmd_ui
@@ -94,6 +102,38 @@ def _validate_job_config(job: str, config: str, overrides: list[str]) -> None:
     from speclab.config import ExperimentConfig
 
     ExperimentConfig.from_yaml(config, overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Deploy ``serve_apps`` on local (or ``--address``) Ray; block until SIGINT/SIGTERM."""
+    import signal
+    import threading
+
+    from speclab.config import ExperimentConfig
+    from speclab.paths import repo_root
+    from speclab.raylib import init_ray
+
+    cfg = ExperimentConfig.from_yaml(args.config, args.overrides)
+    sys.path.insert(0, str(repo_root()))  # serve_apps lives next to the package
+    from serve_apps.app import app_from_config
+
+    where = init_ray(args.address, cfg.ray.num_cpus)
+    from ray import serve
+
+    sv = cfg.serve
+    app = app_from_config(cfg)  # resolves models and checks the method before starting
+    serve.start(http_options={"host": sv.host, "port": sv.port})
+    serve.run(app, name=sv.app_name, route_prefix="/")
+    print(f"[serve] {cfg.method.name} on {where}: http://{sv.host}:{sv.port} "
+          f"(/v1/completions, /v1/models, /generate, /recommend, /health); "
+          f"stop with Ctrl-C", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("[serve] shutting down", flush=True)
+    serve.shutdown()
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:

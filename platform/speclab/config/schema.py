@@ -466,6 +466,43 @@ class SweepConfig(StrictModel):
         return self
 
 
+class ReplicaConfig(StrictModel):
+    """One Ray Serve deployment's replicas and the resources of each."""
+
+    replicas: int = Field(1, gt=0)
+    num_cpus: float = Field(0.5, gt=0.0, description="fractional CPUs per replica")
+    num_gpus: float = Field(0.0, ge=0.0, description="1 puts each replica on its own GPU")
+    max_ongoing_requests: int = Field(16, gt=0)
+
+
+class ServeConfig(StrictModel):
+    """``speclab serve`` / ``serve_apps.app``: target and draft as separate deployments
+    behind an HTTP ingress; the method is ``method``, the models ``models``."""
+
+    host: str = Field("127.0.0.1", description="HTTP address (local only by default)")
+    port: int = Field(8000, gt=0, lt=65536)
+    app_name: str = "speclab"
+    model_name: str | None = Field(None, description="name in /v1/models (default: name)")
+    target: ReplicaConfig = ReplicaConfig()
+    draft: ReplicaConfig = ReplicaConfig()
+    ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.25, max_ongoing_requests=64)
+    max_tokens: int = Field(512, gt=0, description="largest max_tokens a request may ask")
+    max_sessions: int = Field(64, gt=0, description="live requests per replica (LRU evicted)")
+    max_cached_tokens: int = Field(
+        65536, gt=0, description="KV positions per replica over all its requests")
+    idle_timeout_s: float = Field(60.0, gt=0.0, description="state of a silent request freed")
+    rec_target: str | None = Field(None, description="recommender for POST /recommend")
+    rec_draft: str | None = Field(None, description="its drafter (beam SD)")
+    rec_n: int = Field(10, gt=0, description="/recommend default draft beam size N")
+    rec_gamma: int = Field(3, gt=0, description="/recommend draft steps per round")
+
+    @model_validator(mode="after")
+    def _rec_pair(self):
+        if (self.rec_target is None) != (self.rec_draft is None):
+            raise ValueError("rec_target and rec_draft: give both (or neither)")
+        return self
+
+
 class ExperimentConfig(StrictModel):
     """A whole experiment (see ``experiments/*.yaml``)."""
 
@@ -473,7 +510,7 @@ class ExperimentConfig(StrictModel):
     job: Literal["evaluate", "train_target", "distill", "compare_losses",
                  "train_recommender", "recommend_eval", "train_head",
                  "specdecpp_eval", "build_datastore", "retrieval_eval",
-                 "tune"] = "evaluate"
+                 "tune", "serve"] = "evaluate"
     models: ModelsConfig = ModelsConfig()
     data: DataConfig = DataConfig()
     decoding: DecodingConfig = DecodingConfig()
@@ -497,6 +534,7 @@ class ExperimentConfig(StrictModel):
     datastore: DatastoreConfig = DatastoreConfig()
     retrieval: RetrievalEvalConfig = RetrievalEvalConfig()
     sweep: SweepConfig | None = None
+    serve: ServeConfig = ServeConfig()
 
     @model_validator(mode="after")
     def _resume_needs_name(self):

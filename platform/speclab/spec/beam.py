@@ -156,6 +156,43 @@ class BeamSDStats:
     accepted_per_round: list[int] = field(default_factory=list)
 
 
+def draft_beam_levels(drf: BeamTree, committed: list[Beam], trie: ItemTrie, n: int,
+                      g: int) -> list[list[Beam]]:
+    """The drafter's half of a beam-SD round: constrained beam search with beam ``n``
+    for ``g`` steps from the ``committed`` beams; returns the beams of every step."""
+    drf.restart()
+    drafted: list[list[Beam]] = []
+    beams = committed
+    for _ in range(g):
+        beams = _expand(beams, drf.score([b[0] for b in beams]), trie, n)
+        drafted.append(beams)
+    return drafted
+
+
+def verify_beam_levels(tgt: BeamTree, committed: list[Beam], drafted: list[list[Beam]],
+                       trie: ItemTrie, k: int) -> tuple[list[Beam], int]:
+    """The target's half (Algorithm 1): committed + every drafted beam in ONE forward
+    with tree attention, then the target's own top-``k`` step by step while all of it
+    was drafted. Returns the new committed beams (one target step past the last
+    accepted step) and the number of accepted steps."""
+    tgt.restart()
+    tgt.score([b[0] for b in committed] + [b[0] for level in drafted for b in level])
+    step = len(committed[0][0])
+    cur, accepted = committed, 0
+    for level in drafted:
+        top = _expand(cur, [tgt.logits[b[0]] for b in cur], trie, k)
+        cur = top
+        drafted_seqs = {b[0] for b in level}
+        if all(b[0] in drafted_seqs for b in top):
+            accepted += 1
+            continue
+        break
+    else:  # every drafted step accepted: one more step from logits already computed
+        if step + len(drafted) < trie.length:
+            cur = _expand(cur, [tgt.logits[b[0]] for b in cur], trie, k)
+    return cur, accepted
+
+
 def beam_speculative_search(
     target: ModelRunner,
     draft: ModelRunner,
@@ -178,33 +215,12 @@ def beam_speculative_search(
     committed: list[Beam] = [((), 0.0)]
     step = 0
     while step < trie.length:
-        g = min(gamma, trie.length - step)
-        # 1. draft: beam search with beam n for g steps from the committed beams
-        drf.restart()
-        drafted: list[list[Beam]] = []
-        beams = committed
-        for _ in range(g):
-            beams = _expand(beams, drf.score([b[0] for b in beams]), trie, n)
-            drafted.append(beams)
-        # 2. verify: committed + all drafted beams in one tree, one target forward
-        tgt.restart()
-        seqs = [b[0] for b in committed] + [b[0] for level in drafted for b in level]
-        tgt.score(seqs)
+        # 1. draft: beam search with beam n for up to gamma steps
+        drafted = draft_beam_levels(drf, committed, trie, n, min(gamma, trie.length - step))
+        # 2-3. verify all drafted beams in one target forward; strict top-K
+        cur, accepted = verify_beam_levels(tgt, committed, drafted, trie, k)
         stats.target_calls += 1
         stats.drafted_beams += sum(len(level) for level in drafted)
-        # 3. strict top-K: the target's own top-k step by step while it stays drafted
-        cur, accepted = committed, 0
-        for level in drafted:
-            top = _expand(cur, [tgt.logits[b[0]] for b in cur], trie, k)
-            cur = top
-            drafted_seqs = {b[0] for b in level}
-            if all(b[0] in drafted_seqs for b in top):
-                accepted += 1
-                continue
-            break
-        else:  # every drafted step accepted: one more step from logits already computed
-            if step + g < trie.length:
-                cur = _expand(cur, [tgt.logits[b[0]] for b in cur], trie, k)
         advanced = len(cur[0][0]) - step
         stats.accepted_steps += accepted
         stats.accepted_per_round.append(accepted)

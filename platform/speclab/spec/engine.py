@@ -109,14 +109,19 @@ def _check_inputs(prompt_ids: list[int], max_new_tokens: int, vocab: int) -> Non
         raise ValueError(f"prompt_ids: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
+def prefill(target: ModelRunner, prompt_ids: list[int]) -> torch.Tensor | None:
+    """Reset and cache ``prompt[:-1]``; returns its ``[L-1, V]`` logits (None for
+    1-token prompts). The last prompt token is the first round's root."""
+    target.reset()
+    if len(prompt_ids) > 1:
+        return target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long))
+    return None
+
+
 def _prefill(target: ModelRunner, prompt_ids: list[int],
              stats: GenerationStats) -> torch.Tensor | None:
-    """Cache ``prompt[:-1]``; returns its ``[L-1, V]`` logits (None for 1-token prompts)."""
     t0 = time.perf_counter()
-    target.reset()
-    logits = None
-    if len(prompt_ids) > 1:
-        logits = target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long))
+    logits = prefill(target, prompt_ids)
     stats.prefill_s = time.perf_counter() - t0
     return logits
 
@@ -180,6 +185,31 @@ def verify_tree(
     raise ValueError(f"verify: must be one of {VERIFY_RULES}, got {rule!r}")
 
 
+def verify_round(
+    target: ModelRunner,
+    tree: TokenTree,
+    rule: str,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    typical_epsilon: float = 0.09,
+    typical_delta: float = 0.3,
+) -> tuple[Verdict, list[int]]:
+    """The target's half of a round: ONE forward over every node of ``tree`` (tree
+    attention unless it is a chain), the acceptance rule, and the target cache pruned
+    to the accepted path. Returns the verdict and the new committed tokens (accepted
+    drafts + the bonus token)."""
+    prefix = target.length
+    if tree.is_chain():
+        logits = target.forward(tree.token_tensor())
+    else:
+        logits = target.forward(
+            tree.token_tensor(), tree.position_ids(prefix), tree.attention_mask(prefix)
+        )
+    verdict = verify_tree(tree, logits, rule, params, generator, typical_epsilon, typical_delta)
+    target.keep(list(range(prefix)) + [prefix + i for i in verdict.path])
+    return verdict, [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+
+
 def speculative_generate(
     target: ModelRunner,
     drafter: Drafter,
@@ -210,23 +240,14 @@ def speculative_generate(
         budget = max_new_tokens - len(out) - 1
         tree = drafter.propose(committed, budget) if budget > 0 else TokenTree(committed[-1])
         t1 = time.perf_counter()
-        # 2. verify: one target forward over every node, then the acceptance rule
-        prefix = target.length
-        if tree.is_chain():
-            logits = target.forward(tree.token_tensor())
-        else:
-            logits = target.forward(
-                tree.token_tensor(), tree.position_ids(prefix), tree.attention_mask(prefix)
-            )
-        verdict = verify_tree(
-            tree, logits, verify, params, generator, typical_epsilon, typical_delta
-        )
+        # 2. verify: one target forward over every node, the acceptance rule, and the
+        #    target cache pruned to the accepted path
+        verdict, new = verify_round(target, tree, verify, params, generator,
+                                    typical_epsilon, typical_delta)
         t2 = time.perf_counter()
-        # 3. commit: keep the accepted path in both caches
-        target.keep(list(range(prefix)) + [prefix + i for i in verdict.path])
+        # 3. commit: the drafter keeps the accepted path too
         if budget > 0:
             drafter.accept(tree, verdict.path)
-        new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
         committed += new
         done = _commit(out, new, max_new_tokens, eos)
         # 4. stats

@@ -42,6 +42,14 @@ class ModelRunner:
             head = self.model.get_output_embeddings()
             self._hook = head.register_forward_pre_hook(grab)
 
+    def release(self) -> None:
+        """Drop the cache and the hidden-state hook: the model may be shared by many
+        runners (one per served request), and a hook left behind would fire forever."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.cache, self.length, self.hidden = None, 0, None
+
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)

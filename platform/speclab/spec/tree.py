@@ -111,6 +111,34 @@ class TokenTree:
         return tree
 
     # ------------------------------------------------------------------ queries
+    # ------------------------------------------------------------------ transport
+    def to_wire(self) -> dict:
+        """The tree as plain lists (what a draft deployment sends a target deployment):
+        ``tokens``/``parents``/``q_prob``/``relaxed`` per node, ``child_kind`` and the
+        ``[V]`` proposal ``q_dist`` of expanded nodes whose children were sampled, and
+        AASD's ``relax_params``. :meth:`from_wire` rebuilds an equal tree."""
+        return {"tokens": list(self.tokens), "parents": list(self.parents),
+                "q_prob": list(self.q_prob), "relaxed": list(self.relaxed),
+                "child_kind": {str(k): v for k, v in self.child_kind.items()},
+                "q_dist": {str(k): v.float().cpu().tolist() for k, v in self.q_dist.items()},
+                "relax_params": list(self.relax_params) if self.relax_params else None}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> TokenTree:
+        """Inverse of :meth:`to_wire`; raises ValueError on a malformed tree."""
+        tokens, parents = data["tokens"], data["parents"]
+        if not tokens or len(parents) != len(tokens) or parents[0] != -1:
+            raise ValueError("tree: tokens/parents must be equal-length lists rooted at -1")
+        tree = cls(tokens[0])
+        for i in range(1, len(tokens)):
+            tree.add(tokens[i], parents[i], data["q_prob"][i], data["relaxed"][i])
+        for k, kind in data["child_kind"].items():
+            q = data["q_dist"].get(k)
+            tree.set_children_kind(int(k), kind, None if q is None else torch.tensor(q))
+        rp = data.get("relax_params")
+        tree.relax_params = (float(rp[0]), float(rp[1])) if rp else None
+        return tree
+
     def __len__(self) -> int:
         return len(self.tokens)
 

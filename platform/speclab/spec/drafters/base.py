@@ -19,6 +19,7 @@ class Drafter(ABC):
     """Proposes draft trees; ``calls`` / ``seconds`` count its model forwards."""
 
     name = "drafter"
+    prefill_top_k = 0  # top tokens per prefill position it reads (0: ignores the prefill)
 
     @abstractmethod
     def reset(self) -> None:
@@ -35,6 +36,14 @@ class Drafter(ABC):
     def observe_prefill(self, prompt: list[int], logits: torch.Tensor | None) -> None:
         """The target's prefill logits ``[L-1, V]`` over ``prompt[:-1]`` (row i predicts
         ``prompt[i+1]``); AASD's alignment sampling reads them. Default: ignored."""
+        if self.prefill_top_k and logits is not None:
+            k = min(self.prefill_top_k, logits.shape[-1])
+            self.observe_prefill_top(logits.topk(k, dim=-1).indices.tolist())
+
+    def observe_prefill_top(self, top: list[list[int]]) -> None:
+        """The compact form of :meth:`observe_prefill` (what a served target sends):
+        ``top[i]`` = the target's ``prefill_top_k`` best tokens after ``prompt[:i+1]``,
+        best first. Default: ignored."""
         return None
 
     @property

@@ -20,8 +20,6 @@ With neither, PLD under greedy verification is lossless.
 
 from __future__ import annotations
 
-import torch
-
 from speclab.spec.drafters.base import Drafter
 from speclab.spec.tree import DETERMINISTIC, TokenTree
 
@@ -81,6 +79,7 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(f"aasd_alpha: must be >= 0, got {relax[0]}")
         self.ngram, self.max_key, self.candidates = ngram, max_key, candidates
         self.align_k, self.relax = align_k, relax
+        self.prefill_top_k = align_k + 1 if align_k else 0  # the retrieved token may be top
         self.pool = DraftPool(max_key)
         self.prompt_len = 0
         self.prefill_top: list[list[int]] = []  # per prompt position: the target's top tokens
@@ -90,10 +89,8 @@ class PromptLookupDrafter(Drafter):
         self.prompt_len = 0
         self.prefill_top = []
 
-    def observe_prefill(self, prompt: list[int], logits: torch.Tensor | None) -> None:
-        if self.align_k and logits is not None:
-            k = min(self.align_k + 1, logits.shape[-1])
-            self.prefill_top = logits.topk(k, dim=-1).indices.tolist()
+    def observe_prefill_top(self, top: list[list[int]]) -> None:
+        self.prefill_top = top
 
     def propose(self, committed: list[int], budget: int) -> TokenTree:
         if not self.pool.tokens:

@@ -1,0 +1,107 @@
+"""Build the Serve application: target and draft deployments behind the HTTP ingress.
+
+    serve run serve_apps.app:build_app config=experiments/smoke/serve.yaml method=salf
+    speclab serve --config experiments/smoke/serve.yaml [key=value ...]   # same, blocking
+    serve deploy serve_apps/deploy.yaml                                   # to a cluster
+
+:func:`build_app` takes typed args (:class:`AppArgs`: an experiment config plus a few
+common overrides); :func:`app_from_config` does the work. The ``models`` group gives
+the target and draft (a folder, a hub id, a ``models:/name/version`` URI, or the
+``tiny`` / ``reference`` pairs); ``method`` the drafting method; ``serve`` the
+replicas, resources (``num_gpus: 1`` on both puts draft and target on separate GPUs),
+request-state bounds and the HTTP port. Both model deployments route every call of a
+request to one replica (:class:`serve_apps.router.SessionAffinityRouter`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, ConfigDict
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from serve_apps.draft import DraftDeployment
+from serve_apps.ingress import Ingress
+from serve_apps.router import SessionAffinityRouter
+from serve_apps.target import TargetDeployment
+from speclab.config import ExperimentConfig
+
+
+class AppArgs(BaseModel):
+    """``serve run serve_apps.app:build_app key=value ...`` arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str = "experiments/smoke/serve.yaml"
+    target: str | None = None
+    draft: str | None = None
+    method: str | None = None
+    overrides: str = ""  # more "key=value" pairs, separated by spaces
+
+
+def load_config(args: AppArgs) -> ExperimentConfig:
+    """The experiment config of ``args`` (flag > yaml > default)."""
+    pairs = args.overrides.split()
+    pairs += [f"models.{k}={v}" for k, v in (("target", args.target), ("draft", args.draft))
+              if v is not None]
+    if args.method is not None:
+        pairs.append(f"method.name={args.method}")
+    return ExperimentConfig.from_yaml(args.config, pairs)
+
+
+def resolved_models(cfg: ExperimentConfig) -> tuple[str, str | None]:
+    """Local folders for the target and (if the method needs one) the draft."""
+    from speclab.api import NO_DRAFT_MODEL
+    from speclab.models.loading import resolve_source
+    from speclab.models.registry import resolve_models
+
+    target, draft = resolve_models(cfg.models.target, cfg.models.draft)
+    target = str(resolve_source(target, "models.target"))
+    if cfg.method.name in NO_DRAFT_MODEL:
+        return target, None
+    if draft is None:
+        raise ValueError(f"models.draft: method {cfg.method.name!r} needs a draft model")
+    return target, str(resolve_source(draft, "models.draft"))
+
+
+def _options(rc, name: str, routed: bool) -> dict:
+    opts = {"name": name, "num_replicas": rc.replicas,
+            "max_ongoing_requests": rc.max_ongoing_requests,
+            "ray_actor_options": {"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus}}
+    if routed:
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class=SessionAffinityRouter)
+    return opts
+
+
+def app_from_config(cfg: ExperimentConfig):
+    """The bound application for ``cfg`` (models resolved here, loaded in replicas)."""
+    from transformers import AutoConfig
+
+    from speclab.models.loading import resolve_source
+
+    sv, m = cfg.serve, cfg.models
+    target, draft = resolved_models(cfg)
+    vocab = int(AutoConfig.from_pretrained(target).vocab_size)
+    rec_target = str(resolve_source(sv.rec_target, "serve.rec_target")) if sv.rec_target \
+        else None
+    rec_draft = str(resolve_source(sv.rec_draft, "serve.rec_draft")) if sv.rec_draft else None
+    bounds = {"max_sessions": sv.max_sessions, "max_cached_tokens": sv.max_cached_tokens,
+              "idle_timeout_s": sv.idle_timeout_s}
+    t = serve.deployment(TargetDeployment).options(**_options(sv.target, "target", True))
+    d = serve.deployment(DraftDeployment).options(**_options(sv.draft, "draft", True))
+    i = serve.deployment(Ingress).options(**_options(sv.ingress, "ingress", False))
+    settings = {"method": cfg.method.name, "model_name": sv.model_name or cfg.name,
+                "max_tokens": sv.max_tokens, "target_path": target, "created": int(time.time()),
+                "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma}
+    return i.bind(
+        t.bind(target, m.dtype, m.device, rec_target=rec_target, **bounds),
+        d.bind(draft, cfg.method.model_dump(mode="json"), vocab, m.dtype, m.device,
+               rec_draft=rec_draft, **bounds),
+        settings)
+
+
+def build_app(args: AppArgs):
+    """Application builder for ``serve run`` / ``serve deploy`` (typed args)."""
+    return app_from_config(load_config(args))

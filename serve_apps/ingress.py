@@ -1,0 +1,324 @@
+"""The HTTP ingress: runs the draft -> verify loop of each request between the draft
+and target deployments, and speaks an OpenAI-compatible API.
+
+Routes: ``POST /v1/completions`` (``stream: true`` sends server-sent events),
+``GET /v1/models``, ``POST /generate`` (tokens, text and the SD stats: tau, target and
+draft calls, accepted lengths), ``POST /recommend`` (AtSpeed beam SD), ``GET /health``
+(live request states and memory of a target and a draft replica).
+
+One round of a request: the draft deployment commits the last verdict and proposes a
+tree (wire form: token ids, parent indices, draft probabilities); the target
+deployment verifies it in ONE forward and returns the accepted path and new tokens.
+Every handle call is awaited, so a request waiting on a replica never blocks the
+others. Bad input -> 4xx JSON ``{"error": {"message", "type", "param"}}`` naming the
+field; a replica failure or a lost request state -> 503; the request's state on both
+deployments is freed when it ends, fails or its client goes away.
+"""
+
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from serve_apps.protocol import CompletionRequest, GenerateRequest, RecommendRequest
+from speclab.spec.engine import GenerationStats
+from speclab.spec.tree import TokenTree
+
+api = FastAPI(title="speclab")
+
+
+class HTTPError(Exception):
+    """An error answered as JSON with ``status``; ``param`` names the bad field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content={"error": {
+            "message": self.message, "type": self.kind, "param": self.param}})
+
+
+@api.exception_handler(RequestValidationError)
+async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = f"{param}: {first['msg']}" if param else str(first["msg"])
+    return HTTPError(400, msg, param).response()
+
+
+@api.exception_handler(HTTPError)
+async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
+    return exc.response()
+
+
+@api.exception_handler(Exception)
+async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", None,
+                     "internal_error").response()
+
+
+def _replica_error(exc: Exception, what: str) -> HTTPError:
+    """A replica call failed: the caller's fault (ValueError: 400) or not (503)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    if isinstance(exc, ValueError):
+        return HTTPError(400, text)
+    return HTTPError(503, f"{what}: {text}", kind="service_unavailable")
+
+
+@dataclass
+class Decoding:
+    """One request's decoding parameters, as the loop needs them."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict
+    rule: str
+    seed: int
+    stops: list[str]
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    finish_reason: str = "length"
+
+
+@serve.ingress(api)
+class Ingress:
+    """Holds handles to the target and draft deployments; see the module docstring."""
+
+    def __init__(self, target, draft, settings: dict) -> None:
+        from speclab.models.loading import load_tokenizer
+
+        self.target, self.draft = target, draft
+        self.s = settings
+        self.tokenizer = load_tokenizer(settings["target_path"], field="models.target")
+        self._info: dict | None = None
+
+    async def _infos(self) -> dict:
+        if self._info is None:
+            t = await self.target.info.remote()
+            d = await self.draft.info.remote()
+            self._info = {**t, "prefill_top_k": d["prefill_top_k"]}
+        return self._info
+
+    # ------------------------------------------------------------------ the SD loop
+    async def _decode(self, rid: str, dec: Decoding) -> AsyncIterator[list[int]]:
+        """Run request ``rid``; yields the tokens committed by each round (cut at EOS
+        or ``max_tokens``); fills ``dec.stats``. Both states are freed at the end."""
+        info = await self._infos()
+        eos = info["eos"]
+        eos = {eos} if isinstance(eos, int) else set(eos or [])
+        uses_draft = self.s["method"] != "ar"
+        st, out = dec.stats, dec.tokens
+        t0 = time.perf_counter()
+        try:
+            try:
+                top = await self.target.start.remote(rid, dec.prompt_ids, dec.sampling,
+                                                     dec.rule, dec.seed, info["prefill_top_k"])
+                if uses_draft:
+                    await self.draft.start.remote(rid, dec.prompt_ids, top, dec.sampling,
+                                                  dec.seed)
+            except Exception as exc:
+                raise _replica_error(exc, f"request {rid}: start") from None
+            root, path, new, done = dec.prompt_ids[-1], None, [], False
+            while not done:
+                budget = dec.max_tokens - len(out) - 1
+                try:
+                    if uses_draft and budget > 0:
+                        r = await self.draft.propose.remote(rid, path, new, budget)
+                        tree, st.draft_calls = r["tree"], r["draft_calls"]
+                    else:  # AR, or the last token: the root alone
+                        tree = TokenTree(root).to_wire()
+                    v = await self.target.verify.remote(rid, tree)
+                except Exception as exc:
+                    raise _replica_error(exc, f"request {rid}: round "
+                                              f"{len(st.accepted_lengths) + 1}") from None
+                path, new = v["path"], v["new"]
+                root = new[-1]
+                st.target_calls += 1
+                st.drafted_tokens += v["drafted"]
+                st.accepted_tokens += v["accepted"]
+                st.judged_tokens += v["evaluated"]
+                st.accepted_lengths.append(len(new))
+                kept = []
+                for tok in new:
+                    kept.append(tok)
+                    if tok in eos:
+                        done, dec.finish_reason = True, "stop"
+                        break
+                    if len(out) + len(kept) >= dec.max_tokens:
+                        done = True
+                        break
+                out.extend(kept)
+                st.new_tokens = len(out)
+                st.wall_s = time.perf_counter() - t0
+                yield kept
+        finally:
+            await self._end(rid, uses_draft)
+
+    async def _end(self, rid: str, uses_draft: bool) -> None:
+        for handle in ([self.target, self.draft] if uses_draft else [self.target]):
+            try:
+                await handle.end.remote(rid)
+            except Exception:  # a dead replica took the state with it
+                pass
+
+    # ------------------------------------------------------------------ helpers
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise HTTPError(400, "prompt: the target has no tokenizer; send prompt_ids to "
+                                 "/generate", "prompt")
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise HTTPError(400, "prompt: encodes to no tokens", "prompt")
+        return ids
+
+    def _text(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _decoding(self, ids: list[int], max_tokens: int, temperature: float, top_p: float,
+                  top_k: int, seed: int, stops: list[str], rule: str | None) -> Decoding:
+        if max_tokens > self.s["max_tokens"]:
+            raise HTTPError(400, f"max_tokens: must be <= {self.s['max_tokens']} on this "
+                                 f"server, got {max_tokens}", "max_tokens")
+        greedy = temperature == 0.0
+        rule = rule or ("greedy" if greedy else "sample")
+        if rule == "greedy" and not greedy:
+            raise HTTPError(400, "verify: 'greedy' needs temperature 0", "verify")
+        return Decoding(ids, max_tokens, {"temperature": temperature, "top_k": top_k,
+                                          "top_p": top_p}, rule, seed, stops)
+
+    async def _run_text(self, rid: str, dec: Decoding) -> AsyncIterator[str]:
+        """Text deltas per round; stops at a stop string (not included). Text that may
+        still become a stop string or an incomplete character is held back."""
+        out, sent = [], 0
+        hold = max((len(s) for s in dec.stops), default=1) - 1
+        async for new in self._decode(rid, dec):
+            out += new
+            text = self._text(out)
+            cut = min((i for i in (text.find(s) for s in dec.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                dec.finish_reason = "stop"
+                if cut > sent:
+                    yield text[sent:cut]
+                return
+            safe = len(text) - hold
+            while safe > sent and text[safe - 1] == "\ufffd":
+                safe -= 1
+            if safe > sent:
+                yield text[sent:safe]
+                sent = safe
+        text = self._text(out)
+        if len(text) > sent:
+            yield text[sent:]
+
+    # ------------------------------------------------------------------ routes
+    @api.get("/health")
+    async def health(self) -> dict:
+        """Liveness plus one target and one draft replica's live request states."""
+        try:
+            t = await self.target.stats.remote()
+            d = await self.draft.stats.remote()
+        except Exception as exc:
+            raise _replica_error(exc, "health") from None
+        return {"status": "ok", "method": self.s["method"], "target": t, "draft": d}
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.s["model_name"], "object": "model", "created": self.s["created"],
+            "owned_by": "speclab", "method": self.s["method"]}]}
+
+    @api.post("/generate")
+    async def generate(self, body: GenerateRequest) -> dict:
+        if (body.prompt is None) == (body.prompt_ids is None):
+            raise HTTPError(400, "prompt: give exactly one of prompt or prompt_ids", "prompt")
+        ids = self._encode(body.prompt) if body.prompt is not None else body.prompt_ids
+        dec = self._decoding(ids, body.max_tokens, body.temperature, body.top_p, body.top_k,
+                             body.seed, body.stop, body.verify)
+        rid = uuid.uuid4().hex
+        text = "".join([d async for d in self._run_text(rid, dec)])
+        return {"id": rid, "text": text, "token_ids": dec.tokens,
+                "finish_reason": dec.finish_reason, "method": self.s["method"],
+                "stats": dec.stats.to_dict()}
+
+    @api.post("/v1/completions")
+    async def completions(self, body: CompletionRequest):
+        if body.model is not None and body.model != self.s["model_name"]:
+            raise HTTPError(404, f"model: {body.model!r} is not served here (serving "
+                                 f"{self.s['model_name']!r}, see /v1/models)", "model",
+                            "not_found_error")
+        dec = self._decoding(self._encode(body.prompt), body.max_tokens, body.temperature,
+                             body.top_p, 0, body.seed if body.seed is not None else 0,
+                             body.stop, None)
+        rid = uuid.uuid4().hex
+        head = {"id": f"cmpl-{rid}", "object": "text_completion",
+                "created": int(time.time()), "model": self.s["model_name"]}
+        if not body.stream:
+            text = "".join([d async for d in self._run_text(rid, dec)])
+            n_prompt = len(dec.prompt_ids)
+            return {**head, "choices": [{"text": text, "index": 0, "logprobs": None,
+                                         "finish_reason": dec.finish_reason}],
+                    "usage": {"prompt_tokens": n_prompt,
+                              "completion_tokens": dec.stats.new_tokens,
+                              "total_tokens": n_prompt + dec.stats.new_tokens}}
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for delta in self._run_text(rid, dec):
+                    yield "data: " + json.dumps({**head, "choices": [{
+                        "text": delta, "index": 0, "logprobs": None,
+                        "finish_reason": None}]}) + "\n\n"
+                yield "data: " + json.dumps({**head, "choices": [{
+                    "text": "", "index": 0, "logprobs": None,
+                    "finish_reason": dec.finish_reason}]}) + "\n\n"
+            except HTTPError as exc:  # headers are sent: report in the stream
+                yield "data: " + json.dumps({"error": {"message": exc.message,
+                                                       "type": exc.kind}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @api.post("/recommend")
+    async def recommend(self, body: RecommendRequest) -> dict:
+        info = await self._infos()
+        if not info["rec_items"]:
+            raise HTTPError(404, "recommend: this app serves no recommender (set "
+                                 "serve.rec_target and serve.rec_draft)", None,
+                            "not_found_error")
+        n = body.n or self.s["rec_n"]
+        gamma = body.gamma or self.s["rec_gamma"]
+        if body.k > n:
+            raise HTTPError(400, f"k: must not exceed the draft beam size n={n}", "k")
+        rid = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        rounds, accepted = 0, 0
+        try:
+            try:
+                prompt = await self.target.rec_start.remote(rid, body.history, body.k)
+                await self.draft.rec_start.remote(rid, prompt)
+                committed, res = [[[], 0.0]], {"done": False}
+                while not res["done"]:
+                    step = len(committed[0][0])
+                    levels = await self.draft.rec_draft.remote(
+                        rid, committed, n, min(gamma, info["rec_levels"] - step))
+                    res = await self.target.rec_verify.remote(rid, levels, committed, body.k)
+                    committed = res["committed"]
+                    rounds, accepted = rounds + 1, accepted + res["accepted"]
+            except Exception as exc:
+                raise _replica_error(exc, f"request {rid}: recommend") from None
+        finally:
+            await self._end(rid, True)
+        return {"id": rid, "items": res["items"], "scores": res["scores"],
+                "stats": {"target_calls": rounds, "accepted_steps": accepted,
+                          "n": n, "gamma": gamma, "wall_s": time.perf_counter() - t0}}

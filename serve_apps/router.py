@@ -1,0 +1,37 @@
+"""Session affinity for the draft and target deployments.
+
+Each request keeps KV state on ONE replica of each deployment, so every call of a
+request must reach the replica that holds it. This Ray Serve request router picks, for
+the request id passed as the first argument, the replica with the highest
+rendezvous hash of (request id, replica id): stable while the replica set is stable,
+and when a replica dies only ITS requests move (and fail with a clear "no state"
+error) while the others keep their replica. Calls without a request id (``info``,
+``stats``) go to any replica.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+
+def _score(rid: str, replica: RunningReplica) -> int:
+    digest = hashlib.blake2b(f"{rid}|{replica.replica_id.unique_id}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big")
+
+
+class SessionAffinityRouter(FIFOMixin, RequestRouter):
+    """Routes a call whose first argument is a request id to that request's replica."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        args = pending_request.args if pending_request is not None else []
+        if not args or not isinstance(args[0], str):
+            return [candidate_replicas]
+        return [[max(candidate_replicas, key=lambda r: _score(args[0], r))]]

@@ -1,0 +1,110 @@
+"""Per-request state of a replica (a KV cache, a drafter), bounded in time and memory.
+
+A request's state lives on one replica from its ``start`` call to its ``end`` call
+(:mod:`serve_apps.router` routes every call of a request to the same replica). A
+client that disconnects may never send ``end``, so the store also frees:
+
+* states idle longer than ``idle_timeout_s`` (checked on every store access), and
+* the least recently used states when a new one would exceed ``max_sessions`` or the
+  cached KV positions of all states would exceed ``max_cached_tokens``.
+
+A call for a freed state raises :class:`SessionGone`, which the ingress turns into a
+503 naming the request. Nothing here imports Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Protocol
+
+
+class State(Protocol):
+    """What the store needs from a request's state."""
+
+    def cached_tokens(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
+class SessionGone(KeyError):
+    """The request's state was never created here, ended, expired or was evicted."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class SessionStore:
+    """Request id -> state, in least-recently-used order; thread-safe."""
+
+    def __init__(self, max_sessions: int, max_cached_tokens: int, idle_timeout_s: float,
+                 clock=time.monotonic) -> None:
+        self.max_sessions = max_sessions
+        self.max_cached_tokens = max_cached_tokens
+        self.idle_timeout_s = idle_timeout_s
+        self.clock = clock
+        self._states: OrderedDict[str, tuple[State, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.expired = 0
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def cached_tokens(self) -> int:
+        """KV positions held by every live state."""
+        return sum(s.cached_tokens() for s, _ in self._states.values())
+
+    def put(self, rid: str, state: State) -> None:
+        """Store a new request's state (replacing one with the same id), then enforce
+        the bounds, evicting least recently used OTHER states first."""
+        with self._lock:
+            self._drop(rid)
+            self._states[rid] = (state, self.clock())
+            self._expire()
+            while len(self._states) > 1 and (
+                    len(self._states) > self.max_sessions
+                    or self.cached_tokens() > self.max_cached_tokens):
+                oldest = next(iter(self._states))
+                self._drop(oldest)
+                self.evicted += 1
+
+    def get(self, rid: str) -> State:
+        """The state of ``rid`` (marked as just used); :class:`SessionGone` if absent."""
+        with self._lock:
+            self._expire()
+            if rid not in self._states:
+                raise SessionGone(f"request {rid}: no state on this replica (it ended, was "
+                                  f"idle more than {self.idle_timeout_s:g}s, or was evicted "
+                                  f"by the memory bound)")
+            state, _ = self._states.pop(rid)
+            self._states[rid] = (state, self.clock())
+            return state
+
+    def end(self, rid: str) -> bool:
+        """Free ``rid``'s state; False if it was already gone."""
+        with self._lock:
+            return self._drop(rid)
+
+    def _drop(self, rid: str) -> bool:
+        entry = self._states.pop(rid, None)
+        if entry is None:
+            return False
+        entry[0].release()
+        return True
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for rid in [r for r, (_, t) in self._states.items()
+                    if now - t > self.idle_timeout_s]:
+            self._drop(rid)
+            self.expired += 1
+
+
+def rss_mb() -> float:
+    """Resident memory of this process in MiB (reported by the replicas' ``stats``)."""
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss / 2**20

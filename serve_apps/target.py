@@ -1,0 +1,117 @@
+"""``TargetDeployment``: the target model, its per-request KV caches and the
+verification rules (one target forward per round over the whole draft tree).
+
+Calls of one request (first argument: the request id; routed to one replica by
+:mod:`serve_apps.router`): ``start`` (prefill, optionally the top tokens per prompt
+position for AASD), ``verify`` (a draft tree in wire form -> accepted path, new
+tokens), ``end``; ``rec_start`` / ``rec_verify`` are the target's half of AtSpeed
+beam SD for ``POST /recommend`` (:mod:`serve_apps.beams`). State is bounded by
+:class:`serve_apps.sessions.SessionStore`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from serve_apps.sessions import SessionStore, rss_mb
+from speclab.models.loading import load_model
+from speclab.spec.engine import prefill, verify_round
+from speclab.spec.kv import ModelRunner
+from speclab.spec.sampling import SamplingParams
+from speclab.spec.tree import TokenTree
+
+
+@dataclass
+class _Request:
+    runner: ModelRunner
+    params: SamplingParams
+    rule: str
+    generator: torch.Generator
+
+    def cached_tokens(self) -> int:
+        return self.runner.length
+
+    def release(self) -> None:
+        self.runner.release()
+
+
+class TargetDeployment:
+    """Holds the target; every method that touches a request takes its id first."""
+
+    def __init__(self, target: str, dtype: str = "float32", device: str = "cpu",
+                 max_sessions: int = 64, max_cached_tokens: int = 65536,
+                 idle_timeout_s: float = 60.0, rec_target: str | None = None) -> None:
+        torch.set_num_threads(1)  # replicas get fractional CPUs; no oversubscription
+        self.model = load_model(target, dtype, device, field="models.target")
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen is not None else None
+        self.eos = eos if eos is not None else self.model.config.eos_token_id
+        self.sessions = SessionStore(max_sessions, max_cached_tokens, idle_timeout_s)
+        self.lock = threading.Lock()  # one forward at a time: the model is shared
+        self.rec = None
+        if rec_target:
+            from serve_apps.beams import RecTargetSide
+
+            self.rec = RecTargetSide(rec_target, dtype, device)
+
+    def info(self) -> dict:
+        """Vocabulary size, EOS id(s), the recommender's items and id length (if any)."""
+        return {"vocab_size": int(self.model.config.vocab_size), "eos": self.eos,
+                "rec_items": len(self.rec.meta.items) if self.rec else 0,
+                "rec_levels": self.rec.trie.length if self.rec else 0}
+
+    def start(self, rid: str, prompt_ids: list[int], sampling: dict, rule: str, seed: int,
+              prefill_top_k: int = 0) -> list[list[int]] | None:
+        """Prefill ``prompt_ids[:-1]`` for request ``rid``; returns the target's
+        ``prefill_top_k`` best tokens per prompt position when asked (AASD)."""
+        vocab = int(self.model.config.vocab_size)
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if not prompt_ids or bad:
+            raise ValueError(f"prompt: token ids {bad[:5]} outside [0, {vocab}) or empty")
+        req = _Request(ModelRunner(self.model), SamplingParams(**sampling), rule,
+                       torch.Generator().manual_seed(seed))
+        with self.lock:
+            logits = prefill(req.runner, prompt_ids)
+            self.sessions.put(rid, req)
+        if prefill_top_k and logits is not None:
+            return logits.topk(min(prefill_top_k, vocab), dim=-1).indices.tolist()
+        return None
+
+    def verify(self, rid: str, tree: dict) -> dict:
+        """One round: the tree (wire form, root = the last committed token) in ONE
+        forward, the request's rule, the cache pruned to the accepted path."""
+        t = TokenTree.from_wire(tree)
+        with self.lock:
+            req = self.sessions.get(rid)
+            verdict, new = verify_round(req.runner, t, req.rule, req.params, req.generator)
+        return {"path": verdict.path, "new": new, "accepted": verdict.accepted,
+                "evaluated": verdict.evaluated, "drafted": t.num_drafted}
+
+    def end(self, rid: str) -> bool:
+        """Free the request's state (False if it was already gone)."""
+        with self.lock:
+            return self.sessions.end(rid)
+
+    def rec_start(self, rid: str, history: list[int], k: int) -> list[int]:
+        """``POST /recommend``: prefill the history's prompt; returns its tokens."""
+        if self.rec is None:
+            raise ValueError("recommend: this app serves no recommender (serve.rec_target)")
+        with self.lock:
+            state, prompt = self.rec.start(history, k)
+            self.sessions.put(rid, state)
+        return prompt
+
+    def rec_verify(self, rid: str, drafted: list, committed: list, k: int) -> dict:
+        """Strict top-K verification of one round of drafted beam levels."""
+        with self.lock:
+            return self.rec.verify(self.sessions.get(rid), drafted, committed, k)
+
+    def stats(self) -> dict:
+        """Live requests, cached KV positions, frees so far, resident memory."""
+        return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),
+                "expired": self.sessions.expired, "evicted": self.sessions.evicted,
+                "rss_mb": rss_mb(), "pid": os.getpid()}
