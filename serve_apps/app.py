@@ -94,7 +94,8 @@ def app_from_config(cfg: ExperimentConfig):
     i = serve.deployment(Ingress).options(**_options(sv.ingress, "ingress", False))
     settings = {"method": cfg.method.name, "model_name": sv.model_name or cfg.name,
                 "max_tokens": sv.max_tokens, "target_path": target, "created": int(time.time()),
-                "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma}
+                "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma,
+                "replicas": {"target": sv.target.replicas, "draft": sv.draft.replicas}}
     return i.bind(
         t.bind(target, m.dtype, m.device, rec_target=rec_target, **bounds),
         d.bind(draft, cfg.method.model_dump(mode="json"), vocab, m.dtype, m.device,

@@ -135,8 +135,9 @@ class DraftDeployment:
         with self.lock:
             return self.rec.draft(self.sessions.get(rid), committed, n, g)
 
-    def stats(self) -> dict:
-        """Live requests, cached KV positions, frees so far, resident memory."""
+    def stats(self, probe: str = "") -> dict:
+        """Live requests, cached KV positions, frees so far, resident memory. ``probe``
+        is routed like a request id, so different probes reach different replicas."""
         return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),
                 "expired": self.sessions.expired, "evicted": self.sessions.evicted,
                 "rss_mb": rss_mb(), "pid": os.getpid()}

@@ -4,7 +4,7 @@ and target deployments, and speaks an OpenAI-compatible API.
 Routes: ``POST /v1/completions`` (``stream: true`` sends server-sent events),
 ``GET /v1/models``, ``POST /generate`` (tokens, text and the SD stats: tau, target and
 draft calls, accepted lengths), ``POST /recommend`` (AtSpeed beam SD), ``GET /health``
-(live request states and memory of a target and a draft replica).
+(live request states and memory of every target and draft replica).
 
 One round of a request: the draft deployment commits the last verdict and proposes a
 tree (wire form: token ids, parent indices, draft probabilities); the target
@@ -223,12 +223,21 @@ class Ingress:
             yield text[sent:]
 
     # ------------------------------------------------------------------ routes
+    async def _replicas(self, handle, count: int) -> list[dict]:
+        """Stats of every replica of a deployment: probes with 8 ids per replica are
+        spread by the affinity router's hash (all replicas reached w.p. ~1 - n 2^-8n)."""
+        seen = {}
+        for i in range(8 * count):
+            st = await handle.stats.remote(f"probe-{i}")
+            seen[st["pid"]] = st
+        return list(seen.values())
+
     @api.get("/health")
     async def health(self) -> dict:
-        """Liveness plus one target and one draft replica's live request states."""
+        """Liveness plus every target and draft replica's live request states."""
         try:
-            t = await self.target.stats.remote()
-            d = await self.draft.stats.remote()
+            t = await self._replicas(self.target, self.s["replicas"]["target"])
+            d = await self._replicas(self.draft, self.s["replicas"]["draft"])
         except Exception as exc:
             raise _replica_error(exc, "health") from None
         return {"status": "ok", "method": self.s["method"], "target": t, "draft": d}

@@ -110,8 +110,9 @@ class TargetDeployment:
         with self.lock:
             return self.rec.verify(self.sessions.get(rid), drafted, committed, k)
 
-    def stats(self) -> dict:
-        """Live requests, cached KV positions, frees so far, resident memory."""
+    def stats(self, probe: str = "") -> dict:
+        """Live requests, cached KV positions, frees so far, resident memory. ``probe``
+        is routed like a request id, so different probes reach different replicas."""
         return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),
                 "expired": self.sessions.expired, "evicted": self.sessions.evicted,
                 "rss_mb": rss_mb(), "pid": os.getpid()}

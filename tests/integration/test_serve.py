@@ -1,0 +1,252 @@
+"""The Serve app end to end, started the way a user starts it (``speclab serve``) on
+127.0.0.1: the openai client, streaming, the native routes, bad requests, a load of
+16 concurrent clients checked against the offline engine, and a killed target replica.
+
+The module's app has TWO target replicas, so every request also exercises the
+session-affinity router (a call reaching the wrong replica would find no state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.integration.conftest import ROOT, free_port
+
+pytestmark = pytest.mark.integration
+METHOD = {"nodes": 8, "batch": 2, "threshold": 0.3, "depth": 4}  # as in the smoke config
+PROMPTS = ["def main(", "import os\n", "class Foo:", "for i in range(", "return self.",
+           "if x is None:", "with open(", "print("]
+
+
+def _rec_models(root: Path) -> tuple[str, str]:
+    """A tiny random recommender pair with a rec_meta.json and id tokenizer."""
+    from speclab.data import recsys
+    from speclab.data.rec_dataset import RecMeta, save_rec_tokenizer
+    from speclab.models.tiny import build_tiny_llama
+
+    feats = recsys.item_features(recsys.SyntheticSpec(items=40, seed=3))
+    codes = recsys.semantic_ids(feats, levels=3, codebook=4)
+    meta = RecMeta(list(range(100, 140)), [list(c) for c in codes], 3, 4, history=4)
+    out = []
+    for name, seed, hidden in (("rec_target", 1, 32), ("rec_draft", 2, 16)):
+        folder = build_tiny_llama(root / name, seed=seed, vocab_size=meta.vocab_size,
+                                  hidden_size=hidden, num_layers=1)
+        meta.save(folder)
+        save_rec_tokenizer(meta, folder)
+        out.append(str(folder))
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``speclab serve`` on a free port; yields (base url, models, process)."""
+    from speclab.models.registry import ensure_tiny_pair
+
+    root = tmp_path_factory.mktemp("serve")
+    target, draft = ensure_tiny_pair(root / "models")
+    rec_target, rec_draft = _rec_models(root)
+    port = free_port()
+    env = {**os.environ, "SPECLAB_HOME": str(root / "home"), "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    log = open(root / "serve.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "speclab.cli", "serve", "--config",
+         "experiments/smoke/serve.yaml", f"serve.port={port}", f"models.target={target}",
+         f"models.draft={draft}", "serve.target.replicas=2", "serve.target.num_cpus=0.4",
+         "serve.draft.num_cpus=0.4", f"serve.rec_target={rec_target}",
+         f"serve.rec_draft={rec_draft}", "serve.rec_n=6", "serve.rec_gamma=2"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail("server exited: " + (root / "serve.log").read_text()[-3000:])
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("server not ready: " + (root / "serve.log").read_text()[-3000:])
+    yield {"url": url, "target": target, "draft": draft, "rec_target": rec_target,
+           "rec_draft": rec_draft, "proc": proc, "log": root / "serve.log"}
+    proc.send_signal(signal.SIGTERM)  # the CLI shuts Serve down on SIGTERM
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def offline(server):
+    """The offline engine's greedy text / tokens for each prompt (same method)."""
+    from speclab.api import Decoder
+
+    dec = Decoder.from_pretrained(server["target"], server["draft"])
+    out = {}
+    for p in PROMPTS:
+        res = dec.generate(p, method="salf", max_new_tokens=24, **METHOD)
+        out[p] = (res.token_ids, dec.tokenizer.decode(res.token_ids, skip_special_tokens=True),
+                  res.stats)
+    return out
+
+
+def test_openai_client_completion_equals_the_offline_engine(server, offline):
+    import openai
+
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["smoke-serve"]
+    for p in PROMPTS[:3]:
+        res = client.completions.create(model="smoke-serve", prompt=p, max_tokens=24,
+                                        temperature=0)
+        assert res.choices[0].text == offline[p][1]
+        assert res.usage.completion_tokens == len(offline[p][0])
+        chunks = [c.choices[0].text for c in client.completions.create(
+            model="smoke-serve", prompt=p, max_tokens=24, temperature=0, stream=True)]
+        assert "".join(chunks) == offline[p][1]
+        assert sum(1 for c in chunks if c) > 1  # really streamed, round by round
+
+
+def test_generate_returns_tokens_and_the_sd_stats(server, offline):
+    p = PROMPTS[0]
+    r = requests.post(server["url"] + "/generate", json={"prompt": p, "max_tokens": 24})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tokens, _, stats = offline[p]
+    assert body["token_ids"] == tokens and body["method"] == "salf"
+    st = body["stats"]
+    assert st["target_calls"] == stats.target_calls and st["tau"] == pytest.approx(stats.tau)
+    assert st["accepted_lengths"] == stats.accepted_lengths and st["draft_calls"] > 0
+    # sampling goes through the same loop (lossless rule, seeded)
+    r = requests.post(server["url"] + "/generate", json={
+        "prompt": p, "max_tokens": 12, "temperature": 0.8, "seed": 3})
+    assert r.status_code == 200 and len(r.json()["token_ids"]) <= 12
+    # a stop string ends the text before it
+    text = offline[p][1]
+    stop = text[5:8]
+    r = requests.post(server["url"] + "/v1/completions", json={
+        "prompt": p, "max_tokens": 24, "temperature": 0, "stop": stop})
+    assert r.json()["choices"][0] == {"text": text[: text.find(stop)], "index": 0,
+                                      "logprobs": None, "finish_reason": "stop"}
+
+
+def test_recommend_returns_the_target_beam_search_top_k(server):
+    from speclab.recommend import Recommender
+
+    rec = Recommender.from_pretrained(server["rec_target"])
+    history = [101, 105, 120]
+    want = rec.recommend(history, k=4, method="beam")["items"]
+    r = requests.post(server["url"] + "/recommend", json={"history": history, "k": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["items"] == want  # strict top-K verification is lossless
+    assert r.json()["stats"]["target_calls"] >= 1
+    bad = requests.post(server["url"] + "/recommend", json={"history": [999], "k": 4})
+    assert bad.status_code == 400 and "unknown item id" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,body,status,needle", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens: must be <="),
+    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "bogus"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "gpt-9"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/generate", {"prompt_ids": [1, 10**9]}, 400, "outside"),
+    ("/generate", {"prompt": "x", "prompt_ids": [1]}, 400, "exactly one"),
+    ("/generate", {"prompt": "x", "verify": "greedy", "temperature": 0.5}, 400, "verify"),
+    ("/recommend", {"history": [101], "k": 50}, 400, "k"),
+])
+def test_bad_requests_get_a_json_4xx_naming_the_field(server, path, body, status, needle):
+    r = requests.post(server["url"] + path, json=body)
+    assert r.status_code == status, r.text
+    assert needle in r.json()["error"]["message"]
+    assert requests.get(server["url"] + "/health").json()["status"] == "ok"
+
+
+def test_malformed_json_is_a_400(server):
+    r = requests.post(server["url"] + "/generate", data="{not json",
+                      headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def _replica_stats(url: str) -> dict[int, dict]:
+    """Stats of every target and draft replica (keyed by pid), from /health."""
+    h = requests.get(url + "/health", timeout=60).json()
+    return {st["pid"]: {**st, "side": side} for side in ("target", "draft") for st in h[side]}
+
+
+def _one(url: str, prompt: str) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    r = requests.post(url + "/generate", json={"prompt": prompt, "max_tokens": 24}, timeout=300)
+    return time.perf_counter() - t0, {"status": r.status_code, **r.json()}
+
+
+def test_load_of_16_concurrent_clients_is_answered_correctly_without_leaks(server, offline):
+    url = server["url"]
+    before = _replica_stats(url)
+    jobs = [PROMPTS[(c + i) % len(PROMPTS)] for c in range(16) for i in range(3)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: (p, *_one(url, p)), jobs))
+    wall = time.perf_counter() - t0
+    for prompt, _, body in results:
+        assert body["status"] == 200, body
+        assert body["token_ids"] == offline[prompt][0]  # greedy: exactly the offline output
+    lat = sorted(lat for _, lat, _ in results)
+    tokens = sum(len(b["token_ids"]) for _, _, b in results)
+    p95 = lat[int(0.95 * (len(lat) - 1))]
+    after = _replica_stats(url)
+    print(f"\n[load] {len(jobs)} requests from 16 clients in {wall:.1f}s: p50 "
+          f"{statistics.median(lat):.2f}s p95 {p95:.2f}s, {tokens / wall:.1f} tokens/s; "
+          f"rss MB before {[round(s['rss_mb']) for s in before.values()]} after "
+          f"{[round(s['rss_mb']) for s in after.values()]}")
+    assert sorted(st["side"] for st in after.values()) == ["draft", "target", "target"]
+    for st in after.values():  # every request's state was freed on both sides
+        assert st["sessions"] == 0 and st["cached_tokens"] == 0, st
+        assert st["evicted"] == 0 and st["expired"] == 0, st
+
+
+def test_killed_target_replica_is_replaced_and_later_requests_succeed(server, offline):
+    url = server["url"]
+    victim = next(pid for pid, st in _replica_stats(url).items() if st["side"] == "target")
+    jobs = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_one, url, p) for p in jobs]
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)  # mid-load
+        results = [f.result() for f in futures]
+    statuses = {body["status"] for _, body in results}
+    assert statuses <= {200, 503}, statuses
+    for (_, body), prompt in zip(results, jobs):
+        if body["status"] == 503:
+            assert body["error"]["type"] == "service_unavailable"
+        else:
+            assert body["token_ids"] == offline[prompt][0]
+    deadline, ok = time.time() + 120, 0
+    while time.time() < deadline and ok < 8:  # Serve replaces the replica
+        _, body = _one(url, PROMPTS[ok % len(PROMPTS)])
+        ok = ok + 1 if body["status"] == 200 else 0
+        if body["status"] != 200:
+            time.sleep(1)
+    assert ok == 8, json.dumps(body)[:500]
+    stats = _replica_stats(url)
+    assert victim not in stats and len(stats) == 3  # a new target replica took its place
+    for st in stats.values():  # failed requests freed their state on the survivors too
+        assert st["sessions"] == 0, st
+    print(f"\n[fault] {sum(b['status'] == 503 for _, b in results)} of {len(jobs)} requests "
+          f"in flight got 503 after the kill; the rest were answered correctly")
