@@ -25,7 +25,7 @@ constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
 
 MLflow: the job's run is the parent (search space, best trial and config, the results
 table, plots of the objective against each parameter); each trial is a child run with
-its params, metrics and status (failed trials keep their error). The best config is
+its params, metrics and status (ok, stopped by ASHA, or failed with its error). The best config is
 written as ``best_config.yaml`` (a ready ``evaluate`` config) in the sweep folder and
 logged. ``train.resume=true output.run_name=X`` restores an interrupted sweep with
 ``Tuner.restore``: finished trials are kept, unfinished ones continue.
@@ -223,8 +223,9 @@ def record(cfg: ExperimentConfig, results, tracker, sweep_dir: Path,
     for res in results:
         params = (res.config or {}).get("params", {})
         trial = (res.metrics or {}).get("trial_id") or Path(res.path or "?").name[:24]
-        row = {"trial": trial,
-               "params": params, "status": "failed" if res.error else "ok"}
+        stopped = not res.error and "objective" not in (res.metrics or {})  # by ASHA
+        row = {"trial": trial, "params": params,
+               "status": "failed" if res.error else "stopped" if stopped else "ok"}
         metrics = {k: v for k, v in (res.metrics or {}).items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)
                    and math.isfinite(v)}
