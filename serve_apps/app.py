@@ -16,6 +16,7 @@ request to one replica (:class:`serve_apps.router.SessionAffinityRouter`).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 from ray import serve
@@ -26,6 +27,7 @@ from serve_apps.ingress import Ingress
 from serve_apps.router import SessionAffinityRouter
 from serve_apps.target import TargetDeployment
 from speclab.config import ExperimentConfig
+from speclab.paths import repo_root
 
 
 class AppArgs(BaseModel):
@@ -47,7 +49,10 @@ def load_config(args: AppArgs) -> ExperimentConfig:
               if v is not None]
     if args.method is not None:
         pairs.append(f"method.name={args.method}")
-    return ExperimentConfig.from_yaml(args.config, pairs)
+    path = Path(args.config)
+    if not path.is_absolute() and not path.exists():  # e.g. in a Serve controller
+        path = repo_root() / path
+    return ExperimentConfig.from_yaml(path, pairs)
 
 
 def resolved_models(cfg: ExperimentConfig) -> tuple[str, str | None]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from serve_apps.sessions import SessionStore, rss_mb
-from speclab.api import NO_DRAFT_MODEL, MethodParams, _head_folder, make_drafter
+from speclab.api import NO_DRAFT_MODEL, MethodParams, head_folder, make_drafter
 from speclab.models.loading import load_model
 from speclab.spec.acceptance_head import load_head
 from speclab.spec.datastore import Datastore
@@ -68,14 +68,17 @@ class DraftDeployment:
         if self.method == "specdecpp":  # the head is loaded once, checked against the draft
             if not self.hp.head:
                 raise ValueError("method.head: method 'specdecpp' needs an acceptance head")
-            self.hp.head = load_head(_head_folder(str(self.hp.head)),
+            self.hp.head = load_head(head_folder(str(self.hp.head)),
                                      int(self.model.config.hidden_size))
         if self.method == "rest":
             if not self.hp.datastore:
                 raise ValueError("method.datastore: method 'rest' needs a datastore folder")
             self.hp.datastore = Datastore.load(str(self.hp.datastore))
-        self._check = make_drafter(self.method, self._runner(), self.hp, SamplingParams(),
-                                   None)  # bad method params fail at deploy time
+        check_runner = self._runner()  # bad method params fail at deploy time
+        check = make_drafter(self.method, check_runner, self.hp, SamplingParams(), None)
+        self.prefill_top_k = check.prefill_top_k if check is not None else 0
+        if check_runner is not None:
+            check_runner.release()  # e.g. SpecDec++'s hidden-state hook on the shared model
         self.sessions = SessionStore(max_sessions, max_cached_tokens, idle_timeout_s)
         self.lock = threading.Lock()
         self.rec = None
@@ -89,8 +92,7 @@ class DraftDeployment:
 
     def info(self) -> dict:
         """The method and how many prefill top tokens its drafter reads (AASD)."""
-        return {"method": self.method, "prefill_top_k": self._check.prefill_top_k
-                if self._check is not None else 0}
+        return {"method": self.method, "prefill_top_k": self.prefill_top_k}
 
     def start(self, rid: str, prompt_ids: list[int], prefill_top: list[list[int]] | None,
               sampling: dict, seed: int) -> None:

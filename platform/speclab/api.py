@@ -76,7 +76,7 @@ class GenerationResult:
         return {"token_ids": self.token_ids, "text": self.text, "stats": self.stats.to_dict()}
 
 
-def _head_folder(source: str) -> str:
+def head_folder(source: str) -> str:
     """A head folder: ``models:/`` URIs are downloaded; local folders are used as given
     (a head may sit next to a drafter copy or alone)."""
     return resolve_source(source, "head") if source.startswith("models:/") else source
@@ -119,7 +119,7 @@ def make_drafter(
             raise ValueError("head: method 'specdecpp' needs an acceptance head (--head DIR)")
         head = hp.head
         if not isinstance(head, AcceptanceHead):
-            head = load_head(_head_folder(head), int(draft.model.config.hidden_size))
+            head = load_head(head_folder(head), int(draft.model.config.hidden_size))
         return SpecDecPPDrafter(draft, head, hp.threshold, params, hp.max_draft, generator)
     if method == "salf" and not 0.0 < hp.threshold < 1.0:
         raise ValueError(f"threshold: must be in (0, 1), got {hp.threshold}")
@@ -205,7 +205,7 @@ class Decoder:
         hp = MethodParams(**method_params)
         if method == "specdecpp" and isinstance(hp.head, str) and self.draft is not None:
             if hp.head not in self._heads:  # resolve + load once per Decoder
-                self._heads[hp.head] = load_head(_head_folder(hp.head),
+                self._heads[hp.head] = load_head(head_folder(hp.head),
                                                  int(self.draft.model.config.hidden_size))
             hp.head = self._heads[hp.head]
         if method == "rest" and isinstance(hp.datastore, str):

@@ -48,48 +48,62 @@ def _rec_models(root: Path) -> tuple[str, str]:
     return out[0], out[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``speclab serve`` on a free port; yields (base url, models, process)."""
-    from speclab.models.registry import ensure_tiny_pair
-
-    root = tmp_path_factory.mktemp("serve")
-    target, draft = ensure_tiny_pair(root / "models")
-    rec_target, rec_draft = _rec_models(root)
+def _start(root: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
+    """``speclab serve --config experiments/smoke/serve.yaml`` on a free port, ready."""
     port = free_port()
     env = {**os.environ, "SPECLAB_HOME": str(root / "home"), "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
-    log = open(root / "serve.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "speclab.cli", "serve", "--config",
-         "experiments/smoke/serve.yaml", f"serve.port={port}", f"models.target={target}",
-         f"models.draft={draft}", "serve.target.replicas=2", "serve.target.num_cpus=0.4",
-         "serve.draft.num_cpus=0.4", f"serve.rec_target={rec_target}",
-         f"serve.rec_draft={rec_draft}", "serve.rec_n=6", "serve.rec_gamma=2"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    log = root / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "speclab.cli", "serve", "--config",
+             "experiments/smoke/serve.yaml", f"serve.port={port}", *overrides],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail("server exited: " + (root / "serve.log").read_text()[-3000:])
+            pytest.fail("server exited: " + log.read_text()[-3000:])
         try:
             if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                break
+                return proc, url
         except requests.RequestException:
             pass
         time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail("server not ready: " + (root / "serve.log").read_text()[-3000:])
-    yield {"url": url, "target": target, "draft": draft, "rec_target": rec_target,
-           "rec_draft": rec_draft, "proc": proc, "log": root / "serve.log"}
+    proc.kill()
+    pytest.fail("server not ready: " + log.read_text()[-3000:])
+
+
+def _stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)  # the CLI shuts Serve down on SIGTERM
     try:
         proc.wait(timeout=90)
     except subprocess.TimeoutExpired:
         proc.kill()
-    log.close()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[str, str]:
+    from speclab.models.registry import ensure_tiny_pair
+
+    return ensure_tiny_pair(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny):
+    """The smoke app (SALF) with two target replicas and a recommender pair."""
+    root = tmp_path_factory.mktemp("serve")
+    target, draft = tiny
+    rec_target, rec_draft = _rec_models(root)
+    proc, url = _start(root, [
+        f"models.target={target}", f"models.draft={draft}", "serve.target.replicas=2",
+        "serve.target.num_cpus=0.4", "serve.draft.num_cpus=0.4",
+        f"serve.rec_target={rec_target}", f"serve.rec_draft={rec_draft}", "serve.rec_n=6",
+        "serve.rec_gamma=2"])
+    yield {"url": url, "target": target, "draft": draft, "rec_target": rec_target,
+           "rec_draft": rec_draft}
+    _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -244,9 +258,68 @@ def test_killed_target_replica_is_replaced_and_later_requests_succeed(server, of
         if body["status"] != 200:
             time.sleep(1)
     assert ok == 8, json.dumps(body)[:500]
-    stats = _replica_stats(url)
-    assert victim not in stats and len(stats) == 3  # a new target replica took its place
+    while time.time() < deadline:  # Serve starts a new target replica in its place
+        stats = _replica_stats(url)
+        if len(stats) == 3:
+            break
+        time.sleep(2)
+    assert victim not in stats and len(stats) == 3, stats
     for st in stats.values():  # failed requests freed their state on the survivors too
         assert st["sessions"] == 0, st
     print(f"\n[fault] {sum(b['status'] == 503 for _, b in results)} of {len(jobs)} requests "
           f"in flight got 503 after the kill; the rest were answered correctly")
+
+
+def test_specdecpp_app_loads_the_head_once_and_stays_lossless(tmp_path, tiny):
+    """SpecDec++ served: the draft deployment holds the drafter AND its acceptance head
+    (a random head here); greedy output equals the offline engine's (lossless)."""
+    import torch
+
+    from speclab.api import Decoder
+    from speclab.spec.acceptance_head import AcceptanceHead, save_head
+
+    target, draft = tiny
+    torch.manual_seed(0)
+    head = save_head(AcceptanceHead(64, depth=1), tmp_path / "head")
+    dec = Decoder.from_pretrained(target, draft)
+    want = dec.generate(PROMPTS[0], method="specdecpp", max_new_tokens=24, head=str(head),
+                        threshold=0.5)
+    ar = dec.generate(PROMPTS[0], method="ar", max_new_tokens=24)
+    assert want.token_ids == ar.token_ids
+    proc, url = _start(tmp_path, [f"models.target={target}", f"models.draft={draft}",
+                                  "method.name=specdecpp", f"method.head={head}",
+                                  "method.threshold=0.5"])
+    try:
+        r = requests.post(url + "/generate", json={"prompt": PROMPTS[0], "max_tokens": 24})
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == want.token_ids
+        assert r.json()["stats"]["accepted_lengths"] == want.stats.accepted_lengths
+    finally:
+        _stop(proc)
+
+
+def test_aasd_app_sends_the_prefill_top_tokens_to_the_drafter(tmp_path, tiny):
+    """AASD (no draft model; relaxed, so compared with the offline AASD output, not AR):
+    its alignment sampling reads the target's prefill top tokens, which the target
+    deployment sends to the draft deployment at the start of each request."""
+    from speclab.api import Decoder
+
+    target, _ = tiny
+    params = {"ngram": 6, "max_key": 3, "candidates": 2, "align_k": 2, "aasd_alpha": 0.2,
+              "aasd_beta": 0.1}
+    prompt = "def f(x):\n    return x + 1\n\ndef g(x):\n    return x"
+    dec = Decoder.from_pretrained(target)
+    want = dec.generate(prompt, method="aasd", max_new_tokens=24, **params)
+    blind = dec.generate(prompt, method="aasd", max_new_tokens=24, **{**params, "align_k": 0})
+    assert blind.stats.drafted_tokens != want.stats.drafted_tokens  # the tops matter here
+    proc, url = _start(tmp_path, [f"models.target={target}", "method.name=aasd",
+                                  *[f"method.{k}={v}" for k, v in params.items()]])
+    try:
+        r = requests.post(url + "/generate", json={"prompt": prompt, "max_tokens": 24})
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == want.token_ids
+        assert r.json()["stats"]["accepted_lengths"] == want.stats.accepted_lengths
+        assert r.json()["stats"]["drafted_tokens"] == want.stats.drafted_tokens
+        assert r.json()["method"] == "aasd"
+    finally:
+        _stop(proc)
