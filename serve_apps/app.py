@@ -13,8 +13,6 @@ request-state bounds and the HTTP port. Both model deployments route every call 
 request to one replica (:class:`serve_apps.router.SessionAffinityRouter`).
 """
 
-from __future__ import annotations
-
 import time
 from pathlib import Path
 
@@ -109,5 +107,8 @@ def app_from_config(cfg: ExperimentConfig):
 
 
 def build_app(args: AppArgs):
-    """Application builder for ``serve run`` / ``serve deploy`` (typed args)."""
+    """Application builder for ``serve run`` / ``serve deploy`` (typed args; a plain
+    dict is validated the same way)."""
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
     return app_from_config(load_config(args))
