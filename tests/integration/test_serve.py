@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -21,12 +20,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from serve_apps.loadtest import PROMPTS, one_request, run_load
 from tests.integration.conftest import ROOT, free_port
 
 pytestmark = pytest.mark.integration
 METHOD = {"nodes": 8, "batch": 2, "threshold": 0.3, "depth": 4}  # as in the smoke config
-PROMPTS = ["def main(", "import os\n", "class Foo:", "for i in range(", "return self.",
-           "if x is None:", "with open(", "print("]
 
 
 def _rec_models(root: Path) -> tuple[str, str]:
@@ -205,30 +203,23 @@ def _replica_stats(url: str) -> dict[int, dict]:
 
 
 def _one(url: str, prompt: str) -> tuple[float, dict]:
-    t0 = time.perf_counter()
-    r = requests.post(url + "/generate", json={"prompt": prompt, "max_tokens": 24}, timeout=300)
-    return time.perf_counter() - t0, {"status": r.status_code, **r.json()}
+    body = one_request(url, prompt, 24)
+    return body["latency_s"], body
 
 
 def test_load_of_16_concurrent_clients_is_answered_correctly_without_leaks(server, offline):
+    """Through the load benchmark (serve_apps.loadtest): 16 clients x 3 requests."""
     url = server["url"]
     before = _replica_stats(url)
-    jobs = [PROMPTS[(c + i) % len(PROMPTS)] for c in range(16) for i in range(3)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda p: (p, *_one(url, p)), jobs))
-    wall = time.perf_counter() - t0
-    for prompt, _, body in results:
-        assert body["status"] == 200, body
-        assert body["token_ids"] == offline[prompt][0]  # greedy: exactly the offline output
-    lat = sorted(lat for _, lat, _ in results)
-    tokens = sum(len(b["token_ids"]) for _, _, b in results)
-    p95 = lat[int(0.95 * (len(lat) - 1))]
+    results, s = run_load(url, clients=16, per_client=3, max_tokens=24, prompts=PROMPTS)
+    assert s["requests"] == 48 and s["errors"] == 0
+    for body in results:  # greedy: exactly the offline output
+        assert body["token_ids"] == offline[body["prompt"]][0]
     after = _replica_stats(url)
-    print(f"\n[load] {len(jobs)} requests from 16 clients in {wall:.1f}s: p50 "
-          f"{statistics.median(lat):.2f}s p95 {p95:.2f}s, {tokens / wall:.1f} tokens/s; "
-          f"rss MB before {[round(s['rss_mb']) for s in before.values()]} after "
-          f"{[round(s['rss_mb']) for s in after.values()]}")
+    print(f"\n[load] {s['requests']} requests from 16 clients in {s['wall_s']:.1f}s: p50 "
+          f"{s['p50_s']:.2f}s p95 {s['p95_s']:.2f}s, {s['tokens_per_s']:.1f} tokens/s, tau "
+          f"{s['tau']:.2f}; rss MB before {[round(x['rss_mb']) for x in before.values()]} "
+          f"after {[round(x['rss_mb']) for x in after.values()]}")
     assert sorted(st["side"] for st in after.values()) == ["draft", "target", "target"]
     for st in after.values():  # every request's state was freed on both sides
         assert st["sessions"] == 0 and st["cached_tokens"] == 0, st

@@ -1,0 +1,94 @@
+"""Load benchmark of a running speclab Serve app: concurrent clients over HTTP.
+
+    .venv/bin/python -m serve_apps.loadtest --url http://127.0.0.1:8000 --clients 16 \\
+        --requests 3 --max-tokens 32 [--out bench_out/serve_load.json]
+
+Each client thread sends ``--requests`` ``POST /generate`` calls one after another
+(prompts cycle through a fixed list of code openings). Prints a table (requests, errors,
+p50 / p95 / max latency, tokens/s over the wall time, mean tau and target calls per
+token from the servers' SD stats) and writes it as JSON; ``/health`` before and after
+shows each replica's live request states and resident memory.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+PROMPTS = ["def main(", "import os\n", "class Foo:", "for i in range(", "return self.",
+           "if x is None:", "with open(", "print("]
+
+
+def one_request(url: str, prompt: str, max_tokens: int) -> dict:
+    """``POST /generate``; the JSON body plus ``status``, ``latency_s`` and ``prompt``."""
+    t0 = time.perf_counter()
+    r = requests.post(url + "/generate", json={"prompt": prompt, "max_tokens": max_tokens},
+                      timeout=600)
+    try:
+        body = r.json()
+    except ValueError:
+        body = {"error": {"message": r.text[:200]}}
+    return {**body, "status": r.status_code, "latency_s": time.perf_counter() - t0,
+            "prompt": prompt}
+
+
+def run_load(url: str, clients: int, per_client: int, max_tokens: int,
+             prompts: list[str] = PROMPTS) -> tuple[list[dict], dict]:
+    """Every response, and the summary row (latencies in seconds)."""
+    jobs = [prompts[(c + i) % len(prompts)] for c in range(clients) for i in range(per_client)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda p: one_request(url, p, max_tokens), jobs))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["status"] == 200]
+    lat = sorted(r["latency_s"] for r in ok) or [0.0]
+    tokens = sum(len(r["token_ids"]) for r in ok)
+    calls = sum(r["stats"]["target_calls"] for r in ok)
+    summary = {
+        "clients": clients, "requests": len(results), "errors": len(results) - len(ok),
+        "p50_s": statistics.median(lat), "p95_s": lat[int(0.95 * (len(lat) - 1))],
+        "max_s": lat[-1], "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+        "tau": statistics.mean(r["stats"]["tau"] for r in ok) if ok else 0.0,
+        "target_calls_per_token": calls / tokens if tokens else 0.0}
+    return results, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=3, help="requests per client")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--out", default="bench_out/serve_load.json")
+    a = p.parse_args(argv)
+    if a.clients < 1 or a.requests < 1 or a.max_tokens < 1:
+        print("error: clients, requests and max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    before = requests.get(a.url + "/health", timeout=60).json()
+    _, s = run_load(a.url, a.clients, a.requests, a.max_tokens)
+    after = requests.get(a.url + "/health", timeout=60).json()
+    print(f"{'clients':>7} {'requests':>8} {'errors':>6} {'p50 s':>7} {'p95 s':>7} "
+          f"{'max s':>7} {'tok/s':>8} {'tau':>5} {'calls/tok':>9}")
+    print(f"{s['clients']:>7} {s['requests']:>8} {s['errors']:>6} {s['p50_s']:>7.2f} "
+          f"{s['p95_s']:>7.2f} {s['max_s']:>7.2f} {s['tokens_per_s']:>8.1f} {s['tau']:>5.2f} "
+          f"{s['target_calls_per_token']:>9.3f}")
+    for side in ("target", "draft"):
+        print(f"{side}: live states after {[r['sessions'] for r in after[side]]}, rss MB "
+              f"{[round(r['rss_mb']) for r in before[side]]} -> "
+              f"{[round(r['rss_mb']) for r in after[side]]}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": s, "method": after["method"],
+                               "health_before": before, "health_after": after}, indent=1))
+    print(f"written {out}")
+    return 0 if s["errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
