@@ -76,8 +76,7 @@ def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: s
     m = cfg.method.model_copy(update={"name": "specdecpp", "head": str(folder)})
     metrics.update(evaluate_method(cfg.model_copy(update={"method": m}), target, draft,
                                    prompts, None, t_draft, t_target))
-    sw = ExperimentConfig.model_validate(base).sweep
-    metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
+    metrics["objective"] = objective(metrics, base["sweep"])
     tune.report(metrics)
 
 
@@ -167,6 +166,5 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
                     "recall_at_k": row["Recall@K"], "ndcg_at_k": row["NDCG@K"],
                     "target_calls_per_user": row["target_calls_per_user"],
                     "K": row["K"], "N": row["N"]})
-    sw = ExperimentConfig.model_validate(base).sweep
-    metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
+    metrics["objective"] = objective(metrics, base["sweep"])
     tune.report(metrics)

@@ -56,12 +56,13 @@ def trial_config(base: dict, params: dict) -> ExperimentConfig:
     return ExperimentConfig.from_dict(data)
 
 
-def objective(metrics: dict, metric: str, mode: str, floor: dict[str, float]) -> float:
-    """``metrics[metric]``, or the worst value when a ``floor`` constraint fails."""
-    ok = all(metrics.get(k, float("-inf")) >= v for k, v in floor.items())
+def objective(metrics: dict, sweep: dict) -> float:
+    """``metrics[sweep["metric"]]``, or the worst value for ``sweep["mode"]`` when a
+    ``sweep["floor"]`` constraint fails (``sweep``: the validated section, dumped)."""
+    ok = all(metrics.get(k, float("-inf")) >= v for k, v in sweep["floor"].items())
     if ok:
-        return float(metrics[metric])
-    return float("-inf") if mode == "max" else float("inf")
+        return float(metrics[sweep["metric"]])
+    return float("-inf") if sweep["mode"] == "max" else float("inf")
 
 
 def _decoder(cfg: ExperimentConfig, target: str, draft: str | None):
@@ -122,6 +123,5 @@ def decode_trial(config: dict, *, base: dict, target: str, draft: str | None,
     log_start(run_dir, config["params"])
     cfg = trial_config(base, config["params"])
     metrics = evaluate_method(cfg, target, draft, prompts, references, t_draft, t_target)
-    sw = ExperimentConfig.model_validate(base).sweep
-    metrics["objective"] = objective(metrics, sw.metric, sw.mode, sw.floor)
+    metrics["objective"] = objective(metrics, base["sweep"])
     tune.report(metrics)

@@ -25,10 +25,13 @@ def test_a_bad_combination_fails_its_trial_with_the_field_named():
 
 def test_objective_respects_floors_and_mode():
     m = {"speedup": 1.4, "accuracy": 0.2}
-    assert objective(m, "speedup", "max", {}) == 1.4
-    assert objective(m, "speedup", "max", {"accuracy": 0.3}) == -math.inf
-    assert objective(m, "speedup", "min", {"accuracy": 0.3}) == math.inf
-    assert objective(m, "speedup", "max", {"accuracy": 0.1}) == 1.4
+    def sw(mode: str, floor: dict) -> dict:
+        return {"metric": "speedup", "mode": mode, "floor": floor}
+
+    assert objective(m, sw("max", {})) == 1.4
+    assert objective(m, sw("max", {"accuracy": 0.3})) == -math.inf
+    assert objective(m, sw("min", {"accuracy": 0.3})) == math.inf
+    assert objective(m, sw("max", {"accuracy": 0.1})) == 1.4
 
 
 @pytest.mark.parametrize("sweep,message", [
