@@ -203,21 +203,26 @@ class Ingress:
         still become a stop string or an incomplete character is held back."""
         out, sent = [], 0
         hold = max((len(s) for s in dec.stops), default=1) - 1
-        async for new in self._decode(rid, dec):
-            out += new
-            text = self._text(out)
-            cut = min((i for i in (text.find(s) for s in dec.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                dec.finish_reason = "stop"
-                if cut > sent:
-                    yield text[sent:cut]
-                return
-            safe = len(text) - hold
-            while safe > sent and text[safe - 1] == "\ufffd":
-                safe -= 1
-            if safe > sent:
-                yield text[sent:safe]
-                sent = safe
+        rounds = self._decode(rid, dec)
+        try:
+            async for new in rounds:
+                out += new
+                text = self._text(out)
+                cut = min((i for i in (text.find(s) for s in dec.stops) if i >= 0),
+                          default=-1)
+                if cut >= 0:
+                    dec.finish_reason = "stop"
+                    if cut > sent:
+                        yield text[sent:cut]
+                    return
+                safe = len(text) - hold
+                while safe > sent and text[safe - 1] == "\ufffd":
+                    safe -= 1
+                if safe > sent:
+                    yield text[sent:safe]
+                    sent = safe
+        finally:  # a stop string or a gone client ends the loop early: free the states now
+            await rounds.aclose()
         text = self._text(out)
         if len(text) > sent:
             yield text[sent:]

@@ -117,11 +117,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(repo_root()))  # serve_apps lives next to the package
     from serve_apps.app import app_from_config
 
+    app = app_from_config(cfg)  # resolves the models and checks them before Ray starts
     where = init_ray(args.address, cfg.ray.num_cpus)
     from ray import serve
 
     sv = cfg.serve
-    app = app_from_config(cfg)  # resolves models and checks the method before starting
     serve.start(http_options={"host": sv.host, "port": sv.port})
     serve.run(app, name=sv.app_name, route_prefix="/")
     print(f"[serve] {cfg.method.name} on {where}: http://{sv.host}:{sv.port} "

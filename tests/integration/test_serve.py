@@ -155,6 +155,8 @@ def test_generate_returns_tokens_and_the_sd_stats(server, offline):
         "prompt": p, "max_tokens": 24, "temperature": 0, "stop": stop})
     assert r.json()["choices"][0] == {"text": text[: text.find(stop)], "index": 0,
                                       "logprobs": None, "finish_reason": "stop"}
+    for st in _replica_stats(server["url"]).values():  # stopped early: states freed now
+        assert st["sessions"] == 0, st
 
 
 def test_recommend_returns_the_target_beam_search_top_k(server):
@@ -314,3 +316,17 @@ def test_aasd_app_sends_the_prefill_top_tokens_to_the_drafter(tmp_path, tiny):
         assert r.json()["method"] == "aasd"
     finally:
         _stop(proc)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("serve.port=0", "serve.port"),
+    ("serve.rec_target=/x", "rec_target and rec_draft: give both"),
+    ("serve.target.num_cpus=0", "serve.target.num_cpus"),
+    ("models.target=/nonexistent/model", "models.target"),
+])
+def test_bad_serve_config_is_refused_before_anything_starts(override, message):
+    res = subprocess.run([sys.executable, "-m", "speclab.cli", "serve", "--config",
+                          "experiments/smoke/serve.yaml", override], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert message in res.stderr and "embedded local Ray" not in res.stdout
