@@ -79,6 +79,7 @@ class RecDraftSide:
         self.meta.check_model(int(self.model.config.vocab_size))
 
     def start(self, prompt: list[int]) -> BeamState:
+        """A request's state: the history prompt prefilled on the drafter."""
         return BeamState(BeamTree(ModelRunner(self.model), prompt))
 
     def draft(self, state: BeamState, committed: list[list], n: int, g: int) -> list[list[list]]:

@@ -249,12 +249,14 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
+        """The one model this app serves (its name is ``serve.model_name``)."""
         return {"object": "list", "data": [{
             "id": self.s["model_name"], "object": "model", "created": self.s["created"],
             "owned_by": "speclab", "method": self.s["method"]}]}
 
     @api.post("/generate")
     async def generate(self, body: GenerateRequest) -> dict:
+        """Native decoding: text or token ids in; tokens, text and SD stats out."""
         if (body.prompt is None) == (body.prompt_ids is None):
             raise HTTPError(400, "prompt: give exactly one of prompt or prompt_ids", "prompt")
         ids = self._encode(body.prompt) if body.prompt is not None else body.prompt_ids
@@ -268,6 +270,7 @@ class Ingress:
 
     @api.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
+        """OpenAI-compatible completion (``stream``: server-sent events per round)."""
         if body.model is not None and body.model != self.s["model_name"]:
             raise HTTPError(404, f"model: {body.model!r} is not served here (serving "
                                  f"{self.s['model_name']!r}, see /v1/models)", "model",
@@ -305,6 +308,7 @@ class Ingress:
 
     @api.post("/recommend")
     async def recommend(self, body: RecommendRequest) -> dict:
+        """AtSpeed beam SD between the deployments: the target's top-``k`` items."""
         info = await self._infos()
         if not info["rec_items"]:
             raise HTTPError(404, "recommend: this app serves no recommender (set "
