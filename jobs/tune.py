@@ -183,8 +183,8 @@ def _figures(rows: list[dict], space: list[str], metric: str) -> dict:
     return figs
 
 
-_SHOWN = ("speedup", "tau", "predicted_speedup", "accuracy", "heldout_bce", "as_at_k",
-          "ws_at_k", "recall_at_k", "val_loss")  # metrics in the results table
+_SHOWN = ("speedup", "tau", "predicted_speedup", "accuracy", "accuracy_ratio", "heldout_bce",
+          "as_at_k", "ws_at_k", "recall_at_k", "val_loss")  # metrics in the results table
 
 
 def _best_config(cfg: ExperimentConfig, best: dict, sweep_dir: Path, target: str) -> dict:
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         results = _tuner(cfg, inputs, sweep_dir, times).fit()
         best = record(cfg, results, t, sweep_dir, inputs.target)
     if best is None:
-        print("[tune] every trial failed", file=sys.stderr)
+        print("[tune] no trial succeeded with a finite objective that met "
+              f"sweep.floor {dict(cfg.sweep.floor)} (see the results table)", file=sys.stderr)
         return 1
     print(f"[tune] best {best['params']} -> {cfg.sweep.metric} "
           f"{best.get(cfg.sweep.metric, best['objective']):.3f}; "

@@ -81,7 +81,9 @@ def evaluate_method(cfg: ExperimentConfig, target: str, draft: str | None,
     """AR then ``cfg.method`` on ``prompts``; the metrics a trial reports.
 
     ``references``: (metric name in :data:`speclab.text_metrics.METRICS`, one reference
-    text per prompt) adds ``accuracy``.
+    text per prompt) adds ``accuracy``, the target alone's ``ar_accuracy`` on the same
+    prompts and their ratio ``accuracy_ratio`` (1 for a lossless method; a floor on it
+    bounds what a relaxed method such as AASD may lose, whatever the model's quality).
     """
     from speclab.evaluation import MethodRun, interleaved_comparison, summarize
 
@@ -99,8 +101,15 @@ def evaluate_method(cfg: ExperimentConfig, target: str, draft: str | None,
         from speclab.text_metrics import METRICS
 
         metric, refs = METRICS[references[0]], references[1]
-        texts = [dec.tokenizer.decode(o) for o in res["totals"].outputs]
-        out["accuracy"] = sum(metric(t, r) for t, r in zip(texts, refs)) / len(texts)
+
+        def score(outputs: list[list[int]]) -> float:
+            texts = [dec.tokenizer.decode(o) for o in outputs]
+            return sum(metric(t, r) for t, r in zip(texts, refs)) / len(texts)
+
+        out["accuracy"] = score(res["totals"].outputs)
+        out["ar_accuracy"] = score(res["ar"].outputs)
+        out["accuracy_ratio"] = (out["accuracy"] / out["ar_accuracy"]
+                                 if out["ar_accuracy"] > 0 else float(out["accuracy"] == 0))
     return out
 
 
