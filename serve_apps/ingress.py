@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from serve_apps.protocol import CompletionRequest, GenerateRequest, RecommendRequest
-from speclab.spec.engine import GenerationStats
+from speclab.spec.engine import GenerationStats, commit_tokens, eos_set
 from speclab.spec.tree import TokenTree
 
 api = FastAPI(title="speclab")
@@ -114,8 +114,7 @@ class Ingress:
         """Run request ``rid``; yields the tokens committed by each round (cut at EOS
         or ``max_tokens``); fills ``dec.stats``. Both states are freed at the end."""
         info = await self._infos()
-        eos = info["eos"]
-        eos = {eos} if isinstance(eos, int) else set(eos or [])
+        eos = eos_set(info["eos"])
         uses_draft = self.s["method"] != "ar"
         st, out = dec.stats, dec.tokens
         t0 = time.perf_counter()
@@ -143,24 +142,14 @@ class Ingress:
                                               f"{len(st.accepted_lengths) + 1}") from None
                 path, new = v["path"], v["new"]
                 root = new[-1]
-                st.target_calls += 1
-                st.drafted_tokens += v["drafted"]
-                st.accepted_tokens += v["accepted"]
-                st.judged_tokens += v["evaluated"]
-                st.accepted_lengths.append(len(new))
-                kept = []
-                for tok in new:
-                    kept.append(tok)
-                    if tok in eos:
-                        done, dec.finish_reason = True, "stop"
-                        break
-                    if len(out) + len(kept) >= dec.max_tokens:
-                        done = True
-                        break
-                out.extend(kept)
+                st.add_round(v["drafted"], v["accepted"], v["evaluated"], len(new))
+                n0 = len(out)
+                done = commit_tokens(out, new, dec.max_tokens, eos)
+                if done and out[-1] in eos:
+                    dec.finish_reason = "stop"
                 st.new_tokens = len(out)
                 st.wall_s = time.perf_counter() - t0
-                yield kept
+                yield out[n0:]
         finally:
             await self._end(rid, uses_draft)
 

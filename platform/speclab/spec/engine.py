@@ -50,6 +50,15 @@ class GenerationStats:
     verify_s: float = 0.0
     prefill_s: float = 0.0
 
+    def add_round(self, drafted: int, accepted: int, judged: int, committed: int) -> None:
+        """Count one draft -> verify round (one target call) that committed
+        ``committed`` tokens (accepted drafts + the bonus)."""
+        self.target_calls += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.judged_tokens += judged
+        self.accepted_lengths.append(committed)
+
     @property
     def tau(self) -> float:
         n = len(self.accepted_lengths)
@@ -82,7 +91,8 @@ class GenerationStats:
         return d
 
 
-def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
+def eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
+    """A model config's ``eos_token_id`` (None, one id or several) as a set."""
     if eos_token_id is None:
         return set()
     if isinstance(eos_token_id, int):
@@ -90,7 +100,7 @@ def _eos_set(eos_token_id: int | Iterable[int] | None) -> set[int]:
     return {int(t) for t in eos_token_id}
 
 
-def _commit(out: list[int], new: list[int], limit: int, eos: set[int]) -> bool:
+def commit_tokens(out: list[int], new: list[int], limit: int, eos: set[int]) -> bool:
     """Append ``new`` to ``out`` up to ``limit`` tokens or the first EOS; True when done."""
     for t in new:
         out.append(t)
@@ -136,7 +146,7 @@ def autoregressive_generate(
 ) -> tuple[list[int], GenerationStats]:
     """Plain decoding with a KV cache (greedy or sampling). Returns new tokens and stats."""
     _check_inputs(prompt_ids, max_new_tokens, target.vocab_size)
-    stats, out, eos = GenerationStats(), [], _eos_set(eos_token_id)
+    stats, out, eos = GenerationStats(), [], eos_set(eos_token_id)
     t_start = time.perf_counter()
     _prefill(target, prompt_ids, stats)
     root, done = prompt_ids[-1], False
@@ -146,9 +156,8 @@ def autoregressive_generate(
         probs = warp_probs(logits, params)
         root = int(probs.argmax()) if params.greedy else sample(probs, generator)
         stats.verify_s += time.perf_counter() - t0
-        stats.target_calls += 1
-        stats.accepted_lengths.append(1)
-        done = _commit(out, [root], max_new_tokens, eos)
+        stats.add_round(0, 0, 0, 1)
+        done = commit_tokens(out, [root], max_new_tokens, eos)
     stats.new_tokens = len(out)
     stats.wall_s = time.perf_counter() - t_start
     return out, stats
@@ -226,7 +235,7 @@ def speculative_generate(
     _check_inputs(prompt_ids, max_new_tokens, target.vocab_size)
     if verify not in VERIFY_RULES:
         raise ValueError(f"verify: must be one of {VERIFY_RULES}, got {verify!r}")
-    stats, out, eos = GenerationStats(), [], _eos_set(eos_token_id)
+    stats, out, eos = GenerationStats(), [], eos_set(eos_token_id)
     committed = list(prompt_ids)
     t_start = time.perf_counter()
     draft_calls0 = drafter.calls
@@ -249,15 +258,11 @@ def speculative_generate(
         if budget > 0:
             drafter.accept(tree, verdict.path)
         committed += new
-        done = _commit(out, new, max_new_tokens, eos)
+        done = commit_tokens(out, new, max_new_tokens, eos)
         # 4. stats
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
-        stats.target_calls += 1
-        stats.drafted_tokens += tree.num_drafted
-        stats.accepted_tokens += verdict.accepted
-        stats.judged_tokens += verdict.evaluated
-        stats.accepted_lengths.append(len(new))
+        stats.add_round(tree.num_drafted, verdict.accepted, verdict.evaluated, len(new))
     stats.new_tokens = len(out)
     stats.draft_calls = drafter.calls - draft_calls0
     stats.wall_s = time.perf_counter() - t_start
