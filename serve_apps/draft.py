@@ -12,13 +12,11 @@ a datastore are loaded once per replica; each request gets its own KV cache.
 
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from serve_apps.sessions import SessionStore, rss_mb
+from serve_apps.sessions import RequestStates
 from speclab.api import NO_DRAFT_MODEL, MethodParams, head_folder, make_drafter
 from speclab.models.loading import load_model
 from speclab.spec.acceptance_head import load_head
@@ -46,7 +44,7 @@ class _Request:
             self.runner.release()
 
 
-class DraftDeployment:
+class DraftDeployment(RequestStates):
     """Holds the draft side of one method (``method``: a MethodConfig dump)."""
 
     def __init__(self, draft: str | None, method: dict, target_vocab: int,
@@ -79,8 +77,7 @@ class DraftDeployment:
         self.prefill_top_k = check.prefill_top_k if check is not None else 0
         if check_runner is not None:
             check_runner.release()  # e.g. SpecDec++'s hidden-state hook on the shared model
-        self.sessions = SessionStore(max_sessions, max_cached_tokens, idle_timeout_s)
-        self.lock = threading.Lock()
+        super().__init__(max_sessions, max_cached_tokens, idle_timeout_s)
         self.rec = None
         if rec_draft:
             from serve_apps.beams import RecDraftSide
@@ -120,11 +117,6 @@ class DraftDeployment:
             return {"tree": req.last_tree.to_wire(),
                     "draft_calls": req.drafter.calls - req.calls0}
 
-    def end(self, rid: str) -> bool:
-        """Free the request's state (False if it was already gone)."""
-        with self.lock:
-            return self.sessions.end(rid)
-
     def rec_start(self, rid: str, prompt: list[int]) -> None:
         """``POST /recommend``: prefill the history prompt on the drafter recommender."""
         if self.rec is None:
@@ -136,10 +128,3 @@ class DraftDeployment:
         """``g`` levels of beam search with beam ``n`` from the committed beams."""
         with self.lock:
             return self.rec.draft(self.sessions.get(rid), committed, n, g)
-
-    def stats(self, probe: str = "") -> dict:
-        """Live requests, cached KV positions, frees so far, resident memory. ``probe``
-        is routed like a request id, so different probes reach different replicas."""
-        return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),
-                "expired": self.sessions.expired, "evicted": self.sessions.evicted,
-                "rss_mb": rss_mb(), "pid": os.getpid()}

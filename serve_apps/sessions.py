@@ -108,3 +108,26 @@ def rss_mb() -> float:
     import psutil
 
     return psutil.Process(os.getpid()).memory_info().rss / 2**20
+
+
+class RequestStates:
+    """Base of the model deployments: a :class:`SessionStore` from the ``serve`` bounds,
+    the lock that serialises the replica's model work, and the two calls every
+    deployment answers the same way (``end``, ``stats``)."""
+
+    def __init__(self, max_sessions: int, max_cached_tokens: int,
+                 idle_timeout_s: float) -> None:
+        self.sessions = SessionStore(max_sessions, max_cached_tokens, idle_timeout_s)
+        self.lock = threading.Lock()  # one forward at a time: the models are shared
+
+    def end(self, rid: str) -> bool:
+        """Free the request's state (False if it was already gone)."""
+        with self.lock:
+            return self.sessions.end(rid)
+
+    def stats(self, probe: str = "") -> dict:
+        """Live requests, cached KV positions, frees so far, resident memory. ``probe``
+        is routed like a request id, so different probes reach different replicas."""
+        return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),
+                "expired": self.sessions.expired, "evicted": self.sessions.evicted,
+                "rss_mb": rss_mb(), "pid": os.getpid()}

@@ -11,13 +11,11 @@ beam SD for ``POST /recommend`` (:mod:`serve_apps.beams`). State is bounded by
 
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import dataclass
 
 import torch
 
-from serve_apps.sessions import SessionStore, rss_mb
+from serve_apps.sessions import RequestStates
 from speclab.models.loading import load_model
 from speclab.spec.engine import prefill, verify_round
 from speclab.spec.kv import ModelRunner
@@ -39,7 +37,7 @@ class _Request:
         self.runner.release()
 
 
-class TargetDeployment:
+class TargetDeployment(RequestStates):
     """Holds the target; every method that touches a request takes its id first."""
 
     def __init__(self, target: str, dtype: str = "float32", device: str = "cpu",
@@ -50,8 +48,7 @@ class TargetDeployment:
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos = eos if eos is not None else self.model.config.eos_token_id
-        self.sessions = SessionStore(max_sessions, max_cached_tokens, idle_timeout_s)
-        self.lock = threading.Lock()  # one forward at a time: the model is shared
+        super().__init__(max_sessions, max_cached_tokens, idle_timeout_s)
         self.rec = None
         if rec_target:
             from serve_apps.beams import RecTargetSide
@@ -91,11 +88,6 @@ class TargetDeployment:
         return {"path": verdict.path, "new": new, "accepted": verdict.accepted,
                 "evaluated": verdict.evaluated, "drafted": t.num_drafted}
 
-    def end(self, rid: str) -> bool:
-        """Free the request's state (False if it was already gone)."""
-        with self.lock:
-            return self.sessions.end(rid)
-
     def rec_start(self, rid: str, history: list[int], k: int) -> list[int]:
         """``POST /recommend``: prefill the history's prompt; returns its tokens."""
         if self.rec is None:
@@ -109,10 +101,3 @@ class TargetDeployment:
         """Strict top-K verification of one round of drafted beam levels."""
         with self.lock:
             return self.rec.verify(self.sessions.get(rid), drafted, committed, k)
-
-    def stats(self, probe: str = "") -> dict:
-        """Live requests, cached KV positions, frees so far, resident memory. ``probe``
-        is routed like a request id, so different probes reach different replicas."""
-        return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),
-                "expired": self.sessions.expired, "evicted": self.sessions.evicted,
-                "rss_mb": rss_mb(), "pid": os.getpid()}
