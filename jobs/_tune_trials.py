@@ -28,7 +28,7 @@ def _chunks(steps: int, every: int) -> list[int]:
 def _trained_head(result, depth: int):
     import torch
 
-    from speclab.spec.acceptance_head import AcceptanceHead
+    from speclab.decoding.acceptance_head import AcceptanceHead
 
     with result.checkpoint.as_directory() as d:
         state = torch.load(Path(d) / "state.pt", weights_only=False)["model"]
@@ -52,7 +52,7 @@ def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: s
 
     from jobs._train import fit
     from jobs.train_head import held_out_metrics
-    from speclab.spec.acceptance_head import save_head
+    from speclab.decoding.acceptance_head import save_head
     from speclab.sweep import evaluate_method, log_start, objective, trial_config
 
     log_start(run_dir, config["params"])
@@ -137,7 +137,7 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
     from speclab.models.loading import load_model
     from speclab.rec_eval import evaluate
     from speclab.recommend import Recommender
-    from speclab.spec.kv import ModelRunner
+    from speclab.decoding.runner import ModelRunner
     from speclab.sweep import log_start, objective, trial_config
 
     log_start(run_dir, config["params"])

@@ -5,7 +5,7 @@
 Driver: resolves the target (its tokenizer defines the token ids), loads the ``corpus``
 training text and cuts it into ``datastore.shards`` pieces at line boundaries. One Ray
 task per shard tokenises its piece and builds its suffix array
-(:mod:`speclab.spec.datastore`), writing ``shard-XXXXX.npz`` into
+(:mod:`speclab.decoding.datastore`), writing ``shard-XXXXX.npz`` into
 ``datastore.output``; the driver writes ``datastore.json`` and logs the token count,
 build time and the manifest to MLflow. Use it with ``--method rest --datastore DIR``.
 """
@@ -44,14 +44,14 @@ def build(target: str, pieces: list[str], out: Path, max_len: int) -> tuple[int,
     """Shards on Ray tasks; returns (tokens, shard file names)."""
     import ray
 
-    from speclab.spec.datastore import write_manifest
+    from speclab.decoding.datastore import write_manifest
 
     @ray.remote(num_cpus=1)
     def shard(text: str, path: str) -> int:
         import numpy as np
 
         from speclab.models.loading import load_tokenizer
-        from speclab.spec.datastore import build_shard
+        from speclab.decoding.datastore import build_shard
 
         tok = load_tokenizer(target, field="models.target")
         docs = [tok.encode(d, add_special_tokens=False) for d in text.split("\n\n") if d]

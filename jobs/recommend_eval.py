@@ -87,7 +87,7 @@ def generate_alignment(target: str, draft: str | None, meta, prompts: list[list[
         import torch
 
         from speclab.models.loading import load_model
-        from speclab.spec.kv import ModelRunner
+        from speclab.decoding.runner import ModelRunner
         from speclab.train.rec_align import alignment_example
 
         torch.set_num_threads(1)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     from speclab.raylib import init_ray
     from speclab.rec_eval import evaluate
     from speclab.recommend import Recommender
-    from speclab.spec.kv import ModelRunner
+    from speclab.decoding.runner import ModelRunner
 
     re = cfg.rec_eval
     storage, run_name = run_dirs(cfg)

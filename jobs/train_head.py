@@ -71,7 +71,7 @@ def train_head(cfg: ExperimentConfig, prep, draft: str, storage: Path, run_name:
 
     from jobs._train import fit
     from jobs.distill import generate
-    from speclab.spec.acceptance_head import AcceptanceHead, save_head
+    from speclab.decoding.acceptance_head import AcceptanceHead, save_head
 
     data_dir = data_dir or storage / run_name / "data"
     t0 = time.perf_counter()

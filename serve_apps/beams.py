@@ -2,10 +2,10 @@
 
 ``RecTargetSide`` (inside :class:`serve_apps.target.TargetDeployment`) holds the target
 recommender, turns a history into its prompt and verifies drafted beam levels with
-strict top-K verification (:func:`speclab.spec.beam.verify_beam_levels`, Algorithm 1:
+strict top-K verification (:func:`speclab.decoding.beam.verify_beam_levels`, Algorithm 1:
 lossless, the same top-K as the target's beam search). ``RecDraftSide`` (inside
 :class:`serve_apps.draft.DraftDeployment`) drafts ``gamma`` levels of beam search with
-beam ``N`` (:func:`speclab.spec.beam.draft_beam_levels`). Each keeps the prompt's KV
+beam ``N`` (:func:`speclab.decoding.beam.draft_beam_levels`). Each keeps the prompt's KV
 cache of a request as a :class:`BeamState` in the replica's session store; what
 travels between them is plain beams: ``[[token ids], log-prob]``.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from speclab.data.rec_dataset import RecMeta
 from speclab.models.loading import load_model
-from speclab.spec.beam import BeamTree, draft_beam_levels, verify_beam_levels
-from speclab.spec.kv import ModelRunner
+from speclab.decoding.beam import BeamTree, draft_beam_levels, verify_beam_levels
+from speclab.decoding.runner import ModelRunner
 
 
 @dataclass

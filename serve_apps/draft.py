@@ -19,12 +19,12 @@ import torch
 from serve_apps.sessions import RequestStates
 from speclab.api import NO_DRAFT_MODEL, MethodParams, head_folder, make_drafter
 from speclab.models.loading import load_model
-from speclab.spec.acceptance_head import load_head
-from speclab.spec.datastore import Datastore
-from speclab.spec.drafters.base import Drafter
-from speclab.spec.kv import ModelRunner
-from speclab.spec.sampling import SamplingParams
-from speclab.spec.tree import TokenTree
+from speclab.decoding.acceptance_head import load_head
+from speclab.decoding.datastore import Datastore
+from speclab.drafters.base import Drafter
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
+from speclab.decoding.tree import TokenTree
 
 
 @dataclass

@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
 from serve_apps.protocol import CompletionRequest, GenerateRequest, RecommendRequest
-from speclab.spec.engine import GenerationStats, commit_tokens, eos_set
-from speclab.spec.tree import TokenTree
+from speclab.decoding.loop import GenerationStats, commit_tokens, eos_set
+from speclab.decoding.tree import TokenTree
 
 api = FastAPI(title="speclab")
 

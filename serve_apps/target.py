@@ -17,10 +17,10 @@ import torch
 
 from serve_apps.sessions import RequestStates
 from speclab.models.loading import load_model
-from speclab.spec.engine import prefill, verify_round
-from speclab.spec.kv import ModelRunner
-from speclab.spec.sampling import SamplingParams
-from speclab.spec.tree import TokenTree
+from speclab.decoding.loop import prefill, verify_round
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
+from speclab.decoding.tree import TokenTree
 
 
 @dataclass

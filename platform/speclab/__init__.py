@@ -1,4 +1,4 @@
-"""speclab: speculative decoding on Ray (engine in ``speclab.spec``, pure PyTorch).
+"""speclab: speculative decoding on Ray (engine in ``speclab.decoding``, pure PyTorch).
 
 Import-light on purpose: ``import speclab`` pulls in neither Ray nor MLflow.
 """

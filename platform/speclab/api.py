@@ -27,15 +27,15 @@ import torch
 from transformers import PreTrainedModel
 
 from speclab.models.loading import check_same_vocab, load_model, load_tokenizer, resolve_source
-from speclab.spec.acceptance_head import AcceptanceHead, load_head
-from speclab.spec.datastore import Datastore
-from speclab.spec.drafters import ChainDrafter, Drafter, Eagle2TreeDrafter, OptimalTreeDrafter
-from speclab.spec.drafters.pld import PromptLookupDrafter
-from speclab.spec.drafters.rest import RestDrafter
-from speclab.spec.drafters.specdecpp import SpecDecPPDrafter
-from speclab.spec.engine import GenerationStats, autoregressive_generate, speculative_generate
-from speclab.spec.kv import ModelRunner
-from speclab.spec.sampling import SamplingParams
+from speclab.decoding.acceptance_head import AcceptanceHead, load_head
+from speclab.decoding.datastore import Datastore
+from speclab.drafters import ChainDrafter, Drafter, Eagle2TreeDrafter, OptimalTreeDrafter
+from speclab.drafters.pld import PromptLookupDrafter
+from speclab.drafters.rest import RestDrafter
+from speclab.drafters.specdecpp import SpecDecPPDrafter
+from speclab.decoding.loop import GenerationStats, autoregressive_generate, speculative_generate
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
 
 METHODS = ("ar", "chain", "tree", "optimal", "salf", "specdecpp", "pld", "rest", "aasd")
 NO_DRAFT_MODEL = ("ar", "pld", "rest", "aasd")  # methods that need no draft model

@@ -17,7 +17,7 @@ import torch
 
 from speclab.data.rec_dataset import RecExample
 from speclab.recommend import Recommender
-from speclab.spec.beam import (
+from speclab.decoding.beam import (
     beam_speculative_sampling,
     beam_speculative_search,
     constrained_beam_search,

@@ -18,13 +18,13 @@ import torch
 
 from speclab.data.rec_dataset import RecMeta
 from speclab.models.loading import check_same_vocab, load_model, resolve_source
-from speclab.spec.beam import (
+from speclab.decoding.beam import (
     beam_speculative_sampling,
     beam_speculative_search,
     constrained_beam_search,
     sampling_beam_search,
 )
-from speclab.spec.kv import ModelRunner
+from speclab.decoding.runner import ModelRunner
 
 
 class Recommender:

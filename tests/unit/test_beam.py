@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from speclab.models.loading import load_model
-from speclab.spec.beam import (
+from speclab.decoding.beam import (
     beam_speculative_search,
     constrained_beam_search,
     mixture_beam_search,
 )
-from speclab.spec.kv import ModelRunner
-from speclab.spec.trie import ItemTrie
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.trie import ItemTrie
 
 
 def random_trie(n_items: int, length: int = 4, codebook: int = 6, offset: int = 40, seed=0):
@@ -172,7 +172,7 @@ def test_relaxed_sampling_verification_tracks_target_sampling_beam_search(sampli
     independent target runs differ by ~0.03), while the drafter's own sampling beam
     search is > 0.2 away (so the test can tell the two apart), and drafted steps are
     really accepted (more of them with N = 4 > K)."""
-    from speclab.spec.beam import beam_speculative_sampling, sampling_beam_search
+    from speclab.decoding.beam import beam_speculative_sampling, sampling_beam_search
 
     target, draft = sampling_pair
     seqs = sorted({(10 + a, 13 + b, 10 + c) for a in range(3) for b in range(3)

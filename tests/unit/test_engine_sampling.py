@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from speclab.api import Decoder
-from speclab.spec.sampling import SamplingParams, warp_probs
+from speclab.decoding.sampling import SamplingParams, warp_probs
 
 N = 3000
 PROMPT = [1, 4, 2]

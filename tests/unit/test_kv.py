@@ -3,8 +3,8 @@
 import torch
 
 from speclab.models.loading import load_model
-from speclab.spec.kv import ModelRunner
-from speclab.spec.tree import TokenTree
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.tree import TokenTree
 
 
 def test_tree_forward_matches_per_path_and_pruned_cache_matches_recompute(tiny_pair):

@@ -20,7 +20,7 @@ def test_platform_is_not_a_package_and_stdlib_platform_works():
 
 
 def test_engine_imports_neither_ray_nor_mlflow():
-    code = ("import sys, speclab.spec.engine, speclab.spec.drafters, speclab.api, "
+    code = ("import sys, speclab.decoding.loop, speclab.drafters, speclab.api, "
             "speclab.theory, speclab.evaluation; "
             "print(any(m == 'ray' or m.startswith('ray.') for m in sys.modules), "
             "any(m == 'mlflow' or m.startswith('mlflow.') for m in sys.modules))")

@@ -7,8 +7,8 @@ from speclab.data import recsys
 from speclab.data.rec_dataset import RecExample, RecMeta
 from speclab.models.loading import load_model
 from speclab.models.tiny import build_tiny_llama
-from speclab.spec.beam import constrained_beam_search, mixture_beam_search
-from speclab.spec.kv import ModelRunner
+from speclab.decoding.beam import constrained_beam_search, mixture_beam_search
+from speclab.decoding.runner import ModelRunner
 from speclab.train.rec_align import REC_LOSSES, alignment_example, collate_align, rec_align_loss
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from speclab.data import recsys
-from speclab.spec.trie import ItemTrie
+from speclab.decoding.trie import ItemTrie
 
 
 def test_synthetic_data_has_structure():

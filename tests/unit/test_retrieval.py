@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from speclab.api import Decoder
-from speclab.spec.datastore import Datastore, suffix_array
-from speclab.spec.drafters.pld import DraftPool, PromptLookupDrafter
-from speclab.spec.drafters.rest import RestDrafter
-from speclab.spec.tree import TokenTree
-from speclab.spec.verify import conditional_threshold, verify_conditional
+from speclab.decoding.datastore import Datastore, suffix_array
+from speclab.drafters.pld import DraftPool, PromptLookupDrafter
+from speclab.drafters.rest import RestDrafter
+from speclab.decoding.tree import TokenTree
+from speclab.decoding.verify import conditional_threshold, verify_conditional
 from speclab.text_metrics import edit_sim, rouge_l, token_f1
 
 

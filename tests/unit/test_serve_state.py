@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from serve_apps.protocol import CompletionRequest, GenerateRequest, RecommendRequest
 from serve_apps.sessions import SessionGone, SessionStore
-from speclab.spec.tree import DETERMINISTIC, SAMPLED, TokenTree
+from speclab.decoding.tree import DETERMINISTIC, SAMPLED, TokenTree
 
 
 class FakeState:

@@ -2,7 +2,7 @@
 
 import torch
 
-from speclab.spec.tree import TokenTree, additive_mask, select_subtree
+from speclab.decoding.tree import TokenTree, additive_mask, select_subtree
 
 
 def test_chain_mask_is_causal_and_positions_follow_depth():

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from speclab.spec.drafters import build_eagle2_tree, build_optimal_tree
+from speclab.drafters import build_eagle2_tree, build_optimal_tree
 
 VOCAB = 5
 

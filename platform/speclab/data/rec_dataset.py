@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from speclab.data.recsys import Interaction, chronological_split, id_tokens
-from speclab.spec.trie import ItemTrie
+from speclab.decoding.trie import ItemTrie
 
 SPECIALS = ["<pad>", "<bos>", "<sep>", "<eos>"]
 PAD, BOS, SEP, EOS = range(4)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from speclab.spec.drafters.eagle2 import build_eagle2_tree
-from speclab.spec.kv import ModelRunner, forward_tree_nodes
+from speclab.drafters.eagle2 import build_eagle2_tree
+from speclab.decoding.runner import ModelRunner, forward_tree_nodes
 
 KINDS = ("kd", "seq", "tree", "accept")
 LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",
@@ -46,8 +46,8 @@ def kd_example(target: ModelRunner, window: list[int], k: int) -> dict:
 def seq_example(target: ModelRunner, prompt: list[int], response_len: int,
                 eos: int | None) -> dict:
     """Prompt + the target's greedy continuation; ``loss_from`` marks the response start."""
-    from speclab.spec.engine import autoregressive_generate
-    from speclab.spec.sampling import SamplingParams
+    from speclab.decoding.loop import autoregressive_generate
+    from speclab.decoding.sampling import SamplingParams
 
     out, _ = autoregressive_generate(target, prompt, response_len, SamplingParams(0.0), eos)
     return {"tokens": prompt + out, "loss_from": len(prompt)}
@@ -83,8 +83,8 @@ def accept_example(target: ModelRunner, draft: ModelRunner, prompt: list[int],
     a sample from ``q_i``); ``p[i]``: P(y_i accepted) = ``1[y_i == argmax p_i]`` (greedy)
     or ``min(1, p_i(y_i) / q_i(y_i))`` with both distributions warped by ``temperature``.
     """
-    from speclab.spec.engine import autoregressive_generate
-    from speclab.spec.sampling import SamplingParams, warp_probs
+    from speclab.decoding.loop import autoregressive_generate
+    from speclab.decoding.sampling import SamplingParams, warp_probs
 
     params = SamplingParams(temperature)
     g = torch.Generator().manual_seed(seed)

@@ -19,9 +19,9 @@ import torch
 
 from speclab import losses
 from speclab.data.rec_dataset import PAD, RecExample, RecMeta, collate_rec
-from speclab.spec.beam import BeamTree, constrained_beam_search, mixture_beam_search
-from speclab.spec.kv import ModelRunner
-from speclab.spec.trie import ItemTrie
+from speclab.decoding.beam import BeamTree, constrained_beam_search, mixture_beam_search
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.trie import ItemTrie
 
 REC_LOSSES = ("sft", "seq_kd", "word_kd", "tvd_kd", "atspeed_s", "atspeed_r")
 

@@ -210,7 +210,7 @@ class HeadTask:
                                       .to(device))
 
     def build_model(self) -> torch.nn.Module:
-        from speclab.spec.acceptance_head import AcceptanceHead
+        from speclab.decoding.acceptance_head import AcceptanceHead
 
         return AcceptanceHead(self.features.hidden_size, self.h.depth)
 

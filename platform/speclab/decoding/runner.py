@@ -12,7 +12,7 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from speclab.spec.tree import TokenTree, additive_mask
+from speclab.decoding.tree import TokenTree, additive_mask
 
 
 class ModelRunner:

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from speclab.spec.drafters.base import Drafter
-from speclab.spec.kv import ModelRunner
-from speclab.spec.sampling import SamplingParams, sample, warp_probs
-from speclab.spec.tree import TokenTree
-from speclab.spec.verify import (
+from speclab.drafters.base import Drafter
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams, sample, warp_probs
+from speclab.decoding.tree import TokenTree
+from speclab.decoding.verify import (
     Verdict,
     verify_conditional,
     verify_greedy,

@@ -1,6 +1,6 @@
 """SpecDec++ adaptive-length chain drafter (Algorithm 2).
 
-Drafts one token at a time like :class:`~speclab.spec.drafters.chain.ChainDrafter`;
+Drafts one token at a time like :class:`~speclab.drafters.chain.ChainDrafter`;
 after the draft model has processed ``Y_i`` its acceptance head predicts
 ``P(Y_i accepted | Y_<i accepted)`` from the final hidden state ``e_i``. Drafting stops
 once ``1 - prod_i P_i > threshold`` (the predicted chance that some drafted token is
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from speclab.spec.acceptance_head import AcceptanceHead, should_stop
-from speclab.spec.drafters.base import ModelDrafter
-from speclab.spec.drafters.chain import draft_next
-from speclab.spec.kv import ModelRunner
-from speclab.spec.sampling import SamplingParams
-from speclab.spec.tree import TokenTree
+from speclab.decoding.acceptance_head import AcceptanceHead, should_stop
+from speclab.drafters.base import ModelDrafter
+from speclab.drafters.chain import draft_next
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
+from speclab.decoding.tree import TokenTree
 
 
 class SpecDecPPDrafter(ModelDrafter):

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speclab.spec.drafters.base import ModelDrafter
-from speclab.spec.drafters.eagle2 import ExpandFn
-from speclab.spec.kv import ModelRunner
-from speclab.spec.tree import DETERMINISTIC, TokenTree, select_subtree
+from speclab.drafters.base import ModelDrafter
+from speclab.drafters.eagle2 import ExpandFn
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 
 
 @dataclass(order=True)

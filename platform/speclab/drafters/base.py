@@ -11,8 +11,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from speclab.spec.kv import ModelRunner, forward_tree_nodes
-from speclab.spec.tree import TokenTree
+from speclab.decoding.runner import ModelRunner, forward_tree_nodes
+from speclab.decoding.tree import TokenTree
 
 
 class Drafter(ABC):

@@ -4,10 +4,10 @@ Conventions used everywhere in this package:
 
 * ``p`` is the TARGET distribution, ``q`` the DRAFT distribution (Leviathan et al.,
   AtSpeed). transformers uses the opposite letters internally; they never leak here.
-* A round is: a drafter proposes a :class:`~speclab.spec.tree.TokenTree` rooted at the
+* A round is: a drafter proposes a :class:`~speclab.decoding.tree.TokenTree` rooted at the
   last committed token that the target has not processed yet (node 0, the *root*);
   the target scores every node in ONE forward with tree attention; a verification
-  rule (:mod:`speclab.spec.verify`) picks the accepted root-to-node path plus one
+  rule (:mod:`speclab.decoding.verify`) picks the accepted root-to-node path plus one
   corrected/bonus token; both KV caches keep only the accepted path (a gather).
 * The target's logits at node ``i`` are its distribution over the children of ``i``.
 * "Lossless": at temperature 0 the output equals the target's greedy decoding; at

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from speclab.spec.sampling import SamplingParams, sample, warp_probs
-from speclab.spec.tree import SAMPLED, TokenTree
+from speclab.decoding.sampling import SamplingParams, sample, warp_probs
+from speclab.decoding.tree import SAMPLED, TokenTree
 
 
 @dataclass

@@ -5,10 +5,10 @@ Registry: ``chain`` (Leviathan, fixed gamma), ``tree`` (EAGLE-2 dynamic beam tre
 (Algorithm 2 with stopping at low further gains).
 """
 
-from speclab.spec.drafters.base import Drafter, ModelDrafter
-from speclab.spec.drafters.chain import ChainDrafter
-from speclab.spec.drafters.eagle2 import Eagle2TreeDrafter, build_eagle2_tree
-from speclab.spec.drafters.optimal import OptimalTreeDrafter, build_optimal_tree
+from speclab.drafters.base import Drafter, ModelDrafter
+from speclab.drafters.chain import ChainDrafter
+from speclab.drafters.eagle2 import Eagle2TreeDrafter, build_eagle2_tree
+from speclab.drafters.optimal import OptimalTreeDrafter, build_optimal_tree
 
 __all__ = [
     "ChainDrafter",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from speclab.spec.drafters.base import ModelDrafter
-from speclab.spec.kv import ModelRunner
-from speclab.spec.sampling import SamplingParams, sample, warp_probs
-from speclab.spec.tree import DETERMINISTIC, SAMPLED, TokenTree
+from speclab.drafters.base import ModelDrafter
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams, sample, warp_probs
+from speclab.decoding.tree import DETERMINISTIC, SAMPLED, TokenTree
 
 
 def draft_next(tree: TokenTree, node: int, logits: torch.Tensor, params: SamplingParams,

@@ -1,4 +1,4 @@
-"""REST drafter: continuations retrieved from a :class:`~speclab.spec.datastore.Datastore`.
+"""REST drafter: continuations retrieved from a :class:`~speclab.decoding.datastore.Datastore`.
 
 Each round the longest suffix of the committed text (up to ``max_key`` tokens) that
 occurs in the datastore gives up to ``candidates`` most frequent continuations of up
@@ -8,10 +8,10 @@ usual lossless rule (children are deterministic proposals).
 
 from __future__ import annotations
 
-from speclab.spec.datastore import Datastore
-from speclab.spec.drafters.base import Drafter
-from speclab.spec.drafters.pld import check_retrieval_params
-from speclab.spec.tree import TokenTree
+from speclab.decoding.datastore import Datastore
+from speclab.drafters.base import Drafter
+from speclab.drafters.pld import check_retrieval_params
+from speclab.decoding.tree import TokenTree
 
 
 class RestDrafter(Drafter):

@@ -2,7 +2,7 @@
 
 A beam is ``(tokens, score)``: the item-id tokens generated so far after the prompt and
 their summed log-probability, each step's log-probabilities renormalised over the tokens
-the :class:`~speclab.spec.trie.ItemTrie` allows. Ranking ties break by token sequence, so
+the :class:`~speclab.decoding.trie.ItemTrie` allows. Ranking ties break by token sequence, so
 every search here is deterministic.
 
 * :func:`constrained_beam_search` — the target's (or drafter's) own beam search;
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speclab.spec.kv import ModelRunner, forward_tree_nodes
-from speclab.spec.tree import TokenTree
-from speclab.spec.trie import ItemTrie
+from speclab.decoding.runner import ModelRunner, forward_tree_nodes
+from speclab.decoding.tree import TokenTree
+from speclab.decoding.trie import ItemTrie
 
 Beam = tuple[tuple[int, ...], float]
 

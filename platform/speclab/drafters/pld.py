@@ -12,7 +12,7 @@ AASD adds, for tokens retrieved from the PROMPT:
   prefill distribution at that prompt position, the top ``align_k`` tokens of that
   distribution become extra siblings (AASD section 3.2);
 * conditional verification: prompt-retrieved and alignment-sampled nodes are marked
-  ``relaxed`` and the tree asks for :func:`~speclab.spec.verify.verify_conditional`
+  ``relaxed`` and the tree asks for :func:`~speclab.decoding.verify.verify_conditional`
   with (``alpha``, ``beta``); tokens retrieved from generated text stay strict.
 
 With neither, PLD under greedy verification is lossless.
@@ -20,8 +20,8 @@ With neither, PLD under greedy verification is lossless.
 
 from __future__ import annotations
 
-from speclab.spec.drafters.base import Drafter
-from speclab.spec.tree import DETERMINISTIC, TokenTree
+from speclab.drafters.base import Drafter
+from speclab.decoding.tree import DETERMINISTIC, TokenTree
 
 
 def check_retrieval_params(ngram: int, max_key: int, candidates: int) -> None:

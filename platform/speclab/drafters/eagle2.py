@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from speclab.spec.drafters.base import ModelDrafter
-from speclab.spec.kv import ModelRunner
-from speclab.spec.tree import DETERMINISTIC, TokenTree, select_subtree
+from speclab.drafters.base import ModelDrafter
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 
 ExpandFn = Callable[[TokenTree, list[int]], torch.Tensor]
 
