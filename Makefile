@@ -4,7 +4,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test lint bench ui clean
+.PHONY: setup demo test test-unit lint bench ui clean
 
 .venv/.installed: pyproject.toml constraints.txt
 	python3 -m venv .venv
@@ -23,6 +23,9 @@ lint: setup
 
 test: setup lint ## ruff + the whole test suite
 	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+test-unit: setup lint ## ruff + the unit tests only (no Ray started, a few minutes)
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 bench: setup
 	.venv/bin/speclab bench

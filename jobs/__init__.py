@@ -1,7 +1,10 @@
 """Ray job entry points: ``python -m jobs.<name> --config experiments/<x>.yaml [k=v ...]``.
 
-The package makes ``speclab`` importable from a plain checkout (e.g. a Ray Jobs
-working_dir) by putting ``platform/`` on ``sys.path`` when it is not installed.
+Each ``jobs/<name>.py`` is a thin shim over ``speclab.pipelines.<name>.main``: the jobs
+themselves and the stages they share live in the library (:mod:`speclab.pipelines`),
+and no job module imports another. The package makes ``speclab`` importable from a
+plain checkout (e.g. a Ray Jobs working_dir) by putting ``platform/`` on ``sys.path``
+when it is not installed.
 """
 
 import sys

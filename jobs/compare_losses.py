@@ -2,88 +2,13 @@
 
     python -m jobs.compare_losses --config experiments/distill_compare.yaml [key=value ...]
 
-The target's signals for every loss in ``compare.losses`` are generated once into a
-shared folder; then one drafter per loss is trained with the same architecture, data
-and budget (``arch``, ``train``), registered (``output.register_as``-<loss>) and
-evaluated with every method in ``methods``. Each loss is an MLflow child run of the
-comparison's parent run, which gets the table (``loss_comparison.csv/json/txt``) and a
-plot of tau per method and loss.
+Runs ``speclab.pipelines.compare_losses.main`` (also ``speclab run compare_losses``).
 """
 
-from __future__ import annotations
-
 import sys
-import time
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import run_dirs, start_job
-
-
-def _plot(table: list[dict]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    losses = list(dict.fromkeys(r["loss"] for r in table))
-    methods = list(dict.fromkeys(r["method"] for r in table))
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(losses)), 3.8))
-    width = 0.8 / max(len(methods), 1)
-    for j, m in enumerate(methods):
-        vals = [next(r["tau"] for r in table if r["loss"] == loss and r["method"] == m)
-                for loss in losses]
-        ax.bar([i + j * width for i in range(len(losses))], vals, width, label=m[:28])
-    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(losses))], losses)
-    ax.set_ylabel("tau (tokens per target call)")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    return fig
-
-
-def main(argv: list[str] | None = None) -> int:
-    from jobs.distill import generate, prepare, train_register_evaluate
-
-    job = start_job(__doc__, argv, prepare)
-    cfg, tracker, prep = job.cfg, job.tracker, job.inputs
-
-    from speclab.evaluation import format_table
-    from speclab.raylib import init_ray
-    from speclab.train.distill_data import LOSS_KIND
-
-    storage, run_name = run_dirs(cfg)
-    data_dir = storage / run_name / "data"
-    where = init_ray(job.address, cfg.ray.num_cpus)
-    print(f"[compare_losses] running on {where}; run dir {storage / run_name}", flush=True)
-    table: list[dict] = []
-    with tracker as parent:
-        parent.set_tags({"job": "compare_losses", "target": prep.target})
-        t0 = time.perf_counter()
-        kinds = {LOSS_KIND[name] for name in cfg.compare.losses}
-        shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
-        parent.log_metrics({"generate_s": time.perf_counter() - t0,
-                            "generate_actor_peak_rss_mb": actor_peak,
-                            **{f"shards.{k}": v for k, v in shards.items()}})
-        for loss in cfg.compare.losses:
-            sub = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"loss": loss})})
-            register = f"{cfg.output.register_as}-{loss}" if cfg.output.register_as else None
-            print(f"[compare_losses] === {loss} ===", flush=True)
-            with parent.child(f"{cfg.name}-{loss}", sub.model_dump(mode="json")) as child:
-                child.set_tags({"loss": loss})
-                rows = train_register_evaluate(sub, prep, storage, f"{run_name}-{loss}",
-                                               data_dir, child, register)
-            for row in rows[1:]:  # skip the AR row
-                table.append({"loss": loss, "method": row["method"], "tau": row["tau"],
-                              "target_calls_per_token": row["target_calls_per_token"],
-                              "speedup": row["speedup"], "tokens_per_s": row["tokens_per_s"]})
-        cols = [("loss", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
-                ("target_calls_per_token", "{:.3f}"), ("speedup", "{:.2f}x")]
-        text = format_table(table, cols)
-        print(text, flush=True)
-        parent.log_table(table, "loss_comparison")
-        parent.log_text(text, "loss_comparison.txt")
-        parent.log_figure(_plot(table), "tau_by_loss.png")
-    return 0
-
+from speclab.pipelines.compare_losses import main
 
 if __name__ == "__main__":
     sys.exit(main())

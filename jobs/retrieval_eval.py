@@ -1,126 +1,14 @@
-"""Retrieval drafting evaluation: AASD Table 2 (MAL, tokens/s, speedup) and Tables 4/5
-(accuracy and ablations) on tasks that reward context reuse.
+"""Retrieval drafting evaluation: AASD Tables 2, 4 and 5 shapes.
 
-    python -m jobs.retrieval_eval --config experiments/retrieval.yaml
+    python -m jobs.retrieval_eval --config experiments/retrieval.yaml [key=value ...]
 
-For every ``retrieval.tasks`` entry (code completion over stdlib files, docstring QA,
-docstring summaries; :mod:`speclab.data.tasks`) the ``methods`` (e.g. ar, rest, pld,
-aasd and AASD without alignment sampling / without conditional verification) decode
-the same prompts in ONE Ray actor, one method after another with the AR baseline
-re-run before each; Hugging Face prompt lookup is timed too
-(``retrieval.hf_prompt_lookup`` tokens). Per task x method: MAL (mean accepted length
-= tokens per target forward), tokens/s, speedup over AR, and the task's accuracy
-(Edit Sim, token F1 or ROUGE-L against the reference) next to AR's. Logged as one
-MLflow table, text and per-task metrics.
+Runs ``speclab.pipelines.retrieval_eval.main`` (also ``speclab run retrieval_eval``).
 """
 
-from __future__ import annotations
-
 import sys
-import time
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from jobs._cli import start_job
-from speclab.config import ExperimentConfig
-
-
-def prepare(cfg: ExperimentConfig):
-    """(target folder, {task: [TaskExample]}); ValueError on bad input."""
-    from speclab.api import NO_DRAFT_MODEL
-    from speclab.data.tasks import load_task
-    from speclab.models.loading import resolve_source
-    from speclab.models.registry import resolve_models
-
-    needs_draft = [m.name for m in cfg.method_list()
-                   if m.name not in NO_DRAFT_MODEL]
-    if needs_draft:
-        raise ValueError(f"methods: retrieval_eval runs model-free methods only, got "
-                         f"{needs_draft}")
-    target, _ = resolve_models(cfg.models.target, None)
-    r = cfg.retrieval
-    tasks = {t: load_task(t, r.num_prompts, r.context_chars, r.reference_chars)
-             for t in r.tasks}
-    return resolve_source(target, "models.target"), tasks
-
-
-def run_tasks(cfg: ExperimentConfig, target: str, tasks: dict) -> list[dict]:
-    """Decode every task with every method in one actor; returns table rows."""
-    import ray
-
-    from speclab.evaluation import MethodRun
-
-    runs = [MethodRun(m.name, m.params(), m.label or "") for m in cfg.method_list()]
-    gen = cfg.decoding.model_dump()
-    hf_n = cfg.retrieval.hf_prompt_lookup
-    payload = {t: [(ex.prompt, ex.reference, ex.metric) for ex in exs]
-               for t, exs in tasks.items()}
-
-    @ray.remote
-    def work() -> list[dict]:
-        from speclab.api import Decoder
-        from speclab.bench import hf_generate_totals
-        from speclab.evaluation import interleaved_comparison, run_prompts, summarize
-        from speclab.text_metrics import METRICS
-
-        dec = Decoder.from_pretrained(target, None, cfg.models.dtype, cfg.models.device)
-        rows = []
-        for task, exs in payload.items():
-            prompts = [dec.encode(p) for p, _, _ in exs]
-            metric = METRICS[exs[0][2]]
-
-            def acc(outputs: list[list[int]], exs=exs, metric=metric) -> float:
-                texts = [dec.tokenizer.decode(o) for o in outputs]
-                return sum(metric(t, ref) for t, (_, ref, _) in zip(texts, exs)) / len(exs)
-
-            res = interleaved_comparison(dec, runs, prompts, gen)
-            first = res[runs[0].name]["ar"]
-            ar_row = summarize(MethodRun("ar"), first, first, first.outputs)
-            rows.append({"task": task, **ar_row, "accuracy": acc(first.outputs)})
-            for run in runs:
-                m = res[run.name]
-                row = summarize(run, m["totals"], m["ar"], first.outputs)
-                rows.append({"task": task, **row, "accuracy": acc(m["totals"].outputs)})
-            if hf_n:
-                ar = run_prompts(dec, MethodRun("ar"), prompts, gen)
-                hf = hf_generate_totals(dec, prompts, gen["max_new_tokens"],
-                                        prompt_lookup_num_tokens=hf_n)
-                tps, ar_tps = hf.new_tokens / hf.wall_s, ar.new_tokens / ar.wall_s
-                rows.append({"task": task, "method": f"hf_prompt_lookup({hf_n})",
-                             "tokens_per_s": tps, "speedup": tps / ar_tps,
-                             "identical_to_ar": hf.outputs == first.outputs,
-                             "accuracy": acc(hf.outputs)})
-        return rows
-
-    cpus = cfg.resources.num_cpus_per_actor
-    return ray.get(work.options(num_cpus=cpus).remote())
-
-
-def main(argv: list[str] | None = None) -> int:
-    job = start_job(__doc__, argv, prepare)
-    cfg, tracker, (target, tasks) = job.cfg, job.tracker, job.inputs
-    from speclab.evaluation import format_table
-    from speclab.raylib import init_ray
-
-    where = init_ray(job.address, cfg.ray.num_cpus)
-    print(f"[retrieval_eval] running on {where}; tasks {list(tasks)}", flush=True)
-    with tracker as t:
-        t.set_tags({"job": "retrieval_eval", "target": target})
-        t0 = time.perf_counter()
-        rows = run_tasks(cfg, target, tasks)
-        cols = [("task", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
-                ("tokens_per_s", "{:.1f}"), ("speedup", "{:.2f}x"), ("accuracy", "{:.3f}"),
-                ("identical_to_ar", "{}")]
-        text = format_table(rows, cols).replace(" tau ", " MAL ", 1)
-        print(text, flush=True)
-        t.log_table(rows, "retrieval_results")
-        t.log_text(text, "retrieval_results.txt")
-        for r in rows:
-            key = "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in r["method"])
-            t.log_metrics({f"{r['task']}.{key}.{k}": r[k] for k in
-                           ("tau", "tokens_per_s", "speedup", "accuracy") if k in r})
-        t.log_metrics({"wall_s": time.perf_counter() - t0})
-    return 0
-
+from speclab.pipelines.retrieval_eval import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -45,8 +45,8 @@ def load_config(args: AppArgs) -> ExperimentConfig:
     pairs = args.overrides.split()
     pairs += [f"models.{k}={v}" for k, v in (("target", args.target), ("draft", args.draft))
               if v is not None]
-    if args.method is not None:
-        pairs.append(f"method.name={args.method}")
+    if args.method is not None:  # the method with its own defaults
+        pairs.append(f"method={{name: {args.method}}}")
     path = Path(args.config)
     if not path.is_absolute() and not path.exists():  # e.g. in a Serve controller
         path = repo_root() / path
@@ -55,17 +55,23 @@ def load_config(args: AppArgs) -> ExperimentConfig:
 
 def resolved_models(cfg: ExperimentConfig) -> tuple[str, str | None]:
     """Local folders for the target and (if the method needs one) the draft."""
-    from speclab.api import NO_DRAFT_MODEL
     from speclab.models.loading import resolve_source
     from speclab.models.registry import resolve_models
 
     target, draft = resolve_models(cfg.models.target, cfg.models.draft)
     target = str(resolve_source(target, "models.target"))
-    if cfg.method.name in NO_DRAFT_MODEL:
+    if not cfg.method.needs_draft_model:
         return target, None
     if draft is None:
         raise ValueError(f"models.draft: method {cfg.method.name!r} needs a draft model")
     return target, str(resolve_source(draft, "models.draft"))
+
+
+def plugin_modules(method) -> list[str]:
+    """Modules a replica must import to know ``method`` (a method registered outside
+    speclab's built-ins, e.g. by a test or ``$SPECLAB_METHODS``)."""
+    module = type(method).__module__
+    return [] if module.startswith("speclab.") else [module]
 
 
 def _options(rc, name: str, routed: bool) -> dict:
@@ -102,7 +108,7 @@ def app_from_config(cfg: ExperimentConfig):
     return i.bind(
         t.bind(target, m.dtype, m.device, rec_target=rec_target, **bounds),
         d.bind(draft, cfg.method.model_dump(mode="json"), vocab, m.dtype, m.device,
-               rec_draft=rec_draft, **bounds),
+               rec_draft=rec_draft, plugins=plugin_modules(cfg.method), **bounds),
         settings)
 
 

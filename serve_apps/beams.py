@@ -1,44 +1,42 @@
 """The two halves of AtSpeed beam SD (``POST /recommend``) for the serve deployments.
 
 ``RecTargetSide`` (inside :class:`serve_apps.target.TargetDeployment`) holds the target
-recommender, turns a history into its prompt and verifies drafted beam levels with
-strict top-K verification (:func:`speclab.decoding.beam.verify_beam_levels`, Algorithm 1:
-lossless, the same top-K as the target's beam search). ``RecDraftSide`` (inside
-:class:`serve_apps.draft.DraftDeployment`) drafts ``gamma`` levels of beam search with
-beam ``N`` (:func:`speclab.decoding.beam.draft_beam_levels`). Each keeps the prompt's KV
-cache of a request as a :class:`BeamState` in the replica's session store; what
-travels between them is plain beams: ``[[token ids], log-prob]``.
+recommender, turns a history into its prompt and keeps a
+:class:`~speclab.decoding.beam_loop.BeamTargetSide` per request (strict top-K
+verification, Algorithm 1: the same top-K as the target's beam search; or relaxed
+sampling verification, Algorithm 2). ``RecDraftSide`` (inside
+:class:`serve_apps.draft.DraftDeployment`) keeps a
+:class:`~speclab.decoding.beam_loop.BeamDraftSide` per request. The ingress runs the
+engine's beam loop (:func:`speclab.decoding.beam_loop.beam_rounds`) between them; what
+travels is plain beams ``[[token ids], score]`` and, for relaxed rounds, each level's
+``q`` as ``[[token ids], probability]`` pairs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import torch
 
 from speclab.data.rec_dataset import RecMeta
-from speclab.models.loading import load_model
-from speclab.decoding.beam import BeamTree, draft_beam_levels, verify_beam_levels
+from speclab.decoding.beam_loop import BeamDraftSide, BeamTargetSide, check_beam_args
 from speclab.decoding.runner import ModelRunner
+from speclab.models.loading import load_model
 
 
-@dataclass
-class BeamState:
-    """A request's prompt cache (and beam nodes) on one side."""
-
-    tree: BeamTree
-
-    def cached_tokens(self) -> int:
-        return self.tree.runner.length
-
-    def release(self) -> None:
-        self.tree.runner.release()
-
-
-def _beams(wire: list[list]) -> list[tuple[tuple[int, ...], float]]:
+def beams_from_wire(wire: list[list]) -> list[tuple[tuple[int, ...], float]]:
+    """``[[token ids], score]`` pairs -> beams."""
     return [(tuple(int(t) for t in seq), float(score)) for seq, score in wire]
 
 
-def _wire(beams) -> list[list]:
+def beams_to_wire(beams) -> list[list]:
+    """Beams -> ``[[token ids], score]`` pairs."""
     return [[list(seq), score] for seq, score in beams]
+
+
+def _proposal_to_wire(proposal: dict) -> dict:
+    out = {"levels": [beams_to_wire(level) for level in proposal["levels"]]}
+    if "q" in proposal:
+        out["q"] = [[[list(s), p] for s, p in pairs] for pairs in proposal["q"]]
+    return out
 
 
 class RecTargetSide:
@@ -49,23 +47,28 @@ class RecTargetSide:
         self.trie = self.meta.trie()
         self.model = load_model(folder, dtype, device, field="serve.rec_target")
 
-    def start(self, history: list[int], k: int) -> tuple[BeamState, list[int]]:
-        """A request's state (the prompt prefilled) and its prompt tokens."""
+    def start(self, history: list[int], k: int, mode: str = "strict",
+              seed: int = 0) -> tuple[BeamTargetSide, list[int]]:
+        """A request's target side (the prompt prefilled) and its prompt tokens."""
         if not 1 <= k <= len(self.meta.items):
             raise ValueError(f"k: must be in [1, {len(self.meta.items)}], got {k}")
+        check_beam_args(mode, k, k, 1)
         prompt = self.meta.prompt(history)
-        return BeamState(BeamTree(ModelRunner(self.model), prompt)), prompt
+        side = BeamTargetSide(ModelRunner(self.model), self.trie, mode, k,
+                              torch.Generator().manual_seed(seed))
+        side.start(prompt)
+        return side, prompt
 
-    def verify(self, state: BeamState, drafted: list[list[list]], committed: list[list],
-               k: int) -> dict:
-        """Strict top-``k`` verification of drafted levels; ``items`` when finished."""
-        cur, accepted = verify_beam_levels(state.tree, _beams(committed),
-                                           [_beams(level) for level in drafted], self.trie, k)
-        out = {"committed": _wire(cur), "accepted": accepted,
+    def verify(self, side: BeamTargetSide, proposal: dict, committed: list[list]) -> dict:
+        """One round's verdict: the new committed beams (wire form), the accepted steps,
+        and, once the beams are complete, the ranked ``items`` and their ``scores``."""
+        cur, accepted = side.verify(beams_from_wire(committed), proposal)
+        out = {"committed": beams_to_wire(cur), "accepted": accepted,
                "done": len(cur[0][0]) >= self.trie.length}
         if out["done"]:
-            out["items"] = [self.trie.item_of(seq) for seq, _ in cur]
-            out["scores"] = [round(score, 6) for _, score in cur]
+            final = side.result(cur)
+            out["items"] = [self.trie.item_of(seq) for seq, _ in final]
+            out["scores"] = [round(score, 6) for _, score in final]
         return out
 
 
@@ -78,11 +81,14 @@ class RecDraftSide:
         self.model = load_model(folder, dtype, device, field="serve.rec_draft")
         self.meta.check_model(int(self.model.config.vocab_size))
 
-    def start(self, prompt: list[int]) -> BeamState:
-        """A request's state: the history prompt prefilled on the drafter."""
-        return BeamState(BeamTree(ModelRunner(self.model), prompt))
+    def start(self, prompt: list[int], mode: str = "strict", n: int = 10,
+              seed: int = 0) -> BeamDraftSide:
+        """A request's draft side: the history prompt prefilled on the drafter."""
+        side = BeamDraftSide(ModelRunner(self.model), self.trie, mode, n,
+                             torch.Generator().manual_seed(seed + 1))
+        side.start(prompt)
+        return side
 
-    def draft(self, state: BeamState, committed: list[list], n: int, g: int) -> list[list[list]]:
-        """``g`` levels of constrained beam search with beam ``n`` from ``committed``."""
-        levels = draft_beam_levels(state.tree, _beams(committed), self.trie, n, g)
-        return [_wire(level) for level in levels]
+    def draft(self, side: BeamDraftSide, committed: list[list], g: int) -> dict:
+        """``g`` levels from ``committed`` (wire form)."""
+        return _proposal_to_wire(side.propose(beams_from_wire(committed), g))

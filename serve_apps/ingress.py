@@ -6,9 +6,11 @@ Routes: ``POST /v1/completions`` (``stream: true`` sends server-sent events),
 draft calls, accepted lengths), ``POST /recommend`` (AtSpeed beam SD), ``GET /health``
 (live request states and memory of every target and draft replica).
 
-One round of a request: the draft deployment commits the last verdict and proposes a
-tree (wire form: token ids, parent indices, draft probabilities); the target
+A request runs the engine's ONE round loop (:func:`speclab.decoding.loop.rounds`) with
+the deployments as its two sides: the draft deployment commits the last verdict and
+proposes a tree (wire form: token ids, parent indices, draft probabilities); the target
 deployment verifies it in ONE forward and returns the accepted path and new tokens.
+Stats (tau, draft/verify seconds as seen from here) are the loop's own.
 Every handle call is awaited, so a request waiting on a replica never blocks the
 others. Bad input -> 4xx JSON ``{"error": {"message", "type", "param"}}`` naming the
 field; a replica failure or a lost request state -> 503; the request's state on both
@@ -27,9 +29,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
+from serve_apps.beams import beams_from_wire, beams_to_wire
 from serve_apps.protocol import CompletionRequest, GenerateRequest, RecommendRequest
-from speclab.decoding.loop import GenerationStats, commit_tokens, eos_set
-from speclab.decoding.tree import TokenTree
+from speclab.decoding.beam import BeamSDStats
+from speclab.decoding.beam_loop import BeamPropose, beam_rounds
+from speclab.decoding.loop import (
+    Committed,
+    GenerationStats,
+    Proposal,
+    Propose,
+    Start,
+    Verify,
+    VerifyResult,
+    eos_set,
+    rounds,
+)
+from speclab.decoding.rules import RuleSpec, request_rule
+from speclab.decoding.sampling import SamplingParams
 
 api = FastAPI(title="speclab")
 
@@ -82,7 +98,7 @@ class Decoding:
     prompt_ids: list[int]
     max_tokens: int
     sampling: dict
-    rule: str
+    rule: RuleSpec
     seed: int
     stops: list[str]
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -106,52 +122,58 @@ class Ingress:
         if self._info is None:
             t = await self.target.info.remote()
             d = await self.draft.info.remote()
-            self._info = {**t, "prefill_top_k": d["prefill_top_k"]}
+            self._info = {**t, "drafting": d["drafting"], "prefill_top_k": d["prefill_top_k"],
+                          "rule": d["rule"]}
         return self._info
 
     # ------------------------------------------------------------------ the SD loop
     async def _decode(self, rid: str, dec: Decoding) -> AsyncIterator[list[int]]:
-        """Run request ``rid``; yields the tokens committed by each round (cut at EOS
-        or ``max_tokens``); fills ``dec.stats``. Both states are freed at the end."""
+        """Run request ``rid`` through the engine's round loop, awaiting the deployments
+        as its sides; yields the tokens committed by each round (cut at EOS or
+        ``max_tokens``); fills ``dec.stats``. Both states are freed at the end."""
         info = await self._infos()
         eos = eos_set(info["eos"])
-        uses_draft = self.s["method"] != "ar"
-        st, out = dec.stats, dec.tokens
-        t0 = time.perf_counter()
+        drafting = info["drafting"]
+        loop = rounds(dec.prompt_ids, dec.max_tokens, eos, dec.stats, drafting)
+        reply = None
         try:
-            try:
-                top = await self.target.start.remote(rid, dec.prompt_ids, dec.sampling,
-                                                     dec.rule, dec.seed, info["prefill_top_k"])
-                if uses_draft:
-                    await self.draft.start.remote(rid, dec.prompt_ids, top, dec.sampling,
-                                                  dec.seed)
-            except Exception as exc:
-                raise _replica_error(exc, f"request {rid}: start") from None
-            root, path, new, done = dec.prompt_ids[-1], None, [], False
-            while not done:
-                budget = dec.max_tokens - len(out) - 1
+            while True:
                 try:
-                    if uses_draft and budget > 0:
-                        r = await self.draft.propose.remote(rid, path, new, budget)
-                        tree, st.draft_calls = r["tree"], r["draft_calls"]
-                    else:  # AR, or the last token: the root alone
-                        tree = TokenTree(root).to_wire()
-                    v = await self.target.verify.remote(rid, tree)
+                    msg = loop.send(reply)
+                except StopIteration:
+                    return
+                reply = None
+                if isinstance(msg, Committed):
+                    dec.tokens += msg.tokens
+                    if msg.done and dec.tokens and dec.tokens[-1] in eos:
+                        dec.finish_reason = "stop"
+                    yield msg.tokens
+                    continue
+                try:
+                    reply = await self._side_call(rid, dec, msg, drafting, info)
                 except Exception as exc:
-                    raise _replica_error(exc, f"request {rid}: round "
-                                              f"{len(st.accepted_lengths) + 1}") from None
-                path, new = v["path"], v["new"]
-                root = new[-1]
-                st.add_round(v["drafted"], v["accepted"], v["evaluated"], len(new))
-                n0 = len(out)
-                done = commit_tokens(out, new, dec.max_tokens, eos)
-                if done and out[-1] in eos:
-                    dec.finish_reason = "stop"
-                st.new_tokens = len(out)
-                st.wall_s = time.perf_counter() - t0
-                yield out[n0:]
+                    where = ("start" if isinstance(msg, Start) else
+                             f"round {len(dec.stats.accepted_lengths) + 1}")
+                    raise _replica_error(exc, f"request {rid}: {where}") from None
         finally:
-            await self._end(rid, uses_draft)
+            loop.close()
+            await self._end(rid, drafting)
+
+    async def _side_call(self, rid: str, dec: Decoding, msg, drafting: bool, info: dict):
+        """One request of the loop to a side (a deployment handle call)."""
+        if isinstance(msg, Start):
+            top = await self.target.start.remote(rid, dec.prompt_ids, dec.sampling,
+                                                 dec.rule.to_dict(), dec.seed,
+                                                 info["prefill_top_k"] if drafting else 0)
+            if drafting:
+                await self.draft.start.remote(rid, dec.prompt_ids, top, dec.sampling, dec.seed)
+            return None
+        if isinstance(msg, Propose):
+            r = await self.draft.propose.remote(rid, msg.path, msg.new, msg.budget)
+            return Proposal(r["tree"], r["draft_calls"])
+        if isinstance(msg, Verify):
+            return VerifyResult.from_dict(await self.target.verify.remote(rid, msg.tree))
+        raise TypeError(f"unknown loop message {msg!r}")
 
     async def _end(self, rid: str, uses_draft: bool) -> None:
         for handle in ([self.target, self.draft] if uses_draft else [self.target]):
@@ -175,17 +197,24 @@ class Ingress:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _decoding(self, ids: list[int], max_tokens: int, temperature: float, top_p: float,
-                  top_k: int, seed: int, stops: list[str], rule: str | None) -> Decoding:
+    async def _decoding(self, ids: list[int], max_tokens: int, temperature: float,
+                        top_p: float, top_k: int, seed: int, stops: list[str],
+                        rule: str | None) -> Decoding:
         if max_tokens > self.s["max_tokens"]:
             raise HTTPError(400, f"max_tokens: must be <= {self.s['max_tokens']} on this "
                                  f"server, got {max_tokens}", "max_tokens")
-        greedy = temperature == 0.0
-        rule = rule or ("greedy" if greedy else "sample")
-        if rule == "greedy" and not greedy:
-            raise HTTPError(400, "verify: 'greedy' needs temperature 0", "verify")
+        try:
+            sampling = SamplingParams(temperature, top_k, top_p)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), str(exc).split(":")[0]) from None
+        info = await self._infos()
+        needed = RuleSpec.from_dict(info["rule"]) if info["rule"] else None
+        try:
+            spec = request_rule(rule, None, sampling, needed)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc), "verify") from None
         return Decoding(ids, max_tokens, {"temperature": temperature, "top_k": top_k,
-                                          "top_p": top_p}, rule, seed, stops)
+                                          "top_p": top_p}, spec, seed, stops)
 
     async def _run_text(self, rid: str, dec: Decoding) -> AsyncIterator[str]:
         """Text deltas per round; stops at a stop string (not included). Text that may
@@ -249,7 +278,7 @@ class Ingress:
         if (body.prompt is None) == (body.prompt_ids is None):
             raise HTTPError(400, "prompt: give exactly one of prompt or prompt_ids", "prompt")
         ids = self._encode(body.prompt) if body.prompt is not None else body.prompt_ids
-        dec = self._decoding(ids, body.max_tokens, body.temperature, body.top_p, body.top_k,
+        dec = await self._decoding(ids, body.max_tokens, body.temperature, body.top_p, body.top_k,
                              body.seed, body.stop, body.verify)
         rid = uuid.uuid4().hex
         text = "".join([d async for d in self._run_text(rid, dec)])
@@ -264,7 +293,7 @@ class Ingress:
             raise HTTPError(404, f"model: {body.model!r} is not served here (serving "
                                  f"{self.s['model_name']!r}, see /v1/models)", "model",
                             "not_found_error")
-        dec = self._decoding(self._encode(body.prompt), body.max_tokens, body.temperature,
+        dec = await self._decoding(self._encode(body.prompt), body.max_tokens, body.temperature,
                              body.top_p, 0, body.seed if body.seed is not None else 0,
                              body.stop, None)
         rid = uuid.uuid4().hex
@@ -297,7 +326,8 @@ class Ingress:
 
     @api.post("/recommend")
     async def recommend(self, body: RecommendRequest) -> dict:
-        """AtSpeed beam SD between the deployments: the target's top-``k`` items."""
+        """AtSpeed beam SD between the deployments (the engine's beam loop): the target's
+        top-``k`` items (``verify: strict``) or ``k`` items by relaxed sampling."""
         info = await self._infos()
         if not info["rec_items"]:
             raise HTTPError(404, "recommend: this app serves no recommender (set "
@@ -309,23 +339,32 @@ class Ingress:
             raise HTTPError(400, f"k: must not exceed the draft beam size n={n}", "k")
         rid = uuid.uuid4().hex
         t0 = time.perf_counter()
-        rounds, accepted = 0, 0
+        stats = BeamSDStats()
+        loop = beam_rounds(info["rec_levels"], gamma, stats)
+        res: dict = {}
         try:
             try:
-                prompt = await self.target.rec_start.remote(rid, body.history, body.k)
-                await self.draft.rec_start.remote(rid, prompt)
-                committed, res = [[[], 0.0]], {"done": False}
-                while not res["done"]:
-                    step = len(committed[0][0])
-                    levels = await self.draft.rec_draft.remote(
-                        rid, committed, n, min(gamma, info["rec_levels"] - step))
-                    res = await self.target.rec_verify.remote(rid, levels, committed, body.k)
-                    committed = res["committed"]
-                    rounds, accepted = rounds + 1, accepted + res["accepted"]
+                prompt = await self.target.rec_start.remote(rid, body.history, body.k,
+                                                            body.verify, body.seed)
+                await self.draft.rec_start.remote(rid, prompt, body.verify, n, body.seed)
+                reply = None
+                while True:
+                    try:
+                        msg = loop.send(reply)
+                    except StopIteration:
+                        break
+                    committed = beams_to_wire(msg.committed)
+                    if isinstance(msg, BeamPropose):
+                        reply = await self.draft.rec_draft.remote(rid, committed, msg.g)
+                    else:
+                        res = await self.target.rec_verify.remote(rid, msg.proposal, committed)
+                        reply = (beams_from_wire(res["committed"]), res["accepted"])
             except Exception as exc:
                 raise _replica_error(exc, f"request {rid}: recommend") from None
         finally:
+            loop.close()
             await self._end(rid, True)
         return {"id": rid, "items": res["items"], "scores": res["scores"],
-                "stats": {"target_calls": rounds, "accepted_steps": accepted,
-                          "n": n, "gamma": gamma, "wall_s": time.perf_counter() - t0}}
+                "stats": {"target_calls": stats.target_calls,
+                          "accepted_steps": stats.accepted_steps, "n": n, "gamma": gamma,
+                          "verify": body.verify, "wall_s": time.perf_counter() - t0}}

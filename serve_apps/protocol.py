@@ -82,9 +82,14 @@ class GenerateRequest(_Body):
 
 class RecommendRequest(_Body):
     """``POST /recommend``: dataset item ids (most recent last) -> top-``k`` items by
-    AtSpeed beam SD with strict top-K verification (the target's beam-search result)."""
+    AtSpeed beam SD with strict top-K verification (the target's beam-search result) or
+    relaxed sampling verification."""
 
     history: list[int] = Field(min_length=1)
     k: int = Field(10, ge=1)
     n: int | None = Field(None, ge=1, description="draft beam size (default serve.rec_n)")
     gamma: int | None = Field(None, ge=1, description="draft steps per round")
+    verify: Literal["strict", "relaxed"] = Field(
+        "strict", description="strict top-K (lossless: the target's beam search) or "
+                              "relaxed sampling verification (AtSpeed Algorithm 2)")
+    seed: int = Field(0, description="seed of relaxed sampling")

@@ -11,30 +11,14 @@ beam SD for ``POST /recommend`` (:mod:`serve_apps.beams`). State is bounded by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from serve_apps.sessions import RequestStates
-from speclab.models.loading import load_model
-from speclab.decoding.loop import prefill, verify_round
+from speclab.decoding.rules import RuleSpec
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.tree import TokenTree
-
-
-@dataclass
-class _Request:
-    runner: ModelRunner
-    params: SamplingParams
-    rule: str
-    generator: torch.Generator
-
-    def cached_tokens(self) -> int:
-        return self.runner.length
-
-    def release(self) -> None:
-        self.runner.release()
+from speclab.decoding.sides import TargetSide
+from speclab.models.loading import load_model
 
 
 class TargetDeployment(RequestStates):
@@ -61,43 +45,36 @@ class TargetDeployment(RequestStates):
                 "rec_items": len(self.rec.meta.items) if self.rec else 0,
                 "rec_levels": self.rec.trie.length if self.rec else 0}
 
-    def start(self, rid: str, prompt_ids: list[int], sampling: dict, rule: str, seed: int,
+    def start(self, rid: str, prompt_ids: list[int], sampling: dict, rule: dict, seed: int,
               prefill_top_k: int = 0) -> list[list[int]] | None:
-        """Prefill ``prompt_ids[:-1]`` for request ``rid``; returns the target's
-        ``prefill_top_k`` best tokens per prompt position when asked (AASD)."""
-        vocab = int(self.model.config.vocab_size)
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if not prompt_ids or bad:
-            raise ValueError(f"prompt: token ids {bad[:5]} outside [0, {vocab}) or empty")
-        req = _Request(ModelRunner(self.model), SamplingParams(**sampling), rule,
-                       torch.Generator().manual_seed(seed))
+        """The target side of request ``rid``: prefill ``prompt_ids[:-1]``; returns the
+        target's ``prefill_top_k`` best tokens per prompt position when asked (AASD).
+        ``rule``: the resolved verification rule (:class:`RuleSpec` dict)."""
+        side = TargetSide(ModelRunner(self.model), SamplingParams(**sampling),
+                          RuleSpec.from_dict(rule), torch.Generator().manual_seed(seed))
         with self.lock:
-            logits = prefill(req.runner, prompt_ids)
-            self.sessions.put(rid, req)
-        if prefill_top_k and logits is not None:
-            return logits.topk(min(prefill_top_k, vocab), dim=-1).indices.tolist()
-        return None
+            top = side.start(prompt_ids, prefill_top_k)
+            self.sessions.put(rid, side)
+        return top
 
-    def verify(self, rid: str, tree: dict) -> dict:
-        """One round: the tree (wire form, root = the last committed token) in ONE
-        forward, the request's rule, the cache pruned to the accepted path."""
-        t = TokenTree.from_wire(tree)
+    def verify(self, rid: str, tree: dict | None) -> dict:
+        """One round: the tree (wire form, root = the last committed token; None: the
+        root alone) in ONE forward, the request's rule, the cache pruned to the accepted
+        path. Returns a :class:`~speclab.decoding.sides.VerifyResult` dict."""
         with self.lock:
-            req = self.sessions.get(rid)
-            verdict, new = verify_round(req.runner, t, req.rule, req.params, req.generator)
-        return {"path": verdict.path, "new": new, "accepted": verdict.accepted,
-                "evaluated": verdict.evaluated, "drafted": t.num_drafted}
+            return self.sessions.get(rid).verify(tree).to_dict()
 
-    def rec_start(self, rid: str, history: list[int], k: int) -> list[int]:
+    def rec_start(self, rid: str, history: list[int], k: int, mode: str = "strict",
+                  seed: int = 0) -> list[int]:
         """``POST /recommend``: prefill the history's prompt; returns its tokens."""
         if self.rec is None:
             raise ValueError("recommend: this app serves no recommender (serve.rec_target)")
         with self.lock:
-            state, prompt = self.rec.start(history, k)
-            self.sessions.put(rid, state)
+            side, prompt = self.rec.start(history, k, mode, seed)
+            self.sessions.put(rid, side)
         return prompt
 
-    def rec_verify(self, rid: str, drafted: list, committed: list, k: int) -> dict:
-        """Strict top-K verification of one round of drafted beam levels."""
+    def rec_verify(self, rid: str, proposal: dict, committed: list) -> dict:
+        """Verification (strict top-K or relaxed sampling) of one round of drafted levels."""
         with self.lock:
-            return self.rec.verify(self.sessions.get(rid), drafted, committed, k)
+            return self.rec.verify(self.sessions.get(rid), proposal, committed)

@@ -31,10 +31,10 @@ from speclab.evaluation import (
 DEFAULT_RUNS = [
     MethodRun("chain", {"gamma": 3}),
     MethodRun("chain", {"gamma": 5}),
-    MethodRun("tree", {"top_k": 2, "depth": 6, "nodes": 10, "score_temperature": 0.5}),
+    MethodRun("tree", {"tree_top_k": 2, "depth": 6, "nodes": 10, "score_temperature": 0.5}),
     MethodRun("optimal", {"nodes": 16, "batch": 4, "depth": 10, "score_temperature": 0.5}),
-    MethodRun("salf", {"nodes": 16, "batch": 4, "threshold": 0.2, "depth": 10}),
-    MethodRun("salf", {"nodes": 16, "batch": 4, "threshold": 0.2, "depth": 10,
+    MethodRun("salf", {"nodes": 16, "batch": 4, "salf_threshold": 0.2, "depth": 10}),
+    MethodRun("salf", {"nodes": 16, "batch": 4, "salf_threshold": 0.2, "depth": 10,
                        "score_temperature": 0.5}),
 ]
 

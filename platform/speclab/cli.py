@@ -18,35 +18,46 @@ import json
 import sys
 
 
+def _knob_flags() -> dict[str, dict]:
+    """One flag per knob over every registered method: ``{field: {type, help, methods}}``.
+    Methods that share a knob name share its flag (same type, one meaning)."""
+    from speclab.config.method import methods
+
+    flags: dict[str, dict] = {}
+    for mname, cls in methods().items():
+        for field, info in cls.model_fields.items():
+            if field in ("name", "label"):
+                continue
+            slot = flags.setdefault(field, {"annotation": info.annotation, "methods": [],
+                                            "help": info.description or field,
+                                            "defaults": set()})
+            slot["methods"].append(mname)
+            slot["defaults"].add(repr(info.default))
+    return flags
+
+
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="decode one prompt with a method of the engine")
+    from speclab.config.method import methods
+
+    p = sub.add_parser("generate", help="decode one prompt with a method of the engine",
+                       description="Method knobs come from the method registry; a knob "
+                                   "applies only to the methods listed in its help.")
     p.add_argument("--target", required=True, help="target model folder or hub id")
-    p.add_argument("--draft", help="draft model folder or hub id (not needed for ar)")
-    p.add_argument("--method", default="chain",
-                   choices=["ar", "chain", "tree", "optimal", "salf", "specdecpp", "pld",
-                            "rest", "aasd"])
-    p.add_argument("--gamma", type=int, default=4, help="chain draft length")
-    p.add_argument("--top-k", type=int, default=4, help="EAGLE-2 children per node / beam")
-    p.add_argument("--depth", type=int, default=5, help="maximum draft depth (trees)")
-    p.add_argument("--nodes", type=int, default=16, help="draft nodes per tree")
-    p.add_argument("--batch", type=int, default=4, help="nodes expanded per draft forward")
-    p.add_argument("--threshold", type=float, default=0.3,
-                   help="SALF threshold / SpecDec++ stop threshold h, in (0, 1)")
-    p.add_argument("--head", help="SpecDec++ acceptance head folder or models:/ URI")
-    p.add_argument("--max-draft", type=int, default=20, help="SpecDec++ draft length cap")
-    p.add_argument("--ngram", type=int, default=10, help="PLD/REST/AASD draft tokens per n-gram")
-    p.add_argument("--max-key", type=int, default=3, help="PLD/REST/AASD longest lookup key")
-    p.add_argument("--candidates", type=int, default=1, help="PLD/REST/AASD n-grams per round")
-    p.add_argument("--datastore", help="REST datastore folder (jobs/build_datastore.py)")
-    p.add_argument("--align-k", type=int, default=2, help="AASD alignment-sampled tokens")
-    p.add_argument("--no-conditional", action="store_true",
-                   help="AASD without conditional verification (strict)")
-    p.add_argument("--aasd-alpha", type=float, default=0.1, help="AASD alpha (eq. 5)")
-    p.add_argument("--aasd-beta", type=float, default=0.1, help="AASD beta (eq. 5)")
-    p.add_argument("--score-temperature", type=float, default=1.0,
-                   help="temperature of the draft softmax that ranks tree nodes")
-    p.add_argument("--verify", choices=["greedy", "sample", "typical"],
-                   help="default: greedy at temperature 0, sample otherwise")
+    p.add_argument("--draft", help="draft model folder or hub id (methods with a draft LM)")
+    p.add_argument("--method", default="chain", choices=list(methods()))
+    knobs = p.add_argument_group("method knobs (default: the method's own default)")
+    for field, slot in _knob_flags().items():
+        flag = "--" + field.replace("_", "-")
+        default = "/".join(sorted(slot["defaults"]))
+        helptext = f"{slot['help']} [{', '.join(slot['methods'])}; default {default}]"
+        if slot["annotation"] is bool:
+            knobs.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction,
+                               default=None, help=helptext)
+        else:
+            kind = slot["annotation"] if slot["annotation"] in (int, float) else str
+            knobs.add_argument(flag, dest=field, type=kind, default=None, help=helptext)
+    p.add_argument("--verify", help="greedy | sample | typical (default: greedy at "
+                                    "temperature 0, sample otherwise)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the sampler")
@@ -71,31 +82,38 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def method_from_args(args: argparse.Namespace):
+    """The method config of ``--method`` and the knob flags given; a knob flag that the
+    method does not have is an error naming it."""
+    from speclab.config.method import method_class, parse_method
+
+    cls = method_class(args.method)
+    given = {f: getattr(args, f) for f in _knob_flags() if getattr(args, f, None) is not None}
+    foreign = sorted(f for f in given if f not in cls.model_fields)
+    if foreign:
+        raise ValueError(f"{foreign[0]}: not a knob of method {args.method!r} (its knobs: "
+                         f"{sorted(set(cls.model_fields) - {'name', 'label'})})")
+    return parse_method({"name": args.method, **given})
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    from speclab.api import NO_DRAFT_MODEL, Decoder
+    from speclab.api import Decoder
 
     if args.num_samples < 1:
         raise ValueError(f"num_samples: must be >= 1, got {args.num_samples}")
-    if args.method not in NO_DRAFT_MODEL and not args.draft:
+    cfg = method_from_args(args)
+    if cfg.needs_draft_model and not args.draft:
         raise ValueError(f"draft: method {args.method!r} needs --draft")
     ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
     if args.prompt is not None and not args.prompt:
         raise ValueError("prompt: must not be empty")
-    dec = Decoder.from_pretrained(args.target,
-                                  None if args.method in NO_DRAFT_MODEL else args.draft,
+    dec = Decoder.from_pretrained(args.target, args.draft if cfg.needs_draft_model else None,
                                   args.dtype, args.device)
     for s in range(args.num_samples):
         res = dec.generate(
-            args.prompt, prompt_ids=ids, method=args.method,
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            top_k_sampling=args.sample_top_k, top_p=args.top_p, verify=args.verify,
-            seed=args.seed + s, gamma=args.gamma, top_k=args.top_k, depth=args.depth,
-            nodes=args.nodes, batch=args.batch, threshold=args.threshold,
-            score_temperature=args.score_temperature, head=args.head,
-            max_draft=args.max_draft, ngram=args.ngram, max_key=args.max_key,
-            candidates=args.candidates, datastore=args.datastore, align_k=args.align_k,
-            conditional=not args.no_conditional, aasd_alpha=args.aasd_alpha,
-            aasd_beta=args.aasd_beta,
+            args.prompt, prompt_ids=ids, method=cfg, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, sample_top_k=args.sample_top_k, top_p=args.top_p,
+            verify=args.verify, seed=args.seed + s,
         )
         if args.json:
             print(json.dumps(res.to_dict()), flush=True)

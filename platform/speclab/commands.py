@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from speclab.pipelines import JOBS  # job names only: imports no job module, no Ray
+
 HANDLERS: dict = {}
 
 
@@ -51,10 +53,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-JOBS = ("evaluate", "train_target", "distill", "compare_losses", "train_recommender",
-        "recommend_eval", "train_head", "specdecpp_eval", "build_datastore",
-        "retrieval_eval", "tune")
-
 
 def _add_job_parsers(sub) -> None:
     p = sub.add_parser("run", help="run a job here (embedded Ray unless RAY_ADDRESS is set)")
@@ -98,10 +96,10 @@ def _add_job_parsers(sub) -> None:
 
 
 def _validate_job_config(job: str, config: str, overrides: list[str]) -> None:
-    """Fail before submitting anything when the config is invalid."""
-    from speclab.config import ExperimentConfig
+    """Fail before submitting anything when the config is invalid for ``job``."""
+    from speclab.config import JOB_CONFIGS
 
-    ExperimentConfig.from_yaml(config, overrides)
+    JOB_CONFIGS[job].from_yaml(config, overrides)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -109,11 +107,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from speclab.config import ExperimentConfig
+    from speclab.config import ServeJob
     from speclab.paths import repo_root
     from speclab.raylib import init_ray
 
-    cfg = ExperimentConfig.from_yaml(args.config, args.overrides)
+    cfg = ServeJob.from_yaml(args.config, args.overrides)
     sys.path.insert(0, str(repo_root()))  # serve_apps lives next to the package
     from serve_apps.app import app_from_config
 
@@ -137,12 +135,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import importlib
+    """Run the job in this process: ``speclab.pipelines.<job>.main`` (works from an
+    installed package; no checkout needed)."""
+    from speclab.pipelines import job_main
 
-    module = importlib.import_module(f"jobs.{args.job}")
     argv = ["--config", args.config, *(["--address", args.address] if args.address else []),
             *args.overrides]
-    return module.main(argv)
+    return job_main(args.job)(argv)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -184,6 +183,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_ui(args: argparse.Namespace) -> int:
     """Run ``mlflow server`` (light mode) on 127.0.0.1 over the store jobs write to."""
     import os
+    import signal
     import subprocess
     import sys
 
@@ -198,9 +198,30 @@ def cmd_ui(args: argparse.Namespace) -> int:
            "--default-artifact-root", default_artifact_root(), "--host", "127.0.0.1",
            "--port", str(args.port), "--workers", "1"]
     print(f"MLflow UI on http://127.0.0.1:{args.port} over {uri} (Ctrl-C to stop)", flush=True)
+    # `mlflow server` runs uvicorn as a child: give them a process group of their own and
+    # stop that group on Ctrl-C or SIGTERM, so nothing outlives this command
+    server = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    stopping = []
+
+    def stop_server(sig: int = signal.SIGTERM) -> None:
+        stopping.append(sig)
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGTERM, lambda *_: stop_server())
     try:
-        return subprocess.call(cmd, env=env)
+        rc = server.wait()
+        return 0 if stopping else rc
     except KeyboardInterrupt:
+        stop_server()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            stop_server(signal.SIGKILL)
+            server.wait()
         return 0
 
 

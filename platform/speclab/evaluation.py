@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from speclab import theory
 from speclab.api import Decoder, GenerationResult
+from speclab.decoding.loop import tau
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Totals:
 
     prompts: int = 0
     new_tokens: int = 0
+    committed: int = 0  # tokens committed over all rounds (sum of accepted lengths)
     target_calls: int = 0
     draft_calls: int = 0
     drafted: int = 0
@@ -58,6 +60,7 @@ class Totals:
         s = res.stats
         self.prompts += 1
         self.new_tokens += s.new_tokens
+        self.committed += sum(s.accepted_lengths)
         self.target_calls += s.target_calls
         self.draft_calls += s.draft_calls
         self.drafted += s.drafted_tokens
@@ -69,8 +72,8 @@ class Totals:
         self.outputs.append(res.token_ids)
 
     def merge(self, other: Totals) -> None:
-        for k in ("prompts", "new_tokens", "target_calls", "draft_calls", "drafted", "accepted",
-                  "judged", "wall_s", "draft_s", "verify_s"):
+        for k in ("prompts", "new_tokens", "committed", "target_calls", "draft_calls",
+                  "drafted", "accepted", "judged", "wall_s", "draft_s", "verify_s"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.outputs += other.outputs
 
@@ -132,7 +135,7 @@ def summarize(
         "method": run.name,
         "prompts": totals.prompts,
         "new_tokens": totals.new_tokens,
-        "tau": totals.new_tokens / max(totals.target_calls, 1),
+        "tau": tau(totals.committed, totals.target_calls),
         "target_calls_per_token": totals.target_calls / n,
         "draft_calls_per_token": totals.draft_calls / n,
         "acceptance_rate": alpha,

@@ -27,6 +27,9 @@ def quiet_ray_env() -> None:
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Join ``address`` (or ``$RAY_ADDRESS``), else start an embedded local Ray.
 
+    The embedded Ray is always a fresh instance owned by this process (``address="local"``):
+    a bare ``ray.init()`` would join whatever cluster ``ray start --head`` last recorded
+    in /tmp/ray/ray_current_cluster. It stops when this process exits.
     Returns a short description of where the job runs.
     """
     quiet_ray_env()
@@ -38,7 +41,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if address:
         ray.init(address=address, log_to_driver=True)
         return f"cluster at {address}"
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             log_to_driver=True)
     return "embedded local Ray"
 
 

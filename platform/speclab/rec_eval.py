@@ -16,13 +16,13 @@ import time
 import torch
 
 from speclab.data.rec_dataset import RecExample
-from speclab.recommend import Recommender
 from speclab.decoding.beam import (
     beam_speculative_sampling,
     beam_speculative_search,
     constrained_beam_search,
     sampling_beam_search,
 )
+from speclab.recommend import Recommender
 
 
 def recall_ndcg(ranked: list[int], truth: int, k: int) -> tuple[float, float]:

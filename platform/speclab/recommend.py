@@ -17,7 +17,6 @@ import time
 import torch
 
 from speclab.data.rec_dataset import RecMeta
-from speclab.models.loading import check_same_vocab, load_model, resolve_source
 from speclab.decoding.beam import (
     beam_speculative_sampling,
     beam_speculative_search,
@@ -25,6 +24,7 @@ from speclab.decoding.beam import (
     sampling_beam_search,
 )
 from speclab.decoding.runner import ModelRunner
+from speclab.models.loading import check_same_vocab, load_model, resolve_source
 
 
 class Recommender:

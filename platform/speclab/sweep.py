@@ -1,9 +1,10 @@
-"""Ray Tune glue for SD hyperparameter sweeps (used by ``jobs/tune.py``).
+"""Ray Tune glue for SD hyperparameter sweeps (used by :mod:`speclab.pipelines.tune`).
 
-* :func:`param_space` turns the ``sweep.space`` of an experiment config (dotted paths ->
+* :func:`param_space` turns the ``sweep.space`` of a ``tune`` config (dotted paths ->
   grid / choice / uniform / loguniform / randint) into a Tune ``param_space``;
 * :func:`trial_config` applies one trial's values to the base config and re-validates
-  it, so a bad combination fails THAT trial with the field named;
+  it as a ``tune`` config (:class:`speclab.config.TuneJob`, the groups of the sweep's
+  kind), so a bad combination fails THAT trial with the field named;
 * :func:`decode_trial` evaluates one method configuration on a prompt set with models
   cached per worker process (loaded once, not once per trial) and reports
   hardware-independent figures next to wall-clock ones, including the SpecDec++ cost
@@ -11,8 +12,8 @@
   draft forwards + t_target * target forwards)``, which is eq. 2.3 for chains and also
   right for trees that expand several nodes per draft forward) from ``t_draft`` /
   ``t_target`` measured once per sweep;
-* training trials (the acceptance head) live in ``jobs/tune.py`` next to the Ray
-  Train glue they use.
+* training trials (acceptance heads, AtSpeed drafters) live in
+  :mod:`speclab.pipelines.tune_trials` next to the Ray Train glue they use.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import copy
 import os
 from pathlib import Path
 
-from speclab.config import ExperimentConfig
+from speclab.config import MethodConfig, TuneJob
 from speclab.config.base import apply_override
+from speclab.config.jobs import own_method_knobs
 
 _MODELS: dict = {}  # (target, draft, dtype, device) -> Decoder, one per worker process
 
 
-def param_space(cfg: ExperimentConfig) -> dict:
+def param_space(cfg: TuneJob) -> dict:
     """``{"params": {dotted: tune domain}}`` from ``cfg.sweep.space``."""
     from ray import tune
 
@@ -47,13 +49,18 @@ def param_space(cfg: ExperimentConfig) -> dict:
     return {"params": out}
 
 
-def trial_config(base: dict, params: dict) -> ExperimentConfig:
-    """The experiment config of one trial: ``base`` (a JSON dump) with ``params`` set."""
+def trial_config(base: dict, params: dict) -> TuneJob:
+    """The config of one trial: ``base`` (a tune config's JSON dump, e.g.
+    ``TuneJob.sweep_base()``) with ``params`` set and without the ``sweep``. With
+    ``method.name`` among ``params``, ``method`` keeps only that method's knobs."""
     data = copy.deepcopy(base)
+    data.setdefault("job", "tune")
     data.pop("sweep", None)
     for path, value in params.items():
         apply_override(data, path, value)
-    return ExperimentConfig.from_dict(data)
+    if "method.name" in params and isinstance(data.get("method"), dict):
+        data["method"] = own_method_knobs(data["method"])
+    return TuneJob.from_dict(data)
 
 
 def objective(metrics: dict, sweep: dict) -> float:
@@ -65,7 +72,7 @@ def objective(metrics: dict, sweep: dict) -> float:
     return float("-inf") if sweep["mode"] == "max" else float("inf")
 
 
-def _decoder(cfg: ExperimentConfig, target: str, draft: str | None):
+def _decoder(cfg: TuneJob, target: str, draft: str | None):
     from speclab.api import Decoder
 
     key = (target, draft, cfg.models.dtype, cfg.models.device)
@@ -75,10 +82,12 @@ def _decoder(cfg: ExperimentConfig, target: str, draft: str | None):
     return _MODELS[key]
 
 
-def evaluate_method(cfg: ExperimentConfig, target: str, draft: str | None,
+def evaluate_method(cfg: TuneJob, target: str, draft: str | None,
                     prompts: list[list[int]], references: tuple[str, list[str]] | None,
-                    t_draft: float, t_target: float) -> dict:
-    """AR then ``cfg.method`` on ``prompts``; the metrics a trial reports.
+                    t_draft: float, t_target: float, method: MethodConfig | None = None
+                    ) -> dict:
+    """AR then ``method`` (default ``cfg.method``) on ``prompts``; the metrics a trial
+    reports.
 
     ``references``: (metric name in :data:`speclab.text_metrics.METRICS`, one reference
     text per prompt) adds ``accuracy``, the target alone's ``ar_accuracy`` on the same
@@ -88,7 +97,7 @@ def evaluate_method(cfg: ExperimentConfig, target: str, draft: str | None,
     from speclab.evaluation import MethodRun, interleaved_comparison, summarize
 
     dec = _decoder(cfg, target, draft)
-    m = cfg.method
+    m = method if method is not None else cfg.method
     run = MethodRun(m.name, m.params(), m.label or "")
     res = interleaved_comparison(dec, [run], prompts, cfg.decoding.model_dump())[run.name]
     row = summarize(run, res["totals"], res["ar"], res["ar"].outputs)

@@ -9,8 +9,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("method,hp", [("chain", {"gamma": 4}), ("salf", {"threshold": 0.2}),
-                                       ("tree", {"top_k": 3})])
+@pytest.mark.parametrize("method,hp", [("chain", {"gamma": 4}), ("salf", {"salf_threshold": 0.2}),
+                                       ("tree", {"tree_top_k": 3})])
 def test_cuda_matches_cpu_greedy(tiny_pair, method, hp):
     cpu = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"], device="cpu")
     gpu = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"], device="cuda")

@@ -38,7 +38,7 @@ def test_target_then_drafter_both_registered_and_loadable(job_env, tmp_path, mon
     dec = Decoder.from_pretrained("models:/speclab-smoke-target/1",
                                   "models:/speclab-smoke-drafter/1")
     ar = dec.generate("def f(x):", method="ar", max_new_tokens=10)
-    sd = dec.generate("def f(x):", method="salf", max_new_tokens=10, threshold=0.3)
+    sd = dec.generate("def f(x):", method="salf", max_new_tokens=10, salf_threshold=0.3)
     assert sd.token_ids == ar.token_ids  # lossless with the distilled drafter
 
 
@@ -47,17 +47,17 @@ def test_generation_keeps_finished_shards(tiny_pair, tmp_path):
     import ray
     import torch
 
-    from jobs.distill import generate
-    from speclab.config import ExperimentConfig
+    from speclab.config import DistillJob
+    from speclab.pipelines.signals import generate
     from speclab.raylib import quiet_ray_env
 
     quiet_ray_env()
-    cfg = ExperimentConfig.from_dict({"distill": {"loss": "word_kd", "examples": 12,
+    cfg = DistillJob.from_dict({"distill": {"loss": "word_kd", "examples": 12,
                                                   "shard_size": 4, "seq_len": 8, "top_k": 3,
                                                   "gen_actors": 1}})
     tokens = torch.arange(200) % 60
     data = tmp_path / "data"
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # never a running cluster
     try:
         shards, peak = generate(cfg, tiny_pair["target"], data, {"kd"}, tokens)
         assert shards == {"kd": 3} and peak > 0

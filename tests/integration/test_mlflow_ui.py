@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 
 import pytest
 import requests
 
-from tests.integration.conftest import ROOT, free_port, python
+from tests.integration.conftest import ROOT, free_port, python, stop_process_tree
 
 pytestmark = pytest.mark.integration
 
@@ -52,6 +50,5 @@ def test_ui_serves_the_embedded_store(job_env, monkeypatch):
             {"key": m["key"], "value": m["value"]} for m in runs[0]["data"]["metrics"]]
         params = {p["key"]: p["value"] for p in runs[0]["data"]["params"]}
         assert params["a.b"] == "1"
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
+    finally:  # `speclab ui` and the mlflow server it runs: its whole process group
+        stop_process_tree(proc, grace=30)

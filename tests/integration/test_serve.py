@@ -21,10 +21,10 @@ import pytest
 import requests
 
 from serve_apps.loadtest import PROMPTS, one_request, run_load
-from tests.integration.conftest import ROOT, free_port
+from tests.integration.conftest import ROOT, free_port, stop_process_tree
 
 pytestmark = pytest.mark.integration
-METHOD = {"nodes": 8, "batch": 2, "threshold": 0.3, "depth": 4}  # as in the smoke config
+METHOD = {"nodes": 8, "batch": 2, "salf_threshold": 0.3, "depth": 4}  # as in the smoke config
 
 
 def _rec_models(root: Path) -> tuple[str, str]:
@@ -57,11 +57,13 @@ def _start(root: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "speclab.cli", "serve", "--config",
              "experiments/smoke/serve.yaml", f"serve.port={port}", *overrides],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)  # its embedded Ray and Serve live in its tree
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 240
     while time.time() < deadline:
         if proc.poll() is not None:
+            _stop(proc)  # whatever it left behind
             pytest.fail("server exited: " + log.read_text()[-3000:])
         try:
             if requests.get(f"{url}/health", timeout=5).status_code == 200:
@@ -69,16 +71,14 @@ def _start(root: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
         except requests.RequestException:
             pass
         time.sleep(1)
-    proc.kill()
+    _stop(proc)
     pytest.fail("server not ready: " + log.read_text()[-3000:])
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)  # the CLI shuts Serve down on SIGTERM
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    """SIGTERM the CLI (it shuts Serve down, then its embedded Ray), then stop whatever is
+    left of the process group and the processes it started (Serve's actors, raylet...)."""
+    stop_process_tree(proc, grace=30, leader_grace=90)
 
 
 @pytest.fixture(scope="module")
@@ -269,19 +269,19 @@ def test_specdecpp_app_loads_the_head_once_and_stays_lossless(tmp_path, tiny):
     import torch
 
     from speclab.api import Decoder
-    from speclab.spec.acceptance_head import AcceptanceHead, save_head
+    from speclab.decoding.acceptance_head import AcceptanceHead, save_head
 
     target, draft = tiny
     torch.manual_seed(0)
     head = save_head(AcceptanceHead(64, depth=1), tmp_path / "head")
     dec = Decoder.from_pretrained(target, draft)
     want = dec.generate(PROMPTS[0], method="specdecpp", max_new_tokens=24, head=str(head),
-                        threshold=0.5)
+                        stop_threshold=0.5)
     ar = dec.generate(PROMPTS[0], method="ar", max_new_tokens=24)
     assert want.token_ids == ar.token_ids
     proc, url = _start(tmp_path, [f"models.target={target}", f"models.draft={draft}",
-                                  "method.name=specdecpp", f"method.head={head}",
-                                  "method.threshold=0.5"])
+                                  f"method={{name: specdecpp, head: '{head}', "
+                                  "stop_threshold: 0.5}"])
     try:
         r = requests.post(url + "/generate", json={"prompt": PROMPTS[0], "max_tokens": 24})
         assert r.status_code == 200, r.text
@@ -305,8 +305,8 @@ def test_aasd_app_sends_the_prefill_top_tokens_to_the_drafter(tmp_path, tiny):
     want = dec.generate(prompt, method="aasd", max_new_tokens=24, **params)
     blind = dec.generate(prompt, method="aasd", max_new_tokens=24, **{**params, "align_k": 0})
     assert blind.stats.drafted_tokens != want.stats.drafted_tokens  # the tops matter here
-    proc, url = _start(tmp_path, [f"models.target={target}", "method.name=aasd",
-                                  *[f"method.{k}={v}" for k, v in params.items()]])
+    proc, url = _start(tmp_path, [f"models.target={target}",
+                                  "method=" + json.dumps({"name": "aasd", **params})])
     try:
         r = requests.post(url + "/generate", json={"prompt": prompt, "max_tokens": 24})
         assert r.status_code == 200, r.text

@@ -35,7 +35,7 @@ def test_head_trained_registered_and_used_by_the_engine(job_env, tmp_path, monke
     uri = "models:/speclab-smoke-head/1"
     dec = Decoder.from_pretrained(target, uri)
     ar = dec.generate("def f(x):", method="ar", max_new_tokens=24)
-    sd = dec.generate("def f(x):", method="specdecpp", head=uri, threshold=0.5,
+    sd = dec.generate("def f(x):", method="specdecpp", head=uri, stop_threshold=0.5,
                       max_new_tokens=24)
     assert sd.token_ids == ar.token_ids  # lossless: the head only picks lengths
     assert sd.stats.drafted_tokens > 0 and sd.stats.target_calls < 24

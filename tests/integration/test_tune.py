@@ -147,7 +147,7 @@ def test_atspeed_alpha_n_sweep_trains_drafters_and_writes_a_recommend_eval_confi
                    "rec.users=150", "rec.items=120", "train.steps=40", "train.report_every=20",
                    "rec_eval.draft_steps=40", "rec_eval.align_examples=100",
                    "rec_eval.test_users=6", f"output.storage_path={storage}",
-                   "output.run_name=at", "sweep.space={rec_eval.alpha: {grid: [0.2, 0.8]}, "
+                   "output.run_name=at", "sweep.space={rec_eval.align_alpha: {grid: [0.2, 0.8]}, "
                    "rec_eval.ns: {grid: [[3], [6]]}}"], job_env)
     assert res.returncode == 0, res.stderr[-3000:]
     client, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "ta")

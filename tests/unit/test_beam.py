@@ -5,7 +5,6 @@ import itertools
 import pytest
 import torch
 
-from speclab.models.loading import load_model
 from speclab.decoding.beam import (
     beam_speculative_search,
     constrained_beam_search,
@@ -13,6 +12,7 @@ from speclab.decoding.beam import (
 )
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.trie import ItemTrie
+from speclab.models.loading import load_model
 
 
 def random_trie(n_items: int, length: int = 4, codebook: int = 6, offset: int = 40, seed=0):

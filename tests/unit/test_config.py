@@ -1,14 +1,31 @@
-"""Strict configs: unknown keys rejected, errors name the dotted field, overrides apply."""
+"""Strict configs: unknown keys rejected, errors name the dotted field, overrides apply;
+one config model per job (a group the job does not use is an error naming it), and
+renamed keys point at their new names."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from speclab.config import ConfigError, ExperimentConfig
+from speclab.config import (
+    JOB_CONFIGS,
+    ConfigError,
+    DistillJob,
+    EvaluateJob,
+    ExperimentConfig,
+    TuneJob,
+    load_experiment,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_override_precedence(tmp_path):
     path = tmp_path / "x.yaml"
     path.write_text("method: {name: chain, gamma: 3}\ndecoding: {max_new_tokens: 10}\n")
     cfg = ExperimentConfig.from_yaml(path, ["method.gamma=7", "data.num_prompts=2"])
+    assert isinstance(cfg, EvaluateJob)  # no `job:` key: an evaluate config
     assert cfg.method.gamma == 7  # flag > yaml
     assert cfg.decoding.max_new_tokens == 10  # yaml > default
     assert cfg.data.num_prompts == 2
@@ -21,7 +38,7 @@ def test_defaults_and_override_precedence(tmp_path):
     [
         ({"method": {"gamma": 0}}, [], "method.gamma: Input should be greater than 0"),
         ({"bogus": 1}, [], "bogus: Extra inputs are not permitted"),
-        ({"method": {"name": "salf", "threshold": 1.0}}, [], "method.threshold"),
+        ({"method": {"name": "salf", "salf_threshold": 1.0}}, [], "method.salf_threshold"),
         ({}, ["methods=[{name: chain}]", "methods.0.gamma=-1"], "methods.0.gamma"),
         ({}, ["decoding.top_p=0"], "decoding.top_p"),
         ({}, ["models.device=tpu"], "models.device"),
@@ -42,3 +59,80 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("method: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         ExperimentConfig.from_yaml(bad)
+
+
+def test_the_job_key_selects_the_jobs_own_config_model():
+    for job, model in JOB_CONFIGS.items():
+        data = {"job": job, "sweep": {"space": {"method.gamma": {"grid": [2]}}}} \
+            if job == "tune" else {"job": job}
+        assert type(ExperimentConfig.from_dict(data)) is model
+    assert isinstance(ExperimentConfig.from_dict({"job": "distill"}), DistillJob)
+    assert "distill" not in EvaluateJob.model_fields and "head" not in EvaluateJob.model_fields
+    with pytest.raises(ConfigError, match="job: unknown job 'nope'"):
+        ExperimentConfig.from_dict({"job": "nope"})
+    with pytest.raises(ConfigError, match="job: this is a 'distill' config"):
+        EvaluateJob.from_dict({"job": "distill"})  # e.g. python -m jobs.evaluate on it
+
+
+@pytest.mark.parametrize("data,group", [
+    ({"job": "evaluate", "head": {"depth": 1}}, "head"),
+    ({"job": "train_target", "methods": [{"name": "chain"}]}, "methods"),
+    ({"job": "distill", "rec_eval": {}}, "rec_eval"),
+    ({"job": "serve", "data": {"num_prompts": 2}}, "data"),
+    ({"job": "tune", "sweep": {"space": {"method.gamma": {"grid": [2]}}}, "rec": {}}, "rec"),
+    ({"job": "tune", "sweep": {"kind": "atspeed", "space": {"rec_eval.align_alpha":
+                                                            {"grid": [0.5]}}},
+      "method": {"name": "chain"}}, "method"),
+])
+def test_a_group_the_job_does_not_use_is_an_error_naming_it(data, group):
+    with pytest.raises(ConfigError, match=rf"^{group}: the {data['job']} job does not use"):
+        ExperimentConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"decoding": {"top_k_sampling": 5}},
+     "decoding.top_k_sampling: renamed: use sample_top_k instead"),
+    ({"job": "recommend_eval", "rec_eval": {"alphas": [0.5]}},
+     "rec_eval.alphas: renamed: use align_alphas instead"),
+    ({"job": "recommend_eval", "rec_eval": {"draft_loss": "sft"}},
+     "rec_eval.draft_loss: renamed: use losses instead"),
+    ({"job": "tune", "sweep": {"kind": "atspeed", "space": {"rec_eval.ns": {"grid": [[5]]}}},
+      "rec_eval": {"alpha": 0.5}}, "rec_eval.alpha: renamed: use align_alpha instead"),
+])
+def test_old_keys_are_rejected_naming_the_new_key(data, message):
+    with pytest.raises(ConfigError, match=message):
+        ExperimentConfig.from_dict(data)
+
+
+def test_new_names_load():
+    cfg = ExperimentConfig.from_dict({"decoding": {"sample_top_k": 5}})
+    assert cfg.decoding.model_dump()["sample_top_k"] == 5
+    rec = ExperimentConfig.from_dict({"job": "recommend_eval", "rec_eval": {
+        "losses": ["sft", "atspeed_r"], "align_alphas": [0.3, 0.7]}})
+    assert rec.rec_eval.align_alphas == [0.3, 0.7] and "draft_loss" not in rec.rec_eval.model_fields
+    tune = TuneJob.from_dict({"sweep": {"kind": "atspeed", "space": {
+        "rec_eval.align_alpha": {"grid": [0.2, 0.8]}}}, "rec_eval": {"draft_loss": "atspeed_s"}})
+    assert tune.rec_eval.align_alpha == 0.5 and tune.rec_eval.draft_loss == "atspeed_s"
+
+
+def test_load_experiment_is_the_public_loader(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("job: build_datastore\ndatastore: {shards: 3}\n")
+    assert load_experiment(path, ["datastore.max_len=8"]).datastore.max_len == 8
+
+
+@pytest.mark.parametrize("command", [
+    [sys.executable, "-m", "jobs.evaluate"],
+    [sys.executable, "-m", "speclab.cli", "run", "evaluate"],
+], ids=["python -m jobs.evaluate", "speclab run evaluate"])
+def test_an_evaluate_config_with_a_head_group_exits_2_naming_head(tmp_path, command):
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text("name: x\njob: evaluate\nmodels: {target: tiny}\nhead: {depth: 1}\n"
+                   "tracking: {enabled: false}\n")
+    # speclab run from outside the checkout (the installed package, no `jobs` package)
+    cwd = ROOT if command[2] == "jobs.evaluate" else tmp_path
+    res = subprocess.run([*command, "--config", str(cfg)], cwd=cwd, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "head: the evaluate job does not use a 'head' group" in res.stderr
+    assert "running on" not in res.stdout  # no work started

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from speclab.models.loading import load_model
 from speclab.decoding.runner import ModelRunner
+from speclab.models.loading import load_model
 from speclab.train.distill_batches import batch_loss, collate_kd, collate_seq, collate_trees
 from speclab.train.distill_data import kd_example, seq_example, tree_example
 

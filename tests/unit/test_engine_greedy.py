@@ -10,13 +10,13 @@ SETTINGS = [
     ("ar", {}),
     ("chain", {"gamma": 1}),
     ("chain", {"gamma": 4}),
-    ("tree", {"top_k": 3, "depth": 4, "nodes": 10}),
-    ("tree", {"top_k": 1, "depth": 2, "nodes": 2}),
+    ("tree", {"tree_top_k": 3, "depth": 4, "nodes": 10}),
+    ("tree", {"tree_top_k": 1, "depth": 2, "nodes": 2}),
     ("optimal", {"nodes": 12, "batch": 3, "depth": 6}),
-    ("salf", {"nodes": 16, "batch": 4, "threshold": 0.3}),
-    ("salf", {"nodes": 6, "batch": 1, "threshold": 0.8}),
-    ("salf", {"nodes": 12, "batch": 3, "threshold": 0.2, "score_temperature": 0.5}),
-    ("tree", {"top_k": 2, "depth": 6, "nodes": 8, "score_temperature": 0.5}),
+    ("salf", {"nodes": 16, "batch": 4, "salf_threshold": 0.3}),
+    ("salf", {"nodes": 6, "batch": 1, "salf_threshold": 0.8}),
+    ("salf", {"nodes": 12, "batch": 3, "salf_threshold": 0.2, "score_temperature": 0.5}),
+    ("tree", {"tree_top_k": 2, "depth": 6, "nodes": 8, "score_temperature": 0.5}),
 ]
 
 

@@ -62,9 +62,9 @@ def test_chi_square_detects_a_biased_sampler(micro_pair):
     "method,hp,temperature,top_p",
     [
         ("chain", {"gamma": 2}, 1.0, 1.0),
-        ("tree", {"top_k": 3, "depth": 2, "nodes": 6}, 1.0, 1.0),
+        ("tree", {"tree_top_k": 3, "depth": 2, "nodes": 6}, 1.0, 1.0),
         ("chain", {"gamma": 3}, 1.0, 0.8),
-        ("salf", {"nodes": 6, "batch": 2, "threshold": 0.2}, 0.8, 0.9),
+        ("salf", {"nodes": 6, "batch": 2, "salf_threshold": 0.2}, 0.8, 0.9),
     ],
 )
 def test_first_two_tokens_match_target_distribution(micro_pair, method, hp, temperature, top_p):

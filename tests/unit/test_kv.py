@@ -2,9 +2,9 @@
 
 import torch
 
-from speclab.models.loading import load_model
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import TokenTree
+from speclab.models.loading import load_model
 
 
 def test_tree_forward_matches_per_path_and_pruned_cache_matches_recompute(tiny_pair):

@@ -34,11 +34,35 @@ CONFIGS = sorted((ROOT / "experiments").rglob("*.yaml"))
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT)) for p in CONFIGS])
 def test_every_experiment_config_validates_and_opens_with_its_command(path):
-    from speclab.config import ExperimentConfig
+    from speclab.config import load_experiment
 
     first = path.read_text().splitlines()[0]
     assert first.startswith("# Run: ") and str(path.relative_to(ROOT)) in first
-    ExperimentConfig.from_yaml(path)
+    cfg = load_experiment(path)  # the config model of the job the file names
+    assert cfg.job in first  # jobs.<job> / speclab serve
+
+
+def test_jobs_are_thin_and_never_import_each_other():
+    """``jobs/<name>.py`` only calls ``speclab.pipelines.<name>.main``; every job and the
+    stages they share live in the library, so ``speclab run`` needs no checkout."""
+    import ast
+
+    from speclab.pipelines import JOBS
+
+    shims = sorted(p.stem for p in (ROOT / "jobs").glob("*.py") if p.stem != "__init__")
+    assert shims == sorted(JOBS)
+    for name in shims:
+        tree = ast.parse((ROOT / "jobs" / f"{name}.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert imported == {"sys", "jobs", f"speclab.pipelines.{name}"}, (name, imported)
+    for path in (ROOT / "platform" / "speclab" / "pipelines").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        mods = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m == "jobs" or m.startswith("jobs.") for m in mods), path
+        jobs_used = {m.rsplit(".", 1)[1] for m in mods if m.startswith("speclab.pipelines.")}
+        assert not jobs_used & set(JOBS), (path.name, jobs_used & set(JOBS))
 
 
 def test_cluster_yaml_passes_ray_schema_validation():

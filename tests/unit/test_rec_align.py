@@ -5,10 +5,10 @@ import torch
 
 from speclab.data import recsys
 from speclab.data.rec_dataset import RecExample, RecMeta
-from speclab.models.loading import load_model
-from speclab.models.tiny import build_tiny_llama
 from speclab.decoding.beam import constrained_beam_search, mixture_beam_search
 from speclab.decoding.runner import ModelRunner
+from speclab.models.loading import load_model
+from speclab.models.tiny import build_tiny_llama
 from speclab.train.rec_align import REC_LOSSES, alignment_example, collate_align, rec_align_loss
 
 
@@ -101,8 +101,8 @@ def test_rec_align_task_batches_deterministically_and_trains(setup, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from speclab.config import ExperimentConfig
-    from speclab.train.tasks import TASKS
+    from speclab.config.schema import TrainConfig
+    from speclab.train.tasks import TASKS, RecAlignTaskConfig
 
     meta, target, draft_dir = setup
     train = [RecExample(0, meta.prompt([i % 30, (i * 7) % 30]), (i * 3) % 30) for i in range(12)]
@@ -112,8 +112,8 @@ def test_rec_align_task_batches_deterministically_and_trains(setup, tmp_path):
          "test": []}))
     rows = [alignment_example(target, meta.trie(), e.prompt, 3) for e in train[:8]]
     torch.save(rows, tmp_path / "align.pt")
-    cfg = ExperimentConfig.from_dict({"train": {"batch_size": 4}, "rec_eval": {
-        "draft_loss": "atspeed_r", "alpha": 0.6, "align_k": 3}})
+    cfg = RecAlignTaskConfig(train=TrainConfig(batch_size=4), loss="atspeed_r",
+                             align_alpha=0.6, align_k=3)
     task = TASKS["rec_align"](cfg, tmp_path, torch.device("cpu"))
     assert len(task.train) == 8  # only examples that have alignment rows
     a, b = task.batch(5, 1), task.batch(5, 1)

@@ -9,10 +9,10 @@ import torch
 
 from speclab.api import Decoder
 from speclab.decoding.datastore import Datastore, suffix_array
+from speclab.decoding.rules import RuleSpec, conditional_threshold, verify_conditional
+from speclab.decoding.tree import TokenTree
 from speclab.drafters.pld import DraftPool, PromptLookupDrafter
 from speclab.drafters.rest import RestDrafter
-from speclab.decoding.tree import TokenTree
-from speclab.decoding.verify import conditional_threshold, verify_conditional
 from speclab.text_metrics import edit_sim, rouge_l, token_f1
 
 
@@ -42,7 +42,7 @@ def test_pld_drafts_the_continuations_as_a_trie():
     paths = {tuple(tree.tokens[n] for n in tree.path_to(leaf)[1:])
              for leaf in range(len(tree)) if not tree.children[leaf]}
     assert paths == {(9, 1, 5), (7, 8, 5)}
-    assert not any(tree.relaxed) and tree.relax_params is None  # plain PLD: strict
+    assert not any(tree.relaxed) and d.rule is None  # plain PLD: strict
 
 
 def test_suffix_array_and_datastore_retrieval(tmp_path):
@@ -76,8 +76,7 @@ def test_alignment_sampling_on_hand_made_prefill():
     logits[1, 3], logits[1, 4], logits[1, 12] = 5.0, 4.0, 3.0  # position 2 holds 12: misaligned
     logits[2, 13] = 5.0
     d = PromptLookupDrafter(ngram=3, max_key=2, candidates=1, align_k=2, relax=(0.1, 0.1))
-    d.reset()
-    d.observe_prefill(prompt, logits)
+    d.start(prompt, logits.topk(d.prefill_top_k, dim=-1).indices.tolist())
     tree = d.propose(prompt, budget=8)
     # key (10, 11) -> continuation from position 2: 12, 13, 10
     first = tree.children[0]
@@ -85,7 +84,7 @@ def test_alignment_sampling_on_hand_made_prefill():
     assert all(tree.relaxed[c] for c in first)  # prompt-retrieved and alignment-sampled
     n12 = first[0]
     assert [tree.tokens[c] for c in tree.children[n12]] == [13]  # aligned: no siblings
-    assert tree.relax_params == (0.1, 0.1)
+    assert d.rule == RuleSpec("conditional", {"alpha": 0.1, "beta": 0.1})
 
 
 def test_conditional_threshold_hand_values():

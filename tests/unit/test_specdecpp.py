@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from speclab.api import Decoder
-from speclab.losses import weighted_bce
-from speclab.models.loading import load_model
 from speclab.decoding.acceptance_head import AcceptanceHead, load_head, save_head, should_stop
-from speclab.drafters.specdecpp import SpecDecPPDrafter
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
+from speclab.drafters.specdecpp import SpecDecPPDrafter
+from speclab.losses import weighted_bce
+from speclab.models.loading import load_model
 from speclab.train.distill_data import accept_example
 from speclab.train.head import DraftFeatures, head_metrics, mixed_batch
 from tests.unit.test_engine_sampling import PROMPT, N, chi_square_p, exact_two_token_dist
@@ -127,7 +127,7 @@ def test_adaptive_drafter_is_lossless_under_greedy(tiny_pair):
     for prompt in ([3, 9, 27], [5, 1, 2, 8, 11, 30], [7]):
         want = dec.generate(prompt_ids=prompt, method="ar", max_new_tokens=30).token_ids
         for h in (0.1, 0.5, 0.9):
-            res = dec.generate(prompt_ids=prompt, method="specdecpp", head=head, threshold=h,
+            res = dec.generate(prompt_ids=prompt, method="specdecpp", head=head, stop_threshold=h,
                                max_new_tokens=30)
             assert res.token_ids == want
             lengths.add(res.stats.drafted_tokens / max(res.stats.target_calls, 1))
@@ -166,9 +166,10 @@ def test_bad_inputs(tiny_pair):
     from speclab.config import ConfigError, ExperimentConfig
 
     with pytest.raises(ConfigError, match="w_rej"):
-        ExperimentConfig.from_dict({"head": {"w_rej": -1}})
+        ExperimentConfig.from_dict({"job": "train_head", "head": {"w_rej": -1}})
     with pytest.raises(ConfigError, match="thresholds"):
-        ExperimentConfig.from_dict({"adaptive": {"thresholds": [0.5, 1.0]}})
+        ExperimentConfig.from_dict({"job": "specdecpp_eval",
+                                    "adaptive": {"thresholds": [0.5, 1.0]}})
     with pytest.raises(ConfigError, match="head"):
         ExperimentConfig.from_dict({"method": {"name": "specdecpp"}})
 
@@ -183,7 +184,7 @@ def test_adaptive_drafter_sampling_matches_target_distribution(micro_pair):
     head = AcceptanceHead(int(dec.draft.model.config.hidden_size), 1)
     counts, accepted = {}, 0
     for seed in range(N):
-        res = dec.generate(prompt_ids=PROMPT, method="specdecpp", head=head, threshold=0.5,
+        res = dec.generate(prompt_ids=PROMPT, method="specdecpp", head=head, stop_threshold=0.5,
                            max_new_tokens=2, temperature=1.0, seed=seed)
         key = tuple(res.token_ids)
         counts[key] = counts.get(key, 0) + 1

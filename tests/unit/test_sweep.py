@@ -7,20 +7,22 @@ import pytest
 from speclab.config import ConfigError, ExperimentConfig
 from speclab.sweep import objective, trial_config
 
-BASE = {"models": {"target": "tiny"}, "method": {"name": "salf", "nodes": 8, "batch": 2},
-        "sweep": {"space": {"method.threshold": {"grid": [0.1, 0.3]}}}}
+BASE = {"job": "tune", "models": {"target": "tiny"},
+        "method": {"name": "salf", "nodes": 8, "batch": 2},
+        "sweep": {"space": {"method.salf_threshold": {"grid": [0.1, 0.3]}}}}
 
 
 def test_trial_config_applies_values_and_drops_the_sweep():
-    cfg = trial_config(BASE, {"method.threshold": 0.3, "method.nodes": 12})
-    assert cfg.method.threshold == 0.3 and cfg.method.nodes == 12 and cfg.sweep is None
+    cfg = trial_config(BASE, {"method.salf_threshold": 0.3, "method.nodes": 12})
+    assert cfg.method.params()["salf_threshold"] == 0.3 and cfg.method.nodes == 12
+    assert cfg.sweep is None
 
 
 def test_a_bad_combination_fails_its_trial_with_the_field_named():
     with pytest.raises(ConfigError, match=r"batch \(20\) must not exceed nodes \(8\)"):
         trial_config(BASE, {"method.batch": 20})
-    with pytest.raises(ConfigError, match="method.threshold"):
-        trial_config(BASE, {"method.threshold": 1.5})
+    with pytest.raises(ConfigError, match="method.salf_threshold"):
+        trial_config(BASE, {"method.salf_threshold": 1.5})
 
 
 def test_objective_respects_floors_and_mode():
@@ -44,4 +46,4 @@ def test_objective_respects_floors_and_mode():
 ])
 def test_bad_sweep_sections(sweep, message):
     with pytest.raises(ConfigError, match=message):
-        ExperimentConfig.from_dict({"sweep": sweep})
+        ExperimentConfig.from_dict({"job": "tune", "sweep": sweep})

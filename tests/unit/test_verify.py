@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from speclab.decoding.rules import verify_greedy, verify_speculative, verify_typical_relaxed
 from speclab.decoding.sampling import SamplingParams, warp_probs
 from speclab.decoding.tree import DETERMINISTIC, SAMPLED, TokenTree
-from speclab.decoding.verify import verify_greedy, verify_speculative, verify_typical_relaxed
 
 
 def onehot_logits(ids, vocab=6):

@@ -1,10 +1,32 @@
-"""Typed experiment configs (pydantic, strict) loaded from YAML with key=value overrides."""
+"""Typed experiment configs (pydantic, strict) loaded from YAML with key=value overrides.
+
+Groups live in :mod:`speclab.config.schema`, one config model per job (made of the
+groups that job uses, selected by ``job:``) in :mod:`speclab.config.jobs`.
+``load_experiment(path, overrides)`` (= ``ExperimentConfig.from_yaml``) returns the
+config of the job the file names.
+"""
 
 from speclab.config.base import ConfigError, StrictModel
+from speclab.config.jobs import (
+    JOB_CONFIGS,
+    BuildDatastoreJob,
+    CompareLossesJob,
+    DistillJob,
+    EvaluateJob,
+    ExperimentConfig,
+    RecommendEvalJob,
+    RetrievalEvalJob,
+    ServeJob,
+    SpecdecppEvalJob,
+    TrainHeadJob,
+    TrainRecommenderJob,
+    TrainTargetJob,
+    TuneJob,
+    load_experiment,
+)
 from speclab.config.schema import (
     DataConfig,
     DecodingConfig,
-    ExperimentConfig,
     MethodConfig,
     ModelsConfig,
     RayConfig,
@@ -13,14 +35,28 @@ from speclab.config.schema import (
 )
 
 __all__ = [
+    "JOB_CONFIGS",
+    "BuildDatastoreJob",
+    "CompareLossesJob",
     "ConfigError",
     "DataConfig",
     "DecodingConfig",
+    "DistillJob",
+    "EvaluateJob",
     "ExperimentConfig",
     "MethodConfig",
     "ModelsConfig",
     "RayConfig",
+    "RecommendEvalJob",
     "ResourcesConfig",
+    "RetrievalEvalJob",
+    "ServeJob",
+    "SpecdecppEvalJob",
     "StrictModel",
     "TrackingConfig",
+    "TrainHeadJob",
+    "TrainRecommenderJob",
+    "TrainTargetJob",
+    "TuneJob",
+    "load_experiment",
 ]

@@ -8,10 +8,11 @@ Overrides are ``key=value`` strings with dotted paths (list items by index:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 T = TypeVar("T", bound="StrictModel")
 
@@ -20,13 +21,40 @@ class ConfigError(ValueError):
     """Invalid configuration; the message lists every bad field by dotted path."""
 
 
+def error_lines(err: ValidationError, prefix: tuple = ()) -> list[tuple[tuple, str]]:
+    """``(location, message)`` per error of ``err``, with ``prefix`` before each location.
+
+    Errors that carry nested errors of their own (``ctx["errors"]``: a sub-model validated
+    inside a validator, e.g. one method's config) are expanded, so their fields keep their
+    full dotted path (``method.gamma``). Renamed keys point at the new key.
+    """
+    out = []
+    for e in err.errors():
+        loc = prefix + tuple(e["loc"])
+        ctx = e.get("ctx") or {}
+        if e["type"] == "nested" and "errors" in ctx:
+            out += [(loc + tuple(sub), msg) for sub, msg in ctx["errors"]]
+        elif e["type"] == "renamed":
+            out.append((loc + (ctx["key"],), e["msg"]))
+        else:
+            msg = e["msg"]
+            out.append((loc, msg[len("Value error, "):] if msg.startswith("Value error, ")
+                        else msg))
+    return out
+
+
 def format_validation_error(err: ValidationError) -> str:
     """``field.path: message`` lines from a pydantic error."""
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        lines.append(f"{loc}: {e['msg']}")
-    return "\n".join(lines)
+    return "\n".join(f"{'.'.join(str(p) for p in loc) or '<root>'}: {msg}"
+                     for loc, msg in error_lines(err))
+
+
+def nested_error(err: ValidationError) -> PydanticCustomError:
+    """Re-raise ``err`` (a sub-model validated by hand) so that its field paths survive."""
+    lines = error_lines(err)
+    detail = "; ".join(f"{'.'.join(map(str, loc))}: {msg}" for loc, msg in lines)
+    return PydanticCustomError("nested", "{detail}",
+                               {"detail": detail, "errors": [(list(loc), m) for loc, m in lines]})
 
 
 def apply_override(data: dict, dotted: str, value: Any) -> None:
@@ -71,6 +99,18 @@ class StrictModel(BaseModel):
     """Base of all speclab configs: extra keys forbidden, validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    #: old key -> new key: a config that still uses an old key fails naming the new one
+    renamed: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for old, new in cls.renamed.items():
+                if old in data:
+                    raise PydanticCustomError(
+                        "renamed", "renamed: use {new} instead", {"key": old, "new": new})
+        return data
 
     @classmethod
     def from_dict(cls: type[T], data: dict, overrides: list[str] | None = None) -> T:

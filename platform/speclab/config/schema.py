@@ -1,11 +1,12 @@
-"""ExperimentConfig: the single typed source of truth for a job.
+"""The config GROUPS every job config is made of (one pydantic model per group).
 
-Groups: ``models`` (which target/draft), ``data`` (prompt set), ``decoding`` (sampling
-settings shared by all methods), ``method`` (the method and its hyperparameters) or
-``methods`` (several to compare), ``resources`` (Ray actors), ``tracking`` (MLflow),
-``ray`` (cluster address); training jobs add ``corpus``, ``tokenizer``, ``arch``,
-``train``, ``scaling`` (Ray Train workers) and ``output``. Every job ignores the groups
-it does not use, so one schema serves all jobs.
+``models`` (which target/draft), ``data`` (prompt set), ``decoding`` (sampling settings
+shared by all methods), ``method`` / ``methods`` (the method registry's configs),
+``resources`` (Ray actors), ``tracking`` (MLflow), ``ray`` (cluster address); training
+groups ``corpus``, ``tokenizer``, ``arch``, ``train``, ``scaling`` (Ray Train workers)
+and ``output``; job-specific groups (``distill``, ``compare``, ``rec``, ``rec_eval``,
+``head``, ``adaptive``, ``datastore``, ``retrieval``, ``sweep``, ``serve``).
+Which job uses which groups: :mod:`speclab.config.jobs`.
 """
 
 from __future__ import annotations
@@ -15,23 +16,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from speclab.config.base import StrictModel
-
-MethodName = Literal["ar", "chain", "tree", "optimal", "salf", "specdecpp", "pld", "rest",
-                     "aasd"]
-
-# hyperparameters each method uses (the rest are ignored for that method)
-METHOD_PARAMS: dict[str, tuple[str, ...]] = {
-    "ar": (),
-    "chain": ("gamma",),
-    "tree": ("top_k", "depth", "nodes", "score_temperature"),
-    "optimal": ("nodes", "batch", "depth", "score_temperature"),
-    "salf": ("nodes", "batch", "threshold", "depth", "score_temperature"),
-    "specdecpp": ("head", "threshold", "max_draft"),
-    "pld": ("ngram", "max_key", "candidates"),
-    "rest": ("datastore", "ngram", "max_key", "candidates"),
-    "aasd": ("ngram", "max_key", "candidates", "align_k", "conditional", "aasd_alpha",
-             "aasd_beta"),
-}
+from speclab.config.method import MethodConfig  # noqa: F401  (the method registry's type)
 
 
 class ModelsConfig(StrictModel):
@@ -64,53 +49,14 @@ class DataConfig(StrictModel):
 class DecodingConfig(StrictModel):
     """Sampling settings shared by every method of a run."""
 
+    renamed = {"top_k_sampling": "sample_top_k"}
+
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k_sampling: int = Field(0, ge=0)
+    sample_top_k: int = Field(0, ge=0, description="top-k filter of the sampler (0: off)")
     max_new_tokens: int = Field(64, gt=0)
     seed: int = 0
     verify: Literal["greedy", "sample", "typical"] | None = None
-
-
-class MethodConfig(StrictModel):
-    """A decoding method and its hyperparameters."""
-
-    name: MethodName = "chain"
-    gamma: int = Field(4, gt=0, description="chain draft length")
-    top_k: int = Field(4, gt=0, description="EAGLE-2 children per node / nodes per level")
-    depth: int = Field(5, gt=0, description="maximum draft depth of tree methods")
-    nodes: int = Field(16, gt=0, description="draft nodes per tree")
-    batch: int = Field(4, gt=0, description="nodes expanded per draft forward (optimal/SALF)")
-    threshold: float = Field(0.3, gt=0.0, lt=1.0,
-                             description="SALF threshold th / SpecDec++ stop threshold h")
-    head: str | None = Field(None, description="SpecDec++ acceptance head: folder or models:/")
-    max_draft: int = Field(20, gt=0, description="SpecDec++ hard cap on draft length")
-    ngram: int = Field(10, ge=1, description="PLD/REST/AASD: draft tokens per retrieved n-gram")
-    max_key: int = Field(3, ge=1, description="PLD/REST/AASD: longest lookup key (tokens)")
-    candidates: int = Field(1, ge=1, description="PLD/REST/AASD: retrieved n-grams per round")
-    datastore: str | None = Field(None, description="REST: datastore folder")
-    align_k: int = Field(2, ge=0, description="AASD: alignment-sampled tokens per position")
-    conditional: bool = Field(True, description="AASD: conditional verification (eq. 4-6)")
-    aasd_alpha: float = Field(0.1, ge=0.0, description="AASD: entropy factor alpha (eq. 5)")
-    aasd_beta: float = Field(0.1, description="AASD: threshold base beta (eq. 5)")
-    score_temperature: float = Field(
-        1.0, gt=0.0, description="softmax temperature used to rank tree nodes"
-    )
-    label: str | None = None
-
-    @model_validator(mode="after")
-    def _batch_within_nodes(self):
-        if self.name in ("optimal", "salf") and self.batch > self.nodes:
-            raise ValueError(f"batch ({self.batch}) must not exceed nodes ({self.nodes})")
-        if self.name == "specdecpp" and not self.head:
-            raise ValueError("head: method specdecpp needs an acceptance head folder or URI")
-        if self.name == "rest" and not self.datastore:
-            raise ValueError("datastore: method rest needs a datastore folder")
-        return self
-
-    def params(self) -> dict:
-        """Only the hyperparameters this method uses."""
-        return {k: getattr(self, k) for k in METHOD_PARAMS[self.name]}
 
 
 class ResourcesConfig(StrictModel):
@@ -292,7 +238,12 @@ class RecConfig(StrictModel):
 
 
 class RecEvalConfig(StrictModel):
-    """``recommend_eval``: models (trained on the fly when not given), K, N, gamma."""
+    """``recommend_eval``: models (trained on the fly when not given), K, N, gamma.
+
+    Drafters are trained for every ``losses`` entry not in ``drafts`` (AtSpeed losses
+    once per ``align_alphas`` value, the AtSpeed alignment-loss weight)."""
+
+    renamed = {"alphas": "align_alphas", "alpha": "align_alphas", "draft_loss": "losses"}
 
     target: str | None = Field(None, description="recommender folder / models:/ URI")
     drafts: dict[str, str] = Field(default_factory=dict, description="name -> drafter")
@@ -300,10 +251,9 @@ class RecEvalConfig(StrictModel):
     draft_steps: int = Field(60, gt=0, description="steps of each on-the-fly drafter")
     losses: list[str] = Field(default_factory=lambda: ["sft"],
                               description="drafters trained for the losses not in drafts")
-    alphas: list[float] = Field(default_factory=lambda: [0.5],
-                                description="alpha values tried for atspeed_s/atspeed_r")
-    draft_loss: str = Field("sft", description="set per drafter by recommend_eval")
-    alpha: float = Field(0.5, ge=0.0, le=1.0)
+    align_alphas: list[float] = Field(
+        default_factory=lambda: [0.5],
+        description="AtSpeed loss weights alpha tried for atspeed_s/atspeed_r")
     align_k: int = Field(5, gt=0, description="target top-K beams per alignment example")
     align_examples: int = Field(512, gt=0, description="training examples with beams")
     mix_lambda: float = Field(
@@ -325,12 +275,30 @@ class RecEvalConfig(StrictModel):
 
         if not self.ks or min(self.ks) < 1 or not self.ns or min(self.ns) < 1:
             raise ValueError("ks and ns must be non-empty lists of positive integers")
-        unknown = [n for n in [*self.losses, self.draft_loss] if n not in REC_LOSSES]
+        unknown = [n for n in self._losses() if n not in REC_LOSSES]
         if unknown:
             raise ValueError(f"unknown recommendation loss {unknown}; known: {list(REC_LOSSES)}")
-        if not self.alphas or not all(0.0 <= a <= 1.0 for a in self.alphas):
-            raise ValueError("alphas must be a non-empty list of values in [0, 1]")
+        if not self.align_alphas or not all(0.0 <= a <= 1.0 for a in self.align_alphas):
+            raise ValueError("align_alphas must be a non-empty list of values in [0, 1]")
         return self
+
+    def _losses(self) -> list[str]:
+        return list(self.losses)
+
+
+class RecTrialConfig(RecEvalConfig):
+    """``rec_eval`` of an AtSpeed sweep (``tune`` with ``sweep.kind: atspeed``): every
+    trial trains ONE drafter with ``draft_loss`` and AtSpeed weight ``align_alpha``
+    (``losses`` / ``align_alphas`` only say which sft drafter a mixture needs)."""
+
+    renamed = {"alphas": "align_alphas", "alpha": "align_alpha"}
+
+    draft_loss: str = Field("atspeed_r", description="loss of every trial's drafter")
+    align_alpha: float = Field(0.5, ge=0.0, le=1.0,
+                               description="AtSpeed loss weight alpha of the trial's drafter")
+
+    def _losses(self) -> list[str]:
+        return [*self.losses, self.draft_loss]
 
 
 class HeadConfig(StrictModel):
@@ -430,7 +398,8 @@ class SweepParam(StrictModel):
 
 
 class SweepConfig(StrictModel):
-    """jobs/tune.py: a Ray Tune search over dotted paths of this experiment config."""
+    """The ``tune`` job: a Ray Tune search over dotted paths of the tune config itself
+    (the groups its ``kind`` uses: :data:`speclab.config.jobs.TUNE_GROUPS`)."""
 
     kind: Literal["decode", "train_head", "atspeed"] = Field(
         "decode", description="decode: evaluate `method` with trained models; train_head: "
@@ -501,47 +470,3 @@ class ServeConfig(StrictModel):
         if (self.rec_target is None) != (self.rec_draft is None):
             raise ValueError("rec_target and rec_draft: give both (or neither)")
         return self
-
-
-class ExperimentConfig(StrictModel):
-    """A whole experiment (see ``experiments/*.yaml``)."""
-
-    name: str = "experiment"
-    job: Literal["evaluate", "train_target", "distill", "compare_losses",
-                 "train_recommender", "recommend_eval", "train_head",
-                 "specdecpp_eval", "build_datastore", "retrieval_eval",
-                 "tune", "serve"] = "evaluate"
-    models: ModelsConfig = ModelsConfig()
-    data: DataConfig = DataConfig()
-    decoding: DecodingConfig = DecodingConfig()
-    method: MethodConfig = MethodConfig()
-    methods: list[MethodConfig] = Field(default_factory=list)
-    resources: ResourcesConfig = ResourcesConfig()
-    tracking: TrackingConfig = TrackingConfig()
-    ray: RayConfig = RayConfig()
-    corpus: CorpusConfig = CorpusConfig()
-    tokenizer: TokenizerConfig = TokenizerConfig()
-    arch: ArchConfig = ArchConfig()
-    train: TrainConfig = TrainConfig()
-    scaling: TrainScalingConfig = TrainScalingConfig()
-    output: OutputConfig = OutputConfig()
-    distill: DistillConfig = DistillConfig()
-    compare: CompareConfig = CompareConfig()
-    rec: RecConfig = RecConfig()
-    rec_eval: RecEvalConfig = RecEvalConfig()
-    head: HeadConfig = HeadConfig()
-    adaptive: AdaptiveEvalConfig = AdaptiveEvalConfig()
-    datastore: DatastoreConfig = DatastoreConfig()
-    retrieval: RetrievalEvalConfig = RetrievalEvalConfig()
-    sweep: SweepConfig | None = None
-    serve: ServeConfig = ServeConfig()
-
-    @model_validator(mode="after")
-    def _resume_needs_name(self):
-        if self.train.resume and not self.output.run_name:
-            raise ValueError("output.run_name: required when train.resume is true")
-        return self
-
-    def method_list(self) -> list[MethodConfig]:
-        """``methods`` when given, else the single ``method``."""
-        return list(self.methods) or [self.method]

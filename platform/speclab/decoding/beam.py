@@ -203,31 +203,9 @@ def beam_speculative_search(
     gamma: int,
 ) -> tuple[list[Beam], BeamSDStats]:
     """Beam SD with strict top-K verification; returns the target's top-``k`` beams."""
-    _check(prompt, trie, k, target)
-    if n < k:
-        raise ValueError(f"n: draft beam size must be >= k ({k}), got {n}")
-    if gamma < 1:
-        raise ValueError(f"gamma: must be >= 1, got {gamma}")
-    stats = BeamSDStats()
-    d_calls0 = draft.calls
-    tgt = BeamTree(target, prompt)
-    drf = BeamTree(draft, prompt)
-    committed: list[Beam] = [((), 0.0)]
-    step = 0
-    while step < trie.length:
-        # 1. draft: beam search with beam n for up to gamma steps
-        drafted = draft_beam_levels(drf, committed, trie, n, min(gamma, trie.length - step))
-        # 2-3. verify all drafted beams in one target forward; strict top-K
-        cur, accepted = verify_beam_levels(tgt, committed, drafted, trie, k)
-        stats.target_calls += 1
-        stats.drafted_beams += sum(len(level) for level in drafted)
-        advanced = len(cur[0][0]) - step
-        stats.accepted_steps += accepted
-        stats.accepted_per_round.append(accepted)
-        committed, step = cur, step + advanced
-    stats.steps = step
-    stats.draft_calls = draft.calls - d_calls0
-    return committed, stats
+    from speclab.decoding.beam_loop import run_beam_sd
+
+    return run_beam_sd("strict", target, draft, prompt, trie, k, n, gamma)
 
 
 # --- relaxed sampling verification (AtSpeed Algorithm 2; RELAXED: approximately, not
@@ -277,6 +255,65 @@ def sampling_beam_search(runner: ModelRunner, prompt: list[int], trie: ItemTrie,
     return _ranked(bt, trie, beams)  # needs logits at proper prefixes only (all scored)
 
 
+def draft_sampled_levels(drf: BeamTree, committed: list[tuple[int, ...]], trie: ItemTrie,
+                         n: int, g: int, generator: torch.Generator | None
+                         ) -> tuple[list[list[tuple[int, ...]]], list[dict]]:
+    """The drafter's half of a relaxed round: ``n`` sequences sampled per step from its
+    sequence distribution ``q_j`` over the extensions of its previous step's samples, for
+    ``g`` steps. Returns the samples of every step and each step's ``q_j`` (candidate ->
+    probability)."""
+    drf.restart()
+    drafted, q_dists, cur = [], [], committed
+    for _ in range(g):
+        cands, q = _step_dist(drf, trie, cur)
+        cur = _sample(cands, q, n, generator)
+        drafted.append(cur)
+        q_dists.append(dict(zip(cands, q.tolist())))
+    return drafted, q_dists
+
+
+def verify_sampled_levels(tgt: BeamTree, committed: list[tuple[int, ...]],
+                          drafted: list[list[tuple[int, ...]]], q_dists: list[dict],
+                          trie: ItemTrie, k: int, generator: torch.Generator | None
+                          ) -> tuple[list[tuple[int, ...]], int]:
+    """The target's half of a relaxed round (see :func:`beam_speculative_sampling`): one
+    forward over the committed and drafted sequences, acceptance step by step, the
+    residual resampling at the first rejected step, or a bonus step. Returns the new
+    committed sequences and the number of accepted steps."""
+    tgt.restart()
+    tgt.score(committed + [s for level in drafted for s in level])
+    prev, accepted, rejected = committed, 0, False
+    for level, q in zip(drafted, q_dists):
+        cands, p = _step_dist(tgt, trie, prev)
+        p_of = dict(zip(cands, p.tolist()))
+        out = [y for y in level
+               if float(torch.rand((), generator=generator)) <= p_of[y] / max(q[y], 1e-30)]
+        want = min(k, len(cands))
+        if len(out) >= want:
+            pick = torch.randperm(len(out), generator=generator)[:want].tolist()
+            committed, prev, accepted = [out[i] for i in sorted(pick)], level, accepted + 1
+            continue
+        resid = torch.tensor([max(0.0, p_of[c] - q.get(c, 0.0)) for c in cands])
+        for y in out:
+            resid[cands.index(y)] = 0.0
+        if resid.sum() <= 0:  # numerically empty residual: fall back to p
+            resid = p.clone()
+            for y in out:
+                resid[cands.index(y)] = 0.0
+        committed = out + _sample(cands, resid / resid.sum(), want - len(out), generator)
+        rejected = True
+        break
+    if not rejected and len(committed[0]) < trie.length:  # bonus step from the target
+        cands, p = _step_dist(tgt, trie, committed)
+        committed = _sample(cands, p, k, generator)
+    return committed, accepted
+
+
+def ranked(bt: BeamTree, trie: ItemTrie, seqs: list[tuple[int, ...]]) -> list[Beam]:
+    """Complete sequences as beams ranked by the model's log-probability."""
+    return _ranked(bt, trie, seqs)
+
+
 def beam_speculative_sampling(
     target: ModelRunner, draft: ModelRunner, prompt: list[int], trie: ItemTrie, k: int,
     gamma: int, generator: torch.Generator | None = None, n: int | None = None,
@@ -293,58 +330,7 @@ def beam_speculative_sampling(
     round ends. After ``gamma`` accepted steps the target samples one bonus step.
     Returns the final ``k`` beams ranked by the target's log-probability.
     """
-    _check(prompt, trie, k, target)
-    n = k if n is None else n
-    if gamma < 1:
-        raise ValueError(f"gamma: must be >= 1, got {gamma}")
-    if n < k:
-        raise ValueError(f"n: draft beam size must be >= k ({k}), got {n}")
-    stats = BeamSDStats()
-    d_calls0 = draft.calls
-    tgt = BeamTree(target, prompt)
-    drf = BeamTree(draft, prompt)
-    committed: list[tuple[int, ...]] = [()]
-    step = 0
-    while step < trie.length:
-        g = min(gamma, trie.length - step)
-        drf.restart()
-        drafted, q_dists, cur = [], [], committed
-        for _ in range(g):
-            cands, q = _step_dist(drf, trie, cur)
-            cur = _sample(cands, q, n, generator)
-            drafted.append(cur)
-            q_dists.append(dict(zip(cands, q.tolist())))
-        tgt.restart()
-        tgt.score(committed + [s for level in drafted for s in level])
-        stats.target_calls += 1
-        stats.drafted_beams += sum(len(level) for level in drafted)
-        prev, accepted, rejected = committed, 0, False
-        for level, q in zip(drafted, q_dists):
-            cands, p = _step_dist(tgt, trie, prev)
-            p_of = dict(zip(cands, p.tolist()))
-            out = [y for y in level
-                   if float(torch.rand((), generator=generator)) <= p_of[y] / max(q[y], 1e-30)]
-            want = min(k, len(cands))
-            if len(out) >= want:
-                pick = torch.randperm(len(out), generator=generator)[:want].tolist()
-                committed, prev, accepted = [out[i] for i in sorted(pick)], level, accepted + 1
-                continue
-            resid = torch.tensor([max(0.0, p_of[c] - q.get(c, 0.0)) for c in cands])
-            for y in out:
-                resid[cands.index(y)] = 0.0
-            if resid.sum() <= 0:  # numerically empty residual: fall back to p
-                resid = p.clone()
-                for y in out:
-                    resid[cands.index(y)] = 0.0
-            committed = out + _sample(cands, resid / resid.sum(), want - len(out), generator)
-            rejected = True
-            break
-        if not rejected and len(committed[0]) < trie.length:  # bonus step from the target
-            cands, p = _step_dist(tgt, trie, committed)
-            committed = _sample(cands, p, k, generator)
-        stats.accepted_steps += accepted
-        stats.accepted_per_round.append(accepted)
-        step = len(committed[0])
-    stats.steps = step
-    stats.draft_calls = draft.calls - d_calls0
-    return _ranked(tgt, trie, committed), stats
+    from speclab.decoding.beam_loop import run_beam_sd
+
+    return run_beam_sd("relaxed", target, draft, prompt, trie, k, k if n is None else n,
+                       gamma, generator)

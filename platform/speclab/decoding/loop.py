@@ -1,32 +1,42 @@
-"""The decode loop: draft -> verify in ONE target call -> commit; plus the AR baseline.
+"""The ONE decode loop: draft -> verify in ONE target call -> commit, over two sides.
 
-Both loops use the same convention: the target's cache holds every committed token but
-the last one (the root); each target call processes the root (plus the draft tree) and
-yields the next token(s). Hence an autoregressive run makes exactly one target call per
-new token, and ``verification_rate = target_calls / new_tokens`` compares directly.
+:func:`rounds` is the loop itself, written once and free of I/O: a generator that yields
+what it needs from the sides (:class:`Start`, :class:`Propose`, :class:`Verify`) and
+receives their answers, and yields :class:`Committed` after each round. It records every
+statistic (one definition of tau). A driver feeds it: :func:`drive` calls in-process
+sides (:mod:`speclab.decoding.sides`); the Serve ingress awaits deployment handles the
+same way (``serve_apps/ingress.py``). Plain decoding is the loop without a draft side.
+
+Convention: the target's cache holds every committed token but the last one (the
+root); each target call processes the root (plus the draft tree) and yields the next
+token(s). Hence an autoregressive run makes exactly one target call per new token, and
+``verification_rate = target_calls / new_tokens`` compares directly.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from speclab.drafters.base import Drafter
+from speclab.decoding.rules import RuleSpec, resolve_rule
 from speclab.decoding.runner import ModelRunner
-from speclab.decoding.sampling import SamplingParams, sample, warp_probs
-from speclab.decoding.tree import TokenTree
-from speclab.decoding.verify import (
-    Verdict,
-    verify_conditional,
-    verify_greedy,
-    verify_speculative,
-    verify_typical_relaxed,
+from speclab.decoding.sampling import SamplingParams
+from speclab.decoding.sides import (
+    DraftSide,
+    Proposal,
+    TargetSide,
+    VerifyResult,
+    prefill,
+    verify_round,
 )
+from speclab.drafters.base import Drafter
 
-VERIFY_RULES = ("greedy", "sample", "typical")
+__all__ = ["Committed", "DraftSide", "GenerationStats", "Propose", "Proposal", "Start",
+           "TargetSide", "Verify", "VerifyResult", "autoregressive_generate", "commit_tokens",
+           "drive", "eos_set", "generate_tokens", "prefill", "rounds", "tau", "verify_round"]
 
 
 @dataclass
@@ -61,8 +71,7 @@ class GenerationStats:
 
     @property
     def tau(self) -> float:
-        n = len(self.accepted_lengths)
-        return sum(self.accepted_lengths) / n if n else 0.0
+        return tau(sum(self.accepted_lengths), len(self.accepted_lengths))
 
     @property
     def acceptance_rate(self) -> float:
@@ -109,31 +118,127 @@ def commit_tokens(out: list[int], new: list[int], limit: int, eos: set[int]) -> 
     return False
 
 
-def _check_inputs(prompt_ids: list[int], max_new_tokens: int, vocab: int) -> None:
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt: must contain at least one token")
-    if max_new_tokens <= 0:
+def tau(committed: int, rounds: int) -> float:
+    """THE definition of tau (mean accepted length): tokens committed per round (accepted
+    drafts + the bonus), i.e. per target call. Used by per-sequence stats and by every
+    aggregate over prompts."""
+    return committed / rounds if rounds else 0.0
+
+
+@dataclass
+class Start:
+    """Prefill the target, then start the draft side (with the prefill top tokens it asks for)."""
+
+    prompt_ids: list[int]
+
+
+@dataclass
+class Propose:
+    """Ask the draft side for a tree: last round's accepted ``path`` (None at first) and
+    committed tokens ``new``; at most ``budget`` levels."""
+
+    path: list[int] | None
+    new: list[int]
+    budget: int
+
+
+@dataclass
+class Verify:
+    """Ask the target side to verify ``tree`` (None: the root alone)."""
+
+    tree: object  # a TokenTree, its wire dict, or None
+
+
+@dataclass
+class Committed:
+    """Tokens committed by the round that just ended (cut at EOS / the token limit)."""
+
+    tokens: list[int]
+    done: bool
+
+
+Message = Start | Propose | Verify | Committed
+
+
+def check_max_new_tokens(max_new_tokens: int) -> None:
+    if isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens: must be > 0, got {max_new_tokens}")
-    bad = [t for t in prompt_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"prompt_ids: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
-def prefill(target: ModelRunner, prompt_ids: list[int]) -> torch.Tensor | None:
-    """Reset and cache ``prompt[:-1]``; returns its ``[L-1, V]`` logits (None for
-    1-token prompts). The last prompt token is the first round's root."""
-    target.reset()
-    if len(prompt_ids) > 1:
-        return target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long))
-    return None
+def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: GenerationStats,
+           drafting: bool) -> Generator[Message, object, list[int]]:
+    """The loop. Yields requests to the sides and receives their answers (``Start`` ->
+    None, ``Propose`` -> :class:`Proposal`, ``Verify`` -> :class:`VerifyResult`,
+    ``Committed`` -> None); returns the new tokens. ``drafting`` False: plain decoding."""
+    check_max_new_tokens(max_new_tokens)
+    out: list[int] = []
+    t_start = time.perf_counter()
+    yield Start(list(prompt_ids))
+    stats.prefill_s = time.perf_counter() - t_start
+    path, new, done = None, [], False
+    while not done:
+        # 1. draft: a tree rooted at the last committed token (none for the last token)
+        t0 = time.perf_counter()
+        budget = max_new_tokens - len(out) - 1
+        tree = None
+        if drafting and budget > 0:
+            proposal = yield Propose(path, new, budget)
+            tree, stats.draft_calls = proposal.tree, proposal.draft_calls
+        t1 = time.perf_counter()
+        # 2. verify: one target forward over every node, the rule, the cache pruned
+        v = yield Verify(tree)
+        t2 = time.perf_counter()
+        # 3. commit (the draft side learns the accepted path with the next Propose)
+        path, new = v.path, v.new
+        n0 = len(out)
+        done = commit_tokens(out, new, max_new_tokens, eos)
+        # 4. stats
+        stats.draft_s += t1 - t0
+        stats.verify_s += t2 - t1
+        stats.add_round(v.drafted, v.accepted, v.evaluated, len(new))
+        stats.new_tokens = len(out)
+        stats.wall_s = time.perf_counter() - t_start
+        yield Committed(out[n0:], done)
+    return out
 
 
-def _prefill(target: ModelRunner, prompt_ids: list[int],
-             stats: GenerationStats) -> torch.Tensor | None:
-    t0 = time.perf_counter()
-    logits = prefill(target, prompt_ids)
-    stats.prefill_s = time.perf_counter() - t0
-    return logits
+def drive(loop: Generator[Message, object, list[int]], draft: DraftSide | None,
+          target: TargetSide) -> list[int]:
+    """Run ``loop`` against in-process sides; returns the new tokens."""
+    reply: object = None
+    while True:
+        try:
+            msg = loop.send(reply)
+        except StopIteration as stop:
+            return stop.value
+        reply = None
+        if isinstance(msg, Start):
+            top = target.start(msg.prompt_ids, draft.prefill_top_k if draft else 0)
+            if draft is not None:
+                draft.start(msg.prompt_ids, top)
+        elif isinstance(msg, Propose):
+            reply = draft.propose(msg.path, msg.new, msg.budget)
+        elif isinstance(msg, Verify):
+            reply = target.verify(msg.tree)
+
+
+def generate_tokens(
+    target: ModelRunner,
+    drafter: Drafter | None,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    rule: RuleSpec,
+    eos_token_id: int | Iterable[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], GenerationStats]:
+    """Decode one sequence in process (``drafter`` None: plain decoding). Returns the new
+    tokens and the stats."""
+    stats = GenerationStats()
+    loop = rounds(prompt_ids, max_new_tokens, eos_set(eos_token_id), stats, drafter is not None)
+    draft = DraftSide(drafter) if drafter is not None else None
+    out = drive(loop, draft, TargetSide(target, params, rule, generator))
+    return out, stats
 
 
 def autoregressive_generate(
@@ -145,125 +250,5 @@ def autoregressive_generate(
     generator: torch.Generator | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Plain decoding with a KV cache (greedy or sampling). Returns new tokens and stats."""
-    _check_inputs(prompt_ids, max_new_tokens, target.vocab_size)
-    stats, out, eos = GenerationStats(), [], eos_set(eos_token_id)
-    t_start = time.perf_counter()
-    _prefill(target, prompt_ids, stats)
-    root, done = prompt_ids[-1], False
-    while not done:
-        t0 = time.perf_counter()
-        logits = target.forward(torch.tensor([root], dtype=torch.long))[-1]
-        probs = warp_probs(logits, params)
-        root = int(probs.argmax()) if params.greedy else sample(probs, generator)
-        stats.verify_s += time.perf_counter() - t0
-        stats.add_round(0, 0, 0, 1)
-        done = commit_tokens(out, [root], max_new_tokens, eos)
-    stats.new_tokens = len(out)
-    stats.wall_s = time.perf_counter() - t_start
-    return out, stats
-
-
-def _greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
-    if tree.relax_params is not None:  # AASD: the drafter asked for conditional rules
-        return verify_conditional(tree, logits, *tree.relax_params)
-    return verify_greedy(tree, logits)
-
-
-def verify_tree(
-    tree: TokenTree,
-    logits: torch.Tensor,
-    rule: str,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    typical_epsilon: float = 0.09,
-    typical_delta: float = 0.3,
-) -> Verdict:
-    """Dispatch to a verification rule. ``logits``: ``[T, V]`` target logits per node."""
-    if rule == "greedy":
-        if not params.greedy:
-            raise ValueError("verify: 'greedy' needs temperature 0 (use 'sample' or 'typical')")
-        return _greedy(tree, logits)
-    if rule == "sample":
-        if params.greedy:  # identical outcome, no random draws
-            return _greedy(tree, logits)
-        return verify_speculative(tree, warp_probs(logits, params), generator)
-    if rule == "typical":
-        return verify_typical_relaxed(
-            tree, logits, params, generator, typical_epsilon, typical_delta
-        )
-    raise ValueError(f"verify: must be one of {VERIFY_RULES}, got {rule!r}")
-
-
-def verify_round(
-    target: ModelRunner,
-    tree: TokenTree,
-    rule: str,
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    typical_epsilon: float = 0.09,
-    typical_delta: float = 0.3,
-) -> tuple[Verdict, list[int]]:
-    """The target's half of a round: ONE forward over every node of ``tree`` (tree
-    attention unless it is a chain), the acceptance rule, and the target cache pruned
-    to the accepted path. Returns the verdict and the new committed tokens (accepted
-    drafts + the bonus token)."""
-    prefix = target.length
-    if tree.is_chain():
-        logits = target.forward(tree.token_tensor())
-    else:
-        logits = target.forward(
-            tree.token_tensor(), tree.position_ids(prefix), tree.attention_mask(prefix)
-        )
-    verdict = verify_tree(tree, logits, rule, params, generator, typical_epsilon, typical_delta)
-    target.keep(list(range(prefix)) + [prefix + i for i in verdict.path])
-    return verdict, [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
-
-
-def speculative_generate(
-    target: ModelRunner,
-    drafter: Drafter,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    params: SamplingParams,
-    verify: str = "greedy",
-    eos_token_id: int | Iterable[int] | None = None,
-    generator: torch.Generator | None = None,
-    typical_epsilon: float = 0.09,
-    typical_delta: float = 0.3,
-) -> tuple[list[int], GenerationStats]:
-    """Speculative decoding of one sequence. Returns new tokens and stats."""
-    _check_inputs(prompt_ids, max_new_tokens, target.vocab_size)
-    if verify not in VERIFY_RULES:
-        raise ValueError(f"verify: must be one of {VERIFY_RULES}, got {verify!r}")
-    stats, out, eos = GenerationStats(), [], eos_set(eos_token_id)
-    committed = list(prompt_ids)
-    t_start = time.perf_counter()
-    draft_calls0 = drafter.calls
-    prefill_logits = _prefill(target, prompt_ids, stats)
-    drafter.reset()
-    drafter.observe_prefill(prompt_ids, prefill_logits)
-    done = False
-    while not done:
-        # 1. draft: a tree rooted at the last committed token
-        t0 = time.perf_counter()
-        budget = max_new_tokens - len(out) - 1
-        tree = drafter.propose(committed, budget) if budget > 0 else TokenTree(committed[-1])
-        t1 = time.perf_counter()
-        # 2. verify: one target forward over every node, the acceptance rule, and the
-        #    target cache pruned to the accepted path
-        verdict, new = verify_round(target, tree, verify, params, generator,
-                                    typical_epsilon, typical_delta)
-        t2 = time.perf_counter()
-        # 3. commit: the drafter keeps the accepted path too
-        if budget > 0:
-            drafter.accept(tree, verdict.path)
-        committed += new
-        done = commit_tokens(out, new, max_new_tokens, eos)
-        # 4. stats
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        stats.add_round(tree.num_drafted, verdict.accepted, verdict.evaluated, len(new))
-    stats.new_tokens = len(out)
-    stats.draft_calls = drafter.calls - draft_calls0
-    stats.wall_s = time.perf_counter() - t_start
-    return out, stats
+    return generate_tokens(target, None, prompt_ids, max_new_tokens, params,
+                           resolve_rule(None, None, params), eos_token_id, generator)

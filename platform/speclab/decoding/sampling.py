@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,12 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"{name}: must be a finite number, got {value}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k: must be an integer, got {self.top_k!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
         if self.top_k < 0:

@@ -40,10 +40,9 @@ class TokenTree:
         self.children: list[list[int]] = [[]]
         self.child_kind: dict[int, str] = {}
         self.q_dist: dict[int, torch.Tensor] = {}
-        # AASD conditional verification: nodes that may pass by threshold, and (alpha,
-        # beta) of eq. 5; None = every node is verified strictly
+        # nodes a relaxed rule may accept by threshold (AASD: retrieved from the prompt
+        # or alignment-sampled); the rule and its parameters are the request's, not the tree's
         self.relaxed: list[bool] = [False]
-        self.relax_params: tuple[float, float] | None = None
 
     # ------------------------------------------------------------------ building
     def add(self, token: int, parent: int, q_prob: float = 1.0, relaxed: bool = False) -> int:
@@ -115,13 +114,12 @@ class TokenTree:
     def to_wire(self) -> dict:
         """The tree as plain lists (what a draft deployment sends a target deployment):
         ``tokens``/``parents``/``q_prob``/``relaxed`` per node, ``child_kind`` and the
-        ``[V]`` proposal ``q_dist`` of expanded nodes whose children were sampled, and
-        AASD's ``relax_params``. :meth:`from_wire` rebuilds an equal tree."""
+        ``[V]`` proposal ``q_dist`` of expanded nodes whose children were sampled.
+        :meth:`from_wire` rebuilds an equal tree."""
         return {"tokens": list(self.tokens), "parents": list(self.parents),
                 "q_prob": list(self.q_prob), "relaxed": list(self.relaxed),
                 "child_kind": {str(k): v for k, v in self.child_kind.items()},
-                "q_dist": {str(k): v.float().cpu().tolist() for k, v in self.q_dist.items()},
-                "relax_params": list(self.relax_params) if self.relax_params else None}
+                "q_dist": {str(k): v.float().cpu().tolist() for k, v in self.q_dist.items()}}
 
     @classmethod
     def from_wire(cls, data: dict) -> TokenTree:
@@ -135,8 +133,6 @@ class TokenTree:
         for k, kind in data["child_kind"].items():
             q = data["q_dist"].get(k)
             tree.set_children_kind(int(k), kind, None if q is None else torch.tensor(q))
-        rp = data.get("relax_params")
-        tree.relax_params = (float(rp[0]), float(rp[1])) if rp else None
         return tree
 
     def __len__(self) -> int:

@@ -1,8 +1,11 @@
-"""Drafters propose a TokenTree from the committed context.
+"""Drafters propose a TokenTree from the committed context; one module per method, each
+with its typed config (see :mod:`speclab.drafters.registry`).
 
-Registry: ``chain`` (Leviathan, fixed gamma), ``tree`` (EAGLE-2 dynamic beam tree),
-``optimal`` (optimal tree search, SALF Algorithm 2 without stopping), ``salf``
-(Algorithm 2 with stopping at low further gains).
+Methods: ``ar`` (the empty drafter), ``chain`` (Leviathan, fixed gamma), ``tree``
+(EAGLE-2 dynamic beam tree), ``optimal`` (optimal tree search, SALF Algorithm 2 without
+stopping), ``salf`` (Algorithm 2 with stopping at low further gains), ``specdecpp``
+(adaptive chain length from an acceptance head), ``pld`` (prompt lookup), ``aasd``
+(PLD + alignment sampling + conditional verification), ``rest`` (datastore retrieval).
 """
 
 from speclab.drafters.base import Drafter, ModelDrafter

@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from speclab.decoding.rules import RuleSpec
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
 from speclab.decoding.tree import TokenTree
 
@@ -20,6 +21,7 @@ class Drafter(ABC):
 
     name = "drafter"
     prefill_top_k = 0  # top tokens per prefill position it reads (0: ignores the prefill)
+    rule: RuleSpec | None = None  # the verification rule its trees need (None: the request's)
 
     @abstractmethod
     def reset(self) -> None:
@@ -33,18 +35,11 @@ class Drafter(ABC):
     def accept(self, tree: TokenTree, path: list[int]) -> None:
         """The target accepted ``path`` (root first) of the last proposed tree."""
 
-    def observe_prefill(self, prompt: list[int], logits: torch.Tensor | None) -> None:
-        """The target's prefill logits ``[L-1, V]`` over ``prompt[:-1]`` (row i predicts
-        ``prompt[i+1]``); AASD's alignment sampling reads them. Default: ignored."""
-        if self.prefill_top_k and logits is not None:
-            k = min(self.prefill_top_k, logits.shape[-1])
-            self.observe_prefill_top(logits.topk(k, dim=-1).indices.tolist())
-
-    def observe_prefill_top(self, top: list[list[int]]) -> None:
-        """The compact form of :meth:`observe_prefill` (what a served target sends):
-        ``top[i]`` = the target's ``prefill_top_k`` best tokens after ``prompt[:i+1]``,
-        best first. Default: ignored."""
-        return None
+    def start(self, prompt_ids: list[int], prefill_top: list[list[int]] | None = None) -> None:
+        """Start a sequence. ``prefill_top[i]``: the target's ``prefill_top_k`` best tokens
+        after ``prompt[:i+1]``, best first, sent only to drafters that declare
+        ``prefill_top_k > 0`` (AASD's alignment sampling). Default: :meth:`reset`."""
+        self.reset()
 
     @property
     def calls(self) -> int:

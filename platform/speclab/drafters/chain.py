@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import torch
+from typing import Literal
 
-from speclab.drafters.base import ModelDrafter
+import torch
+from pydantic import Field
+
+from speclab.config.method import MethodSpec
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams, sample, warp_probs
 from speclab.decoding.tree import DETERMINISTIC, SAMPLED, TokenTree
+from speclab.drafters.base import ModelDrafter
 
 
 def draft_next(tree: TokenTree, node: int, logits: torch.Tensor, params: SamplingParams,
@@ -62,3 +66,13 @@ class ChainDrafter(ModelDrafter):
             if i + 1 < steps:
                 logits = self.expand(tree, [node])[-1]
         return tree
+
+
+class ChainConfig(MethodSpec):
+    """``chain``: Leviathan et al. speculative decoding with a fixed draft length."""
+
+    name: Literal["chain"] = "chain"
+    gamma: int = Field(4, gt=0, description="chain draft length")
+
+    def build(self, ctx) -> ChainDrafter:
+        return ChainDrafter(ctx.draft, self.gamma, ctx.sampling, ctx.generator)

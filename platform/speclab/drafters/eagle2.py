@@ -10,12 +10,15 @@ never exceeds its parent's, so the kept set is a connected tree).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
+from pydantic import Field
 
-from speclab.drafters.base import ModelDrafter
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
+from speclab.drafters.base import ModelDrafter
+from speclab.drafters.knobs import TreeKnobs
 
 ExpandFn = Callable[[TokenTree, list[int]], torch.Tensor]
 
@@ -90,3 +93,15 @@ class Eagle2TreeDrafter(ModelDrafter):
         )
         self.slot = {old_to_new[o]: s for o, s in self.slot.items() if o in old_to_new}
         return tree
+
+
+class TreeConfig(TreeKnobs):
+    """``tree``: EAGLE-2 dynamic draft tree (expand the best ``tree_top_k`` per level)."""
+
+    renamed = {"top_k": "tree_top_k"}
+    name: Literal["tree"] = "tree"
+    tree_top_k: int = Field(4, gt=0, description="EAGLE-2 children per node / beam width")
+
+    def build(self, ctx) -> Eagle2TreeDrafter:
+        return Eagle2TreeDrafter(ctx.draft, self.tree_top_k, self.depth, self.nodes,
+                                 self.score_temperature)

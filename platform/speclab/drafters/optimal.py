@@ -15,13 +15,16 @@ parent always outranks its children and ``G`` stays a connected tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 
-from speclab.drafters.base import ModelDrafter
-from speclab.drafters.eagle2 import ExpandFn
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
+from speclab.drafters.base import ModelDrafter
+from speclab.drafters.eagle2 import ExpandFn
+from speclab.drafters.knobs import TreeKnobs
 
 
 @dataclass(order=True)
@@ -156,3 +159,37 @@ class OptimalTreeDrafter(ModelDrafter):
         self.last_sums = res.sums
         self.slot = {res.old_to_new[o]: s for o, s in self.slot.items() if o in res.old_to_new}
         return res.tree
+
+
+class OptimalConfig(TreeKnobs):
+    """``optimal``: the optimal draft tree (SALF Algorithm 2 without stopping)."""
+
+    name: Literal["optimal"] = "optimal"
+    batch: int = Field(4, gt=0, description="nodes expanded per draft forward (optimal/SALF)")
+
+    @model_validator(mode="after")
+    def _batch_within_nodes(self):
+        if self.batch > self.nodes:
+            raise ValueError(f"batch ({self.batch}) must not exceed nodes ({self.nodes})")
+        return self
+
+    def stop_threshold(self) -> float:
+        """SALF's stopping threshold (0: never stop early)."""
+        return 0.0
+
+    def build(self, ctx) -> OptimalTreeDrafter:
+        return OptimalTreeDrafter(ctx.draft, self.nodes, self.batch, self.stop_threshold(),
+                                  self.depth, self.score_temperature)
+
+
+class SalfConfig(OptimalConfig):
+    """``salf``: SALF, the optimal tree that stops growing when further gains fall below
+    ``salf_threshold``."""
+
+    renamed = {"threshold": "salf_threshold"}
+    name: Literal["salf"] = "salf"
+    salf_threshold: float = Field(0.3, gt=0.0, lt=1.0,
+                                  description="SALF stopping threshold th, in (0, 1)")
+
+    def stop_threshold(self) -> float:
+        return self.salf_threshold

@@ -12,16 +12,23 @@ AASD adds, for tokens retrieved from the PROMPT:
   prefill distribution at that prompt position, the top ``align_k`` tokens of that
   distribution become extra siblings (AASD section 3.2);
 * conditional verification: prompt-retrieved and alignment-sampled nodes are marked
-  ``relaxed`` and the tree asks for :func:`~speclab.decoding.verify.verify_conditional`
-  with (``alpha``, ``beta``); tokens retrieved from generated text stay strict.
+  ``relaxed`` and the drafter's ``rule`` names conditional verification
+  (:func:`~speclab.decoding.rules.verify_conditional`) with (``alpha``, ``beta``);
+  tokens retrieved from generated text stay strict.
 
 With neither, PLD under greedy verification is lossless.
 """
 
 from __future__ import annotations
 
-from speclab.drafters.base import Drafter
+from typing import Literal
+
+from pydantic import Field
+
+from speclab.decoding.rules import RuleSpec
 from speclab.decoding.tree import DETERMINISTIC, TokenTree
+from speclab.drafters.base import Drafter
+from speclab.drafters.knobs import RetrievalKnobs
 
 
 def check_retrieval_params(ngram: int, max_key: int, candidates: int) -> None:
@@ -79,6 +86,9 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(f"aasd_alpha: must be >= 0, got {relax[0]}")
         self.ngram, self.max_key, self.candidates = ngram, max_key, candidates
         self.align_k, self.relax = align_k, relax
+        # AASD's trees need conditional verification with its (alpha, beta)
+        self.rule = (RuleSpec("conditional", {"alpha": relax[0], "beta": relax[1]})
+                     if relax is not None else None)
         self.prefill_top_k = align_k + 1 if align_k else 0  # the retrieved token may be top
         self.pool = DraftPool(max_key)
         self.prompt_len = 0
@@ -89,15 +99,15 @@ class PromptLookupDrafter(Drafter):
         self.prompt_len = 0
         self.prefill_top = []
 
-    def observe_prefill_top(self, top: list[list[int]]) -> None:
-        self.prefill_top = top
+    def start(self, prompt_ids: list[int], prefill_top: list[list[int]] | None = None) -> None:
+        self.reset()
+        self.prefill_top = prefill_top or []
 
     def propose(self, committed: list[int], budget: int) -> TokenTree:
         if not self.pool.tokens:
             self.prompt_len = len(committed)
         self.pool.extend(committed[len(self.pool.tokens):])
         tree = TokenTree(committed[-1])
-        tree.relax_params = self.relax
         depth = min(self.ngram, budget)
         if depth < 1:
             return tree
@@ -126,3 +136,30 @@ class PromptLookupDrafter(Drafter):
 
     def accept(self, tree: TokenTree, path: list[int]) -> None:
         """Nothing to prune: the pool syncs from the committed text on the next round."""
+
+
+class PldConfig(RetrievalKnobs):
+    """``pld``: prompt lookup decoding (no draft model); lossless."""
+
+    name: Literal["pld"] = "pld"
+
+    def build(self, ctx) -> PromptLookupDrafter:
+        return PromptLookupDrafter(self.ngram, self.max_key, self.candidates)
+
+
+class AasdConfig(RetrievalKnobs):
+    """``aasd``: PLD + alignment sampling + conditional verification (relaxed)."""
+
+    name: Literal["aasd"] = "aasd"
+    align_k: int = Field(2, ge=0, description="AASD: alignment-sampled tokens per position")
+    conditional: bool = Field(True, description="AASD: conditional verification (eq. 4-6); "
+                                                "false: strict")
+    aasd_alpha: float = Field(0.1, ge=0.0, allow_inf_nan=False,
+                              description="AASD: entropy factor alpha (eq. 5)")
+    aasd_beta: float = Field(0.1, allow_inf_nan=False,
+                             description="AASD: threshold base beta (eq. 5)")
+
+    def build(self, ctx) -> PromptLookupDrafter:
+        relax = (self.aasd_alpha, self.aasd_beta) if self.conditional else None
+        return PromptLookupDrafter(self.ngram, self.max_key, self.candidates, self.align_k,
+                                   relax)

@@ -8,10 +8,15 @@ usual lossless rule (children are deterministic proposals).
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
 from speclab.decoding.datastore import Datastore
-from speclab.drafters.base import Drafter
-from speclab.drafters.pld import check_retrieval_params
 from speclab.decoding.tree import TokenTree
+from speclab.drafters.base import Drafter
+from speclab.drafters.knobs import RetrievalKnobs
+from speclab.drafters.pld import check_retrieval_params
 
 
 class RestDrafter(Drafter):
@@ -40,3 +45,25 @@ class RestDrafter(Drafter):
 
     def accept(self, tree: TokenTree, path: list[int]) -> None:
         """Nothing to keep: retrieval depends only on the committed text."""
+
+
+class RestConfig(RetrievalKnobs):
+    """``rest``: continuations retrieved from a datastore (jobs/build_datastore.py)."""
+
+    name: Literal["rest"] = "rest"
+    datastore: Any = Field(None, validate_default=True, description="REST datastore folder")
+
+    @field_validator("datastore")
+    @classmethod
+    def _given(cls, v: Any) -> Any:
+        if v is None or v == "":
+            raise ValueError("method 'rest' needs a datastore folder (--datastore)")
+        if not isinstance(v, str | Datastore):
+            raise ValueError(f"must be a folder, got {type(v).__name__}")
+        return v
+
+    def build(self, ctx) -> RestDrafter:
+        store = self.datastore
+        if not isinstance(store, Datastore):
+            store = ctx.cached(("datastore", store), lambda: Datastore.load(self.datastore))
+        return RestDrafter(store, self.ngram, self.max_key, self.candidates)

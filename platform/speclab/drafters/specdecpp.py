@@ -12,14 +12,18 @@ changes the LENGTH of each chain; verification stays the usual lossless rule.
 
 from __future__ import annotations
 
-import torch
+from typing import Any, Literal
 
-from speclab.decoding.acceptance_head import AcceptanceHead, should_stop
-from speclab.drafters.base import ModelDrafter
-from speclab.drafters.chain import draft_next
+import torch
+from pydantic import Field, field_validator
+
+from speclab.config.method import MethodSpec
+from speclab.decoding.acceptance_head import AcceptanceHead, load_head, should_stop
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.tree import TokenTree
+from speclab.drafters.base import ModelDrafter
+from speclab.drafters.chain import draft_next
 
 
 class SpecDecPPDrafter(ModelDrafter):
@@ -66,3 +70,44 @@ class SpecDecPPDrafter(ModelDrafter):
             accept.append(float(torch.sigmoid(self.head(self.runner.hidden[-1]))))
         self.lengths.append(len(tree) - 1)
         return tree
+
+
+def head_folder(source: str) -> str:
+    """A head folder: ``models:/`` URIs are downloaded; local folders are used as given
+    (a head may sit next to a drafter copy or alone)."""
+    if not source.startswith("models:/"):
+        return source
+    from speclab.models.loading import resolve_source
+
+    return resolve_source(source, "head")
+
+
+class SpecDecPPConfig(MethodSpec):
+    """``specdecpp``: a chain whose length an acceptance head chooses each round."""
+
+    renamed = {"threshold": "stop_threshold"}
+    name: Literal["specdecpp"] = "specdecpp"
+    head: Any = Field(None, validate_default=True,
+                      description="SpecDec++ acceptance head folder or models:/ URI")
+    stop_threshold: float = Field(0.3, gt=0.0, lt=1.0,
+                                  description="SpecDec++ stop threshold h, in (0, 1)")
+    max_draft: int = Field(20, gt=0, description="SpecDec++ draft length cap")
+
+    @field_validator("head")
+    @classmethod
+    def _given(cls, v: Any) -> Any:
+        if v is None or v == "":
+            raise ValueError("method 'specdecpp' needs an acceptance head (--head DIR or "
+                             "models:/ URI)")
+        if not isinstance(v, str | AcceptanceHead):
+            raise ValueError(f"must be a folder or models:/ URI, got {type(v).__name__}")
+        return v
+
+    def build(self, ctx) -> SpecDecPPDrafter:
+        head = self.head
+        if not isinstance(head, AcceptanceHead):
+            hidden = int(ctx.draft.model.config.hidden_size)
+            head = ctx.cached(("head", head, hidden),
+                              lambda: load_head(head_folder(self.head), hidden))
+        return SpecDecPPDrafter(ctx.draft, head, self.stop_threshold, ctx.sampling,
+                                self.max_draft, ctx.generator)

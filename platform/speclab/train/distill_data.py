@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from speclab.drafters.eagle2 import build_eagle2_tree
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
+from speclab.drafters.eagle2 import build_eagle2_tree
 
 KINDS = ("kd", "seq", "tree", "accept")
 LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",

@@ -1,6 +1,10 @@
 """Training tasks handed to the Ray Train loop: what a step's batch is and its loss.
 
-A task is built on each worker from the (re-validated) config and a data folder:
+Each task has a small typed config (:class:`LMTaskConfig`, :class:`DistillTaskConfig`,
+... selected by ``kind``) holding only what it needs: the ``train`` group, the model's
+``arch`` and the task's own knobs. Jobs build it on the driver and workers get its JSON
+dump (re-validated there by :func:`parse_task_config`), never the whole experiment.
+A task is built on each worker from its config and a data folder:
 ``batch(step, rank)`` is deterministic in (seed, step, rank), so a run resumed from a
 checkpoint sees the same data; ``loss(model, batch)``; ``validate(model)`` on held-out data.
 
@@ -18,13 +22,69 @@ A task may define ``build_model()``; otherwise the loop builds a LLaMA from ``ar
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 import pyarrow.parquet as pq
 import torch
+from pydantic import Field, TypeAdapter
 
+from speclab.config.base import StrictModel
+from speclab.config.schema import ArchConfig, HeadConfig, TrainConfig
 from speclab.train.distill_batches import COLLATE, batch_loss
 from speclab.train.distill_data import LOSS_KIND
 from speclab.train.lm import eval_loss, lm_loss, random_windows
+
+
+class _TaskConfig(StrictModel):
+    """What every task has: the optimisation settings and the model's architecture
+    (None when the task builds its own model, e.g. the acceptance head)."""
+
+    train: TrainConfig = TrainConfig()
+    arch: ArchConfig | None = ArchConfig()
+
+
+class LMTaskConfig(_TaskConfig):
+    kind: Literal["lm"] = "lm"
+
+
+class DistillTaskConfig(_TaskConfig):
+    """``weights``: loss name -> weight (``distill.loss_weights()``)."""
+
+    kind: Literal["distill"] = "distill"
+    weights: dict[str, float] = Field(default_factory=lambda: {"word_kd": 1.0})
+    hass_k: int | None = None
+
+
+class RecTaskConfig(_TaskConfig):
+    kind: Literal["rec"] = "rec"
+
+
+class RecAlignTaskConfig(_TaskConfig):
+    """One AtSpeed-style drafter: its ``loss`` and AtSpeed weight ``align_alpha``."""
+
+    kind: Literal["rec_align"] = "rec_align"
+    loss: str = "sft"
+    align_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    align_k: int = Field(5, gt=0)
+
+
+class HeadTaskConfig(_TaskConfig):
+    """An acceptance head on the frozen drafter in local folder ``draft``."""
+
+    kind: Literal["head"] = "head"
+    arch: ArchConfig | None = None
+    head: HeadConfig = HeadConfig()
+    draft: str
+
+
+TaskConfig = Annotated[LMTaskConfig | DistillTaskConfig | RecTaskConfig | RecAlignTaskConfig
+                       | HeadTaskConfig, Field(discriminator="kind")]
+_TASK_ADAPTER: TypeAdapter = TypeAdapter(TaskConfig)
+
+
+def parse_task_config(data: dict):
+    """A task config from its JSON dump (what a Ray Train worker receives)."""
+    return _TASK_ADAPTER.validate_python(data)
 
 
 def _gen(seed: int, step: int, rank: int) -> torch.Generator:
@@ -34,7 +94,7 @@ def _gen(seed: int, step: int, rank: int) -> torch.Generator:
 class LMTask:
     """Causal-LM training on ``data_dir/train.pt`` with validation on ``val.pt``."""
 
-    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+    def __init__(self, cfg: LMTaskConfig, data_dir: Path, device: torch.device) -> None:
         self.tr = cfg.train
         self.device = device
         self.tokens = torch.load(Path(data_dir) / "train.pt")
@@ -56,13 +116,13 @@ class LMTask:
 
 
 class DistillTask:
-    """A drafter loss (``distill.loss``: a name or ``{name: weight}``) on generated shards."""
+    """A drafter loss (``weights``: ``{name: weight}``) on generated shards."""
 
-    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+    def __init__(self, cfg: DistillTaskConfig, data_dir: Path, device: torch.device) -> None:
         self.tr = cfg.train
         self.device = device
-        self.hass_k = cfg.distill.hass_k
-        self.weights = cfg.distill.loss_weights()
+        self.hass_k = cfg.hass_k
+        self.weights = {k: float(w) for k, w in cfg.weights.items() if w > 0}
         self.train_rows: dict[str, list[dict]] = {}
         self.val_rows: dict[str, list[dict]] = {}
         for kind in {LOSS_KIND[name] for name in self.weights}:
@@ -102,13 +162,12 @@ class DistillTask:
         return out
 
 
-
-
 class RecTask:
     """L_Rec (AtSpeed eq. 37): cross-entropy on the next item's id tokens given the
     history prompt; examples and ``rec_meta.json`` come from ``data_dir``."""
 
-    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+    def __init__(self, cfg: RecTaskConfig | RecAlignTaskConfig, data_dir: Path,
+                 device: torch.device) -> None:
         import json
 
         from speclab.data.rec_dataset import RecExample, RecMeta
@@ -148,17 +207,17 @@ class RecTask:
 
 
 class RecAlignTask(RecTask):
-    """A recommendation drafter trained with ``rec_eval.draft_loss`` (sft, seq_kd,
-    word_kd, tvd_kd, atspeed_s, atspeed_r) on the target's alignment data
-    (``align.pt``: one row per training example, see :mod:`speclab.train.rec_align`)."""
+    """A recommendation drafter trained with ``loss`` (sft, seq_kd, word_kd, tvd_kd,
+    atspeed_s, atspeed_r) on the target's alignment data (``align.pt``: one row per
+    training example, see :mod:`speclab.train.rec_align`)."""
 
-    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+    def __init__(self, cfg: RecAlignTaskConfig, data_dir: Path, device: torch.device) -> None:
         super().__init__(cfg, data_dir, device)
         self.rows = torch.load(Path(data_dir) / "align.pt", weights_only=False)
         self.train = self.train[: len(self.rows)]
-        self.loss_name = cfg.rec_eval.draft_loss
-        self.alpha = cfg.rec_eval.alpha
-        self.k = cfg.rec_eval.align_k
+        self.loss_name = cfg.loss
+        self.alpha = cfg.align_alpha
+        self.k = cfg.align_k
 
     def _collate_idx(self, idx: list[int]) -> dict:
         from speclab.train.rec_align import collate_align
@@ -192,10 +251,10 @@ class RecAlignTask(RecTask):
 
 
 class HeadTask:
-    """SpecDec++ acceptance head (``head`` group) on ``accept`` shards with the frozen
-    drafter ``models.draft`` (a local folder); the last shard is held out."""
+    """SpecDec++ acceptance head (``head``) on ``accept`` shards with the frozen drafter
+    ``draft`` (a local folder); the last shard is held out."""
 
-    def __init__(self, cfg, data_dir: Path, device: torch.device) -> None:
+    def __init__(self, cfg: HeadTaskConfig, data_dir: Path, device: torch.device) -> None:
         from speclab.models.loading import load_model
         from speclab.train.head import DraftFeatures
 
@@ -206,8 +265,7 @@ class HeadTask:
                              f"{len(shards)} in {data_dir}")
         self.val = pq.read_table(shards[-1]).to_pylist()
         self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
-        self.features = DraftFeatures(load_model(cfg.models.draft, field="models.draft")
-                                      .to(device))
+        self.features = DraftFeatures(load_model(cfg.draft, field="models.draft").to(device))
 
     def build_model(self) -> torch.nn.Module:
         from speclab.decoding.acceptance_head import AcceptanceHead

@@ -1,14 +1,14 @@
-"""Ray Tune trainables for sweeps whose trials TRAIN something (used by ``jobs/tune.py``).
+"""Stage: Ray Tune trainables for sweeps whose trials TRAIN something (the tune job).
 
 Both build their Ray Train trainer inside the trial (the Ray Train V2 pattern) through
-:func:`jobs._train.fit`, in chunks of ``train.report_every`` steps: each chunk resumes
+:func:`speclab.pipelines.fit.fit`, in chunks of ``train.report_every`` steps: each chunk resumes
 the last checkpoint of the same run, and after each chunk a held-out figure is reported
 so ASHA can stop bad trials early. The last report carries the sweep objective.
 
 * :func:`head_trial`: a SpecDec++ acceptance head (``sweep.kind: train_head``); reports
   the held-out unweighted BCE, then decodes ``specdecpp`` with the head.
 * :func:`rec_trial`: an AtSpeed drafter (``sweep.kind: atspeed``) trained with
-  ``rec_eval.draft_loss`` / ``rec_eval.alpha`` on alignment data generated once per
+  ``rec_eval.draft_loss`` / ``rec_eval.align_alpha`` on alignment data generated once per
   sweep (:func:`prepare_rec_sweep`); reports the validation loss, then runs beam SD
   against the target's beam search and reports AS@K / WS@K / Recall@K / NDCG@K.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speclab.config import ExperimentConfig
+from speclab.config import TuneJob
 
 
 def _chunks(steps: int, every: int) -> list[int]:
@@ -45,27 +45,28 @@ def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: s
     Ray Train runs in chunks of ``train.report_every`` steps (each chunk resumes the
     last checkpoint of the same run); after each chunk the held-out UNWEIGHTED BCE,
     ECE and accuracy are reported (comparable across w_acc / w_rej, so ASHA can rank
-    trials on them). Finally ``specdecpp`` decodes with the head (threshold =
-    ``method.threshold``) and the sweep objective is reported.
+    trials on them). Finally ``specdecpp`` decodes with the head (its stop threshold
+    from ``method``) and the sweep objective is reported.
     """
     from ray import tune
 
-    from jobs._train import fit
-    from jobs.train_head import held_out_metrics
+    from speclab.config.method import parse_method
     from speclab.decoding.acceptance_head import save_head
+    from speclab.pipelines.fit import fit
+    from speclab.pipelines.head import held_out_metrics
     from speclab.sweep import evaluate_method, log_start, objective, trial_config
+    from speclab.train.tasks import HeadTaskConfig
 
     log_start(run_dir, config["params"])
     cfg = trial_config(base, config["params"])
-    cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"draft": draft})})
-    plain = cfg.model_copy(update={"head": cfg.head.model_copy(update={"w_acc": 1.0,
-                                                                       "w_rej": 1.0})})
+    plain = cfg.head.model_copy(update={"w_acc": 1.0, "w_rej": 1.0})
     name = "head-" + tune.get_context().get_trial_id()
     storage = Path(run_dir) / "trials"
     steps = cfg.train.steps
     for done in _chunks(steps, cfg.train.report_every):
-        part = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": done})})
-        result = fit("head", part, storage, name, Path(data_dir), vocab, eos, None, None)
+        task = HeadTaskConfig(train=cfg.train.model_copy(update={"steps": done}),
+                              head=cfg.head, draft=draft)
+        result = fit(task, cfg.scaling, storage, name, Path(data_dir), vocab, eos, None, None)
         head = _trained_head(result, cfg.head.depth)
         metrics = held_out_metrics(plain, head, draft, Path(data_dir))
         metrics["step"] = int(result.metrics["step"])
@@ -73,14 +74,14 @@ def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: s
             tune.report(metrics)
     folder = storage / name / "head"
     save_head(head, folder)
-    m = cfg.method.model_copy(update={"name": "specdecpp", "head": str(folder)})
-    metrics.update(evaluate_method(cfg.model_copy(update={"method": m}), target, draft,
-                                   prompts, None, t_draft, t_target))
+    m = parse_method({**cfg.method.model_dump(exclude_none=True), "name": "specdecpp",
+                     "head": str(folder)})
+    metrics.update(evaluate_method(cfg, target, draft, prompts, None, t_draft, t_target, m))
     metrics["objective"] = objective(metrics, base["sweep"])
     tune.report(metrics)
 
 
-def prepare_rec_sweep(cfg: ExperimentConfig, meta, examples, sweep_dir: Path,
+def prepare_rec_sweep(cfg: TuneJob, meta, examples, sweep_dir: Path,
                       tracker) -> tuple[str, Path]:
     """(target folder, data folder) shared by every AtSpeed trial of a sweep.
 
@@ -88,10 +89,10 @@ def prepare_rec_sweep(cfg: ExperimentConfig, meta, examples, sweep_dir: Path,
     ``rec_eval.draft_loss`` is generated once on Ray tasks (AtSpeed-S with
     ``mix_lambda < 1`` first trains an sft drafter for the mixture, unless
     ``rec_eval.drafts`` gives one). The data folder holds everything the training
-    tasks read (:func:`jobs.train_recommender.write_data`).
+    tasks read (:func:`speclab.pipelines.recommender.write_data`).
     """
-    from jobs.recommend_eval import alignment_rows, ensure_target, train_drafters
-    from jobs.train_recommender import write_data
+    from speclab.pipelines.alignment import alignment_rows, ensure_target, train_drafters
+    from speclab.pipelines.recommender import write_data
 
     re = cfg.rec_eval
     storage = sweep_dir.parent
@@ -101,10 +102,9 @@ def prepare_rec_sweep(cfg: ExperimentConfig, meta, examples, sweep_dir: Path,
     target = ensure_target(cfg, meta, examples, storage, sweep_dir.name, tracker)
     drafts = dict(re.drafts)
     if re.draft_loss == "atspeed_s" and re.mix_lambda < 1.0 and "sft" not in drafts:
-        sft_only = cfg.model_copy(update={"rec_eval": re.model_copy(update={"losses": ["sft"]})})
-        drafts = train_drafters(sft_only, meta, examples, target, storage, sweep_dir.name,
-                                tracker, drafts)
-    rows = alignment_rows(cfg, meta, examples, target, re.draft_loss, drafts, {}, tracker)
+        drafts = train_drafters(cfg, meta, examples, target, storage, sweep_dir.name,
+                                tracker, drafts, losses=["sft"])
+    rows = alignment_rows(re, examples, meta, target, re.draft_loss, drafts, {}, tracker)
     data_dir = write_data(meta, examples, sweep_dir / "data",
                           {"align.pt": rows} if rows is not None else None)
     done.write_text(target)
@@ -123,7 +123,7 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
     """Tune function trainable for AtSpeed trials: train one drafter, then beam SD.
 
     The drafter has ``rec_eval.draft_arch`` and trains ``rec_eval.draft_steps`` steps
-    with ``rec_eval.draft_loss`` (alignment strength ``rec_eval.alpha``); evaluation
+    with ``rec_eval.draft_loss`` (AtSpeed weight ``rec_eval.align_alpha``); evaluation
     uses ``rec_eval.ns`` / ``ks`` / ``gamma`` and the first ``rec_eval.verify`` rule on
     ``rec_eval.test_users`` test users. Metrics: ``as_at_k``, ``ws_at_k``,
     ``recall_at_k``, ``ndcg_at_k`` (for the largest K <= N), ``target_calls_per_user``.
@@ -132,29 +132,33 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
 
     from ray import tune
 
-    from jobs._train import fit, save_final
     from speclab.data.rec_dataset import RecExample, RecMeta
+    from speclab.decoding.runner import ModelRunner
     from speclab.models.loading import load_model
+    from speclab.pipelines.fit import fit, save_final
     from speclab.rec_eval import evaluate
     from speclab.recommend import Recommender
-    from speclab.decoding.runner import ModelRunner
     from speclab.sweep import log_start, objective, trial_config
+    from speclab.train.tasks import RecAlignTaskConfig, RecTaskConfig
 
     log_start(run_dir, config["params"])
     cfg = trial_config(base, config["params"])
     re = cfg.rec_eval
-    dcfg = cfg.model_copy(update={"arch": re.draft_arch, "train": cfg.train.model_copy(
-        update={"steps": re.draft_steps})})
-    task = "rec" if re.draft_loss == "sft" else "rec_align"
     name = "draft-" + tune.get_context().get_trial_id()
     storage = Path(run_dir) / "trials"
     for done in _chunks(re.draft_steps, cfg.train.report_every):
-        part = dcfg.model_copy(update={"train": dcfg.train.model_copy(update={"steps": done})})
-        result = fit(task, part, storage, name, Path(data_dir), vocab, eos, None, None)
+        train = cfg.train.model_copy(update={"steps": done})
+        if re.draft_loss == "sft":
+            task = RecTaskConfig(train=train, arch=re.draft_arch)
+        else:
+            task = RecAlignTaskConfig(train=train, arch=re.draft_arch, loss=re.draft_loss,
+                                      align_alpha=re.align_alpha, align_k=re.align_k)
+        result = fit(task, cfg.scaling, storage, name, Path(data_dir), vocab, eos, None, None)
         metrics = {"val_loss": float(result.metrics["val_loss"]), "step": done}
         if done < re.draft_steps:  # intermediate result: ASHA may stop the trial here
             tune.report(metrics)
-    final = save_final(result, dcfg, storage / name, Path(data_dir) / "tokenizer", vocab, eos)
+    final = save_final(result, re.draft_arch, storage / name, Path(data_dir) / "tokenizer",
+                       vocab, eos)
     RecMeta.load(data_dir).save(final)
     rec = Recommender.from_pretrained(target)
     draft = ModelRunner(load_model(str(final), field="rec_eval draft"))

@@ -1,4 +1,5 @@
-"""Ray glue for evaluating methods with a target/draft pair (used by evaluate and distill).
+"""Stage: evaluate methods with a target/draft pair on Ray actors (evaluate, distill,
+compare_losses, specdecpp_eval).
 
 Prompts are spread over actors that hold the models; each actor runs every method over
 its prompts one after another with the AR baseline re-run before each method (A B A B).
@@ -8,7 +9,9 @@ with step = gamma), the table (CSV/JSON/TXT) and plots to the active tracker run
 
 from __future__ import annotations
 
-from speclab.config import ExperimentConfig
+from typing import Any
+
+from speclab.config import MethodConfig
 
 
 def _plots(rows: list[dict], runs) -> dict:
@@ -40,9 +43,11 @@ def _plots(rows: list[dict], runs) -> dict:
     return figs
 
 
-def evaluate_pair(cfg: ExperimentConfig, target: str, draft: str | None,
-                  prompts: list[list[int]], tracker, prefix: str = "") -> list[dict]:
-    """Evaluate ``cfg.method_list()`` on ``prompts`` (token ids); log to ``tracker``.
+def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[int]],
+                  tracker, prefix: str = "",
+                  methods: list[MethodConfig] | None = None) -> list[dict]:
+    """Evaluate ``methods`` (default ``cfg.method_list()``) on ``prompts`` (token ids)
+    with ``cfg``'s ``models``, ``decoding`` and ``resources`` groups; log to ``tracker``.
 
     ``prefix`` is prepended to metric keys and artifact names (e.g. ``eval/``).
     Returns the table rows (AR first).
@@ -51,7 +56,7 @@ def evaluate_pair(cfg: ExperimentConfig, target: str, draft: str | None,
 
     from speclab.evaluation import MethodRun, Totals, format_table, summarize
 
-    runs = cfg.method_list()
+    runs = list(methods) if methods is not None else cfg.method_list()
     method_runs = [MethodRun(m.name, m.params(), m.label or "") for m in runs]
     n_act = min(cfg.resources.num_actors, len(prompts))
     shards = [prompts[i::n_act] for i in range(n_act)]
@@ -114,7 +119,7 @@ def evaluate_pair(cfg: ExperimentConfig, target: str, draft: str | None,
     return rows
 
 
-def tokenized_prompts(cfg: ExperimentConfig, target: str) -> list[list[int]]:
+def tokenized_prompts(cfg: Any, target: str) -> list[list[int]]:
     """The ``data`` prompt set, tokenised with the target's tokenizer (on the driver)."""
     from speclab.api import Decoder
     from speclab.data.prompts import load_prompts

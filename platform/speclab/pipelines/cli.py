@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from speclab.config import ConfigError, ExperimentConfig, StrictModel
+from speclab.config import ConfigError, ExperimentConfig
 
 T = TypeVar("T")
 
@@ -29,8 +29,9 @@ def parse_job_args(description: str, argv: list[str] | None = None) -> argparse.
     return p.parse_args(argv)
 
 
-def load_or_exit(schema: type[StrictModel], path: str, overrides: list[str]):
-    """Validate the config or print the bad fields and exit with status 2 (before any work)."""
+def load_or_exit(schema: type[ExperimentConfig], path: str, overrides: list[str]):
+    """Validate the config as ``schema`` (a job's config model) or print the bad fields
+    and exit with status 2 (before any work)."""
     try:
         return schema.from_yaml(path, overrides)
     except ConfigError as exc:
@@ -53,17 +54,19 @@ class JobStart(Generic[T]):
         return self.args.address or self.cfg.ray.address
 
 
-def start_job(description: str, argv: list[str] | None,
-              prepare: Callable[[ExperimentConfig], T] | None = None) -> JobStart[T]:
-    """Parse, validate, open the tracker and run ``prepare(cfg)``; exit 2 on bad input.
+def start_job(job: str, description: str | None, argv: list[str] | None,
+              prepare: Callable[[Any], T] | None = None) -> JobStart[T]:
+    """Parse, validate as ``job``'s config, open the tracker and run ``prepare(cfg)``;
+    exit 2 on bad input (a group the job does not use included).
 
     ``prepare`` checks and loads the job's inputs (corpus, models, interactions) on the
     driver; any ``ValueError``/``OSError`` it raises is printed as ``error: ...``.
     """
+    from speclab.config import JOB_CONFIGS
     from speclab.tracking import TrackingUnavailable, open_tracker
 
-    args = parse_job_args(description, argv)
-    cfg = load_or_exit(ExperimentConfig, args.config, args.overrides)
+    args = parse_job_args(description or f"the {job} job", argv)
+    cfg = load_or_exit(JOB_CONFIGS[job], args.config, args.overrides)
     try:  # a remote tracking server is checked before any expensive work
         tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
                                cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
@@ -74,8 +77,8 @@ def start_job(description: str, argv: list[str] | None,
     return JobStart(args, cfg, tracker, inputs)
 
 
-def run_dirs(cfg: ExperimentConfig) -> tuple[Path, str]:
-    """(storage folder, run name) from the ``output`` group."""
+def run_dirs(cfg: Any) -> tuple[Path, str]:
+    """(storage folder, run name) from the ``output`` group of a training job's config."""
     from speclab.paths import speclab_home
 
     storage = Path(cfg.output.storage_path or speclab_home() / "runs").expanduser().resolve()

@@ -1,6 +1,8 @@
-"""Ray Train glue shared by training jobs: the per-worker loop, fit, final save.
+"""Stage: Ray Train fitting shared by training jobs: the per-worker loop, fit, final save.
 
-What a step trains on comes from a task in :mod:`speclab.train.tasks` (plain PyTorch);
+What a step trains on comes from a task in :mod:`speclab.train.tasks` (plain PyTorch),
+described by its typed task config (the ``train`` group, ``arch`` and the task's own
+knobs; workers get its JSON dump, never the whole experiment config);
 this module adds what Ray Train needs: DDP via ``prepare_model``, checkpoints
 through ``ray.train.report`` (rank 0 writes, every rank reports), resume from
 ``ray.train.get_checkpoint()``, and MLflow metrics from rank 0 into the run the driver
@@ -17,17 +19,17 @@ from pathlib import Path
 
 import torch
 
-from speclab.config import ExperimentConfig
+from speclab.config.schema import ArchConfig, TrainScalingConfig
 
 
-def _build_model(arch: dict, vocab: int, eos: int):
+def _build_model(arch: ArchConfig, vocab: int, eos: int):
     from transformers import LlamaForCausalLM
 
     from speclab.models.tiny import tiny_llama_config
 
     return LlamaForCausalLM(tiny_llama_config(
-        vocab_size=vocab, hidden_size=arch["hidden"], num_layers=arch["layers"],
-        num_heads=arch["heads"], max_positions=arch["context"], eos_token_id=eos))
+        vocab_size=vocab, hidden_size=arch.hidden, num_layers=arch.layers,
+        num_heads=arch.heads, max_positions=arch.context, eos_token_id=eos))
 
 
 def peak_rss_mb() -> float:
@@ -36,15 +38,16 @@ def peak_rss_mb() -> float:
 
 
 def train_loop(config: dict) -> None:
-    """Runs on every Ray Train worker; ``config["task"]`` picks the training task."""
+    """Runs on every Ray Train worker; ``config["task"]`` (a task config's JSON dump)
+    picks the training task."""
     import ray.train
     import ray.train.torch
 
     from speclab.train.lm import make_optimizer
-    from speclab.train.tasks import TASKS
+    from speclab.train.tasks import TASKS, parse_task_config
 
-    cfg = ExperimentConfig.model_validate(config["cfg"])  # workers re-validate
-    tr = cfg.train
+    spec = parse_task_config(config["task"])  # workers re-validate
+    tr = spec.train
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     pid_dir = Path(config["run_dir"]) / "pids"
@@ -52,12 +55,12 @@ def train_loop(config: dict) -> None:
     (pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
 
     device = ray.train.torch.get_device()
-    task = TASKS[config["task"]](cfg, Path(config["data_dir"]), device)
+    task = TASKS[spec.kind](spec, Path(config["data_dir"]), device)
     torch.manual_seed(tr.seed)
     if hasattr(task, "build_model"):  # e.g. an acceptance head on a frozen drafter
         model = task.build_model()
     else:
-        model = _build_model(config["cfg"]["arch"], config["vocab"], config["eos"])
+        model = _build_model(spec.arch, config["vocab"], config["eos"])
     opt, sched = make_optimizer(model, tr.lr, 0.01, tr.warmup, tr.steps)
     start = 0
     ckpt = ray.train.get_checkpoint()
@@ -102,7 +105,7 @@ def train_loop(config: dict) -> None:
             if rank == 0:
                 val_loss = task.validate(core)
                 metrics["val_loss"] = val_loss
-                if config["task"] == "lm":
+                if spec.kind == "lm":
                     metrics["val_ppl"] = float(torch.exp(torch.tensor(val_loss)))
                 torch.save({"model": core.state_dict(), "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": done}, Path(tmp) / "state.pt")
@@ -120,37 +123,38 @@ def train_loop(config: dict) -> None:
         t_last, seen, losses = time.perf_counter(), 0, []
 
 
-def fit(task: str, cfg: ExperimentConfig, storage: Path, run_name: str, data_dir: Path,
+def fit(task, scaling: TrainScalingConfig, storage: Path, run_name: str, data_dir: Path,
         vocab: int, eos: int, run_id: str | None, tracking_uri: str | None):
-    """Run :func:`train_loop` for ``task`` on a ``TorchTrainer``; returns the Ray result."""
+    """Run :func:`train_loop` for ``task`` (a :mod:`speclab.train.tasks` task config) on
+    a ``TorchTrainer`` with ``scaling`` workers; returns the Ray result."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    sc = cfg.scaling
+    sc = scaling
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config={"task": task, "cfg": cfg.model_dump(mode="json"),
-                           "data_dir": str(data_dir),
+        train_loop_config={"task": task.model_dump(mode="json"), "data_dir": str(data_dir),
                            "run_dir": str(storage / run_name), "vocab": vocab, "eos": eos,
                            "run_id": run_id, "tracking_uri": tracking_uri},
         scaling_config=ScalingConfig(num_workers=sc.num_workers, use_gpu=sc.use_gpu,
                                      resources_per_worker={"CPU": sc.cpus_per_worker}),
         run_config=RunConfig(
             name=run_name, storage_path=str(storage),
-            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            failure_config=FailureConfig(max_failures=task.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2)),
     )
     return trainer.fit()
 
 
-def save_final(result, cfg: ExperimentConfig, run_dir: Path, tokenizer_dir: Path, vocab: int,
+def save_final(result, arch: ArchConfig, run_dir: Path, tokenizer_dir: Path, vocab: int,
                eos: int) -> Path:
-    """Load the last checkpoint and write model + tokenizer with ``save_pretrained``."""
+    """Load the last checkpoint of a LLaMA of ``arch`` and write model + tokenizer with
+    ``save_pretrained``."""
     from transformers import AutoTokenizer
 
     with result.checkpoint.as_directory() as d:
         state = torch.load(Path(d) / "state.pt", weights_only=False)
-    model = _build_model(cfg.model_dump()["arch"], vocab, eos)
+    model = _build_model(arch, vocab, eos)
     model.load_state_dict(state["model"])
     model.generation_config.eos_token_id = eos
     final = run_dir / "model"

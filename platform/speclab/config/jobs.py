@@ -1,0 +1,368 @@
+"""One config model per job, made only of the groups that job uses.
+
+The ``job:`` key of an experiment YAML selects the model (``evaluate`` when absent):
+
+==================  ========================================================================
+job                 groups (besides ``name``, ``job``, ``tracking``, ``ray``)
+==================  ========================================================================
+evaluate            models, data, decoding, method, methods, resources
+train_target        corpus, tokenizer, arch, train, scaling, output
+distill             models, corpus, tokenizer, distill, arch, train, scaling, output,
+                    data, decoding, method, methods, resources (the drafter's evaluation)
+compare_losses      as distill, plus compare
+train_recommender   rec, arch, train, scaling, output
+recommend_eval      rec, rec_eval, arch, train, scaling, output
+train_head          models, corpus, tokenizer, distill (generation), head, train, scaling,
+                    output
+specdecpp_eval      models, data, decoding, resources, adaptive, and for heads trained on
+                    the fly: corpus, tokenizer, distill, head, train, scaling, output
+build_datastore     models, corpus, datastore
+retrieval_eval      models, decoding, method, methods, resources, retrieval
+tune                sweep and the groups of its ``sweep.kind`` (:data:`TUNE_GROUPS`)
+serve               models, method, serve
+==================  ========================================================================
+
+A group that the job does not use is an error naming it (``head: the evaluate job has
+no 'head' group ...``), raised by :meth:`ExperimentConfig.from_dict` before any work.
+``ExperimentConfig.from_yaml(path, overrides)`` (or :func:`load_experiment`) returns the
+config of the job the file names; ``EvaluateJob.from_yaml(...)`` insists on that job.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
+
+from speclab.config.base import (
+    ConfigError,
+    StrictModel,
+    apply_override,
+    error_lines,
+    format_validation_error,
+    parse_overrides,
+)
+from speclab.config.method import MethodConfig, MethodSpec, parse_method
+from speclab.config.schema import (
+    AdaptiveEvalConfig,
+    ArchConfig,
+    CompareConfig,
+    CorpusConfig,
+    DataConfig,
+    DatastoreConfig,
+    DecodingConfig,
+    DistillConfig,
+    HeadConfig,
+    ModelsConfig,
+    OutputConfig,
+    RayConfig,
+    RecConfig,
+    RecEvalConfig,
+    RecTrialConfig,
+    ResourcesConfig,
+    RetrievalEvalConfig,
+    ServeConfig,
+    SweepConfig,
+    TokenizerConfig,
+    TrackingConfig,
+    TrainConfig,
+    TrainScalingConfig,
+)
+
+DEFAULT_JOB = "evaluate"
+
+
+def default_method() -> MethodSpec:
+    """The ``method`` of a config that gives none: chain drafting with its defaults."""
+    return parse_method({"name": "chain"})
+
+
+def own_method_knobs(method: dict) -> dict:
+    """``method`` without the knobs that its method does not take.
+
+    A sweep over ``method.name`` keeps the knobs of every swept method in one base
+    ``method`` (e.g. ``gamma`` for chain and ``salf_threshold`` for salf); each trial,
+    and the base itself, keeps only those of its own method.
+    """
+    try:
+        TypeAdapter(MethodConfig).validate_python(method)
+        return method
+    except ValidationError as err:
+        extra = {loc[-1] for loc, msg in error_lines(err)
+                 if loc and msg.startswith("Extra inputs are not permitted")}
+        return {k: v for k, v in method.items() if k not in extra}
+_COMMON = ("name", "job", "tracking", "ray")
+
+
+class ExperimentConfig(StrictModel):
+    """Base of every job's config: ``name``, ``job``, ``tracking``, ``ray``.
+
+    ``ExperimentConfig.from_dict`` / ``from_yaml`` dispatch on ``job`` and return that
+    job's config (an :class:`EvaluateJob`, a :class:`DistillJob`, ...); called on a job's
+    class they insist on that job.
+    """
+
+    name: str = "experiment"
+    job: str = DEFAULT_JOB
+    tracking: TrackingConfig = TrackingConfig()
+    ray: RayConfig = RayConfig()
+
+    @classmethod
+    def job_name(cls) -> str | None:
+        """The job this class configures (None for the base)."""
+        return None if cls is ExperimentConfig else cls.model_fields["job"].default
+
+    @classmethod
+    def groups(cls, data: dict | None = None) -> tuple[str, ...]:
+        """Top-level keys this job accepts (``data``: the raw config, for tune's kind)."""
+        return tuple(cls.model_fields)
+
+    @classmethod
+    def from_dict(cls, data: dict, overrides: list[str] | None = None) -> ExperimentConfig:
+        """Validate ``data`` (after ``key=value`` overrides) as the config of its job."""
+        data = copy.deepcopy(data or {})
+        for key, value in parse_overrides(overrides or []):
+            apply_override(data, key, value)
+        if not isinstance(data, dict):
+            raise ConfigError("config: must hold a mapping at the top level")
+        own = cls.job_name()
+        job = data.setdefault("job", own or DEFAULT_JOB)
+        if own is None:
+            if not isinstance(job, str) or job not in JOB_CONFIGS:
+                raise ConfigError(f"job: unknown job {job!r}; known: {', '.join(JOB_CONFIGS)}")
+            model = JOB_CONFIGS[job]
+        elif job != own:
+            raise ConfigError(f"job: this is a {job!r} config, not a {own!r} one "
+                              f"(run it with: python -m jobs.{job} --config ...)")
+        else:
+            model = cls
+        allowed = model.groups(data)
+        unused = [k for k in data if k not in allowed and k in ALL_GROUPS]
+        if unused:
+            uses = ", ".join(g for g in allowed if g not in _COMMON)
+            raise ConfigError("\n".join(
+                f"{k}: the {model.job_name()} job does not use a {k!r} group "
+                f"(its groups: {uses})" for k in unused))
+        try:
+            return model.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(format_validation_error(err)) from None
+
+
+def load_experiment(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """The config of the job ``path`` names (``job:``), with ``key=value`` overrides."""
+    return ExperimentConfig.from_yaml(path, overrides)
+
+
+class _Methods(ExperimentConfig):
+    """Groups of a job that decodes with one ``method`` or several ``methods``."""
+
+    method: MethodConfig = Field(default_factory=default_method)
+    methods: list[MethodConfig] = Field(default_factory=list)
+
+    def method_list(self) -> list[MethodSpec]:
+        """``methods`` when given, else the single ``method``."""
+        return list(self.methods) or [self.method]
+
+
+class _Evaluates(_Methods):
+    """A job that evaluates methods on the ``data`` prompts with Ray actors."""
+
+    models: ModelsConfig = ModelsConfig()
+    data: DataConfig = DataConfig()
+    decoding: DecodingConfig = DecodingConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+
+
+class _Trains(ExperimentConfig):
+    """A job that trains with Ray Train and writes under ``output``."""
+
+    train: TrainConfig = TrainConfig()
+    scaling: TrainScalingConfig = TrainScalingConfig()
+    output: OutputConfig = OutputConfig()
+
+    @model_validator(mode="after")
+    def _resume_needs_name(self):
+        if self.train.resume and not self.output.run_name:
+            raise ValueError("output.run_name: required when train.resume is true")
+        return self
+
+
+class EvaluateJob(_Evaluates):
+    """``jobs.evaluate``: methods vs AR on a prompt set."""
+
+    job: Literal["evaluate"] = "evaluate"
+
+
+class TrainTargetJob(_Trains):
+    """``jobs.train_target``: a LLaMA target on a corpus."""
+
+    job: Literal["train_target"] = "train_target"
+    corpus: CorpusConfig = CorpusConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    arch: ArchConfig = ArchConfig()
+
+
+class DistillJob(_Trains, _Evaluates):
+    """``jobs.distill``: target signals -> drafter (``arch``) -> registry -> evaluation."""
+
+    job: Literal["distill"] = "distill"
+    corpus: CorpusConfig = CorpusConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    arch: ArchConfig = ArchConfig()
+    distill: DistillConfig = DistillConfig()
+
+
+class CompareLossesJob(DistillJob):
+    """``jobs.compare_losses``: one drafter per ``compare.losses`` entry, same budget."""
+
+    job: Literal["compare_losses"] = "compare_losses"
+    compare: CompareConfig = CompareConfig()
+
+
+class TrainRecommenderJob(_Trains):
+    """``jobs.train_recommender``: an AtSpeed target (or SFT drafter) on ``rec`` data."""
+
+    job: Literal["train_recommender"] = "train_recommender"
+    rec: RecConfig = RecConfig()
+    arch: ArchConfig = ArchConfig()
+
+
+class RecommendEvalJob(_Trains):
+    """``jobs.recommend_eval``: AtSpeed Table 1 (targets/drafters trained when absent)."""
+
+    job: Literal["recommend_eval"] = "recommend_eval"
+    rec: RecConfig = RecConfig()
+    rec_eval: RecEvalConfig = RecEvalConfig()
+    arch: ArchConfig = ArchConfig()
+
+
+class _TrainsHeads(_Trains):
+    """Groups of acceptance-head training: accept data generation + the head."""
+
+    models: ModelsConfig = ModelsConfig()
+    corpus: CorpusConfig = CorpusConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    distill: DistillConfig = DistillConfig()
+    head: HeadConfig = HeadConfig()
+
+
+class TrainHeadJob(_TrainsHeads):
+    """``jobs.train_head``: a SpecDec++ acceptance head for a drafter."""
+
+    job: Literal["train_head"] = "train_head"
+
+
+class SpecdecppEvalJob(_TrainsHeads):
+    """``jobs.specdecpp_eval``: fixed gamma vs acceptance heads x thresholds."""
+
+    job: Literal["specdecpp_eval"] = "specdecpp_eval"
+    data: DataConfig = DataConfig()
+    decoding: DecodingConfig = DecodingConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    adaptive: AdaptiveEvalConfig = AdaptiveEvalConfig()
+
+
+class BuildDatastoreJob(ExperimentConfig):
+    """``jobs.build_datastore``: a REST datastore from a corpus."""
+
+    job: Literal["build_datastore"] = "build_datastore"
+    models: ModelsConfig = ModelsConfig()
+    corpus: CorpusConfig = CorpusConfig()
+    datastore: DatastoreConfig = DatastoreConfig()
+
+
+class RetrievalEvalJob(_Methods):
+    """``jobs.retrieval_eval``: model-free drafters on context-reuse tasks."""
+
+    job: Literal["retrieval_eval"] = "retrieval_eval"
+    models: ModelsConfig = ModelsConfig()
+    decoding: DecodingConfig = DecodingConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    retrieval: RetrievalEvalConfig = RetrievalEvalConfig()
+
+
+#: tune: the groups each ``sweep.kind`` uses (besides name, job, tracking, ray, sweep)
+TUNE_GROUPS: dict[str, tuple[str, ...]] = {
+    "decode": ("models", "data", "decoding", "method", "retrieval", "train", "output"),
+    "train_head": ("models", "data", "decoding", "method", "retrieval", "corpus", "tokenizer",
+                   "distill", "head", "train", "scaling", "output"),
+    "atspeed": ("rec", "rec_eval", "arch", "train", "scaling", "output"),
+}
+
+
+class TuneJob(_Trains):
+    """``jobs.tune``: a Ray Tune sweep over dotted paths of this config. Which groups
+    it takes depends on ``sweep.kind`` (:data:`TUNE_GROUPS`): ``decode`` evaluates
+    ``method``; ``train_head`` trains a head per trial; ``atspeed`` an AtSpeed drafter
+    (``rec_eval.draft_loss`` / ``rec_eval.align_alpha``)."""
+
+    job: Literal["tune"] = "tune"
+    sweep: SweepConfig | None = None  # required by the job; trial configs drop it
+    models: ModelsConfig = ModelsConfig()
+    data: DataConfig = DataConfig()
+    decoding: DecodingConfig = DecodingConfig()
+    method: MethodConfig = Field(default_factory=default_method)
+    retrieval: RetrievalEvalConfig = RetrievalEvalConfig()
+    corpus: CorpusConfig = CorpusConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    distill: DistillConfig = DistillConfig()
+    head: HeadConfig = HeadConfig()
+    rec: RecConfig = RecConfig()
+    rec_eval: RecTrialConfig = RecTrialConfig()
+    arch: ArchConfig = ArchConfig()
+
+    _method_knobs: dict | None = PrivateAttr(None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _swept_method_names(cls, data, handler):
+        """With ``method.name`` swept, ``method`` may carry every swept method's knobs."""
+        raw = None
+        if (isinstance(data, dict) and isinstance(data.get("sweep"), dict)
+                and "method.name" in (data["sweep"].get("space") or {})
+                and isinstance(data.get("method"), dict)):
+            raw = data["method"]
+            data = {**data, "method": own_method_knobs(raw)}
+        obj = handler(data)
+        if raw is not None:
+            obj._method_knobs = dict(raw)
+        return obj
+
+    def sweep_base(self) -> dict:
+        """The JSON dump trials start from (``method`` with every swept method's knobs)."""
+        base = self.model_dump(mode="json")
+        if self._method_knobs:
+            base["method"] = {**base["method"], **self._method_knobs}
+        return base
+
+    @classmethod
+    def groups(cls, data: dict | None = None) -> tuple[str, ...]:
+        sweep = (data or {}).get("sweep")
+        if sweep is None:  # one trial's config (speclab.sweep.trial_config): every group
+            return tuple(cls.model_fields)
+        kind = sweep.get("kind", "decode") if isinstance(sweep, dict) else "decode"
+        return (*_COMMON, "sweep", *TUNE_GROUPS.get(kind, TUNE_GROUPS["decode"]))
+
+    def method_list(self) -> list[MethodSpec]:
+        return [self.method]
+
+
+class ServeJob(ExperimentConfig):
+    """``speclab serve`` / ``serve_apps.app``: target + draft deployments and ingress."""
+
+    job: Literal["serve"] = "serve"
+    models: ModelsConfig = ModelsConfig()
+    method: MethodConfig = Field(default_factory=default_method)
+    serve: ServeConfig = ServeConfig()
+
+
+JOB_CONFIGS: dict[str, type[ExperimentConfig]] = {
+    c.model_fields["job"].default: c
+    for c in (EvaluateJob, TrainTargetJob, DistillJob, CompareLossesJob, TrainRecommenderJob,
+              RecommendEvalJob, TrainHeadJob, SpecdecppEvalJob, BuildDatastoreJob,
+              RetrievalEvalJob, TuneJob, ServeJob)
+}
+ALL_GROUPS: frozenset[str] = frozenset(g for c in JOB_CONFIGS.values() for g in c.model_fields)

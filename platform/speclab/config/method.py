@@ -1,0 +1,129 @@
+"""Method configs: the base every method's typed config derives from, and the registry
+that turns ``{name: ..., knobs...}`` into the config model of that method.
+
+Each drafter module (``speclab/drafters/<method>.py``) declares its own config class,
+a :class:`MethodSpec` subclass with ``name: Literal["<method>"]``, its knobs (defaults
+and bounds, once) and ``build`` (how to make its drafter). ``speclab/drafters/registry.py``
+registers the built-in ones; :func:`register` adds more (a test, a plugin module named
+in ``$SPECLAB_METHODS``). The CLI flags of ``speclab generate``, ``Decoder.generate``
+keywords, YAML ``method:`` groups and the Serve draft deployment all read this registry.
+
+This module imports no drafter (the registry is filled on first use), so config
+schemas can use :data:`MethodConfig` as a field type without import cycles.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BeforeValidator, SerializeAsAny, ValidationError
+from pydantic_core import PydanticCustomError
+
+from speclab.config.base import ConfigError, StrictModel, format_validation_error, nested_error
+
+_METHODS: dict[str, type[MethodSpec]] = {}
+_LOADED = False
+
+
+class MethodSpec(StrictModel):
+    """Base of a method's config: ``name`` selects the method, ``label`` names it in
+    tables; subclasses add their knobs. ``needs_draft_model``: the method drafts with a
+    separate draft LM (``models.draft`` / ``--draft``)."""
+
+    model_config = {"arbitrary_types_allowed": True}
+
+    name: str
+    label: str | None = None
+    needs_draft_model: ClassVar[bool] = True
+
+    def params(self) -> dict:
+        """The method's knobs (every field but ``name`` and ``label``)."""
+        return {k: getattr(self, k) for k in type(self).model_fields
+                if k not in ("name", "label")}
+
+    def build(self, ctx: Any):
+        """The drafter for one sequence (``ctx``: :class:`speclab.drafters.registry.BuildContext`);
+        ``None`` means plain decoding."""
+        raise NotImplementedError(f"method {self.name!r} does not say how to build its drafter")
+
+
+def register(cls: type[MethodSpec]) -> type[MethodSpec]:
+    """Register a method config class under its ``name`` literal (usable as a decorator)."""
+    name = method_name_of(cls)
+    old = _METHODS.get(name)
+    if old is not None and old.__qualname__ != cls.__qualname__:
+        raise ValueError(f"method: {name!r} is already registered by {old.__module__}")
+    _METHODS[name] = cls
+    return cls
+
+
+def method_name_of(cls: type[MethodSpec]) -> str:
+    """The single value of a config class's ``name: Literal[...]`` field."""
+    ann = cls.model_fields["name"].annotation
+    args = getattr(ann, "__args__", ())
+    if len(args) != 1 or not isinstance(args[0], str):
+        raise TypeError(f"{cls.__name__}: name must be annotated Literal['<method>']")
+    return args[0]
+
+
+def _ensure_loaded() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    importlib.import_module("speclab.drafters.registry")  # registers the built-in methods
+    for mod in filter(None, os.environ.get("SPECLAB_METHODS", "").split(",")):
+        importlib.import_module(mod.strip())
+
+
+def methods() -> dict[str, type[MethodSpec]]:
+    """Every registered method: name -> config class (built-ins first)."""
+    _ensure_loaded()
+    return dict(_METHODS)
+
+
+def method_class(name: str) -> type[MethodSpec]:
+    """The config class of method ``name``; ValueError naming ``method`` if unknown."""
+    known = methods()
+    if name not in known:
+        raise ValueError(f"method: must be one of {list(known)}, got {name!r}")
+    return known[name]
+
+
+def _validate(data: Any) -> MethodSpec:
+    if isinstance(data, MethodSpec):
+        return data
+    if not isinstance(data, dict):
+        raise PydanticCustomError("method", "a method must be a mapping with a name, got "
+                                            "{got}", {"got": type(data).__name__})
+    data = dict(data)
+    name = data.setdefault("name", "chain")
+    known = methods()
+    if name not in known:
+        raise PydanticCustomError("nested", "unknown method {got!r}; known: {known}", {
+            "got": name, "known": list(known),
+            "errors": [(["name"], f"unknown method {name!r}; known: {list(known)}")]})
+    try:
+        return known[name].model_validate(data)
+    except ValidationError as err:
+        raise nested_error(err) from None
+
+
+#: field type of a method config in any schema (``method: MethodConfig``)
+MethodConfig = Annotated[SerializeAsAny[MethodSpec], BeforeValidator(_validate)]
+
+
+def parse_method(data: dict | MethodSpec) -> MethodSpec:
+    """A method config from ``{"name": ..., knobs...}``; ConfigError names the field."""
+    try:
+        return _validate(data)
+    except PydanticCustomError as err:
+        ctx = err.context or {}
+        if "errors" in ctx:
+            raise ConfigError("\n".join(f"{'.'.join(map(str, loc))}: {msg}"
+                                        for loc, msg in ctx["errors"])) from None
+        raise ConfigError(f"method: {err}") from None
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None

@@ -1,0 +1,125 @@
+"""The registry of verification rules: each rule is a pure function with its own
+parameter model, registered under a name that requests and configs use.
+
+A request names a rule (``verify``) and its parameters (``verify_params``);
+:func:`resolve_rule` validates both against the sampling settings ONCE per generation
+and returns a :class:`RuleSpec`; :func:`apply_rule` runs it on one tree. Nothing swaps a
+requested rule for another: a combination a rule cannot honour (e.g. a greedy-only
+rule at temperature > 0) is a ``ValueError`` naming the field.
+
+A new rule: a module in this package with its pure function and its parameter model,
+plus one :func:`register_rule` line in ``rules/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speclab.config.base import ConfigError, StrictModel
+from speclab.decoding.rules.verdict import Verdict
+from speclab.decoding.sampling import SamplingParams
+from speclab.decoding.tree import TokenTree
+
+#: ``fn(tree, target_logits [T, V], sampling, generator, params) -> Verdict``
+RuleFn = Callable[[TokenTree, torch.Tensor, SamplingParams, torch.Generator | None, Any], Verdict]
+
+
+class NoParams(StrictModel):
+    """A rule without parameters."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One verification rule.
+
+    ``greedy_only``: defined at temperature 0 only (refused otherwise);
+    ``relaxed``: changes the output distribution (not lossless), said in its name/docs.
+    """
+
+    name: str
+    fn: RuleFn
+    params: type[StrictModel] = NoParams
+    greedy_only: bool = False
+    relaxed: bool = False
+    doc: str = ""
+
+
+RULES: dict[str, Rule] = {}
+
+
+def register_rule(rule: Rule) -> Rule:
+    """Add ``rule`` to the registry (a name may be registered once)."""
+    if rule.name in RULES and RULES[rule.name] is not rule:
+        raise ValueError(f"verify: a rule named {rule.name!r} is already registered")
+    RULES[rule.name] = rule
+    return rule
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """A resolved rule request: the rule's name and its validated parameters."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """Plain form (what travels between Serve deployments)."""
+        return {"name": self.name, "params": dict(self.params)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RuleSpec:
+        return cls(str(data["name"]), dict(data.get("params") or {}))
+
+
+def default_rule(sampling: SamplingParams) -> str:
+    """``greedy`` at temperature 0, ``sample`` (lossless speculative sampling) otherwise."""
+    return "greedy" if sampling.greedy else "sample"
+
+
+def resolve_rule(name: str | None, params: dict | None,
+                 sampling: SamplingParams) -> RuleSpec:
+    """Validate a rule request (``None``: the default rule) against ``sampling``."""
+    name = name or default_rule(sampling)
+    if name not in RULES:
+        raise ValueError(f"verify: must be one of {sorted(RULES)}, got {name!r}")
+    rule = RULES[name]
+    if rule.greedy_only and not sampling.greedy:
+        raise ValueError(f"verify: {name!r} needs temperature 0, got temperature "
+                         f"{sampling.temperature} (use 'sample' or 'typical')")
+    try:
+        parsed = rule.params.from_dict(params or {})
+    except ConfigError as err:
+        raise ConfigError(f"verify_params ({name}): {err}") from None
+    return RuleSpec(name, parsed.model_dump())
+
+
+def apply_rule(spec: RuleSpec, tree: TokenTree, target_logits: torch.Tensor,
+               sampling: SamplingParams, generator: torch.Generator | None) -> Verdict:
+    """Run the rule of ``spec`` on ``tree`` (``target_logits``: ``[T, V]``, one row per node)."""
+    rule = RULES[spec.name]
+    return rule.fn(tree, target_logits, sampling, generator, rule.params(**spec.params))
+
+
+def request_rule(requested: str | None, params: dict | None, sampling: SamplingParams,
+                 needed: RuleSpec | None) -> RuleSpec:
+    """The rule of one generation: the requested one, or the rule a drafter's trees need
+    (``needed``, e.g. AASD's conditional verification). A request the needed rule cannot
+    honour is an error naming ``verify``, never a silent swap."""
+    if needed is None:
+        return resolve_rule(requested, params, sampling)
+    rule = RULES[needed.name]
+    if requested not in (None, needed.name, "greedy", "sample"):
+        raise ValueError(f"verify: this method's drafts are verified with the {needed.name!r} "
+                         f"rule ({rule.doc}); it cannot honour verify={requested!r} (leave "
+                         f"verify unset, or turn the method's relaxed verification off, "
+                         f"e.g. aasd: conditional=false)")
+    if rule.greedy_only and not sampling.greedy:
+        raise ValueError(f"verify: this method's drafts are verified with the {needed.name!r} "
+                         f"rule ({rule.doc}), defined at temperature 0 only; got temperature "
+                         f"{sampling.temperature} (use temperature 0, or turn the method's "
+                         f"relaxed verification off, e.g. aasd: conditional=false)")
+    return resolve_rule(needed.name, needed.params, sampling)

@@ -1,0 +1,73 @@
+"""The method registry: every decoding method speclab offers, each from its own module.
+
+A method is one module in ``speclab/drafters/`` holding its drafter and its config class
+(a :class:`~speclab.config.method.MethodSpec` with ``name: Literal[...]``, its knobs and
+``build``), plus ONE line in :data:`BUILTIN` below. From there follow: its YAML ``method:``
+group (validated by name), its ``speclab generate`` flags, its ``Decoder.generate``
+keywords and its Serve draft deployment. Methods can also be registered at run time
+with :func:`~speclab.config.method.register` (modules named in ``$SPECLAB_METHODS`` are
+imported on first use, in every process, Serve replicas included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from speclab.config.method import (
+    MethodConfig,
+    MethodSpec,
+    method_class,
+    methods,
+    parse_method,
+    register,
+)
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
+from speclab.drafters.ar import ArConfig
+from speclab.drafters.base import Drafter
+from speclab.drafters.chain import ChainConfig
+from speclab.drafters.eagle2 import TreeConfig
+from speclab.drafters.optimal import OptimalConfig, SalfConfig
+from speclab.drafters.pld import AasdConfig, PldConfig
+from speclab.drafters.rest import RestConfig
+from speclab.drafters.specdecpp import SpecDecPPConfig
+
+BUILTIN: tuple[type[MethodSpec], ...] = (
+    ArConfig, ChainConfig, TreeConfig, OptimalConfig, SalfConfig, SpecDecPPConfig,
+    PldConfig, RestConfig, AasdConfig,
+)
+for _cls in BUILTIN:
+    register(_cls)
+
+
+@dataclass
+class BuildContext:
+    """What a method's ``build`` may use: a fresh runner over the draft model (None when
+    none is loaded), the sampling settings and rng of the sequence, and ``resources``:
+    things loaded once per Decoder / Serve replica (acceptance heads, datastores)."""
+
+    draft: ModelRunner | None
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+    resources: dict = field(default_factory=dict)
+
+    def cached(self, key: Any, load: Callable[[], Any]) -> Any:
+        """``load()`` once per ``key`` for the lifetime of ``resources``."""
+        if key not in self.resources:
+            self.resources[key] = load()
+        return self.resources[key]
+
+
+def build_drafter(cfg: MethodSpec, ctx: BuildContext) -> Drafter | None:
+    """The drafter of ``cfg`` for one sequence (None: plain decoding)."""
+    if cfg.needs_draft_model and ctx.draft is None:
+        raise ValueError(f"draft: method {cfg.name!r} needs a draft model")
+    return cfg.build(ctx)
+
+
+__all__ = ["BUILTIN", "BuildContext", "MethodConfig", "MethodSpec", "build_drafter",
+           "method_class", "methods", "parse_method", "register"]

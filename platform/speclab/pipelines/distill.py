@@ -1,0 +1,52 @@
+"""Distil a drafter for a target: generate the target's signals on Ray actors, train the
+drafter with Ray Train, register it in MLflow and evaluate it with the engine.
+
+    python -m jobs.distill --config experiments/smoke/distill.yaml [key=value ...]
+
+Stage 1, generate: the corpus (tokenised with the target's tokenizer) is cut into
+deterministic windows; target replicas on Ray actors turn them into what the losses
+need (``distill.loss``; see :mod:`speclab.train.distill_data`) and write Parquet shards
+``<run>/data/<kind>/shard-NNNNN.parquet`` one at a time (written to a temporary name,
+then renamed, so a shard is either whole or absent). Shards already present are not
+regenerated, so a rerun with ``train.resume=true`` resumes generation too.
+Stage 2, train: a LLaMA drafter (``arch``, sharing the target's tokenizer) is trained on
+the shards with Ray Train (same loop, checkpoints and FailureConfig as train_target).
+Then the drafter is saved, registered (``output.register_as``) and evaluated against the
+target (``methods``, ``data``, ``decoding``) in the same MLflow run (metrics ``eval/...``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from speclab.pipelines.cli import run_dirs, start_job
+from speclab.pipelines.drafter import train_register_evaluate
+from speclab.pipelines.signals import generate, prepare_target
+
+
+def main(argv: list[str] | None = None) -> int:
+    job = start_job("distill", __doc__, argv, prepare_target)  # bad inputs fail here
+    cfg, tracker, prep = job.cfg, job.tracker, job.inputs
+
+    from speclab.pipelines.fit import peak_rss_mb
+    from speclab.raylib import init_ray
+    from speclab.train.distill_data import LOSS_KIND
+
+    storage, run_name = run_dirs(cfg)
+    data_dir = storage / run_name / "data"
+    kinds = {LOSS_KIND[name] for name in cfg.distill.loss_weights()}
+    where = init_ray(job.address, cfg.ray.num_cpus)
+    print(f"[distill] running on {where}; run dir {storage / run_name}", flush=True)
+    with tracker as t:
+        t.set_tags({"job": "distill", "run_dir": str(storage / run_name),
+                    "target": prep.target, "loss": ",".join(sorted(cfg.distill.loss_weights()))})
+        t0 = time.perf_counter()
+        shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
+        t.log_metrics({"generate_s": time.perf_counter() - t0,
+                       "generate_driver_peak_rss_mb": peak_rss_mb(),
+                       "generate_actor_peak_rss_mb": actor_peak,
+                       **{f"shards.{k}": v for k, v in shards.items()}})
+        print(f"[distill] generated {shards} in {time.perf_counter() - t0:.0f}s", flush=True)
+        train_register_evaluate(cfg, prep, storage, run_name, data_dir, t,
+                                cfg.output.register_as)
+    return 0

@@ -1,0 +1,38 @@
+"""Stage: train a drafter on generated signals with Ray Train, register it in MLflow and
+evaluate it against its target (distill, compare_losses)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from speclab.config import DistillJob
+from speclab.pipelines.signals import Prepared
+
+
+def train_register_evaluate(cfg: DistillJob, prep: Prepared, storage: Path, run_name: str,
+                            data_dir: Path, tracker, register_as: str | None,
+                            weights: dict[str, float] | None = None) -> list[dict]:
+    """Train a drafter (``arch``, ``train``, ``scaling``) with the loss mix ``weights``
+    (default ``distill.loss_weights()``), save and register it, then evaluate ``methods``
+    against the target into ``tracker``'s run; returns the evaluation rows."""
+    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+    from speclab.pipelines.fit import fit, save_final
+    from speclab.train.tasks import DistillTaskConfig
+
+    task = DistillTaskConfig(train=cfg.train, arch=cfg.arch, hass_k=cfg.distill.hass_k,
+                             weights=weights or cfg.distill.loss_weights())
+    t1 = time.perf_counter()
+    result = fit(task, cfg.scaling, storage, run_name, data_dir, prep.vocab, prep.eos,
+                 tracker.run_id, tracker.uri if tracker.run_id else None)
+    prep.tokenizer.save_pretrained(data_dir / "tokenizer")
+    final = save_final(result, cfg.arch, storage / run_name, data_dir / "tokenizer",
+                       prep.vocab, prep.eos)
+    tracker.log_metrics({"train_s": time.perf_counter() - t1,
+                         "final_step": result.metrics["step"],
+                         "final_val_loss": result.metrics["val_loss"]})
+    uri = tracker.log_model(final, register_as)
+    print(f"[distill] drafter saved to {final}" + (f", registered as {uri}" if uri else ""),
+          flush=True)
+    return evaluate_pair(cfg, prep.target, str(final), tokenized_prompts(cfg, prep.target),
+                         tracker, "eval/")

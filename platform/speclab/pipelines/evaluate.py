@@ -1,0 +1,46 @@
+"""Evaluate decoding methods over a prompt set on Ray actors that hold the models.
+
+    python -m jobs.evaluate --config experiments/smoke/evaluate.yaml [key=value ...]
+
+Prompts are spread over ``resources.num_actors`` actors; each actor runs every method
+over its prompts one after another with the AR baseline re-run before each method
+(A B A B), so wall-clock ratios never compare runs that shared cores differently. The
+driver merges the counters, prints the table and logs params, metrics, the resolved
+config, the table (CSV/JSON) and plots (PNG) to MLflow.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from speclab.pipelines.cli import start_job
+
+
+def main(argv: list[str] | None = None) -> int:
+    job = start_job("evaluate", __doc__, argv)
+    cfg, tracker = job.cfg, job.tracker
+
+    from speclab.models.registry import resolve_models
+    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+    from speclab.raylib import init_ray
+
+    t_start = time.perf_counter()
+    where = init_ray(job.address, cfg.ray.num_cpus)
+    print(f"[evaluate] running on {where}", flush=True)
+    target, draft = resolve_models(cfg.models.target, cfg.models.draft)
+    if any(m.needs_draft_model for m in cfg.method_list()) and not draft:
+        print("error: models.draft: the methods need a draft model", file=sys.stderr)
+        return 2
+    try:  # tokenise on the driver (fails fast on bad data); actors get token ids
+        prompts = tokenized_prompts(cfg, target)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with tracker as t:
+        t.set_tags({"job": "evaluate", "ray": where})
+        evaluate_pair(cfg, target, draft, prompts, t)
+        t.log_metrics({"wall_s": time.perf_counter() - t_start})
+    if tracker.run_id:
+        print(f"\n[evaluate] MLflow run {tracker.run_id}; browse it with: speclab ui", flush=True)
+    return 0

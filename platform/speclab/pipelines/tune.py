@@ -1,0 +1,318 @@
+"""Ray Tune sweep over speculative-decoding hyperparameters, tracked in MLflow.
+
+    python -m jobs.tune --config experiments/smoke/tune.yaml [key=value ...]
+
+The ``sweep`` section names the search space as dotted paths into this same config
+(``method.gamma``, ``method.salf_threshold``, ``head.w_rej`` ...; the groups a sweep
+may carry depend on its ``kind``: :data:`speclab.config.jobs.TUNE_GROUPS`; with
+``method.name`` swept, ``method`` holds the knobs of every swept method and each trial
+keeps its own method's), the search (``grid``,
+``random``, ``optuna``), the scheduler (``fifo``, ``asha``), trials, concurrency, the
+objective (``metric``/``mode``; e.g. ``predicted_speedup`` from the SpecDec++ cost
+model, eq. 2.1 with the trial's forward counts and t_draft / t_target measured ONCE per
+sweep, so noisy machines still rank trials stably) and
+constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
+
+* ``kind: decode`` trials evaluate ``method`` on the prompt set with the models cached
+  per trial process (``speclab.sweep``).
+* ``kind: train_head`` trials train a SpecDec++ acceptance head with Ray Train (the
+  trial function builds the trainer; accept data is generated once per sweep), report
+  the held-out unweighted BCE after every ``train.report_every`` steps (ASHA stops bad
+  trials on it) and then evaluate ``specdecpp`` with the head.
+* ``kind: atspeed`` trials train an AtSpeed drafter (``rec_eval.draft_loss`` with
+  AtSpeed weight ``rec_eval.align_alpha``; target and alignment data made once per
+  sweep), report its validation loss per chunk (ASHA), then run beam SD for
+  ``rec_eval.ns``: objectives
+  ``as_at_k`` (AS@K) and ``ws_at_k`` (WS@K). The best config is a ``recommend_eval``
+  config holding the target and the best trial's drafter.
+(Training trials: :mod:`speclab.pipelines.tune_trials`.)
+
+MLflow: the job's run is the parent (search space, best trial and config, the results
+table, plots of the objective against each parameter); each trial is a child run with
+its params, metrics and status (ok, stopped by ASHA, or failed with its error). The best config is
+written as ``best_config.yaml`` (a ready ``evaluate`` config) in the sweep folder and
+logged. ``train.resume=true output.run_name=X`` restores an interrupted sweep with
+``Tuner.restore``: finished trials are kept, unfinished ones continue.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from speclab.config import EvaluateJob, RecommendEvalJob, TuneJob
+from speclab.config.jobs import TUNE_GROUPS
+from speclab.pipelines.cli import run_dirs, start_job
+
+
+@dataclass
+class Inputs:
+    """Everything a sweep needs, checked on the driver before Ray starts."""
+
+    target: str
+    draft: str | None
+    prompts: list[list[int]]
+    references: tuple[str, list[str]] | None
+    head_prep: object | None  # signals.Prepared for train_head sweeps
+    rec_prep: tuple | None = None  # (RecMeta, examples) for atspeed sweeps
+
+
+def prepare(cfg: TuneJob) -> Inputs:
+    """Resolve models, tokenise prompts (or a task's); ValueError on bad input."""
+    from speclab.api import Decoder
+    from speclab.models.loading import resolve_source
+    from speclab.models.registry import resolve_models
+    from speclab.pipelines.actor_eval import tokenized_prompts
+
+    sw = cfg.sweep
+    if sw is None:
+        raise ValueError("sweep: the tune job needs a sweep section")
+    base = cfg.sweep_base()
+    for path in sw.space:  # every dotted path must exist in the config
+        node = base
+        for key in path.split("."):
+            if not isinstance(node, dict) or key not in node:
+                raise ValueError(f"sweep.space: {path!r} is not a field of the config "
+                                 f"(a {sw.kind} sweep has groups "
+                                 f"{', '.join(TUNE_GROUPS[sw.kind])})")
+            node = node[key]
+    head_prep = None
+    if sw.kind == "atspeed":  # the target is trained (or checked) in main, under Ray
+        from speclab.pipelines.recommender import prepare_rec
+
+        return Inputs("", None, [], None, None, prepare_rec(cfg))
+    if sw.kind == "train_head":
+        from speclab.pipelines.head import prepare_head
+
+        head_prep, draft = prepare_head(cfg)
+        target = head_prep.target
+    else:
+        target, draft = resolve_models(cfg.models.target, cfg.models.draft)
+        target = resolve_source(target, "models.target")
+        draft = resolve_source(draft, "models.draft") if draft else None
+    references = None
+    if sw.task:
+        from speclab.data.tasks import load_task
+
+        exs = load_task(sw.task, cfg.data.num_prompts, cfg.retrieval.context_chars,
+                        cfg.retrieval.reference_chars)
+        dec = Decoder.from_pretrained(target)
+        prompts = [dec.encode(e.prompt) for e in exs]
+        references = (exs[0].metric, [e.reference for e in exs])
+    else:
+        prompts = tokenized_prompts(cfg, target)
+    return Inputs(target, draft, prompts, references, head_prep)
+
+
+_TRAINED = {"train_head": "heldout_bce", "atspeed": "val_loss"}  # kind -> ASHA metric
+
+
+def _tuner(cfg: TuneJob, inputs: Inputs, sweep_dir: Path, times: tuple):
+    """A fresh Tuner, or the interrupted one restored (``train.resume``)."""
+    from ray import tune
+
+    from speclab.pipelines.tune_trials import head_trial, rec_trial
+    from speclab.sweep import decode_trial, param_space
+
+    sw, base = cfg.sweep, cfg.sweep_base()
+    common = {"base": base, "target": inputs.target, "draft": inputs.draft,
+              "prompts": inputs.prompts, "t_draft": times[0], "t_target": times[1],
+              "run_dir": str(sweep_dir)}
+    if sw.kind == "decode":
+        fn = tune.with_parameters(decode_trial, references=inputs.references, **common)
+    elif sw.kind == "atspeed":
+        from speclab.data.rec_dataset import EOS
+
+        fn = tune.with_parameters(rec_trial, base=base, target=inputs.target,
+                                  data_dir=str(sweep_dir / "data"),
+                                  vocab=inputs.rec_prep[0].vocab_size, eos=EOS,
+                                  run_dir=str(sweep_dir))
+    else:
+        p = inputs.head_prep
+        fn = tune.with_parameters(head_trial, data_dir=str(sweep_dir / "data"),
+                                  vocab=p.vocab, eos=p.eos, **common)
+    fn = tune.with_resources(fn, {"cpu": sw.trial_cpus})
+    exp_dir = sweep_dir / "tune"
+    if cfg.train.resume and tune.Tuner.can_restore(str(exp_dir)):
+        print(f"[tune] restoring the sweep in {exp_dir}", flush=True)
+        return tune.Tuner.restore(str(exp_dir), fn, resume_unfinished=True,
+                                  resume_errored=False, restart_errored=False)
+    search, scheduler = None, None
+    if sw.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        search = OptunaSearch(metric="objective", mode=sw.mode, seed=cfg.train.seed)
+    if sw.scheduler == "asha":
+        from ray.tune.schedulers import ASHAScheduler
+
+        if sw.kind in _TRAINED:  # intermediate reports carry a held-out loss
+            steps = cfg.rec_eval.draft_steps if sw.kind == "atspeed" else cfg.train.steps
+            rungs = max(2, math.ceil(steps / cfg.train.report_every))
+            scheduler = ASHAScheduler(metric=_TRAINED[sw.kind], mode="min", max_t=rungs,
+                                      grace_period=sw.grace_period, reduction_factor=2)
+        else:
+            scheduler = ASHAScheduler(metric="objective", mode=sw.mode,
+                                      grace_period=sw.grace_period)
+    return tune.Tuner(
+        fn, param_space=param_space(cfg),
+        tune_config=tune.TuneConfig(search_alg=search, scheduler=scheduler,
+                                    num_samples=sw.num_samples,
+                                    max_concurrent_trials=sw.max_concurrent),
+        run_config=tune.RunConfig(name="tune", storage_path=str(sweep_dir),
+                                  failure_config=tune.FailureConfig(max_failures=0),
+                                  verbose=1))
+
+
+def _figures(rows: list[dict], space: list[str], metric: str) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = {}
+    ok = [r for r in rows if r["status"] == "ok" and metric in r]
+    for path in space:
+        xs = [r["params"][path] for r in ok]
+        fig, ax = plt.subplots(figsize=(4.5, 3.5))
+        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs):
+            ax.plot(xs, [r[metric] for r in ok], "o")
+        else:
+            labels = sorted({str(x) for x in xs})
+            ax.plot([labels.index(str(x)) for x in xs], [r[metric] for r in ok], "o")
+            ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.set_xlabel(path)
+        ax.set_ylabel(metric)
+        fig.tight_layout()
+        figs[f"{metric}_vs_{path.replace('.', '_')}.png"] = fig
+    return figs
+
+
+_SHOWN = ("speedup", "tau", "predicted_speedup", "accuracy", "accuracy_ratio", "heldout_bce",
+          "as_at_k", "ws_at_k", "recall_at_k", "val_loss")  # metrics in the results table
+
+
+def _best_config(cfg: TuneJob, best: dict, sweep_dir: Path, target: str) -> dict:
+    """The best trial as a ready config: ``evaluate`` (decode / train_head, with the
+    trial's own head) or ``recommend_eval`` (atspeed, with the target and the trial's
+    drafter given, so nothing is retrained)."""
+    from speclab.sweep import trial_config
+
+    best_cfg = trial_config(cfg.sweep_base(), best["params"])
+    data = best_cfg.model_dump(mode="json", exclude_none=True)
+    job = RecommendEvalJob if cfg.sweep.kind == "atspeed" else EvaluateJob
+    data = {k: v for k, v in data.items() if k in job.model_fields}  # only the job's groups
+    data.update({"name": f"{cfg.name}-best", "job": job.job_name()})
+    trial_dir = sweep_dir / "trials"
+    if cfg.sweep.kind == "train_head":  # the best trial's own head
+        data["method"]["head"] = str(trial_dir / f"head-{best['trial']}" / "head")
+    elif cfg.sweep.kind == "atspeed":
+        re = best_cfg.rec_eval
+        loss = re.draft_loss
+        name = f"{loss}@{re.align_alpha:g}" if loss.startswith("atspeed") else loss
+        for key in ("draft_loss", "align_alpha"):  # one trial's drafter: given below
+            data["rec_eval"].pop(key, None)
+        data["rec_eval"].update({
+            "target": target, "losses": [loss], "align_alphas": [re.align_alpha],
+            "drafts": {name: str(trial_dir / f"draft-{best['trial']}" / "model")}})
+    return data
+
+
+def record(cfg: TuneJob, results, tracker, sweep_dir: Path,
+           target: str = "") -> dict | None:
+    """Child runs per trial, the parent's table / best config / plots; returns the best row."""
+    import yaml
+
+    from speclab.evaluation import format_table
+
+    sw = cfg.sweep
+    rows = []
+    for res in results:
+        params = (res.config or {}).get("params", {})
+        trial = (res.metrics or {}).get("trial_id") or Path(res.path or "?").name[:24]
+        stopped = not res.error and "objective" not in (res.metrics or {})  # by ASHA
+        row = {"trial": trial, "params": params,
+               "status": "failed" if res.error else "stopped" if stopped else "ok"}
+        metrics = {k: v for k, v in (res.metrics or {}).items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v)}
+        if res.error:
+            row["error"] = str(res.error).strip().splitlines()[-1][:500]
+        row.update({k: metrics[k] for k in (sw.metric, "objective", *_SHOWN, "step")
+                    if k in metrics})
+        rows.append(row)
+        with tracker.child(f"{cfg.name}-{row['trial']}", params) as c:
+            c.set_tags({"status": row["status"], **({"error": row["error"]}
+                                                   if "error" in row else {})})
+            if metrics:
+                c.log_metrics(metrics)
+    ok = [r for r in rows if r["status"] == "ok" and math.isfinite(r.get("objective", math.nan))]
+    best = None
+    if ok:
+        best = (max if sw.mode == "max" else min)(ok, key=lambda r: r["objective"])
+        data = _best_config(cfg, best, sweep_dir, target)
+        path = sweep_dir / "best_config.yaml"
+        path.write_text(f"# Run: .venv/bin/python -m jobs.{data['job']} --config {path}\n"
+                        f"# Best trial of sweep {cfg.name}: {best['params']}\n"
+                        + yaml.safe_dump(data, sort_keys=False))
+        tracker.log_text(path.read_text(), "best_config.yaml")
+        tracker.log_metrics({f"best_{sw.metric}": best.get(sw.metric, best["objective"]),
+                             "best_objective": best["objective"]})
+        tracker.set_tags({"best_trial": best["trial"], "best_params": str(best["params"]),
+                          "best_config": str(path)})
+    flat = [{"trial": r["trial"], "status": r["status"],
+             **{f"param.{k}": v for k, v in r["params"].items()},
+             **{k: v for k, v in r.items() if k not in ("trial", "status", "params")}}
+            for r in rows]
+    cols = [("trial", "{}"), ("status", "{}")] + [(f"param.{k}", "{}") for k in sw.space] + [
+        (k, "{:.3f}") for k in dict.fromkeys((sw.metric, *_SHOWN)) if any(k in r for r in flat)]
+    text = format_table(flat, list(dict.fromkeys(cols)))
+    print(text, flush=True)
+    tracker.log_table(flat, "sweep_results")
+    tracker.log_text(text, "sweep_results.txt")
+    tracker.log_metrics({"trials": len(rows), "failed_trials": len(rows) - len(ok)})
+    tracker.log_text(yaml.safe_dump(cfg.model_dump(mode="json")["sweep"]), "search_space.yaml")
+    for fname, fig in _figures(rows, list(sw.space), sw.metric).items():
+        tracker.log_figure(fig, fname)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    job = start_job("tune", __doc__, argv, prepare)
+    cfg, tracker, inputs = job.cfg, job.tracker, job.inputs
+    from speclab.api import Decoder
+    from speclab.evaluation import forward_times
+    from speclab.raylib import init_ray
+
+    storage, run_name = run_dirs(cfg)
+    sweep_dir = storage / run_name
+    where = init_ray(job.address, cfg.ray.num_cpus)
+    print(f"[tune] running on {where}; sweep folder {sweep_dir}", flush=True)
+    with tracker as t:
+        t.set_tags({"job": "tune", "sweep_dir": str(sweep_dir), "kind": cfg.sweep.kind})
+        times = (0.0, 0.0)
+        if cfg.sweep.kind == "atspeed":  # WS@K is measured against the target's search
+            from speclab.pipelines.tune_trials import prepare_rec_sweep
+
+            inputs.target, _ = prepare_rec_sweep(cfg, *inputs.rec_prep, sweep_dir, t)
+        else:
+            dec = Decoder.from_pretrained(inputs.target, inputs.draft)
+            times = forward_times(dec, inputs.prompts[0])  # once per sweep (cost model)
+            t.log_metrics({"t_draft_s": times[0], "t_target_s": times[1]})
+        if cfg.sweep.kind == "train_head":
+            from speclab.pipelines.signals import generate
+
+            p = inputs.head_prep
+            generate(cfg, p.target, sweep_dir / "data", {"accept"}, p.tokens, inputs.draft,
+                     cfg.head.temperature)
+        results = _tuner(cfg, inputs, sweep_dir, times).fit()
+        best = record(cfg, results, t, sweep_dir, inputs.target)
+    if best is None:
+        print("[tune] no trial succeeded with a finite objective that met "
+              f"sweep.floor {dict(cfg.sweep.floor)} (see the results table)", file=sys.stderr)
+        return 1
+    print(f"[tune] best {best['params']} -> {cfg.sweep.metric} "
+          f"{best.get(cfg.sweep.metric, best['objective']):.3f}; "
+          f"config: {sweep_dir / 'best_config.yaml'}", flush=True)
+    return 0
