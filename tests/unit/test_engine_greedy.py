@@ -74,3 +74,20 @@ def test_generation_stops_at_eos(tiny_pair):
     for method in ("ar", "chain", "tree", "salf"):
         out = dec.generate(prompt_ids=[5, 6, 7], method=method, max_new_tokens=30).token_ids
         assert out == full[: full.index(eos) + 1], method
+
+
+def test_stats_count_no_token_past_eos(tiny_pair):
+    """The round that meets EOS counts only the tokens it commits (tau is not inflated)."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    checked, original = 0, dec.eos_token_id
+    for ids in prompts(12):
+        ar = dec.generate(prompt_ids=ids, method="ar", max_new_tokens=24).token_ids
+        dec.eos_token_id = ar[min(3, len(ar) - 1)]  # an EOS the target emits early
+        try:
+            res = dec.generate(prompt_ids=ids, method="chain", gamma=6, max_new_tokens=24)
+        finally:
+            dec.eos_token_id = original
+        assert res.token_ids[-1] == ar[min(3, len(ar) - 1)]
+        assert sum(res.stats.accepted_lengths) == res.stats.new_tokens == len(res.token_ids)
+        checked += 1
+    assert checked == 12

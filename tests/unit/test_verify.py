@@ -113,3 +113,25 @@ def test_typical_acceptance_threshold():
     assert v.path == [0, 1]
     h = -sum(x * math.log(x) for x in [0.49, 0.49, 0.02])
     assert 0.02 < min(0.09, 0.3 * math.exp(-h))
+
+
+def test_typical_acceptance_takes_the_longest_passing_path():
+    """Medusa: root -> a (p=.5, leaf) and root -> b (p=.4) -> c (p=.9): accept b, c."""
+    tree = TokenTree(0)
+    tree.set_children_kind(0, "deterministic")
+    a = tree.add(1, 0)
+    b = tree.add(2, 0)
+    tree.set_children_kind(b, "deterministic")
+    c = tree.add(3, b)
+    l_root = torch.log(torch.tensor([0.05, 0.5, 0.4, 0.05]))
+    l_b = torch.log(torch.tensor([0.03, 0.03, 0.04, 0.9]))
+    flat = torch.log(torch.full((4,), 0.25))
+    logits = torch.stack([l_root, flat, l_b, flat])
+    v = verify_typical_relaxed(tree, logits, SamplingParams(1.0), torch.Generator())
+    assert v.path == [0, b, c] and a not in v.path
+
+
+def test_top_p_keeps_the_most_probable_token():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = warp_probs(logits, SamplingParams(1.0, top_p=1e-80))
+    assert not torch.isnan(p).any() and p.tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -7,14 +7,17 @@ Conventions used everywhere in this package:
 * A round is: a drafter proposes a :class:`~speclab.decoding.tree.TokenTree` rooted at the
   last committed token that the target has not processed yet (node 0, the *root*);
   the target scores every node in ONE forward with tree attention; a verification
-  rule (:mod:`speclab.decoding.verify`) picks the accepted root-to-node path plus one
+  rule (:mod:`speclab.decoding.rules`) picks the accepted root-to-node path plus one
   corrected/bonus token; both KV caches keep only the accepted path (a gather).
 * The target's logits at node ``i`` are its distribution over the children of ``i``.
 * "Lossless": at temperature 0 the output equals the target's greedy decoding; at
   temperature > 0 (with identical top-k/top-p warping of ``p`` and ``q``) the output
   distribution equals the target's. Relaxed rules (typical acceptance) say so.
 
-Modules: ``sampling`` (warping), ``tree`` (TokenTree, masks, positions), ``verify``
-(acceptance rules), ``kv`` (a model plus its KV cache), ``drafters/`` (chain, EAGLE-2
-tree, optimal tree / SALF), ``engine`` (the draft -> verify -> commit loop and stats).
+Modules: ``sampling`` (warping), ``tree`` (TokenTree, masks, positions), ``rules/``
+(verification rules: a registry of pure functions with their parameter models),
+``runner`` (a model plus its KV cache), ``sides`` (the draft side and the target side of
+a round), ``loop`` (THE draft -> verify -> commit loop, written once, and its stats),
+``beam`` / ``beam_loop`` / ``trie`` (AtSpeed beam SD), ``acceptance_head`` (SpecDec++),
+``datastore`` (REST suffix arrays). The drafters live in :mod:`speclab.drafters`.
 """

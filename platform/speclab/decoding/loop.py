@@ -195,7 +195,8 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
         # 4. stats
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
-        stats.add_round(v.drafted, v.accepted, v.evaluated, len(new))
+        # committed = tokens this round really kept (none past EOS or the limit)
+        stats.add_round(v.drafted, v.accepted, v.evaluated, len(out) - n0)
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t_start
         yield Committed(out[n0:], done)

@@ -62,6 +62,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token when the mass strictly before it already reaches top_p
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop_sorted[..., 0] = False  # the most probable token always stays (as in HF)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
