@@ -24,7 +24,7 @@ from serve_apps.draft import DraftDeployment
 from serve_apps.ingress import Ingress
 from serve_apps.router import SessionAffinityRouter
 from serve_apps.target import TargetDeployment
-from speclab.config import ExperimentConfig
+from speclab.config import ServeJob
 from speclab.paths import repo_root
 
 
@@ -40,7 +40,7 @@ class AppArgs(BaseModel):
     overrides: str = ""  # more "key=value" pairs, separated by spaces
 
 
-def load_config(args: AppArgs) -> ExperimentConfig:
+def load_config(args: AppArgs) -> ServeJob:
     """The experiment config of ``args`` (flag > yaml > default)."""
     pairs = args.overrides.split()
     pairs += [f"models.{k}={v}" for k, v in (("target", args.target), ("draft", args.draft))
@@ -50,10 +50,10 @@ def load_config(args: AppArgs) -> ExperimentConfig:
     path = Path(args.config)
     if not path.is_absolute() and not path.exists():  # e.g. in a Serve controller
         path = repo_root() / path
-    return ExperimentConfig.from_yaml(path, pairs)
+    return ServeJob.from_yaml(path, pairs)
 
 
-def resolved_models(cfg: ExperimentConfig) -> tuple[str, str | None]:
+def resolved_models(cfg: ServeJob) -> tuple[str, str | None]:
     """Local folders for the target and (if the method needs one) the draft."""
     from speclab.models.loading import resolve_source
     from speclab.models.registry import resolve_models
@@ -84,7 +84,7 @@ def _options(rc, name: str, routed: bool) -> dict:
     return opts
 
 
-def app_from_config(cfg: ExperimentConfig):
+def app_from_config(cfg: ServeJob):
     """The bound application for ``cfg`` (models resolved here, loaded in replicas)."""
     from transformers import AutoConfig
 

@@ -83,17 +83,19 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def method_from_args(args: argparse.Namespace):
-    """The method config of ``--method`` and the knob flags given; a knob flag that the
-    method does not have is an error naming it."""
+    """The method config of ``--method`` and the knob flags given. A knob flag that the
+    method does not have is ignored with a note on stderr (one command line can then be
+    rerun with another ``--method``)."""
     from speclab.config.method import method_class, parse_method
 
     cls = method_class(args.method)
     given = {f: getattr(args, f) for f in _knob_flags() if getattr(args, f, None) is not None}
     foreign = sorted(f for f in given if f not in cls.model_fields)
     if foreign:
-        raise ValueError(f"{foreign[0]}: not a knob of method {args.method!r} (its knobs: "
-                         f"{sorted(set(cls.model_fields) - {'name', 'label'})})")
-    return parse_method({"name": args.method, **given})
+        print(f"note: {', '.join('--' + f.replace('_', '-') for f in foreign)}: not a knob "
+              f"of method {args.method!r}; ignored", file=sys.stderr)
+    return parse_method({"name": args.method,
+                         **{f: v for f, v in given.items() if f not in foreign}})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

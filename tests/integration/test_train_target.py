@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import ROOT, find_run, python, run_cmd
+from tests.integration.conftest import ROOT, find_run, python, run_cmd, stop_process_tree
 
 pytestmark = pytest.mark.integration
 SMOKE = "experiments/smoke/train_target.yaml"
@@ -60,7 +60,7 @@ def test_killed_worker_resumes_from_checkpoint(job_env, tmp_path):
             f"output.storage_path={storage}", "output.run_name=ft", "output.register_as=null",
             "tracking.experiment=fault"]
     proc = subprocess.Popen(args, cwd=ROOT, env=job_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:  # wait for a committed checkpoint, then kill rank 1
@@ -74,9 +74,8 @@ def test_killed_worker_resumes_from_checkpoint(job_env, tmp_path):
         victim = int((run_dir / "pids" / "rank1.pid").read_text())
         os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=420)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    finally:  # whatever the job left of its process tree (its embedded Ray), and only that
+        stop_process_tree(proc, grace=30)
     assert proc.returncode == 0, out[-4000:]
     # the worker group was restarted: a new rank-1 process, and rank 0 recorded the resume
     assert int((run_dir / "pids" / "rank1.pid").read_text()) != victim, out[-4000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.conftest import ROOT, python, run_cmd
+from tests.integration.conftest import ROOT, python, run_cmd, stop_process_tree
 
 pytestmark = pytest.mark.integration
 SMOKE = "experiments/smoke/tune.yaml"
@@ -80,7 +80,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(job_env, tm
             f"output.storage_path={storage}", "output.run_name=rs", "sweep.max_concurrent=1"]
     starts = storage / "rs" / "trial_starts.jsonl"
     proc = subprocess.Popen(args, cwd=ROOT, env=job_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.time() + 300
         while time.time() < deadline:  # two trials finished, the third running
@@ -91,9 +91,8 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_trials(job_env, tm
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)  # Tune stops gracefully and saves its state
         proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    finally:  # whatever the job left of its process tree (its embedded Ray), and only that
+        stop_process_tree(proc, grace=30)
     before = [json.loads(x)["params"] for x in starts.read_text().splitlines()]
     res = run_cmd(args + ["train.resume=true"], job_env)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -97,8 +97,14 @@ def test_new_method_runs_offline_and_through_the_cli(tiny_pair):
     assert cli.returncode == 0, cli.stderr[-2000:]
     ar = dec.generate(prompt_ids=[1, 2, 3], method="ar", max_new_tokens=20).token_ids
     assert json.loads(cli.stdout)["token_ids"] == ar
-    bad = subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--target",
+    other = subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--target",
                           tiny_pair["target"], "--method", "repeat", "--gamma", "2",
                           "--prompt-ids", "1,2"], cwd=ROOT, env=env, capture_output=True,
                          text=True)
-    assert bad.returncode == 2 and "gamma: not a knob of method 'repeat'" in bad.stderr
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert "--gamma: not a knob of method 'repeat'; ignored" in other.stderr
+    bad = subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--target",
+                          tiny_pair["target"], "--method", "repeat", "--span", "0",
+                          "--prompt-ids", "1,2"], cwd=ROOT, env=env, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "span: Input should be greater than 0" in bad.stderr

@@ -47,3 +47,19 @@ def test_objective_respects_floors_and_mode():
 def test_bad_sweep_sections(sweep, message):
     with pytest.raises(ConfigError, match=message):
         ExperimentConfig.from_dict({"job": "tune", "sweep": sweep})
+
+
+def test_a_method_name_sweep_keeps_each_trials_own_knobs():
+    from speclab.config import TuneJob
+
+    cfg = TuneJob.from_dict({"method": {"name": "chain", "gamma": 3, "salf_threshold": 0.3,
+                                        "nodes": 8, "batch": 2},
+                             "sweep": {"space": {"method.name": {"grid": ["chain", "salf"]},
+                                                 "method.gamma": {"grid": [2, 4]}}}})
+    assert cfg.method.params() == {"gamma": 3}  # the base keeps its own method's knobs
+    salf = trial_config(cfg.sweep_base(), {"method.name": "salf", "method.gamma": 2})
+    assert salf.method.name == "salf" and salf.method.params()["salf_threshold"] == 0.3
+    chain = trial_config(cfg.sweep_base(), {"method.name": "chain", "method.gamma": 2})
+    assert chain.method.params() == {"gamma": 2}
+    with pytest.raises(ConfigError, match="'method.gama' is not a field"):
+        TuneJob.from_dict({"sweep": {"space": {"method.gama": {"grid": [2]}}}})

@@ -120,6 +120,10 @@ class ExperimentConfig(StrictModel):
         return tuple(cls.model_fields)
 
     @classmethod
+    def precheck(cls, data: dict) -> None:
+        """Checks of the raw config that must come before field validation (none here)."""
+
+    @classmethod
     def from_dict(cls, data: dict, overrides: list[str] | None = None) -> ExperimentConfig:
         """Validate ``data`` (after ``key=value`` overrides) as the config of its job."""
         data = copy.deepcopy(data or {})
@@ -138,6 +142,7 @@ class ExperimentConfig(StrictModel):
                               f"(run it with: python -m jobs.{job} --config ...)")
         else:
             model = cls
+        model.precheck(data)
         allowed = model.groups(data)
         unused = [k for k in data if k not in allowed and k in ALL_GROUPS]
         if unused:
@@ -330,6 +335,23 @@ class TuneJob(_Trains):
         if raw is not None:
             obj._method_knobs = dict(raw)
         return obj
+
+    @classmethod
+    def precheck(cls, data: dict) -> None:
+        """A swept ``method.<knob>`` must be a knob of some method (checked first: with
+        ``method.name`` swept the base ``method`` may hold several methods' knobs)."""
+        from speclab.config.method import methods
+
+        sweep = data.get("sweep")
+        space = sweep.get("space") if isinstance(sweep, dict) else None
+        if not isinstance(space, dict):
+            return
+        knobs = {k for c in methods().values() for k in c.model_fields}
+        for path in space:
+            head, _, knob = str(path).partition(".")
+            if head == "method" and knob and knob not in knobs:
+                raise ConfigError(f"sweep.space: {path!r} is not a field of the config "
+                                  f"(method knobs: {', '.join(sorted(knobs))})")
 
     def sweep_base(self) -> dict:
         """The JSON dump trials start from (``method`` with every swept method's knobs)."""
