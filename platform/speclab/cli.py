@@ -36,6 +36,17 @@ def _knob_flags() -> dict[str, dict]:
     return flags
 
 
+def _renamed_flags() -> dict[str, dict[str, str]]:
+    """Old knob name -> {method: new knob name} over every registered method."""
+    from speclab.config.method import methods
+
+    out: dict[str, dict[str, str]] = {}
+    for mname, cls in methods().items():
+        for old, new in cls.renamed.items():
+            out.setdefault(old, {})[mname] = new
+    return out
+
+
 def _add_generate(sub) -> None:
     from speclab.config.method import methods
 
@@ -56,6 +67,9 @@ def _add_generate(sub) -> None:
         else:
             kind = slot["annotation"] if slot["annotation"] in (int, float) else str
             knobs.add_argument(flag, dest=field, type=kind, default=None, help=helptext)
+    for old in _renamed_flags():  # old knob names: refused, naming the new flag
+        p.add_argument("--" + old.replace("_", "-"), dest=f"renamed_{old}", default=None,
+                       help=argparse.SUPPRESS)
     p.add_argument("--verify", help="greedy | sample | typical (default: greedy at "
                                     "temperature 0, sample otherwise)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -89,6 +103,12 @@ def method_from_args(args: argparse.Namespace):
     from speclab.config.method import method_class, parse_method
 
     cls = method_class(args.method)
+    for old, new in _renamed_flags().items():
+        if getattr(args, f"renamed_{old}", None) is not None:
+            target = new.get(args.method)
+            hint = (f"--{target.replace('_', '-')}" if target else
+                    " / ".join(f"--{n.replace('_', '-')} ({m})" for m, n in new.items()))
+            raise ValueError(f"{old}: renamed: use {hint} instead")
     given = {f: getattr(args, f) for f in _knob_flags() if getattr(args, f, None) is not None}
     foreign = sorted(f for f in given if f not in cls.model_fields)
     if foreign:

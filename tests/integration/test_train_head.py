@@ -41,14 +41,18 @@ def test_head_trained_registered_and_used_by_the_engine(job_env, tmp_path, monke
     assert sd.stats.drafted_tokens > 0 and sd.stats.target_calls < 24
 
     cli = run_cmd([python(), "-m", "speclab.cli", "generate", "--target", target, "--draft", uri,
-                   "--method", "specdecpp", "--head", uri, "--threshold", "0.3",
+                   "--method", "specdecpp", "--head", uri, "--stop-threshold", "0.3",
                    "--prompt", "def f(x):", "--max-new-tokens", "24", "--json"], job_env)
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert json.loads(cli.stdout.strip().splitlines()[-1])["token_ids"] == ar.token_ids
     bad = run_cmd([python(), "-m", "speclab.cli", "generate", "--target", target, "--draft", uri,
-                   "--method", "specdecpp", "--head", uri, "--threshold", "1.5",
+                   "--method", "specdecpp", "--head", uri, "--stop-threshold", "1.5",
                    "--prompt", "def f(x):"], job_env)
-    assert bad.returncode == 2 and "threshold: must be in (0, 1)" in bad.stderr
+    assert bad.returncode == 2 and "stop_threshold: Input should be less than 1" in bad.stderr
+    old = run_cmd([python(), "-m", "speclab.cli", "generate", "--target", target, "--draft", uri,
+                   "--method", "specdecpp", "--head", uri, "--threshold", "0.3",
+                   "--prompt", "def f(x):"], job_env)
+    assert old.returncode == 2 and "threshold: renamed: use --stop-threshold" in old.stderr
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -93,6 +93,8 @@ def own_method_knobs(method: dict) -> dict:
         extra = {loc[-1] for loc, msg in error_lines(err)
                  if loc and msg.startswith("Extra inputs are not permitted")}
         return {k: v for k, v in method.items() if k not in extra}
+
+
 _COMMON = ("name", "job", "tracking", "ray")
 
 
