@@ -46,7 +46,7 @@ for _cls in BUILTIN:
 
 @dataclass
 class BuildContext:
-    """What a method's ``build`` may use: a fresh runner over the draft model (None when
+    """What a method's ``build`` may use: a runner over the draft model (None when
     none is loaded), the sampling settings and rng of the sequence, and ``resources``:
     things loaded once per Decoder / Serve replica (acceptance heads, datastores)."""
 
