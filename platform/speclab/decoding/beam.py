@@ -43,7 +43,8 @@ def _expand(beams: list[Beam], logits: list[torch.Tensor], trie: ItemTrie,
     return cands[:width]
 
 
-def _check(prompt: list[int], trie: ItemTrie, k: int, runner: ModelRunner) -> None:
+def check_beam_prompt(prompt: list[int], trie: ItemTrie, k: int, runner: ModelRunner) -> None:
+    """A beam-search prompt must be non-empty token ids of the model; ``k >= 1``."""
     if not prompt:
         raise ValueError("history: must contain at least one token")
     if k < 1:
@@ -108,7 +109,7 @@ def constrained_beam_search(
 
     Returns the final ``k`` beams (best first) and the number of model forwards.
     """
-    _check(prompt, trie, k, runner)
+    check_beam_prompt(prompt, trie, k, runner)
     calls0 = runner.calls
     bt = BeamTree(runner, prompt)
     beams: list[Beam] = [((), 0.0)]
@@ -131,7 +132,7 @@ def mixture_beam_search(
     """
     if not 0.0 <= lam <= 1.0:
         raise ValueError(f"lambda: must be in [0, 1], got {lam}")
-    _check(prompt, trie, k, target)
+    check_beam_prompt(prompt, trie, k, target)
     trees = BeamTree(target, prompt), BeamTree(draft, prompt)
     beams: list[Beam] = [((), 0.0)]
     for _ in range(trie.length):
@@ -236,7 +237,8 @@ def _sample(cands: list, probs: torch.Tensor, k: int, g: torch.Generator | None)
     return [cands[i] for i in idx]
 
 
-def _ranked(bt: BeamTree, trie: ItemTrie, seqs: list[tuple[int, ...]]) -> list[Beam]:
+def ranked(bt: BeamTree, trie: ItemTrie, seqs: list[tuple[int, ...]]) -> list[Beam]:
+    """Complete sequences as beams ranked by the model's log-probability."""
     beams = [(s, _seq_logp(bt, trie, s)) for s in seqs]
     return sorted(beams, key=lambda b: (-b[1], b[0]))
 
@@ -246,13 +248,13 @@ def sampling_beam_search(runner: ModelRunner, prompt: list[int], trie: ItemTrie,
     """The target's sampling-based beam search: at every step ``k`` sequences are drawn
     (without replacement) from the sequence distribution over the extensions of the
     current beams. Returns ``k`` beams ranked by the model's log-probability."""
-    _check(prompt, trie, k, runner)
+    check_beam_prompt(prompt, trie, k, runner)
     bt = BeamTree(runner, prompt)
     beams: list[tuple[int, ...]] = [()]
     for _ in range(trie.length):
         cands, probs = _step_dist(bt, trie, beams)
         beams = _sample(cands, probs, k, generator)
-    return _ranked(bt, trie, beams)  # needs logits at proper prefixes only (all scored)
+    return ranked(bt, trie, beams)  # needs logits at proper prefixes only (all scored)
 
 
 def draft_sampled_levels(drf: BeamTree, committed: list[tuple[int, ...]], trie: ItemTrie,
@@ -307,11 +309,6 @@ def verify_sampled_levels(tgt: BeamTree, committed: list[tuple[int, ...]],
         cands, p = _step_dist(tgt, trie, committed)
         committed = _sample(cands, p, k, generator)
     return committed, accepted
-
-
-def ranked(bt: BeamTree, trie: ItemTrie, seqs: list[tuple[int, ...]]) -> list[Beam]:
-    """Complete sequences as beams ranked by the model's log-probability."""
-    return _ranked(bt, trie, seqs)
 
 
 def beam_speculative_sampling(

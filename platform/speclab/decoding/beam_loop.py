@@ -22,7 +22,7 @@ from speclab.decoding.beam import (
     Beam,
     BeamSDStats,
     BeamTree,
-    _check,
+    check_beam_prompt,
     draft_beam_levels,
     draft_sampled_levels,
     ranked,
@@ -85,7 +85,7 @@ class BeamTargetSide:
         self.tree: BeamTree | None = None
 
     def start(self, prompt: list[int]) -> None:
-        _check(prompt, self.trie, self.k, self.runner)
+        check_beam_prompt(prompt, self.trie, self.k, self.runner)
         self.tree = BeamTree(self.runner, prompt)
 
     def verify(self, committed: list[Beam], proposal: dict) -> tuple[list[Beam], int]:
