@@ -2,15 +2,18 @@
 
 Notation: ``B`` sequences, ``L`` positions, ``V`` vocabulary, ``K`` kept target entries.
 The target's distribution ``p`` is stored sparsely as its top-``K`` entries per position
-(``ids [B, L, K]``, ``probs [B, L, K]``; renormalised over the kept entries, which is
-what the generation stage writes to disk). The drafter's logits give ``q``.
+(``ids [B, L, K]``, ``probs [B, L, K]``: the target's own probabilities there, NOT
+renormalised, which is what the generation stage writes to disk). Losses that compare
+whole distributions (``word_kd``, ``tvd_kd``, ``talf``) renormalise ``p`` over the kept
+entries; ``hass_topk`` uses ``p`` as it is. The drafter's logits give ``q``.
 Every loss takes ``mask [B, L]`` (1 = position counts) and optional per-sequence
 ``weights [B]``, and returns the weighted mean over counted positions.
 
 * ``sft`` / ``seq_kd``: cross-entropy on data / on target-generated sequences;
 * ``word_kd``: forward KL(p || q) (AtSpeed sec. 4.1 WordKD);
 * ``tvd_kd``: total variation 0.5 * sum |p - q| (TVD-KD);
-* ``hass_topk``: HASS top-K distillation, -sum_{k in top-K(p)} p_k log q_k;
+* ``hass_topk``: HASS top-K distillation, -sum_{k in top-K(p)} p_k log q_k with the
+  target's unrenormalised ``p_k`` (the slides' formula);
 * ``talf``: cross-entropy summed over every node of target-built draft trees (the
   caller runs one drafter forward per tree with tree attention and passes the node
   logits here as ``[B, T, V]`` with ``mask`` over real nodes).
@@ -41,6 +44,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
     return _reduce(per_pos, mask, weights)
 
 
+def _kept(probs: torch.Tensor) -> torch.Tensor:
+    """``probs [B, L, K]`` renormalised over the kept entries (sums to 1 on the last axis)."""
+    p = probs.float()
+    return p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+
+
 def _student_logq(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log q at the kept entries: ``logits [B, L, V]``, ``ids [B, L, K]`` -> ``[B, L, K]``."""
     return logits.float().log_softmax(-1).gather(-1, ids)
@@ -48,19 +57,23 @@ def _student_logq(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def word_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
             weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Forward KL(p || q) over the target's kept entries: sum_k p_k (log p_k - log q_k)."""
+    """Forward KL(p || q) over the target's kept entries: sum_k p_k (log p_k - log q_k).
+
+    ``p`` is renormalised over the kept entries first.
+    """
     logq = _student_logq(logits, ids)  # [B, L, K]
-    p = probs.float()
+    p = _kept(probs)
     per_pos = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)  # [B, L]
     return _reduce(per_pos, mask, weights)
 
 
 def tvd_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
            weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Total variation 0.5 * sum_v |p_v - q_v| with p zero outside its kept entries."""
+    """Total variation 0.5 * sum_v |p_v - q_v| with p renormalised over its kept entries
+    (and zero outside them)."""
     q_kept = _student_logq(logits, ids).exp()  # [B, L, K]
     outside = (1.0 - q_kept.sum(-1)).clamp_min(0.0)  # q mass where p is 0: [B, L]
-    per_pos = 0.5 * ((probs.float() - q_kept).abs().sum(-1) + outside)
+    per_pos = 0.5 * ((_kept(probs) - q_kept).abs().sum(-1) + outside)
     return _reduce(per_pos, mask, weights)
 
 
@@ -68,7 +81,9 @@ def hass_topk(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask
               weights: torch.Tensor | None = None, top_k: int | None = None) -> torch.Tensor:
     """HASS top-K distillation: -sum over the target's top-K tokens of p_k log q_k.
 
-    ``top_k`` (<= K) restricts to the first entries (``ids`` sorted by probability).
+    ``probs`` are the target's own probabilities at the kept tokens (not renormalised, as
+    in HASS); ``top_k`` (<= K) restricts to the first entries (``ids`` sorted by
+    probability), again without renormalising.
     """
     if top_k is not None:
         ids, probs = ids[..., :top_k], probs[..., :top_k]
@@ -83,11 +98,11 @@ def talf(node_logits: torch.Tensor, node_ids: torch.Tensor, node_probs: torch.Te
 
     ``node_logits [B, T, V]`` are the drafter's logits at the ``T`` nodes of each tree
     (one forward per tree with tree attention), ``node_ids/probs [B, T, K]`` the target's
-    kept distribution there, ``node_mask [B, T]`` marks real nodes. On a one-path tree
-    whose target distributions are one-hot this is exactly the sequence CE.
+    kept distribution there (renormalised here), ``node_mask [B, T]`` marks real nodes. On
+    a one-path tree whose target distributions are one-hot this is exactly the sequence CE.
     """
     logq = _student_logq(node_logits, node_ids)
-    per_node = -(node_probs.float() * logq).sum(-1)  # [B, T]
+    per_node = -(_kept(node_probs) * logq).sum(-1)  # [B, T]
     return _reduce(per_node, node_mask, weights)
 
 
@@ -109,47 +124,69 @@ def get_loss(name: str) -> LossFn:
 
 
 # --- AtSpeed alignment losses (recommendation; item ids are constrained token sequences) ---
-# Shapes: draft ``logits [B, L, V]``, target ``target_logp [B, L, V]`` (log-probabilities;
-# any value where invalid), ``valid [B, L, V]`` bool (tokens the item trie allows),
-# ``labels [B, L]`` ground-truth item tokens (L_Rec, eq. 37), ``mask [B, L]``.
+# Shapes: draft ``logits [R, L, V]`` along ``R`` beam sequences, target ``target_logp
+# [R, L, V]`` (log-probabilities; any value where invalid), ``valid [R, L, V]`` bool (tokens
+# the item trie allows; at least one per position). Every position keeps its own number of
+# valid tokens: a position with fewer than ``k`` valid tokens aligns over those it has.
 
 
-def atspeed_s(logits: torch.Tensor, labels: torch.Tensor, target_logp: torch.Tensor,
-              valid: torch.Tensor, log_p_k: torch.Tensor, mask: torch.Tensor, k: int,
-              alpha: float, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """AtSpeed-S (eq. 5): ``alpha * L_Align-S + (1 - alpha) * L_Rec``.
+def _top_valid(scores: torch.Tensor, valid: torch.Tensor, k: int) -> tuple[torch.Tensor,
+                                                                           torch.Tensor]:
+    """Indices ``[R, L, k']`` of the ``k`` best VALID entries by ``scores`` and a mask of
+    which are real (``k' = min(k, V)``; a position with n < k valid tokens has n real)."""
+    ranked = scores.masked_fill(~valid, float("-inf"))
+    top = torch.topk(ranked, min(k, scores.shape[-1]), dim=-1)
+    return top.indices, torch.isfinite(top.values)
 
-    L_Align-S (eq. 4) at a position: RKLD over ``V_c`` (the draft's top-``k`` VALID tokens)
-    minus the density regularisation, which together equal
-    ``sum_{v in V_c} q(v) (log p_K - log p(v))`` with ``log_p_k [B, L]`` the target's
-    log-probability of the K-th ranked sequence's token there. ``q`` is the draft's full
-    softmax, so mass outside ``V_c`` is pushed into it.
+
+def align_s(logits: torch.Tensor, target_logp: torch.Tensor, valid: torch.Tensor,
+            log_p_k: torch.Tensor, k: int) -> torch.Tensor:
+    """L_Align-S (AtSpeed eq. 4) per position: ``[R, L]``.
+
+    RKLD over ``V_c`` (the draft's top-``k`` VALID tokens) minus the density
+    regularisation, which together equal ``sum_{v in V_c} q(v) (log p(y_K) - log p(v))``
+    with ``log_p_k [R, L]`` the target's log-probability of the K-th ranked sequence's
+    token there (the K-th sequence under the TARGET). ``q`` is the draft's full softmax, so
+    mass outside ``V_c`` is pushed into it.
     """
-    logq = logits.float().log_softmax(-1)  # [B, L, V]
-    ranked = logq.masked_fill(~valid, float("-inf"))
-    idx = torch.topk(ranked, k, dim=-1).indices  # [B, L, k]: V_c
-    q_c = logq.gather(-1, idx).exp()  # [B, L, k]
-    p_c = target_logp.float().gather(-1, idx)  # [B, L, k]
-    align = (q_c * (log_p_k.float()[..., None] - p_c)).sum(-1)  # [B, L]
-    rec = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # [B, L]
-    return _reduce(alpha * align + (1 - alpha) * rec, mask, weights)
+    logq = logits.float().log_softmax(-1)  # [R, L, V]
+    idx, real = _top_valid(logq, valid, k)  # [R, L, k]: V_c
+    q_c = logq.gather(-1, idx).exp() * real
+    p_c = target_logp.float().gather(-1, idx).masked_fill(~real, 0.0)
+    return (q_c * (log_p_k.float()[..., None] - p_c)).sum(-1)
 
 
-def atspeed_r(logits: torch.Tensor, labels: torch.Tensor, target_logp: torch.Tensor,
-              valid: torch.Tensor, mask: torch.Tensor, k: int, alpha: float,
-              weights: torch.Tensor | None = None) -> torch.Tensor:
-    """AtSpeed-R (eq. 9): ``alpha * L_Align-R + (1 - alpha) * L_Rec``.
+def align_r(logits: torch.Tensor, target_logp: torch.Tensor, valid: torch.Tensor,
+            k: int) -> torch.Tensor:
+    """L_Align-R (AtSpeed eq. 8) per position: ``[R, L]``.
 
-    L_Align-R (eq. 8): TVD between ``p'`` and ``q'``, the target's and the draft's
-    distributions truncated to the target's top-``k`` VALID tokens and renormalised.
+    TVD between ``p'`` and ``q'``, the target's and the draft's distributions truncated to
+    the target's top-``k`` VALID tokens and renormalised (0 where only one token is valid:
+    both truncations are then the same point mass).
     """
-    ranked = target_logp.float().masked_fill(~valid, float("-inf"))
-    idx = torch.topk(ranked, k, dim=-1).indices  # [B, L, k]
-    p_t = target_logp.float().gather(-1, idx).softmax(-1)
-    q_t = logits.float().gather(-1, idx).softmax(-1)
-    align = 0.5 * (p_t - q_t).abs().sum(-1)  # [B, L]
-    rec = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
-    return _reduce(alpha * align + (1 - alpha) * rec, mask, weights)
+    target = target_logp.float()
+    idx, real = _top_valid(target, valid, k)
+    p_t = target.gather(-1, idx).masked_fill(~real, float("-inf")).softmax(-1)
+    q_t = logits.float().gather(-1, idx).masked_fill(~real, float("-inf")).softmax(-1)
+    return 0.5 * (p_t - q_t).abs().sum(-1)
+
+
+def per_beam_set(per_pos: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """AtSpeed's reduction of an alignment loss (eq. 4): mean over each beam's ``L``
+    positions, summed over the beams of one example, averaged over examples.
+
+    ``per_pos [R, L]``; ``group [R]`` the example (0..n_groups-1) each beam belongs to.
+    """
+    per_beam = per_pos.mean(-1)  # [R]
+    per_example = torch.zeros(n_groups, device=per_pos.device).index_add(0, group, per_beam)
+    return per_example.mean()
+
+
+def rec_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """L_Rec (AtSpeed eq. 37): CE summed over each item's ``mask``ed positions, averaged
+    over examples. ``logits [B, S, V]``, ``labels [B, S]``, ``mask [B, S]``."""
+    per_pos = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # [B, S]
+    return (per_pos * mask.to(per_pos.dtype)).sum(-1).mean()
 
 
 def weighted_bce(logits: torch.Tensor, target: torch.Tensor, mask: torch.Tensor,

@@ -73,25 +73,30 @@ def test_unknown_loss_name():
         losses.get_loss("nope")
 
 
-def _rec_setup(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(2, 3, V, generator=g)
-    target = torch.randn(2, 3, V, generator=g).log_softmax(-1)
-    labels = torch.randint(0, V, (2, 3), generator=g)
-    valid = torch.zeros(2, 3, V, dtype=torch.bool)
-    valid[..., :4] = True  # tokens 0-3 are valid item tokens
-    return logits, target, labels, valid, torch.ones(2, 3)
+def test_hass_weighs_by_the_targets_own_probabilities():
+    # stored entries are the target's probabilities (0.5, 0.2; 0.3 lies elsewhere): HASS
+    # weighs log q by them as they are, the distribution losses renormalise them
+    q = torch.tensor([0.4, 0.1, 0.2, 0.1, 0.1, 0.1])
+    ids, raw = torch.tensor([[[0, 1]]]), torch.tensor([[[0.5, 0.2]]])
+    mask = torch.ones(1, 1)
+    got = losses.hass_topk(logits_of(q)[None, None], ids, raw, mask).item()
+    assert got == pytest.approx(-(0.5 * math.log(0.4) + 0.2 * math.log(0.1)), rel=1e-6)
+    top1 = losses.hass_topk(logits_of(q)[None, None], ids, raw, mask, top_k=1).item()
+    assert top1 == pytest.approx(-0.5 * math.log(0.4), rel=1e-6)
+    norm = raw / raw.sum(-1, keepdim=True)
+    for fn in (losses.word_kd, losses.tvd_kd):
+        assert fn(logits_of(q)[None, None], ids, raw, mask).item() == pytest.approx(
+            fn(logits_of(q)[None, None], ids, norm, mask).item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("name", ["s", "r"])
-def test_atspeed_alpha_zero_is_the_recommendation_loss(name):
-    logits, target, labels, valid, mask = _rec_setup()
-    rec = losses.cross_entropy(logits, labels, mask)
-    if name == "s":
-        got = losses.atspeed_s(logits, labels, target, valid, target[..., 0], mask, 2, 0.0)
-    else:
-        got = losses.atspeed_r(logits, labels, target, valid, mask, 2, 0.0)
-    assert got.item() == pytest.approx(rec.item(), rel=1e-6)
+def test_rec_loss_sums_positions_and_averages_examples():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 4, V, generator=g)
+    labels = torch.randint(0, V, (2, 4), generator=g)
+    mask = torch.tensor([[0.0, 1, 1, 1], [0, 0, 1, 1]])
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    want = ((ce[0, 1:].sum() + ce[1, 2:].sum()) / 2).item()  # eq. 37
+    assert losses.rec_loss(logits, labels, mask).item() == pytest.approx(want, rel=1e-6)
 
 
 def test_atspeed_s_known_value_and_zero_case():
@@ -99,27 +104,52 @@ def test_atspeed_s_known_value_and_zero_case():
     q = torch.tensor([0.05, 0.5, 0.3, 0.05, 0.1, 0.0])
     p = torch.tensor([0.1, 0.2, 0.4, 0.1, 0.1, 0.1])
     valid = torch.tensor([True, True, True, True, False, False])[None, None]
-    lab, mask = torch.tensor([[1]]), torch.ones(1, 1)
     log_p_k = torch.tensor([[math.log(0.2)]])
-    got = losses.atspeed_s(logits_of(q)[None, None], lab, logits_of(p)[None, None], valid,
-                           log_p_k, mask, k=2, alpha=1.0)
+    got = losses.align_s(logits_of(q)[None, None], logits_of(p)[None, None], valid,
+                         log_p_k, k=2)
     want = 0.5 * (math.log(0.2) - math.log(0.2)) + 0.3 * (math.log(0.2) - math.log(0.4))
-    assert got.item() == pytest.approx(want, rel=1e-5)
+    assert got.shape == (1, 1) and got.item() == pytest.approx(want, rel=1e-5)
     # when every V_c token has the K-th sequence's probability, the loss is 0
     p_flat = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])
-    zero = losses.atspeed_s(logits_of(q)[None, None], lab, logits_of(p_flat)[None, None], valid,
-                            log_p_k, mask, k=2, alpha=1.0)
+    zero = losses.align_s(logits_of(q)[None, None], logits_of(p_flat)[None, None], valid,
+                          log_p_k, k=2)
     assert zero.item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_atspeed_r_known_values():
     valid = torch.tensor([True, True, True, False, False, False])[None, None]
-    lab, mask = torch.tensor([[0]]), torch.ones(1, 1)
     p = torch.tensor([0.4, 0.2, 0.1, 0.2, 0.05, 0.05])  # target top-2 valid: tokens 0, 1
-    same = losses.atspeed_r(logits_of(p)[None, None], lab, logits_of(p)[None, None], valid,
-                            mask, k=2, alpha=1.0)
+    same = losses.align_r(logits_of(p)[None, None], logits_of(p)[None, None], valid, k=2)
     assert same.item() == pytest.approx(0.0, abs=1e-6)
     q = torch.tensor([0.1, 0.3, 0.3, 0.1, 0.1, 0.1])  # truncated: q' = (0.25, 0.75)
-    got = losses.atspeed_r(logits_of(q)[None, None], lab, logits_of(p)[None, None], valid,
-                           mask, k=2, alpha=1.0)
+    got = losses.align_r(logits_of(q)[None, None], logits_of(p)[None, None], valid, k=2)
     assert got.item() == pytest.approx(0.5 * (abs(2 / 3 - 0.25) + abs(1 / 3 - 0.75)), rel=1e-5)
+
+
+@pytest.mark.parametrize("fn", ["s", "r"])
+def test_each_position_aligns_over_its_own_valid_tokens(fn):
+    # issue 14 bug 1: positions with 1 valid token must not shrink k for the batch
+    g = torch.Generator().manual_seed(4)
+    v = 16
+    logits = torch.randn(2, 3, v, generator=g)
+    target = torch.randn(2, 3, v, generator=g).log_softmax(-1)
+    log_p_k = torch.randn(2, 3, generator=g).clamp_max(0) - 1
+    valid = torch.zeros(2, 3, v, dtype=torch.bool)
+    valid[0, :, :10] = True  # 10 valid tokens everywhere in row 0
+    valid[1, :, 5] = True  # a single valid token everywhere in row 1
+    valid[1, 1, :10] = True  # ... except position 1
+
+    def loss(rows, cols):
+        sl = (slice(rows[0], rows[1]), slice(cols[0], cols[1]))
+        if fn == "s":
+            return losses.align_s(logits[sl], target[sl], valid[sl], log_p_k[sl], 4)
+        return losses.align_r(logits[sl], target[sl], valid[sl], 4)
+
+    batch = loss((0, 2), (0, 3))
+    for r in range(2):
+        for t in range(3):
+            alone = loss((r, r + 1), (t, t + 1))
+            assert batch[r, t].item() == pytest.approx(alone.item(), rel=1e-6, abs=1e-7)
+    assert batch[0].abs().sum() > 0 and batch[1, 1].abs() > 0
+    if fn == "r":  # one valid token: the truncated distributions coincide
+        assert batch[1, 0].item() == 0.0 and batch[1, 2].item() == 0.0

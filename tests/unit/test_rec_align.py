@@ -45,6 +45,15 @@ def test_alignment_example_holds_the_target_distributions(setup):
         float(row["target_logp"][-1, 1, last[1]]), abs=2e-3)
 
 
+def _log_p(target, prompt, seq):
+    out = []
+    for t in range(len(seq)):
+        target.reset()
+        out.append(float(target.forward(torch.tensor(prompt + list(seq[:t])))[-1]
+                         .log_softmax(-1)[seq[t]]))
+    return out
+
+
 def test_mixture_alignment_rows_follow_the_mixture_beams(setup):
     meta, target, draft_dir = setup
     trie, draft = meta.trie(), ModelRunner(load_model(draft_dir))
@@ -56,6 +65,73 @@ def test_mixture_alignment_rows_follow_the_mixture_beams(setup):
     target.reset()  # the stored distributions are still the TARGET's
     want = target.forward(torch.tensor(prompt))[-1].log_softmax(-1)
     torch.testing.assert_close(row["target_logp"][0, 0].float(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_mixture_rows_take_log_p_yk_along_the_targets_kth_beam(setup):
+    # issue 14 bug 6: p(y_K) is defined under the TARGET (eq. 3), also for lambda < 1
+    meta, target, draft_dir = setup
+    trie, draft = meta.trie(), ModelRunner(load_model(draft_dir))
+    checked = 0
+    for hist in ([2, 5], [1, 9], [4, 8, 12], [7], [20, 3]):
+        prompt = meta.prompt(hist)
+        row = alignment_example(target, trie, prompt, 4, draft, 0.0)
+        y_k = constrained_beam_search(target, prompt, trie, 4)[0][-1][0]
+        got = row["log_p_k"].tolist()
+        assert got == pytest.approx(_log_p(target, prompt, y_k), abs=1e-4)
+        if list(y_k) != row["beams"][-1]:
+            checked += 1  # the mixture's K-th beam is another sequence here
+            assert got != pytest.approx(_log_p(target, prompt, row["beams"][-1]), abs=1e-4)
+    assert checked > 0, "no prompt where the drafter's K-th beam differs from the target's"
+
+
+@pytest.mark.parametrize("loss_name", ["atspeed_s", "atspeed_r"])
+def test_alignment_keeps_k_per_position_in_mixed_batches(setup, loss_name):
+    # issue 14 bug 1: an example whose positions have a single valid token must not shrink
+    # the candidate count of the others: the batch loss is the mean of each example alone
+    from transformers import AutoModelForCausalLM
+
+    meta, target, draft_dir = setup
+    examples = [RecExample(0, meta.prompt([1, 2]), 5), RecExample(0, meta.prompt([4]), 9)]
+    rows = [alignment_example(target, meta.trie(), e.prompt, 3) for e in examples]
+    one = rows[1]["valid"].clone()
+    one[:] = False
+    for j, beam in enumerate(rows[1]["beams"]):
+        for t, tok in enumerate(beam):
+            one[j, t, tok] = True  # only the beam's own token is valid
+    rows[1] = {**rows[1], "valid": one}
+    assert int(rows[0]["valid"].sum(-1).max()) >= 3
+    model = AutoModelForCausalLM.from_pretrained(draft_dir)
+
+    def loss(idx):
+        batch = collate_align([rows[i] for i in idx], [examples[i] for i in idx], meta,
+                              loss_name)
+        return rec_align_loss(model, batch, loss_name, alpha=1.0, k=3).item()
+
+    alone = [loss([0]), loss([1])]
+    assert loss([0, 1]) == pytest.approx(sum(alone) / 2, rel=1e-5)
+    assert alone[0] != 0.0
+    if loss_name == "atspeed_r":
+        assert alone[1] == 0.0  # one valid token: nothing to align
+
+
+def test_alignment_sums_over_beams_and_averages_over_positions(setup):
+    # eq. 4: sum over the K beams of the per-beam mean over the L positions
+    from transformers import AutoModelForCausalLM
+
+    from speclab import losses
+
+    meta, target, draft_dir = setup
+    ex = RecExample(0, meta.prompt([6, 7]), 2)
+    row = alignment_example(target, meta.trie(), ex.prompt, 3)
+    model = AutoModelForCausalLM.from_pretrained(draft_dir)
+    batch = collate_align([row], [ex], meta, "atspeed_r")
+    got = rec_align_loss(model, batch, "atspeed_r", alpha=1.0, k=3).item()
+    b = batch["beams"]
+    logits = model(input_ids=b["inputs"]).logits.gather(
+        1, b["answer"][..., None].expand(-1, -1, meta.vocab_size))
+    per_pos = losses.align_r(logits, b["target_logp"], b["valid"], 3)  # [3 beams, L]
+    assert per_pos.shape == (3, 3)
+    assert got == pytest.approx(float(per_pos.mean(-1).sum().detach()), rel=1e-5)
 
 
 @pytest.mark.parametrize("loss_name", REC_LOSSES)

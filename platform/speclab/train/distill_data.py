@@ -12,8 +12,10 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
   position and its acceptance probability ``P_i`` (SpecDec++ section 3.3; the
   acceptance head, needs the drafter too).
 
-Top-k probabilities are renormalised over the kept entries (k from the config bounds
-disk use instead of storing the full vocabulary).
+Top-k entries are stored with the target's own probabilities, not renormalised (k from
+the config bounds disk use instead of storing the full vocabulary): HASS's top-K loss
+weighs by the true ``p``, and the losses that need a distribution renormalise themselves
+(:mod:`speclab.losses`).
 """
 
 from __future__ import annotations
@@ -29,9 +31,8 @@ LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "s
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[list, list]:
-    """``logits [N, V]`` -> (ids ``[N][k]``, renormalised probs ``[N][k]``)."""
+    """``logits [N, V]`` -> (ids ``[N][k]``, the target's probabilities there ``[N][k]``)."""
     probs, ids = torch.topk(logits.float().softmax(-1), k, dim=-1)
-    probs = probs / probs.sum(-1, keepdim=True)
     return ids.tolist(), probs.tolist()
 
 
