@@ -92,6 +92,14 @@ def hass_topk(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask
     return _reduce(per_pos, mask, weights)
 
 
+def soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy to the target's kept distribution (renormalised over its ``K``
+    entries): ``-sum_k p_k log q_k`` with ``logits [B, L, V]``, ``ids/probs [B, L, K]``."""
+    per_pos = -(_kept(probs) * _student_logq(logits, ids)).sum(-1)  # [B, L]
+    return _reduce(per_pos, mask, weights)
+
+
 def talf(node_logits: torch.Tensor, node_ids: torch.Tensor, node_probs: torch.Tensor,
          node_mask: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """TALF: cross-entropy to the target's distribution at every tree node.
@@ -101,9 +109,7 @@ def talf(node_logits: torch.Tensor, node_ids: torch.Tensor, node_probs: torch.Te
     kept distribution there (renormalised here), ``node_mask [B, T]`` marks real nodes. On
     a one-path tree whose target distributions are one-hot this is exactly the sequence CE.
     """
-    logq = _student_logq(node_logits, node_ids)
-    per_node = -(_kept(node_probs) * logq).sum(-1)  # [B, T]
-    return _reduce(per_node, node_mask, weights)
+    return soft_ce(node_logits, node_ids, node_probs, node_mask, weights)
 
 
 LOSSES: dict[str, LossFn] = {

@@ -10,6 +10,8 @@ train_target        corpus, tokenizer, arch, train, scaling, output
 distill             models, corpus, tokenizer, distill, arch, train, scaling, output,
                     data, decoding, method, methods, resources (the drafter's evaluation)
 compare_losses      as distill, plus compare
+distill_eagle       models, corpus, tokenizer, distill (generation), eagle, train, scaling,
+                    output, data, decoding, method, methods, resources
 train_recommender   rec, arch, train, scaling, output
 recommend_eval      rec, rec_eval, arch, train, scaling, output
 train_head          models, corpus, tokenizer, distill (generation), head, train, scaling,
@@ -54,6 +56,7 @@ from speclab.config.schema import (
     DatastoreConfig,
     DecodingConfig,
     DistillConfig,
+    EagleTrainConfig,
     HeadConfig,
     ModelsConfig,
     OutputConfig,
@@ -229,6 +232,37 @@ class CompareLossesJob(DistillJob):
     compare: CompareConfig = CompareConfig()
 
 
+#: ``eagle_model`` of an ``eagle`` method in ``distill_eagle``: the drafter the job trains
+TRAINED = "trained"
+
+
+class DistillEagleJob(_Trains, _Evaluates):
+    """``jobs.distill_eagle``: target features -> EAGLE drafter (``eagle``) -> registry ->
+    evaluation. Its ``eagle`` methods default to ``eagle_model: trained``, the drafter
+    this job trains; methods that need a draft LM use ``models.draft``."""
+
+    job: Literal["distill_eagle"] = "distill_eagle"
+    corpus: CorpusConfig = CorpusConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    distill: DistillConfig = DistillConfig()
+    eagle: EagleTrainConfig = EagleTrainConfig()
+
+    @classmethod
+    def precheck(cls, data: dict) -> None:
+        """``eagle`` methods without ``eagle_model`` evaluate the trained drafter."""
+        entries = [data.get("method")] + list(data.get("methods") or [])
+        for m in entries:
+            if isinstance(m, dict) and m.get("name") == "eagle":
+                m.setdefault("eagle_model", TRAINED)
+
+    @model_validator(mode="after")
+    def _hass_k_within_top_k(self):
+        if self.eagle.loss == "hass" and self.eagle.hass_k > self.distill.top_k:
+            raise ValueError(f"eagle.hass_k ({self.eagle.hass_k}) must not exceed "
+                             f"distill.top_k ({self.distill.top_k}), the stored top-k")
+        return self
+
+
 class TrainRecommenderJob(_Trains):
     """``jobs.train_recommender``: an AtSpeed target (or SFT drafter) on ``rec`` data."""
 
@@ -385,7 +419,8 @@ class ServeJob(ExperimentConfig):
 
 JOB_CONFIGS: dict[str, type[ExperimentConfig]] = {
     c.model_fields["job"].default: c
-    for c in (EvaluateJob, TrainTargetJob, DistillJob, CompareLossesJob, TrainRecommenderJob,
+    for c in (EvaluateJob, TrainTargetJob, DistillJob, CompareLossesJob, DistillEagleJob,
+              TrainRecommenderJob,
               RecommendEvalJob, TrainHeadJob, SpecdecppEvalJob, BuildDatastoreJob,
               RetrievalEvalJob, TuneJob, ServeJob)
 }

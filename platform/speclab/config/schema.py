@@ -199,6 +199,22 @@ class DistillConfig(StrictModel):
         return {k: float(v) for k, v in self.loss.items() if v > 0}
 
 
+class EagleTrainConfig(StrictModel):
+    """The EAGLE feature drafter ``distill_eagle`` trains (see :mod:`speclab.train.eagle`):
+    ``layers`` decoder layers over the target's features; ``loss`` ``eagle`` (SmoothL1
+    feature regression + ``w_cls`` CE) or ``hass`` (top-``hass_k`` distillation and
+    ``hass_steps`` steps of harmonized context alignment)."""
+
+    layers: int = Field(1, gt=0, description="decoder layers of the drafter")
+    loss: Literal["eagle", "hass"] = "eagle"
+    w_reg: float = Field(1.0, ge=0.0, allow_inf_nan=False,
+                         description="weight of the feature regression")
+    w_cls: float = Field(0.1, ge=0.0, allow_inf_nan=False,
+                         description="weight of the token classification term")
+    hass_k: int = Field(10, gt=0, description="HASS top-K (<= distill.top_k)")
+    hass_steps: int = Field(3, gt=0, description="HASS context-alignment steps n")
+
+
 class CompareConfig(StrictModel):
     """Losses trained one after another by ``compare_losses`` (same data, arch, budget)."""
 

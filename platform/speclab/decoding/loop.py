@@ -135,11 +135,13 @@ class Start:
 @dataclass
 class Propose:
     """Ask the draft side for a tree: last round's accepted ``path`` (None at first) and
-    committed tokens ``new``; at most ``budget`` levels."""
+    committed tokens ``new``; at most ``budget`` levels. ``features``: the target's
+    features on that path (feature drafters only, else None)."""
 
     path: list[int] | None
     new: list[int]
     budget: int
+    features: object = None
 
 
 @dataclass
@@ -175,21 +177,21 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
     t_start = time.perf_counter()
     yield Start(list(prompt_ids))
     stats.prefill_s = time.perf_counter() - t_start
-    path, new, done = None, [], False
+    path, new, feats, done = None, [], None, False
     while not done:
         # 1. draft: a tree rooted at the last committed token (none for the last token)
         t0 = time.perf_counter()
         budget = max_new_tokens - len(out) - 1
         tree = None
         if drafting and budget > 0:
-            proposal = yield Propose(path, new, budget)
+            proposal = yield Propose(path, new, budget, feats)
             tree, stats.draft_calls = proposal.tree, proposal.draft_calls
         t1 = time.perf_counter()
         # 2. verify: one target forward over every node, the rule, the cache pruned
         v = yield Verify(tree)
         t2 = time.perf_counter()
         # 3. commit (the draft side learns the accepted path with the next Propose)
-        path, new = v.path, v.new
+        path, new, feats = v.path, v.new, v.features
         n0 = len(out)
         done = commit_tokens(out, new, max_new_tokens, eos)
         # 4. stats
@@ -216,9 +218,9 @@ def drive(loop: Generator[Message, object, list[int]], draft: DraftSide | None,
         if isinstance(msg, Start):
             top = target.start(msg.prompt_ids, draft.prefill_top_k if draft else 0)
             if draft is not None:
-                draft.start(msg.prompt_ids, top)
+                draft.start(msg.prompt_ids, top, target.prefill_features)
         elif isinstance(msg, Propose):
-            reply = draft.propose(msg.path, msg.new, msg.budget)
+            reply = draft.propose(msg.path, msg.new, msg.budget, msg.features)
         elif isinstance(msg, Verify):
             reply = target.verify(msg.tree)
 
@@ -238,7 +240,8 @@ def generate_tokens(
     stats = GenerationStats()
     loop = rounds(prompt_ids, max_new_tokens, eos_set(eos_token_id), stats, drafter is not None)
     draft = DraftSide(drafter) if drafter is not None else None
-    out = drive(loop, draft, TargetSide(target, params, rule, generator))
+    features = draft is not None and draft.needs_features
+    out = drive(loop, draft, TargetSide(target, params, rule, generator, features))
     return out, stats
 
 

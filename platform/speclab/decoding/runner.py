@@ -75,6 +75,13 @@ class ModelRunner:
         Returns:
             ``[T, V]`` float32 logits.
         """
+        return self.run(tokens, positions, allowed).logits[0].float()
+
+    @torch.inference_mode()
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+            allowed: torch.Tensor | None = None, **inputs):
+        """:meth:`forward`'s model call, returning the model's raw output (batch of 1);
+        ``inputs`` are extra model arguments (``[1, T, ...]`` tensors)."""
         if self.cache is None:
             self.reset()
         t0 = time.perf_counter()
@@ -90,14 +97,14 @@ class ModelRunner:
             attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,
+            **inputs,
         )
         self.length += n
-        logits = out.logits[0].float()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.calls += 1
         self.seconds += time.perf_counter() - t0
-        return logits
+        return out
 
     def keep(self, keep: list[int]) -> None:
         """Keep only cache positions ``keep`` (ascending), in that order."""
@@ -117,19 +124,12 @@ class ModelRunner:
         self.length = length
 
 
-def forward_tree_nodes(runner: ModelRunner, tree: TokenTree, nodes: list[int], base: int,
-                       slot: dict[int, int]) -> torch.Tensor:
-    """Process tree ``nodes`` in ONE forward with tree attention, appended to the cache.
-
-    The cache holds ``base`` committed positions (the tree's root is the last of them)
-    followed by nodes processed earlier; ``slot`` maps node -> cache position and is
-    updated with the new nodes. Each node sees the committed prefix, its ancestors
-    (earlier or in this batch; nodes must come parent-first) and itself; its position
-    is ``base - 1 + depth``.
-
-    Returns ``[len(nodes), V]`` logits (each node's distribution over its children).
-    """
-    length = runner.length
+def tree_node_inputs(length: int, tree: TokenTree, nodes: list[int], base: int,
+                     slot: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                    torch.Tensor | None]:
+    """Tokens ``[n]``, positions ``[n]`` and the attention pattern ``[n, length + n]``
+    (None when plainly causal) to append tree ``nodes`` to a cache of ``length``
+    positions: see :func:`forward_tree_nodes`. Updates ``slot`` with the new nodes."""
     n = len(nodes)
     for row, node in enumerate(nodes):
         slot[node] = length + row
@@ -143,4 +143,19 @@ def forward_tree_nodes(runner: ModelRunner, tree: TokenTree, nodes: list[int], b
     tokens = torch.tensor([tree.tokens[i] for i in nodes], dtype=torch.long)
     positions = torch.tensor([base - 1 + tree.depths[i] for i in nodes])
     causal = n == 1 and bool(allowed.all())  # e.g. the next node of a chain
-    return runner.forward(tokens, positions, None if causal else allowed)
+    return tokens, positions, None if causal else allowed
+
+
+def forward_tree_nodes(runner: ModelRunner, tree: TokenTree, nodes: list[int], base: int,
+                       slot: dict[int, int]) -> torch.Tensor:
+    """Process tree ``nodes`` in ONE forward with tree attention, appended to the cache.
+
+    The cache holds ``base`` committed positions (the tree's root is the last of them)
+    followed by nodes processed earlier; ``slot`` maps node -> cache position and is
+    updated with the new nodes. Each node sees the committed prefix, its ancestors
+    (earlier or in this batch; nodes must come parent-first) and itself; its position
+    is ``base - 1 + depth``.
+
+    Returns ``[len(nodes), V]`` logits (each node's distribution over its children).
+    """
+    return runner.forward(*tree_node_inputs(runner.length, tree, nodes, base, slot))

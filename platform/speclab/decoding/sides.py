@@ -9,6 +9,11 @@
   tree (``None``: the root alone, i.e. plain decoding), the request's verification rule,
   and the target cache pruned to the accepted path.
 
+Feature drafters (EAGLE; ``Drafter.needs_features``) also read the target's last-layer
+features: a target side built with ``features=True`` keeps the prefill's
+(``prefill_features``) and returns those of the accepted path with every verdict
+(``VerifyResult.features``); the draft side hands both to its drafter's ``observe``.
+
 Offline decoding calls these objects directly; the Serve deployments hold one of each per
 request and the ingress awaits them through deployment handles, so both run the same
 loop. Plain decoding (``ar``) is the empty draft side: no drafter, root-only rounds.
@@ -17,6 +22,7 @@ loop. Plain decoding (``ar``) is the empty draft side: no drafter, root-only rou
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -39,13 +45,16 @@ class Proposal:
 @dataclass
 class VerifyResult:
     """The target's verdict on one tree: the accepted node ``path`` (root first), the
-    committed tokens ``new`` (accepted drafts + the bonus), and the round's counters."""
+    committed tokens ``new`` (accepted drafts + the bonus), the round's counters and,
+    for feature drafters, the target's features ``[len(path), H]`` at the path's nodes
+    (the feature at node ``path[i]`` predicted ``new[i]``)."""
 
     path: list[int]
     new: list[int]
     accepted: int
     evaluated: int
     drafted: int
+    features: Any = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -94,9 +103,13 @@ class TargetSide:
     """One request on the target: its KV cache, sampling settings, rule and rng."""
 
     def __init__(self, runner: ModelRunner, sampling: SamplingParams, rule: RuleSpec,
-                 generator: torch.Generator | None) -> None:
+                 generator: torch.Generator | None, features: bool = False) -> None:
         self.runner, self.sampling, self.rule, self.generator = runner, sampling, rule, generator
         self.root = -1
+        self.features = features
+        self.prefill_features: torch.Tensor | None = None  # [P-1, H] when features
+        if features:
+            runner.track_hidden()
 
     def start(self, prompt_ids: list[int], prefill_top_k: int = 0) -> list[list[int]] | None:
         """Prefill ``prompt_ids[:-1]``. Returns the target's ``prefill_top_k`` best tokens
@@ -105,6 +118,10 @@ class TargetSide:
         check_prompt(prompt_ids, self.runner.vocab_size)
         logits = prefill(self.runner, prompt_ids)
         self.root = int(prompt_ids[-1])
+        if self.features:
+            hidden = int(self.runner.model.config.hidden_size)
+            self.prefill_features = (self.runner.hidden.clone() if logits is not None
+                                     else torch.zeros(0, hidden))
         if prefill_top_k and logits is not None:
             k = min(prefill_top_k, logits.shape[-1])
             return logits.topk(k, dim=-1).indices.tolist()
@@ -121,8 +138,9 @@ class TargetSide:
                              f"token {self.root}")
         verdict, new = verify_round(self.runner, tree, self.rule, self.sampling, self.generator)
         self.root = new[-1]
+        feats = self.runner.hidden[verdict.path].clone() if self.features else None
         return VerifyResult(verdict.path, new, verdict.accepted, verdict.evaluated,
-                            tree.num_drafted)
+                            tree.num_drafted, feats)
 
 
     def cached_tokens(self) -> int:
@@ -148,18 +166,30 @@ class DraftSide:
         """Top tokens per prompt position the drafter reads from the target's prefill."""
         return self.drafter.prefill_top_k
 
-    def start(self, prompt_ids: list[int], prefill_top: list[list[int]] | None = None) -> None:
-        """A new sequence (``prefill_top``: what :meth:`TargetSide.start` returned)."""
+    @property
+    def needs_features(self) -> bool:
+        """Whether the drafter reads the target's features (EAGLE)."""
+        return self.drafter.needs_features
+
+    def start(self, prompt_ids: list[int], prefill_top: list[list[int]] | None = None,
+              features: torch.Tensor | None = None) -> None:
+        """A new sequence (``prefill_top``: what :meth:`TargetSide.start` returned;
+        ``features``: its ``prefill_features``)."""
         self.drafter.start(list(prompt_ids), prefill_top)
+        if features is not None:
+            self.drafter.observe(features)
         self.committed = list(prompt_ids)
         self.last_tree = None
         self.calls0 = self.drafter.calls
 
     def propose(self, accepted_path: list[int] | None, new_tokens: list[int],
-                budget: int) -> Proposal:
-        """Commit the last round, then draft a tree of at most ``budget`` levels."""
+                budget: int, features: torch.Tensor | None = None) -> Proposal:
+        """Commit the last round (``features``: the target's on its accepted path), then
+        draft a tree of at most ``budget`` levels."""
         if self.last_tree is not None and accepted_path is not None:
             self.drafter.accept(self.last_tree, accepted_path)
+        if features is not None:
+            self.drafter.observe(features)
         self.committed += new_tokens
         self.last_tree = self.drafter.propose(self.committed, budget)
         return Proposal(self.last_tree, self.drafter.calls - self.calls0)

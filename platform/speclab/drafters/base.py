@@ -22,6 +22,7 @@ class Drafter(ABC):
     name = "drafter"
     prefill_top_k = 0  # top tokens per prefill position it reads (0: ignores the prefill)
     rule: RuleSpec | None = None  # the verification rule its trees need (None: the request's)
+    needs_features = False  # reads the target's last-layer features (EAGLE): see observe()
 
     @abstractmethod
     def reset(self) -> None:
@@ -40,6 +41,12 @@ class Drafter(ABC):
         after ``prompt[:i+1]``, best first, sent only to drafters that declare
         ``prefill_top_k > 0`` (AASD's alignment sampling). Default: :meth:`reset`."""
         self.reset()
+
+    def observe(self, features: torch.Tensor) -> None:
+        """The target's features ``[n, H]`` at the next ``n`` committed positions: after
+        :meth:`start` those of ``prompt[:-1]``, then each round those of the accepted path
+        (root first). Called only for drafters with ``needs_features``; others ignore it."""
+        del features
 
     @property
     def calls(self) -> int:

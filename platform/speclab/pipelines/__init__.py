@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-JOBS: tuple[str, ...] = ("evaluate", "train_target", "distill", "compare_losses",
+JOBS: tuple[str, ...] = ("evaluate", "train_target", "distill", "compare_losses", "distill_eagle",
                          "train_recommender", "recommend_eval", "train_head", "specdecpp_eval",
                          "build_datastore", "retrieval_eval", "tune")
 

@@ -107,6 +107,8 @@ def train_loop(config: dict) -> None:
                 metrics["val_loss"] = val_loss
                 if spec.kind == "lm":
                     metrics["val_ppl"] = float(torch.exp(torch.tensor(val_loss)))
+                if hasattr(task, "val_metrics"):  # e.g. an EAGLE drafter's top-1 agreement
+                    metrics.update(task.val_metrics(core))
                 torch.save({"model": core.state_dict(), "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": done}, Path(tmp) / "state.pt")
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)

@@ -3,8 +3,8 @@ compare_losses, train_head, specdecpp_eval, tune).
 
 The corpus (tokenised with the target's tokenizer) is cut into deterministic windows;
 target replicas on Ray actors turn them into what the losses need (``kd``, ``seq``,
-``tree`` examples; ``accept`` data for SpecDec++ heads; see
-:mod:`speclab.train.distill_data`) and write Parquet shards
+``tree`` examples; ``feat`` windows with the target's features for EAGLE drafters;
+``accept`` data for SpecDec++ heads; see :mod:`speclab.train.distill_data`) and write Parquet shards
 ``<data>/<kind>/shard-NNNNN.parquet`` one at a time (written to a temporary name, then
 renamed, so a shard is either whole or absent). Shards already present are not
 regenerated, so a rerun resumes generation too.
@@ -24,8 +24,8 @@ def plan_starts(d: DistillConfig, seed: int, tokens, kind: str) -> tuple[list[in
     contexts); the inputs themselves are sliced per shard, so memory stays bounded."""
     import torch
 
-    length = {"kd": d.seq_len + 1, "seq": d.prompt_len, "tree": d.context_len,
-              "accept": d.prompt_len}[kind]
+    length = {"kd": d.seq_len + 1, "feat": d.seq_len + 1, "seq": d.prompt_len,
+              "tree": d.context_len, "accept": d.prompt_len}[kind]
     if tokens.numel() <= length + 1:
         raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
     g = torch.Generator().manual_seed(seed + 7919 * len(kind))
@@ -72,6 +72,8 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
             runner, eos = self.dec.target, self.dec.eos_token_id
             if kind == "kd":
                 rows = [dd.kd_example(runner, x, d.top_k) for x in inputs]
+            elif kind == "feat":
+                rows = [dd.feat_example(runner, x, d.top_k) for x in inputs]
             elif kind == "seq":
                 rows = [dd.seq_example(runner, x, d.response_len, eos) for x in inputs]
             elif kind == "accept":

@@ -4,6 +4,8 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
 
 * :func:`kd_example` — a corpus window and the target's top-k next-token distribution at
   every position (``word_kd``, ``tvd_kd``, ``hass_topk``; ``sft`` uses the window only);
+* :func:`feat_example` — a corpus window, the target's last-layer features and its top-k
+  at every position (the EAGLE feature drafter, :mod:`speclab.train.eagle`);
 * :func:`seq_example` — a prompt and the target's greedy continuation (``seq_kd``);
 * :func:`tree_example` — a context and a target-built EAGLE-2 draft tree (top-k children,
   depth d, as in TALF Algorithm 1) with the target's top-k distribution at every node
@@ -25,7 +27,7 @@ import torch
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
 from speclab.drafters.eagle2 import build_eagle2_tree
 
-KINDS = ("kd", "seq", "tree", "accept")
+KINDS = ("kd", "seq", "tree", "accept", "feat")
 LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",
              "talf": "tree"}
 
@@ -42,6 +44,19 @@ def kd_example(target: ModelRunner, window: list[int], k: int) -> dict:
     logits = target.forward(torch.tensor(window[:-1], dtype=torch.long))  # [L, V]
     ids, probs = _topk(logits, k)
     return {"tokens": window, "topk_ids": ids, "topk_probs": probs}
+
+
+def feat_example(target: ModelRunner, window: list[int], k: int) -> dict:
+    """``window`` of L+1 tokens: the target's features ``[L, H]`` (float16 bytes) and
+    top-k at each of the inputs ``window[:L]``."""
+    from speclab.train.eagle import encode_features
+
+    target.track_hidden()
+    target.reset()
+    logits = target.forward(torch.tensor(window[:-1], dtype=torch.long))  # [L, V]
+    ids, probs = _topk(logits, k)
+    return {"tokens": window, "features": encode_features(target.hidden),
+            "hidden": int(target.hidden.shape[-1]), "topk_ids": ids, "topk_probs": probs}
 
 
 def seq_example(target: ModelRunner, prompt: list[int], response_len: int,

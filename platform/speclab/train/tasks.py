@@ -14,7 +14,8 @@ checkpoint sees the same data; ``loss(model, batch)``; ``validate(model)`` on he
   distillation job's generation stage; the last shard of each kind is held out;
 * :class:`RecTask` — L_Rec on "history -> next item id" examples (AtSpeed);
 * :class:`RecAlignTask` — an AtSpeed drafter loss on the target's alignment data;
-* :class:`HeadTask` — a SpecDec++ acceptance head on a frozen drafter.
+* :class:`HeadTask` — a SpecDec++ acceptance head on a frozen drafter;
+* :class:`EagleTask` — an EAGLE feature drafter (EAGLE or HASS loss) on ``feat`` shards.
 
 A task may define ``build_model()``; otherwise the loop builds a LLaMA from ``arch``.
 """
@@ -29,7 +30,7 @@ import torch
 from pydantic import Field, TypeAdapter
 
 from speclab.config.base import StrictModel
-from speclab.config.schema import ArchConfig, HeadConfig, TrainConfig
+from speclab.config.schema import ArchConfig, EagleTrainConfig, HeadConfig, TrainConfig
 from speclab.train.distill_batches import COLLATE, batch_loss
 from speclab.train.distill_data import LOSS_KIND
 from speclab.train.lm import eval_loss, lm_loss, random_windows
@@ -77,8 +78,18 @@ class HeadTaskConfig(_TaskConfig):
     draft: str
 
 
+class EagleTaskConfig(_TaskConfig):
+    """An EAGLE drafter for the target in local folder ``target`` (its embedding and LM
+    head are copied and frozen)."""
+
+    kind: Literal["eagle"] = "eagle"
+    arch: ArchConfig | None = None
+    eagle: EagleTrainConfig = EagleTrainConfig()
+    target: str
+
+
 TaskConfig = Annotated[LMTaskConfig | DistillTaskConfig | RecTaskConfig | RecAlignTaskConfig
-                       | HeadTaskConfig, Field(discriminator="kind")]
+                       | HeadTaskConfig | EagleTaskConfig, Field(discriminator="kind")]
 _TASK_ADAPTER: TypeAdapter = TypeAdapter(TaskConfig)
 
 
@@ -300,5 +311,62 @@ class HeadTask:
         return out
 
 
+class EagleTask:
+    """An EAGLE feature drafter on ``feat`` shards (the last one held out)."""
+
+    def __init__(self, cfg: EagleTaskConfig, data_dir: Path, device: torch.device) -> None:
+        self.tr, self.e, self.target, self.device = cfg.train, cfg.eagle, cfg.target, device
+        shards = sorted((Path(data_dir) / "feat").glob("shard-*.parquet"))
+        if len(shards) < 2:
+            raise ValueError(f"distill: need >= 2 feat shards (one is held out), found "
+                             f"{len(shards)} in {Path(data_dir) / 'feat'}")
+        self.val = pq.read_table(shards[-1]).to_pylist()
+        self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
+
+    def build_model(self) -> torch.nn.Module:
+        from speclab.models.eagle import EagleModel
+        from speclab.models.loading import load_model
+
+        return EagleModel.from_target(load_model(self.target, field="models.target"),
+                                      self.e.layers).float()
+
+    def _collate(self, rows: list[dict]) -> dict:
+        from speclab.train.eagle import collate_feat
+
+        return {k: v.to(self.device) for k, v in collate_feat(rows).items()}
+
+    def batch(self, step: int, rank: int) -> dict:
+        g = _gen(self.tr.seed, step, rank)
+        idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
+        return self._collate([self.train[i] for i in idx])
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        from speclab.train.eagle import eagle_loss
+
+        e = self.e
+        return eagle_loss(model, batch, e.loss, e.w_reg, e.w_cls, e.hass_k, e.hass_steps)
+
+    def tokens_in(self, batch: dict) -> int:
+        return int(batch["tokens"].numel())
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module) -> float:
+        """The training loss on held-out windows."""
+        model.eval()
+        out = float(self.loss(model, self._collate(self.val[: self.tr.batch_size * 4])))
+        model.train()
+        return out
+
+    @torch.no_grad()
+    def val_metrics(self, model: torch.nn.Module) -> dict[str, float]:
+        """``val_top1``: the drafter's argmax equals the target's (teacher features)."""
+        from speclab.train.eagle import top1_agreement
+
+        model.eval()
+        out = top1_agreement(model, self._collate(self.val[: self.tr.batch_size * 4]))
+        model.train()
+        return {"val_top1": out}
+
+
 TASKS = {"lm": LMTask, "distill": DistillTask, "rec": RecTask, "rec_align": RecAlignTask,
-         "head": HeadTask}
+         "head": HeadTask, "eagle": EagleTask}

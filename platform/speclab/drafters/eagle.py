@@ -1,0 +1,167 @@
+"""EAGLE: draft trees from the target's own features (method ``eagle``).
+
+The drafter (:class:`~speclab.models.eagle.EagleModel`) runs over PAIRS ``(f_j, x_{j+1})``:
+the target's feature at committed position ``j`` and the token after it. Pair ``j`` sits
+at cache index and position ``j``; its output ``f_hat_{j+1}`` gives the distribution of
+``x_{j+2}`` through the target's LM head. With ``n`` committed tokens the target has
+produced features for positions ``0..n-2`` (the root ``x_{n-1}`` is processed by the next
+verify), so the root's pair is ``(f_{n-2}, x_{n-1})`` and its output drafts the root's
+children. Inside the tree a node's pair is ``(f_hat of its parent, its token)`` at
+position ``base - 1 + depth``, expanded with tree attention like any draft LM.
+
+After verification the drafter's cache is cropped back to the committed pairs: the
+accepted tokens are re-processed next round with the TARGET's features of the accepted
+path (:meth:`EagleDrafter.observe`), which is what EAGLE trains on. The tree itself is
+EAGLE-2's dynamic tree (``builder: eagle2``, reranked by the drafter's confidence) or the
+optimal tree / SALF (``builder: optimal | salf``), the builders the draft-LM methods use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from speclab.decoding.runner import ModelRunner, tree_node_inputs
+from speclab.decoding.tree import TokenTree
+from speclab.drafters.base import Drafter
+from speclab.drafters.eagle2 import build_eagle2_tree
+from speclab.drafters.knobs import TreeKnobs
+from speclab.drafters.optimal import build_optimal_tree
+from speclab.models.eagle import EagleModel, load_eagle
+
+Builder = Literal["eagle2", "optimal", "salf"]
+
+
+class EagleDrafter(Drafter):
+    """Tree drafting with an EAGLE feature drafter (see the module docstring)."""
+
+    name = "eagle"
+    needs_features = True
+
+    def __init__(self, model: EagleModel, top_k: int, depth: int, nodes: int,
+                 score_temperature: float = 1.0, builder: Builder = "eagle2", batch: int = 4,
+                 threshold: float = 0.0) -> None:
+        for field, v in (("tree_top_k", top_k), ("depth", depth), ("nodes", nodes),
+                         ("batch", batch)):
+            if v < 1:
+                raise ValueError(f"{field}: must be >= 1, got {v}")
+        if score_temperature <= 0:
+            raise ValueError(f"score_temperature: must be > 0, got {score_temperature}")
+        self.runner = ModelRunner(model)
+        self.hidden = model.meta.hidden_size
+        self.top_k, self.depth, self.nodes = top_k, depth, nodes
+        self.score_temperature, self.builder = score_temperature, builder
+        self.batch, self.threshold = min(batch, nodes), threshold
+        self.pending = torch.zeros(0, self.hidden)
+        self.base = 0
+
+    @property
+    def calls(self) -> int:
+        return self.runner.calls
+
+    @property
+    def seconds(self) -> float:
+        return self.runner.seconds
+
+    def reset(self) -> None:
+        self.runner.reset()
+        self.pending = torch.zeros(0, self.hidden)
+        self.base = 0
+
+    def observe(self, features: torch.Tensor) -> None:
+        """Queue the target's features ``[n, H]`` of the next committed positions."""
+        if features.ndim != 2 or features.shape[-1] != self.hidden:
+            raise ValueError(f"eagle_model: the drafter expects target features of width "
+                             f"{self.hidden}, got shape {tuple(features.shape)} (trained for "
+                             f"another target?)")
+        self.pending = torch.cat([self.pending, features.float().cpu()])
+
+    def accept(self, tree: TokenTree, path: list[int]) -> None:
+        self.runner.crop(self.base)  # accepted nodes return with the target's features
+
+    def _run(self, features: torch.Tensor, tokens: torch.Tensor,
+             positions: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, H]`` features + ``[T]`` tokens -> (``f_hat [T, H]``, ``probs [T, V]``)."""
+        f_hat, logits = self.runner.run(tokens, positions, allowed,
+                                        features=features.to(self.runner.device)[None])
+        return f_hat[0], (logits[0].float() / self.score_temperature).softmax(-1)
+
+    def propose(self, committed: list[int], budget: int) -> TokenTree:
+        n, m, c = len(committed), self.runner.length, self.pending.shape[0]
+        if c == 0:  # a 1-token prompt: no target feature yet, let the target go first
+            return TokenTree(committed[-1])
+        if m + c != n - 1:
+            raise RuntimeError(f"eagle: {c} pending features for {n - 1 - m} committed "
+                               f"positions after the {m} the drafter holds")
+        tokens = torch.tensor(committed[m + 1: n], dtype=torch.long)
+        f_hat, probs = self._run(self.pending, tokens)
+        self.pending = torch.zeros(0, self.hidden)
+        self.base = self.runner.length
+        hid: dict[int, torch.Tensor] = {0: f_hat[-1]}
+        slot = {0: self.base - 1}
+
+        def expand(tree: TokenTree, nodes: list[int]) -> torch.Tensor:
+            toks, pos, allowed = tree_node_inputs(self.runner.length, tree, nodes, self.base,
+                                                  slot)
+            feats = torch.stack([hid[tree.parents[i]] for i in nodes])
+            out, p = self._run(feats, toks, pos, allowed)
+            for row, node in enumerate(nodes):
+                hid[node] = out[row]
+            return p
+
+        depth = min(self.depth, max(budget, 1))
+        if self.builder == "eagle2":
+            tree, _ = build_eagle2_tree(committed[-1], probs[-1], expand, self.top_k, depth,
+                                        self.nodes)
+            return tree
+        threshold = self.threshold if self.builder == "salf" else 0.0
+        return build_optimal_tree(committed[-1], probs[-1], expand, self.nodes, self.batch,
+                                  threshold, depth).tree
+
+
+def eagle_folder(source: str) -> str:
+    """A drafter folder: ``models:/`` URIs are downloaded, local folders used as given."""
+    if not source.startswith("models:/"):
+        return source
+    from speclab.models.loading import resolve_source
+
+    return resolve_source(source, "eagle_model")
+
+
+class EagleConfig(TreeKnobs):
+    """``eagle``: an EAGLE feature drafter (``eagle_model``) drafting EAGLE-2 trees
+    (``builder: eagle2``, ``tree_top_k`` per level) or optimal / SALF trees."""
+
+    name: Literal["eagle"] = "eagle"
+    needs_draft_model = False  # the drafter is its own folder, not models.draft
+    eagle_model: Any = Field(None, validate_default=True,
+                             description="EAGLE drafter folder or models:/ URI")
+    builder: Builder = Field("eagle2", description="eagle tree builder: eagle2, optimal, salf")
+    tree_top_k: int = Field(4, gt=0, description="EAGLE-2 children per node / beam width")
+    batch: int = Field(4, gt=0, description="nodes expanded per draft forward (optimal/SALF)")
+    salf_threshold: float = Field(0.3, gt=0.0, lt=1.0,
+                                  description="SALF stopping threshold th, in (0, 1)")
+
+    @field_validator("eagle_model")
+    @classmethod
+    def _given(cls, v: Any) -> Any:
+        if v is None or v == "":
+            raise ValueError("method 'eagle' needs a drafter (--eagle-model DIR or "
+                             "models:/ URI)")
+        if not isinstance(v, str | EagleModel):
+            raise ValueError(f"must be a folder or models:/ URI, got {type(v).__name__}")
+        return v
+
+    def build(self, ctx) -> EagleDrafter:
+        model = self.eagle_model
+        if not isinstance(model, EagleModel):
+            model = ctx.cached(("eagle", model), lambda: load_eagle(eagle_folder(self.eagle_model)))
+        if ctx.target_config is not None:
+            model.meta.check_target(ctx.target_config)
+        return EagleDrafter(model, self.tree_top_k, self.depth, self.nodes,
+                            self.score_temperature, self.builder, self.batch,
+                            self.salf_threshold)
+

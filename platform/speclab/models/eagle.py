@@ -1,0 +1,160 @@
+"""The EAGLE feature drafter: ``f_hat_{t+1} = g(f_t, Embed(x_{t+1}))`` (pure PyTorch).
+
+``f_t`` is the target's last-layer feature at position ``t`` (the LM head's input, i.e.
+after the final norm) and ``x_{t+1}`` the token one step ahead. ``g`` is a linear
+``fc: [2H] -> [H]`` over ``concat(f_t, Embed(x_{t+1}))`` followed by ``layers`` LLaMA
+decoder layers (one by default) and a final RMS norm; the next-token logits are the
+target's LM head applied to ``f_hat``. The embedding and the LM head are COPIES of the
+target's, frozen: the drafter folder is then self-contained (a Serve draft replica does
+not need the target's weights), at the price of storing ``2 * V * H`` extra numbers.
+
+On disk (``save_pretrained`` style): ``config.json`` (an :class:`EagleMeta`: the target
+it was trained for — architecture, hidden size, vocabulary — and the layer shape) and
+``model.safetensors``. :func:`load_eagle` checks the meta against a target config.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaModel
+
+KIND = "speclab-eagle"
+
+
+@dataclass(frozen=True)
+class EagleMeta:
+    """What an EAGLE drafter is and which target it belongs to."""
+
+    target_architecture: str
+    hidden_size: int
+    vocab_size: int
+    layers: int = 1
+    heads: int = 4
+    intermediate_size: int = 0
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_positions: int = 2048
+    kind: str = KIND
+
+    @classmethod
+    def for_target(cls, config, layers: int = 1) -> EagleMeta:
+        """The meta of a drafter for a target with HF ``config``."""
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        rope = getattr(config, "rope_theta", None)
+        if rope is None:  # transformers 5 keeps it in rope_parameters
+            rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(target_architecture=arch, hidden_size=int(config.hidden_size),
+                   vocab_size=int(config.vocab_size), layers=layers,
+                   heads=int(config.num_attention_heads),
+                   intermediate_size=int(getattr(config, "intermediate_size", 0)
+                                         or 4 * config.hidden_size),
+                   rope_theta=float(rope),
+                   rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+                   max_positions=int(getattr(config, "max_position_embeddings", 2048)))
+
+    def check_target(self, config) -> None:
+        """A clear error when ``config`` (a target's HF config) is not the target this
+        drafter was trained for."""
+        want = EagleMeta.for_target(config, self.layers)
+        for field in ("target_architecture", "hidden_size", "vocab_size"):
+            if getattr(self, field) != getattr(want, field):
+                raise ValueError(
+                    f"eagle_model: trained for a target with {field}="
+                    f"{getattr(self, field)!r}, but the target has {getattr(want, field)!r}")
+
+    def layer_config(self) -> LlamaConfig:
+        """The LLaMA config of the drafter's decoder layers."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.layers,
+            num_attention_heads=self.heads, num_key_value_heads=self.heads,
+            max_position_embeddings=self.max_positions, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, tie_word_embeddings=False, attn_implementation="sdpa")
+
+
+class EagleModel(nn.Module):
+    """The drafter ``g`` plus frozen copies of the target's embedding and LM head."""
+
+    def __init__(self, meta: EagleMeta) -> None:
+        super().__init__()
+        self.meta = meta
+        self.config = meta.layer_config()
+        h, v = meta.hidden_size, meta.vocab_size
+        self.embed = nn.Embedding(v, h)
+        self.fc = nn.Linear(2 * h, h)
+        self.decoder = LlamaModel(self.config)
+        self.decoder.embed_tokens = None  # inputs come as embeddings (fc's output)
+        self.lm_head = nn.Linear(h, v, bias=False)
+        for frozen in (self.embed, self.lm_head):
+            frozen.weight.requires_grad_(False)
+
+    @classmethod
+    def from_target(cls, target: nn.Module, layers: int = 1) -> EagleModel:
+        """A fresh drafter for ``target`` (a HF causal LM): its embedding and LM head
+        copied and frozen, ``g`` randomly initialised."""
+        model = cls(EagleMeta.for_target(target.config, layers))
+        with torch.no_grad():
+            model.embed.weight.copy_(target.get_input_embeddings().weight)
+            model.lm_head.weight.copy_(target.get_output_embeddings().weight)
+        return model.to(next(target.parameters()).dtype)
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                past_key_values=None, use_cache: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``features [B, T, H]`` (``f_t``), ``input_ids [B, T]`` (``x_{t+1}``) ->
+        ``(f_hat [B, T, H], logits [B, T, V])``. ``attention_mask``: None (causal), a
+        ``[B, S]`` padding mask or a ``[B, 1, T, S]`` additive mask (tree attention)."""
+        x = self.fc(torch.cat([features.to(self.fc.weight.dtype), self.embed(input_ids)], -1))
+        out = self.decoder(inputs_embeds=x, position_ids=position_ids,
+                           attention_mask=attention_mask, past_key_values=past_key_values,
+                           use_cache=use_cache)
+        f_hat = out.last_hidden_state
+        return f_hat, self.lm_head(f_hat)
+
+
+def save_eagle(model: EagleModel, folder: str | Path) -> Path:
+    """Write ``config.json`` (the meta) and ``model.safetensors`` to ``folder``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(asdict(model.meta), indent=2))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def is_eagle_folder(folder: str | Path) -> bool:
+    """True when ``folder`` holds an EAGLE drafter written by :func:`save_eagle`."""
+    cfg = Path(folder) / "config.json"
+    try:
+        return json.loads(cfg.read_text()).get("kind") == KIND
+    except (OSError, ValueError):
+        return False
+
+
+def load_eagle(folder: str | Path, target_config=None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> EagleModel:
+    """Load a drafter written by :func:`save_eagle`; with ``target_config`` (the target's
+    HF config) a drafter trained for another target is a ``ValueError``."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not is_eagle_folder(folder):
+        raise ValueError(f"eagle_model: {folder} holds no EAGLE drafter (config.json with "
+                         f"kind {KIND!r})")
+    data = json.loads((folder / "config.json").read_text())
+    meta = EagleMeta(**{k: v for k, v in data.items() if k in EagleMeta.__dataclass_fields__})
+    if target_config is not None:
+        meta.check_target(target_config)
+    model = EagleModel(meta)
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    return model.to(device=device, dtype=dtype).eval()

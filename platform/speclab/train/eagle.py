@@ -1,0 +1,120 @@
+"""Training the EAGLE feature drafter on target features: EAGLE and HASS (pure PyTorch).
+
+A ``feat`` example (:func:`speclab.train.distill_data.feat_example`) is a corpus window
+``x_0..x_L`` with the target's features ``f_0..f_{L-1}`` (``f_j`` is the LM-head input
+that predicted ``x_{j+1}``) and its top-k distribution at every position. The drafter
+runs over the pairs ``(f_j, x_{j+1})``, ``j = 0..L-2``, and its output at pair ``j`` is
+compared with ``f_{j+1}`` and with the target's distribution of ``x_{j+2}``:
+
+* ``eagle`` (EAGLE, slides "Training Objectives"): ``w_reg * SmoothL1(f_hat, f) + w_cls *
+  CE(p, q)``, with ``p`` the target's kept top-k distribution renormalised;
+* ``hass``: the same regression, the classification term replaced by HASS's top-K
+  distillation ``-sum_{top-K(p)} p log q`` (``hass_k`` < the stored top-k, the target's
+  own probabilities) and ``hass_steps`` steps of harmonized context alignment.
+
+Context alignment, step ``s >= 2``: at decoding depth ``s - 1`` the drafter's query comes
+from its OWN previous output and the last ``s - 1`` keys/values are its own too; only
+older positions carry target features. Training reproduces that with one forward over
+``2T`` pairs per step: the target half (true features, causal) and an own half whose
+pair ``j`` takes the previous step's output at ``j - 1``. An own query at ``j`` attends
+to target pairs ``<= j - s + 1`` and own pairs ``j - s + 2 .. j`` (the attention mask);
+the loss counts positions with ``j >= s - 1``. Own keys all come from step ``s - 1``
+(at decoding the key ``d`` positions back has depth ``s - 1 - d``): the one-forward
+approximation HASS also makes. Steps are averaged with equal weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from speclab import losses
+from speclab.decoding.tree import additive_mask
+
+
+def encode_features(features: torch.Tensor) -> bytes:
+    """``[L, H]`` features -> float16 bytes (how a Parquet row stores them)."""
+    return features.to(torch.float16).cpu().numpy().tobytes()
+
+
+def decode_features(data: bytes, hidden: int) -> torch.Tensor:
+    """float16 bytes -> ``[L, H]`` float32 features."""
+    return torch.from_numpy(np.frombuffer(data, dtype=np.float16).reshape(-1, hidden).copy()
+                            ).float()
+
+
+def collate_feat(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """``feat`` rows of equal length -> ``tokens [B, L+1]``, ``features [B, L, H]``,
+    ``topk_ids/probs [B, L, K]``."""
+    hidden = int(rows[0]["hidden"])
+    return {
+        "tokens": torch.tensor([r["tokens"] for r in rows], dtype=torch.long),
+        "features": torch.stack([decode_features(r["features"], hidden) for r in rows]),
+        "topk_ids": torch.tensor([r["topk_ids"] for r in rows], dtype=torch.long),
+        "topk_probs": torch.tensor([r["topk_probs"] for r in rows], dtype=torch.float),
+    }
+
+
+def _context_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[2T, 2T]``: target rows causal over the target half; own row ``j`` sees
+    target pairs ``<= j - step + 1`` and own pairs ``j - step + 2 .. j``."""
+    i = torch.arange(t, device=device)
+    causal = i[None, :] <= i[:, None]  # [T, T] key <= query
+    to_target = i[None, :] <= i[:, None] - step + 1
+    to_own = causal & (i[None, :] >= i[:, None] - step + 2)
+    top = torch.cat([causal, torch.zeros(t, t, dtype=torch.bool, device=device)], 1)
+    bottom = torch.cat([to_target, to_own], 1)
+    return torch.cat([top, bottom], 0)
+
+
+def eagle_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: str = "eagle",
+               w_reg: float = 1.0, w_cls: float = 0.1, hass_k: int | None = None,
+               hass_steps: int = 3) -> torch.Tensor:
+    """The drafter's loss on a :func:`collate_feat` batch (see the module docstring).
+
+    ``model(features [B, T, H], input_ids [B, T], position_ids, attention_mask) ->
+    (f_hat [B, T, H], logits [B, T, V])`` (an :class:`~speclab.models.eagle.EagleModel`).
+    """
+    tokens, feats = batch["tokens"], batch["features"]
+    b, length, _ = feats.shape
+    t = length - 1
+    inp_f, inp_x = feats[:, :-1], tokens[:, 1:length]  # pairs (f_j, x_{j+1}), j < T
+    tgt_f = feats[:, 1:]  # [B, T, H]
+    ids, probs = batch["topk_ids"][:, 1:], batch["topk_probs"][:, 1:]  # [B, T, K]
+
+    def step_loss(f_hat: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor):
+        reg = F.smooth_l1_loss(f_hat.float(), tgt_f.float(), reduction="none").mean(-1)
+        reg = (reg * mask).sum() / mask.sum().clamp_min(1.0)
+        if loss == "hass":
+            cls = losses.hass_topk(logits, ids, probs, mask, top_k=hass_k)
+        else:
+            cls = losses.soft_ce(logits, ids, probs, mask)
+        return w_reg * reg + w_cls * cls
+
+    pos = torch.arange(t, device=feats.device).expand(b, t)
+    f_hat, logits = model(inp_f, inp_x, position_ids=pos)
+    full = torch.ones(b, t, device=feats.device)
+    total = [step_loss(f_hat, logits, full)]
+    steps = hass_steps if loss == "hass" else 1
+    for s in range(2, min(steps, t) + 1):
+        own_f = torch.cat([inp_f[:, :1], f_hat[:, :-1]], 1)  # own pair j <- output at j-1
+        allowed = _context_mask(t, s, feats.device)
+        mask4 = additive_mask(allowed, f_hat.dtype).expand(b, 1, 2 * t, 2 * t)
+        out_f, out_logits = model(torch.cat([inp_f, own_f], 1), torch.cat([inp_x, inp_x], 1),
+                                  position_ids=torch.cat([pos, pos], 1),
+                                  attention_mask=mask4)
+        f_hat, logits = out_f[:, t:], out_logits[:, t:]
+        valid = (torch.arange(t, device=feats.device) >= s - 1).float().expand(b, t)
+        total.append(step_loss(f_hat, logits, valid))
+    return sum(total) / len(total)
+
+
+@torch.no_grad()
+def top1_agreement(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    """Fraction of pairs where the drafter's argmax is the target's (step 1, teacher
+    features): the per-token greedy acceptance proxy EAGLE reports."""
+    feats, tokens = batch["features"], batch["tokens"]
+    t = feats.shape[1] - 1
+    _, logits = model(feats[:, :-1], tokens[:, 1: t + 1])
+    return float((logits.argmax(-1) == batch["topk_ids"][:, 1:, 0]).float().mean())
