@@ -1,0 +1,59 @@
+"""jobs.distill_eagle end to end: target features on Ray actors, the EAGLE drafter on Ray
+Train, the MLflow registry, then `speclab generate --method eagle` with the registered
+drafter (lossless); bad input before any work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.conftest import find_run, python, run_cmd
+
+pytestmark = pytest.mark.integration
+CONFIG = "experiments/smoke/distill_eagle.yaml"
+
+
+def test_eagle_drafter_trained_registered_and_served_by_the_cli(job_env, tmp_path,
+                                                               monkeypatch):
+    res = run_cmd([python(), "-m", "jobs.distill_eagle", "--config", CONFIG,
+                   f"output.storage_path={tmp_path / 'runs'}", "tracking.experiment=e"],
+                  job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    uri = "models:/speclab-smoke-eagle/1"
+    assert f"registered as {uri}" in res.stdout
+    client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "e")
+    m = run.data.metrics
+    assert m["final_step"] == 20 and m["shards.feat"] == 2 and 0 <= m["final_val_top1"] <= 1
+    assert [h.step for h in client.get_metric_history(run.info.run_id, "val_top1")] == [10, 20]
+    assert any(k.startswith("eval/eagle-salf") and k.endswith(".tau") for k in m), sorted(m)
+    assert all(v == 1.0 for k, v in m.items() if k.endswith("identical_to_ar")), m
+    assert client.get_model_version("speclab-smoke-eagle", "1").run_id == run.info.run_id
+
+    from speclab.api import Decoder
+    from speclab.models.registry import ensure_tiny_pair
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", job_env["MLFLOW_TRACKING_URI"])
+    monkeypatch.setenv("SPECLAB_HOME", job_env["SPECLAB_HOME"])
+    target, _ = ensure_tiny_pair()
+    ar = Decoder.from_pretrained(target).generate("def f(x):", method="ar",
+                                                   max_new_tokens=16)
+    cli = run_cmd([python(), "-m", "speclab.cli", "generate", "--target", target,
+                   "--method", "eagle", "--eagle-model", uri, "--builder", "salf",
+                   "--prompt", "def f(x):", "--max-new-tokens", "16", "--json"], job_env)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads(cli.stdout.strip().splitlines()[-1])["token_ids"] == ar.token_ids
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["eagle.hass_k=8"], "eagle.hass_k (8) must not exceed distill.top_k (4)"),
+    (["eagle.loss=medusa"], "eagle.loss"),
+    (["eagle.w_cls=-1"], "eagle.w_cls"),
+    (["methods=[{name: eagle, builder: beam}]"], "builder"),
+])
+def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
+    res = run_cmd([python(), "-m", "jobs.distill_eagle", "--config", CONFIG, *overrides,
+                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=180)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert message in res.stderr
+    assert "running on" not in res.stdout
