@@ -21,7 +21,7 @@ from serve_apps.sessions import RequestStates
 from speclab.config.method import parse_method
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import DraftSide
+from speclab.decoding.sides import DraftSide, unpack_tensor
 from speclab.drafters.registry import BuildContext, build_drafter
 from speclab.models.loading import load_model
 
@@ -51,6 +51,7 @@ class DraftDeployment(RequestStates):
         check = self._side(SamplingParams(), 0)  # bad method params fail at deploy time
         self.drafting = check is not None  # False: plain decoding (the empty drafter)
         self.prefill_top_k = check.prefill_top_k if check else 0
+        self.features = bool(check and check.needs_features)
         self.rule = check.drafter.rule.to_dict() if check and check.drafter.rule else None
         if check is not None:
             check.release()  # e.g. SpecDec++'s hidden-state hook on the shared model
@@ -70,26 +71,32 @@ class DraftDeployment(RequestStates):
 
     def info(self) -> dict:
         """The method, whether it drafts at all, how many prefill top tokens its drafter
-        reads (AASD) and the verification rule its drafts need (None: the request's)."""
+        reads (AASD), whether it reads the target's features (EAGLE) and the verification
+        rule its drafts need (None: the request's)."""
         return {"method": self.method, "drafting": self.drafting,
-                "prefill_top_k": self.prefill_top_k, "rule": self.rule}
+                "prefill_top_k": self.prefill_top_k, "features": self.features,
+                "rule": self.rule}
 
     def start(self, rid: str, prompt_ids: list[int], prefill_top: list[list[int]] | None,
-              sampling: dict, seed: int) -> None:
-        """A fresh draft side for request ``rid`` (its own KV cache over the shared model)."""
+              sampling: dict, seed: int, features: dict | None = None) -> None:
+        """A fresh draft side for request ``rid`` (its own KV cache over the shared model;
+        ``features``: the target's prefill features, packed, for feature drafters)."""
         side = self._side(SamplingParams(**sampling), seed + 1)
         if side is None:
             raise ValueError(f"method: {self.method!r} does not draft")
-        side.start(prompt_ids, prefill_top)
+        side.start(prompt_ids, prefill_top, unpack_tensor(features))
         with self.lock:
             self.sessions.put(rid, side)
 
     def propose(self, rid: str, accepted_path: list[int] | None, new_tokens: list[int],
-                budget: int) -> dict:
-        """The draft side's round: commit the last verdict, then draft a tree of at most
-        ``budget`` levels (wire form) and the request's draft forwards so far."""
+                budget: int, features: dict | None = None) -> dict:
+        """The draft side's round: commit the last verdict (``features``: the target's on
+        the accepted path, packed), then draft a tree of at most ``budget`` levels (wire
+        form) and the request's draft forwards so far."""
+        feats = unpack_tensor(features)
         with self.lock:
-            proposal = self.sessions.get(rid).propose(accepted_path, new_tokens, budget)
+            proposal = self.sessions.get(rid).propose(accepted_path, new_tokens, budget,
+                                                      feats)
         return {"tree": proposal.tree.to_wire(), "draft_calls": proposal.draft_calls}
 
     def rec_start(self, rid: str, prompt: list[int], mode: str = "strict", n: int = 10,

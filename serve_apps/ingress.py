@@ -46,6 +46,7 @@ from speclab.decoding.loop import (
 )
 from speclab.decoding.rules import RuleSpec, request_rule
 from speclab.decoding.sampling import SamplingParams
+from speclab.decoding.sides import pack_tensor
 
 api = FastAPI(title="speclab")
 
@@ -123,7 +124,7 @@ class Ingress:
             t = await self.target.info.remote()
             d = await self.draft.info.remote()
             self._info = {**t, "drafting": d["drafting"], "prefill_top_k": d["prefill_top_k"],
-                          "rule": d["rule"]}
+                          "features": d["features"], "rule": d["rule"]}
         return self._info
 
     # ------------------------------------------------------------------ the SD loop
@@ -162,14 +163,17 @@ class Ingress:
     async def _side_call(self, rid: str, dec: Decoding, msg, drafting: bool, info: dict):
         """One request of the loop to a side (a deployment handle call)."""
         if isinstance(msg, Start):
-            top = await self.target.start.remote(rid, dec.prompt_ids, dec.sampling,
+            pre = await self.target.start.remote(rid, dec.prompt_ids, dec.sampling,
                                                  dec.rule.to_dict(), dec.seed,
-                                                 info["prefill_top_k"] if drafting else 0)
+                                                 info["prefill_top_k"] if drafting else 0,
+                                                 drafting and info["features"])
             if drafting:
-                await self.draft.start.remote(rid, dec.prompt_ids, top, dec.sampling, dec.seed)
+                await self.draft.start.remote(rid, dec.prompt_ids, pre["top"], dec.sampling,
+                                              dec.seed, pre["features"])
             return None
         if isinstance(msg, Propose):
-            r = await self.draft.propose.remote(rid, msg.path, msg.new, msg.budget)
+            r = await self.draft.propose.remote(rid, msg.path, msg.new, msg.budget,
+                                                pack_tensor(msg.features))
             return Proposal(r["tree"], r["draft_calls"])
         if isinstance(msg, Verify):
             return VerifyResult.from_dict(await self.target.verify.remote(rid, msg.tree))

@@ -17,7 +17,7 @@ from serve_apps.sessions import RequestStates
 from speclab.decoding.rules import RuleSpec
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import TargetSide
+from speclab.decoding.sides import TargetSide, pack_tensor
 from speclab.models.loading import load_model
 
 
@@ -46,16 +46,19 @@ class TargetDeployment(RequestStates):
                 "rec_levels": self.rec.trie.length if self.rec else 0}
 
     def start(self, rid: str, prompt_ids: list[int], sampling: dict, rule: dict, seed: int,
-              prefill_top_k: int = 0) -> list[list[int]] | None:
-        """The target side of request ``rid``: prefill ``prompt_ids[:-1]``; returns the
-        target's ``prefill_top_k`` best tokens per prompt position when asked (AASD).
+              prefill_top_k: int = 0, features: bool = False) -> dict:
+        """The target side of request ``rid``: prefill ``prompt_ids[:-1]``. Returns
+        ``top``: the target's ``prefill_top_k`` best tokens per prompt position when asked
+        (AASD), and ``features``: the prefill's last-layer features (packed) when asked (a
+        feature drafter such as EAGLE; its verdicts then carry the accepted path's too).
         ``rule``: the resolved verification rule (:class:`RuleSpec` dict)."""
         side = TargetSide(ModelRunner(self.model), SamplingParams(**sampling),
-                          RuleSpec.from_dict(rule), torch.Generator().manual_seed(seed))
+                          RuleSpec.from_dict(rule), torch.Generator().manual_seed(seed),
+                          features)
         with self.lock:
             top = side.start(prompt_ids, prefill_top_k)
             self.sessions.put(rid, side)
-        return top
+        return {"top": top, "features": pack_tensor(side.prefill_features)}
 
     def verify(self, rid: str, tree: dict | None) -> dict:
         """One round: the tree (wire form, root = the last committed token; None: the

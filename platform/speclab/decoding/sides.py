@@ -57,11 +57,35 @@ class VerifyResult:
     features: Any = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Wire form (``features`` packed by :func:`pack_tensor`)."""
+        out = asdict(self)
+        out["features"] = pack_tensor(self.features)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> VerifyResult:
-        return cls(**data)
+        return cls(**{**data, "features": unpack_tensor(data.get("features"))})
+
+
+def pack_tensor(t: torch.Tensor | None) -> dict | None:
+    """A tensor as ``{dtype, shape, data: raw bytes}`` for deployment handle calls (compact
+    and exact; never JSON lists of floats). None stays None."""
+    if t is None:
+        return None
+    t = t.detach().contiguous().cpu()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": t.view(torch.uint8).numpy().tobytes() if t.numel() else b""}
+
+
+def unpack_tensor(data: dict | torch.Tensor | None) -> torch.Tensor | None:
+    """Inverse of :func:`pack_tensor` (a tensor or None is returned as is)."""
+    if data is None or isinstance(data, torch.Tensor):
+        return data
+    dtype = getattr(torch, data["dtype"])
+    if not data["data"]:
+        return torch.zeros(data["shape"], dtype=dtype)
+    raw = torch.frombuffer(bytearray(data["data"]), dtype=torch.uint8)
+    return raw.view(dtype).reshape(data["shape"]).clone()
 
 
 def check_prompt(prompt_ids: list[int], vocab: int) -> None:

@@ -1,0 +1,48 @@
+"""``speclab serve`` with ``method=eagle``: the target deployment returns the accepted
+path's features with every verdict (packed tensors, not JSON floats), the draft deployment
+holds each request's feature state, and the served output and per-round acceptance equal
+the offline engine's at T=0 (and AR's tokens), through /generate and /v1/completions."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from serve_apps.loadtest import PROMPTS
+from tests.integration.test_serve import _replica_stats, _start, _stop, tiny  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+
+def test_eagle_served_with_features_crossing_deployments(tmp_path, tiny):  # noqa: F811
+    from speclab.api import Decoder
+    from speclab.models.eagle import save_eagle
+    from tests.unit.test_eagle import _train
+
+    target, _ = tiny
+    folder = save_eagle(_train(target, 120)[0], tmp_path / "eagle")
+    knobs = {"tree_top_k": 3, "depth": 4, "nodes": 10}
+    dec = Decoder.from_pretrained(target)
+    want = dec.generate(PROMPTS[0], method="eagle", eagle_model=str(folder),
+                        max_new_tokens=32, **knobs)
+    ar = dec.generate(PROMPTS[0], method="ar", max_new_tokens=32)
+    assert want.token_ids == ar.token_ids and want.stats.accepted_tokens > 0
+    method = ("method={name: eagle, eagle_model: " + str(folder)
+              + ", tree_top_k: 3, depth: 4, nodes: 10}")
+    proc, url = _start(tmp_path, [f"models.target={target}", method])
+    try:
+        r = requests.post(url + "/generate", json={"prompt": PROMPTS[0], "max_tokens": 32})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["method"] == "eagle" and body["token_ids"] == want.token_ids
+        assert body["stats"]["accepted_lengths"] == want.stats.accepted_lengths
+        assert body["stats"]["draft_calls"] == want.stats.draft_calls
+        c = requests.post(url + "/v1/completions", json={"prompt": PROMPTS[0],
+                                                         "max_tokens": 32, "temperature": 0})
+        assert c.status_code == 200, c.text
+        assert c.json()["choices"][0]["text"] == dec.tokenizer.decode(
+            want.token_ids, skip_special_tokens=True)
+        for st in _replica_stats(url).values():  # feature state freed with the request
+            assert st["sessions"] == 0, st
+    finally:
+        _stop(proc)
