@@ -123,6 +123,18 @@ def test_training_raises_agreement_and_hass_trains_too(tiny_pair, trained):
     assert hass[-1] < hass[0]
 
 
+def test_engine_acceptance_during_training(tiny_pair, trained):
+    from speclab.train.eagle import engine_acceptance
+
+    target = load_model(tiny_pair["target"])
+    got = engine_acceptance(target, trained[0], [PROMPT, [5, 6, 7]], 24, depth=4)
+    assert got["engine_tau"] > 1.5
+    accept = [got[f"engine_accept_at_{k}"] for k in range(1, 5)]
+    assert 1.0 >= accept[0] > 0 and accept == sorted(accept, reverse=True)
+    fresh = engine_acceptance(target, EagleModel.from_target(target), [PROMPT], 24, depth=4)
+    assert fresh["engine_tau"] < got["engine_tau"]
+
+
 def test_context_alignment_mask():
     m = _context_mask(4, 2, torch.device("cpu"))  # [8, 8]: target half, own half
     assert m[:4, :4].tolist() == torch.tril(torch.ones(4, 4, dtype=torch.bool)).tolist()

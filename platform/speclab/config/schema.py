@@ -213,6 +213,9 @@ class EagleTrainConfig(StrictModel):
                          description="weight of the token classification term")
     hass_k: int = Field(10, gt=0, description="HASS top-K (<= distill.top_k)")
     hass_steps: int = Field(3, gt=0, description="HASS context-alignment steps n")
+    engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "
+                                                       "at every report (0: none)")
+    engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
 
 
 class CompareConfig(StrictModel):

@@ -10,10 +10,13 @@ target's last-layer features as float16 bytes, its top-``distill.top_k``) under
 ``train.resume=true``). Stage 2, train: an :class:`~speclab.models.eagle.EagleModel` with
 the target's embedding and LM head copied and frozen, ``eagle.layers`` trainable decoder
 layers, the ``eagle.loss`` objective (:mod:`speclab.train.eagle`), on Ray Train with the
-same loop, checkpoints and FailureConfig as every training job (rank 0 logs ``loss``,
-``val_loss`` and ``val_top1`` to MLflow). Then the drafter is saved (``config.json`` naming
-its target + ``model.safetensors``), registered (``output.register_as``) and evaluated:
-``methods`` against plain decoding, where ``eagle`` methods use the trained drafter.
+same loop, checkpoints and FailureConfig as every training job. At every report rank 0
+logs ``loss``, ``val_loss``, ``val_top1`` and the ENGINE's figures with the current
+drafter (greedy EAGLE-2 decoding of ``eagle.engine_prompts`` held-out prompts:
+``engine_tau`` and ``engine_accept_at_<k>``) into the run, next to the loss curve.
+Then the drafter is saved (``config.json`` naming its target + ``model.safetensors``),
+registered (``output.register_as``) and evaluated: ``methods`` against plain decoding,
+where ``eagle`` methods use the trained drafter.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         t.log_metrics({"train_s": time.perf_counter() - t1,
                        "final_step": result.metrics["step"],
                        "final_val_loss": result.metrics["val_loss"],
-                       "final_val_top1": result.metrics["val_top1"]})
+                       "final_val_top1": result.metrics["val_top1"],
+                       "final_engine_tau": result.metrics.get("engine_tau", 0.0)})
         uri = t.log_model(final, cfg.output.register_as)
         print(f"[distill_eagle] drafter saved to {final}"
               + (f", registered as {uri}" if uri else ""), flush=True)

@@ -118,3 +118,30 @@ def top1_agreement(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> fl
     t = feats.shape[1] - 1
     _, logits = model(feats[:, :-1], tokens[:, 1: t + 1])
     return float((logits.argmax(-1) == batch["topk_ids"][:, 1:, 0]).float().mean())
+
+
+def engine_acceptance(target: torch.nn.Module, model: torch.nn.Module, prompts: list[list[int]],
+                      max_new_tokens: int, depth: int = 5) -> dict[str, float]:
+    """Greedy EAGLE-2 decoding (``tree_top_k`` 4, ``depth``, 16 nodes) of ``prompts`` with
+    the drafter as it is now: ``engine_tau`` (tokens per target call) and
+    ``engine_accept_at_<k>`` (fraction of rounds accepting at least ``k`` draft tokens),
+    the engine-measured acceptance logged next to the training loss."""
+    from speclab.decoding.loop import generate_tokens
+    from speclab.decoding.rules import resolve_rule
+    from speclab.decoding.runner import ModelRunner
+    from speclab.decoding.sampling import SamplingParams
+    from speclab.drafters.eagle import EagleDrafter
+
+    params = SamplingParams(0.0)
+    runner = ModelRunner(target)
+    lengths: list[int] = []
+    for prompt in prompts:
+        drafter = EagleDrafter(model, top_k=4, depth=depth, nodes=16)
+        _, stats = generate_tokens(runner, drafter, prompt, max_new_tokens, params,
+                                   resolve_rule(None, None, params))
+        lengths += stats.accepted_lengths
+    runner.release()
+    out = {"engine_tau": sum(lengths) / max(len(lengths), 1)}
+    for k in range(1, depth + 1):
+        out[f"engine_accept_at_{k}"] = sum(n - 1 >= k for n in lengths) / max(len(lengths), 1)
+    return out

@@ -327,8 +327,8 @@ class EagleTask:
         from speclab.models.eagle import EagleModel
         from speclab.models.loading import load_model
 
-        return EagleModel.from_target(load_model(self.target, field="models.target"),
-                                      self.e.layers).float()
+        self.target_model = load_model(self.target, field="models.target")
+        return EagleModel.from_target(self.target_model, self.e.layers).float()
 
     def _collate(self, rows: list[dict]) -> dict:
         from speclab.train.eagle import collate_feat
@@ -359,13 +359,20 @@ class EagleTask:
 
     @torch.no_grad()
     def val_metrics(self, model: torch.nn.Module) -> dict[str, float]:
-        """``val_top1``: the drafter's argmax equals the target's (teacher features)."""
-        from speclab.train.eagle import top1_agreement
+        """``val_top1``: the drafter's argmax equals the target's (teacher features), and
+        the engine's own figures with this drafter (:func:`engine_acceptance`)."""
+        from speclab.train.eagle import engine_acceptance, top1_agreement
 
         model.eval()
-        out = top1_agreement(model, self._collate(self.val[: self.tr.batch_size * 4]))
+        out = {"val_top1": top1_agreement(model, self._collate(self.val[: self.tr.batch_size
+                                                                        * 4]))}
+        if self.e.engine_prompts:
+            prompts = [r["tokens"][: len(r["tokens"]) // 2]
+                       for r in self.val[: self.e.engine_prompts]]
+            out.update(engine_acceptance(self.target_model, model, prompts,
+                                         self.e.engine_tokens))
         model.train()
-        return {"val_top1": out}
+        return out
 
 
 TASKS = {"lm": LMTask, "distill": DistillTask, "rec": RecTask, "rec_align": RecAlignTask,
