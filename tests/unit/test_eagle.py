@@ -167,3 +167,17 @@ def test_sampling_with_eagle_matches_the_target(micro_pair, tmp_path):
         accepted += res.stats.accepted_tokens
     assert accepted > N // 4
     assert chi_square_p(counts, exact, N) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_features_travel_packed_and_exact(dtype):
+    from speclab.decoding.sides import VerifyResult, pack_tensor, unpack_tensor
+
+    x = torch.randn(3, 5).to(dtype)
+    packed = pack_tensor(x)
+    assert isinstance(packed["data"], bytes) and packed["shape"] == [3, 5]
+    assert torch.equal(unpack_tensor(packed), x) and unpack_tensor(packed).dtype == dtype
+    assert unpack_tensor(pack_tensor(torch.zeros(0, 8))).shape == (0, 8)
+    v = VerifyResult([0, 2], [5, 6], 1, 1, 3, x)
+    assert torch.equal(VerifyResult.from_dict(v.to_dict()).features, x)
+    assert VerifyResult.from_dict(VerifyResult([0], [5], 0, 0, 0).to_dict()).features is None
