@@ -39,6 +39,10 @@ class MethodRun:
         return "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in out)
 
 
+#: draft positions whose acceptance :func:`summarize` reports (``accept_at_1..``)
+ACCEPT_POSITIONS = 6
+
+
 @dataclass
 class Totals:
     """Summed counters over prompts for one method."""
@@ -54,6 +58,9 @@ class Totals:
     wall_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    rounds: int = 0
+    #: ``at_least[k - 1]``: rounds that accepted at least ``k`` draft tokens
+    at_least: list[int] = field(default_factory=lambda: [0] * ACCEPT_POSITIONS)
     outputs: list[list[int]] = field(default_factory=list)
 
     def add(self, res: GenerationResult) -> None:
@@ -69,12 +76,17 @@ class Totals:
         self.wall_s += s.wall_s
         self.draft_s += s.draft_s
         self.verify_s += s.verify_s
+        self.rounds += len(s.accepted_lengths)
+        for n in s.accepted_lengths:  # n committed = n - 1 accepted + 1 from the target
+            for k in range(min(n - 1, ACCEPT_POSITIONS)):
+                self.at_least[k] += 1
         self.outputs.append(res.token_ids)
 
     def merge(self, other: Totals) -> None:
         for k in ("prompts", "new_tokens", "committed", "target_calls", "draft_calls",
-                  "drafted", "accepted", "judged", "wall_s", "draft_s", "verify_s"):
+                  "drafted", "accepted", "judged", "wall_s", "draft_s", "verify_s", "rounds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.at_least = [a + b for a, b in zip(self.at_least, other.at_least)]
         self.outputs += other.outputs
 
 
@@ -149,6 +161,9 @@ def summarize(
         "draft_s": totals.draft_s,
         "verify_s": totals.verify_s,
         "wall_s": totals.wall_s,
+        # acceptance per draft position: the fraction of rounds accepting >= k tokens
+        **{f"accept_at_{k + 1}": c / totals.rounds if totals.rounds else 0.0
+           for k, c in enumerate(totals.at_least)},
     }
     if reference_outputs is not None:
         row["identical_to_ar"] = totals.outputs == reference_outputs

@@ -10,6 +10,7 @@ from speclab.config.base import ConfigError, StrictModel
 from speclab.config.jobs import (
     JOB_CONFIGS,
     BuildDatastoreJob,
+    CompareEagleJob,
     CompareLossesJob,
     DistillEagleJob,
     DistillJob,
@@ -38,6 +39,7 @@ from speclab.config.schema import (
 __all__ = [
     "JOB_CONFIGS",
     "BuildDatastoreJob",
+    "CompareEagleJob",
     "CompareLossesJob",
     "ConfigError",
     "DataConfig",

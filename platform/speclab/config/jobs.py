@@ -12,6 +12,7 @@ distill             models, corpus, tokenizer, distill, arch, train, scaling, ou
 compare_losses      as distill, plus compare
 distill_eagle       models, corpus, tokenizer, distill (generation), eagle, train, scaling,
                     output, data, decoding, method, methods, resources
+compare_eagle       as distill_eagle, plus compare (EAGLE-family losses)
 train_recommender   rec, arch, train, scaling, output
 recommend_eval      rec, rec_eval, arch, train, scaling, output
 train_head          models, corpus, tokenizer, distill (generation), head, train, scaling,
@@ -56,6 +57,7 @@ from speclab.config.schema import (
     DatastoreConfig,
     DecodingConfig,
     DistillConfig,
+    EagleCompareConfig,
     EagleTrainConfig,
     HeadConfig,
     ModelsConfig,
@@ -255,12 +257,30 @@ class DistillEagleJob(_Trains, _Evaluates):
             if isinstance(m, dict) and m.get("name") == "eagle":
                 m.setdefault("eagle_model", TRAINED)
 
+    def eagle_losses(self) -> list[str]:
+        """The EAGLE-family losses this job trains."""
+        return [self.eagle.loss]
+
     @model_validator(mode="after")
     def _hass_k_within_top_k(self):
-        if self.eagle.loss == "hass" and self.eagle.hass_k > self.distill.top_k:
+        if "hass" in self.eagle_losses() and self.eagle.hass_k > self.distill.top_k:
             raise ValueError(f"eagle.hass_k ({self.eagle.hass_k}) must not exceed "
                              f"distill.top_k ({self.distill.top_k}), the stored top-k")
+        if "talf" in self.eagle_losses() and self.eagle.talf_depth >= self.distill.seq_len:
+            raise ValueError(f"eagle.talf_depth ({self.eagle.talf_depth}) must be below "
+                             f"distill.seq_len ({self.distill.seq_len})")
         return self
+
+
+class CompareEagleJob(DistillEagleJob):
+    """``jobs.compare_eagle``: one EAGLE drafter per ``compare.losses`` entry (``eagle``,
+    ``hass``, ``talf``) on the same data and budget, evaluated with every method."""
+
+    job: Literal["compare_eagle"] = "compare_eagle"
+    compare: EagleCompareConfig = EagleCompareConfig()
+
+    def eagle_losses(self) -> list[str]:
+        return list(self.compare.losses)
 
 
 class TrainRecommenderJob(_Trains):
@@ -420,7 +440,7 @@ class ServeJob(ExperimentConfig):
 JOB_CONFIGS: dict[str, type[ExperimentConfig]] = {
     c.model_fields["job"].default: c
     for c in (EvaluateJob, TrainTargetJob, DistillJob, CompareLossesJob, DistillEagleJob,
-              TrainRecommenderJob,
+              CompareEagleJob, TrainRecommenderJob,
               RecommendEvalJob, TrainHeadJob, SpecdecppEvalJob, BuildDatastoreJob,
               RetrievalEvalJob, TuneJob, ServeJob)
 }

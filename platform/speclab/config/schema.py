@@ -202,20 +202,40 @@ class DistillConfig(StrictModel):
 class EagleTrainConfig(StrictModel):
     """The EAGLE feature drafter ``distill_eagle`` trains (see :mod:`speclab.train.eagle`):
     ``layers`` decoder layers over the target's features; ``loss`` ``eagle`` (SmoothL1
-    feature regression + ``w_cls`` CE) or ``hass`` (top-``hass_k`` distillation and
-    ``hass_steps`` steps of harmonized context alignment)."""
+    feature regression + ``w_cls`` CE), ``hass`` (top-``hass_k`` distillation and
+    ``hass_steps`` steps of harmonized context alignment) or ``talf`` (cross-entropy over
+    target-built beam trees of ``talf_top_k`` x ``talf_depth`` rooted at every position,
+    the drafter fed its own features; no regression term, as in the paper).
+    ``init_from`` starts from a trained EAGLE drafter (a folder or ``models:/`` URI), the
+    TALF/HASS papers' protocol of fine-tuning an EAGLE-trained drafter."""
 
     layers: int = Field(1, gt=0, description="decoder layers of the drafter")
-    loss: Literal["eagle", "hass"] = "eagle"
+    loss: Literal["eagle", "hass", "talf"] = "eagle"
     w_reg: float = Field(1.0, ge=0.0, allow_inf_nan=False,
-                         description="weight of the feature regression")
+                         description="weight of the feature regression (eagle, hass)")
     w_cls: float = Field(0.1, ge=0.0, allow_inf_nan=False,
-                         description="weight of the token classification term")
+                         description="weight of the token classification term (eagle, hass)")
     hass_k: int = Field(10, gt=0, description="HASS top-K (<= distill.top_k)")
     hass_steps: int = Field(3, gt=0, description="HASS context-alignment steps n")
+    talf_top_k: int = Field(4, gt=0, description="TALF training trees: children kept per "
+                                                  "depth (the beam width k)")
+    talf_depth: int = Field(3, gt=0, description="TALF training trees: depth")
+    init_from: str | None = Field(None, description="start from this EAGLE drafter (folder "
+                                                    "or models:/ URI) instead of scratch")
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "
                                                        "at every report (0: none)")
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
+
+
+class EagleCompareConfig(StrictModel):
+    """``compare_eagle``: the EAGLE-family losses trained one after another on the same
+    data. ``finetune_steps`` 0: each loss trains from scratch for ``train.steps``; > 0: an
+    EAGLE-loss base drafter trains for ``train.steps``, then every loss continues from it
+    for ``finetune_steps`` (the SALF & TALF paper's protocol, equal budgets)."""
+
+    losses: list[Literal["eagle", "hass", "talf"]] = Field(
+        default_factory=lambda: ["eagle", "hass", "talf"], min_length=1)
+    finetune_steps: int = Field(0, ge=0)
 
 
 class CompareConfig(StrictModel):

@@ -57,14 +57,14 @@ class EagleMeta:
                    rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
                    max_positions=int(getattr(config, "max_position_embeddings", 2048)))
 
-    def check_target(self, config) -> None:
-        """A clear error when ``config`` (a target's HF config) is not the target this
-        drafter was trained for."""
+    def check_target(self, config, name: str = "eagle_model") -> None:
+        """A clear error naming the field ``name`` when ``config`` (a target's HF config)
+        is not the target this drafter was trained for."""
         want = EagleMeta.for_target(config, self.layers)
         for field in ("target_architecture", "hidden_size", "vocab_size"):
             if getattr(self, field) != getattr(want, field):
                 raise ValueError(
-                    f"eagle_model: trained for a target with {field}="
+                    f"{name}: trained for a target with {field}="
                     f"{getattr(self, field)!r}, but the target has {getattr(want, field)!r}")
 
     def layer_config(self) -> LlamaConfig:
@@ -142,19 +142,19 @@ def is_eagle_folder(folder: str | Path) -> bool:
 
 
 def load_eagle(folder: str | Path, target_config=None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> EagleModel:
+               device: str | torch.device = "cpu", field: str = "eagle_model") -> EagleModel:
     """Load a drafter written by :func:`save_eagle`; with ``target_config`` (the target's
-    HF config) a drafter trained for another target is a ``ValueError``."""
+    HF config) a drafter trained for another target is a ``ValueError`` naming ``field``."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     if not is_eagle_folder(folder):
-        raise ValueError(f"eagle_model: {folder} holds no EAGLE drafter (config.json with "
+        raise ValueError(f"{field}: {folder} holds no EAGLE drafter (config.json with "
                          f"kind {KIND!r})")
     data = json.loads((folder / "config.json").read_text())
     meta = EagleMeta(**{k: v for k, v in data.items() if k in EagleMeta.__dataclass_fields__})
     if target_config is not None:
-        meta.check_target(target_config)
+        meta.check_target(target_config, field)
     model = EagleModel(meta)
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
     return model.to(device=device, dtype=dtype).eval()

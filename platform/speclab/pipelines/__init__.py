@@ -6,7 +6,9 @@ fitting of a typed task config), :mod:`.signals` (the target's distillation sign
 Ray actors), :mod:`.drafter` (train, register and evaluate a drafter),
 :mod:`.recommender` (AtSpeed data + recommender training), :mod:`.alignment`
 (AtSpeed alignment data and drafters), :mod:`.head` (SpecDec++ acceptance heads),
-:mod:`.tune_trials` (Ray Tune trainables that train).
+:mod:`.tune_trials` (Ray Tune trainables that train), :mod:`.comparison` (the loss x
+method table of loss comparisons), :mod:`.eagle` (EAGLE feature drafters: train, register,
+evaluate).
 
 Jobs: ``speclab.pipelines.<job>.main(argv)`` for every name in :data:`JOBS`; the
 checkout's ``jobs/<job>.py`` (``python -m jobs.<job>``) only calls it, and ``speclab run
@@ -22,8 +24,8 @@ import importlib
 from collections.abc import Callable
 
 JOBS: tuple[str, ...] = ("evaluate", "train_target", "distill", "compare_losses", "distill_eagle",
-                         "train_recommender", "recommend_eval", "train_head", "specdecpp_eval",
-                         "build_datastore", "retrieval_eval", "tune")
+                         "compare_eagle", "train_recommender", "recommend_eval", "train_head",
+                         "specdecpp_eval", "build_datastore", "retrieval_eval", "tune")
 
 
 def job_main(job: str) -> Callable[[list[str] | None], int]:

@@ -6,8 +6,9 @@ The target's signals for every loss in ``compare.losses`` are generated once int
 shared folder; then one drafter per loss is trained with the same architecture, data
 and budget (``arch``, ``train``), registered (``output.register_as``-<loss>) and
 evaluated with every method in ``methods``. Each loss is an MLflow child run of the
-comparison's parent run, which gets the table (``loss_comparison.csv/json/txt``) and a
-plot of tau per method and loss.
+comparison's parent run, which gets the table (``loss_comparison.csv/json/txt``), a
+plot of tau per method and loss and one of acceptance per draft position
+(:mod:`speclab.pipelines.comparison`).
 """
 
 from __future__ import annotations
@@ -15,36 +16,15 @@ from __future__ import annotations
 import time
 
 from speclab.pipelines.cli import run_dirs, start_job
+from speclab.pipelines.comparison import comparison_rows, log_comparison
 from speclab.pipelines.drafter import train_register_evaluate
 from speclab.pipelines.signals import generate, prepare_target
-
-
-def _plot(table: list[dict]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    losses = list(dict.fromkeys(r["loss"] for r in table))
-    methods = list(dict.fromkeys(r["method"] for r in table))
-    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(losses)), 3.8))
-    width = 0.8 / max(len(methods), 1)
-    for j, m in enumerate(methods):
-        vals = [next(r["tau"] for r in table if r["loss"] == loss and r["method"] == m)
-                for loss in losses]
-        ax.bar([i + j * width for i in range(len(losses))], vals, width, label=m[:28])
-    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(losses))], losses)
-    ax.set_ylabel("tau (tokens per target call)")
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("compare_losses", __doc__, argv, prepare_target)
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
-    from speclab.evaluation import format_table
     from speclab.raylib import init_ray
     from speclab.train.distill_data import LOSS_KIND
 
@@ -69,15 +49,6 @@ def main(argv: list[str] | None = None) -> int:
                 child.set_tags({"loss": loss})
                 rows = train_register_evaluate(sub, prep, storage, f"{run_name}-{loss}",
                                                data_dir, child, register, {loss: 1.0})
-            for row in rows[1:]:  # skip the AR row
-                table.append({"loss": loss, "method": row["method"], "tau": row["tau"],
-                              "target_calls_per_token": row["target_calls_per_token"],
-                              "speedup": row["speedup"], "tokens_per_s": row["tokens_per_s"]})
-        cols = [("loss", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
-                ("target_calls_per_token", "{:.3f}"), ("speedup", "{:.2f}x")]
-        text = format_table(table, cols)
-        print(text, flush=True)
-        parent.log_table(table, "loss_comparison")
-        parent.log_text(text, "loss_comparison.txt")
-        parent.log_figure(_plot(table), "tau_by_loss.png")
+            table += comparison_rows(loss, rows)
+        log_comparison(parent, table)
     return 0

@@ -3,7 +3,8 @@ compare_losses, train_head, specdecpp_eval, tune).
 
 The corpus (tokenised with the target's tokenizer) is cut into deterministic windows;
 target replicas on Ray actors turn them into what the losses need (``kd``, ``seq``,
-``tree`` examples; ``feat`` windows with the target's features for EAGLE drafters;
+``tree`` examples; ``feat`` windows with the target's features for EAGLE drafters, and
+``feat_tree`` ones that add a target-built tree at every position for TALF on them;
 ``accept`` data for SpecDec++ heads; see :mod:`speclab.train.distill_data`) and write Parquet shards
 ``<data>/<kind>/shard-NNNNN.parquet`` one at a time (written to a temporary name, then
 renamed, so a shard is either whole or absent). Shards already present are not
@@ -24,7 +25,8 @@ def plan_starts(d: DistillConfig, seed: int, tokens, kind: str) -> tuple[list[in
     contexts); the inputs themselves are sliced per shard, so memory stays bounded."""
     import torch
 
-    length = {"kd": d.seq_len + 1, "feat": d.seq_len + 1, "seq": d.prompt_len,
+    length = {"kd": d.seq_len + 1, "feat": d.seq_len + 1, "feat_tree": d.seq_len + 1,
+              "seq": d.prompt_len,
               "tree": d.context_len, "accept": d.prompt_len}[kind]
     if tokens.numel() <= length + 1:
         raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
@@ -47,6 +49,8 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
     import ray
 
     d, seed = cfg.distill, cfg.train.seed
+    if "feat_tree" in kinds:
+        talf_k, talf_depth = cfg.eagle.talf_top_k, cfg.eagle.talf_depth
     device = "cuda" if d.gen_gpus_per_actor > 0 else cfg.models.device
     dtype = cfg.models.dtype
 
@@ -74,6 +78,9 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
                 rows = [dd.kd_example(runner, x, d.top_k) for x in inputs]
             elif kind == "feat":
                 rows = [dd.feat_example(runner, x, d.top_k) for x in inputs]
+            elif kind == "feat_tree":
+                rows = [dd.feat_forest_example(runner, x, d.top_k, talf_k, talf_depth)
+                        for x in inputs]
             elif kind == "seq":
                 rows = [dd.seq_example(runner, x, d.response_len, eos) for x in inputs]
             elif kind == "accept":

@@ -6,6 +6,8 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
   every position (``word_kd``, ``tvd_kd``, ``hass_topk``; ``sft`` uses the window only);
 * :func:`feat_example` — a corpus window, the target's last-layer features and its top-k
   at every position (the EAGLE feature drafter, :mod:`speclab.train.eagle`);
+* :func:`feat_forest_example` — a ``feat`` window plus a target-built beam tree rooted at
+  every position (TALF on the EAGLE drafter, :func:`speclab.train.eagle.talf_loss`);
 * :func:`seq_example` — a prompt and the target's greedy continuation (``seq_kd``);
 * :func:`tree_example` — a context and a target-built EAGLE-2 draft tree (top-k children,
   depth d, as in TALF Algorithm 1) with the target's top-k distribution at every node
@@ -27,7 +29,7 @@ import torch
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
 from speclab.drafters.eagle2 import build_eagle2_tree
 
-KINDS = ("kd", "seq", "tree", "accept", "feat")
+KINDS = ("kd", "seq", "tree", "accept", "feat", "feat_tree")
 LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",
              "talf": "tree"}
 
@@ -49,6 +51,14 @@ def kd_example(target: ModelRunner, window: list[int], k: int) -> dict:
 def feat_example(target: ModelRunner, window: list[int], k: int) -> dict:
     """``window`` of L+1 tokens: the target's features ``[L, H]`` (float16 bytes) and
     top-k at each of the inputs ``window[:L]``."""
+    row, _ = _feat_forward(target, window, k)
+    return row
+
+
+def _feat_forward(target: ModelRunner, window: list[int], k: int
+                  ) -> tuple[dict, torch.Tensor]:
+    """:func:`feat_example`'s row and the target's logits ``[L, V]`` (the cache then holds
+    the ``L`` inputs)."""
     from speclab.train.eagle import encode_features
 
     target.track_hidden()
@@ -56,7 +66,62 @@ def feat_example(target: ModelRunner, window: list[int], k: int) -> dict:
     logits = target.forward(torch.tensor(window[:-1], dtype=torch.long))  # [L, V]
     ids, probs = _topk(logits, k)
     return {"tokens": window, "features": encode_features(target.hidden),
-            "hidden": int(target.hidden.shape[-1]), "topk_ids": ids, "topk_probs": probs}
+            "hidden": int(target.hidden.shape[-1]), "topk_ids": ids,
+            "topk_probs": probs}, logits
+
+
+def feat_forest_example(target: ModelRunner, window: list[int], k: int, top_k: int,
+                        depth: int) -> dict:
+    """A :func:`feat_example` plus, for TALF (SALF & TALF, Algorithm 1), a tree built by
+    the target rooted at EVERY input ``x_r``, ``r = 1..L-1`` (``R = L - 1`` roots).
+
+    Each tree is EAGLE-2's beam (the method the TALF paper trains with): depth 1 holds
+    the root's ``top_k`` most probable children; depth ``d`` the ``top_k`` children of
+    depth ``d - 1`` nodes with the highest path probability. All ``R`` trees of a depth
+    go through the target in ONE forward with tree attention over the window's cache (a
+    node sees ``x_0..x_r`` and its ancestors), so a window costs ``depth`` extra
+    forwards. Stored (bytes, shapes ``[R, depth, top_k]``): ``forest_tokens`` (int32),
+    ``forest_parents`` (int8: the parent's beam slot at ``d - 1``; -1 at depth 1 = the
+    root) and the target's top-``k`` distribution after each node, ``forest_ids`` (int32)
+    and ``forest_probs`` (float16), ``[R, depth, top_k, k]``.
+    """
+    row, logits = _feat_forward(target, window, k)
+    length = len(window) - 1
+    n_roots = length - 1
+    roots = torch.arange(1, length)
+    logp = torch.log_softmax(logits[1:].float(), -1)  # [R, V] after each root
+    # per-root ancestry: allowed cache columns of every beam slot, grown depth by depth
+    seen = torch.zeros(n_roots, 1, length, dtype=torch.bool)
+    seen[:, 0] = torch.arange(length)[None, :] <= roots[:, None]  # x_0..x_r
+    score = torch.zeros(n_roots, 1)  # path log-probability of each beam slot
+    toks, pars, ids, probs = [], [], [], []
+    for d in range(1, depth + 1):
+        width = logp.shape[1] if logp.ndim == 3 else 1
+        cand = (score[..., None] + logp.view(n_roots, width, -1)).view(n_roots, -1)
+        best, flat = cand.topk(top_k, dim=-1)  # [R, top_k]
+        vocab = logp.shape[-1]
+        parent, token = flat // vocab, flat % vocab
+        n_new = n_roots * top_k
+        cols = target.length
+        allowed = torch.zeros(n_new, cols + n_new, dtype=torch.bool)
+        rows = seen.gather(1, parent[..., None].expand(-1, -1, seen.shape[-1]))  # [R, k, C]
+        allowed[:, : rows.shape[-1]] = rows.reshape(n_new, -1)
+        allowed[torch.arange(n_new), cols + torch.arange(n_new)] = True
+        positions = (roots[:, None] + d).expand(-1, top_k).reshape(-1)
+        out = target.forward(token.reshape(-1), positions, allowed)  # [R*k, V]
+        seen = allowed.view(n_roots, top_k, -1)
+        score = best
+        logp = torch.log_softmax(out.float(), -1).view(n_roots, top_k, -1)
+        toks.append(token)
+        pars.append(parent if d > 1 else torch.full_like(parent, -1))
+        p, i = torch.topk(out.float().softmax(-1), k, dim=-1)
+        ids.append(i.view(n_roots, top_k, k))
+        probs.append(p.view(n_roots, top_k, k))
+    return {**row, "forest_shape": [n_roots, depth, top_k, k],
+            "forest_tokens": torch.stack(toks, 1).to(torch.int32).numpy().tobytes(),
+            "forest_parents": torch.stack(pars, 1).to(torch.int8).numpy().tobytes(),
+            "forest_ids": torch.stack(ids, 1).to(torch.int32).numpy().tobytes(),
+            "forest_probs": torch.stack(probs, 1).to(torch.float16).numpy().tobytes()}
 
 
 def seq_example(target: ModelRunner, prompt: list[int], response_len: int,

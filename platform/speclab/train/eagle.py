@@ -21,6 +21,16 @@ to target pairs ``<= j - s + 1`` and own pairs ``j - s + 2 .. j`` (the attention
 the loss counts positions with ``j >= s - 1``. Own keys all come from step ``s - 1``
 (at decoding the key ``d`` positions back has depth ``s - 1 - d``): the one-forward
 approximation HASS also makes. Steps are averaged with equal weights.
+
+* ``talf`` (SALF & TALF, section 3.2 and Algorithm 1): on a ``feat_tree`` example
+  (:func:`speclab.train.distill_data.feat_forest_example`: a target-built beam tree rooted
+  at every position), the drafter follows the path from each root to every node, fed its
+  OWN features as at decoding (a depth-``d`` node's input is the drafter's output at its
+  parent), with tree attention; the loss is the cross-entropy to the target's
+  distribution after every root and every node, averaged over them
+  (:func:`talf_loss`). As in the paper there is no feature regression term, so
+  ``w_reg``/``w_cls`` do not apply; the paper fine-tunes an EAGLE-trained drafter with
+  it (``eagle.init_from``).
 """
 
 from __future__ import annotations
@@ -54,6 +64,111 @@ def collate_feat(rows: list[dict]) -> dict[str, torch.Tensor]:
         "topk_ids": torch.tensor([r["topk_ids"] for r in rows], dtype=torch.long),
         "topk_probs": torch.tensor([r["topk_probs"] for r in rows], dtype=torch.float),
     }
+
+
+def _decode(data: bytes, dtype, shape) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(shape).copy())
+
+
+def collate_forest(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """``feat_tree`` rows -> :func:`collate_feat`'s tensors plus ``forest_tokens`` and
+    ``forest_parents [B, R, D, k]`` (long) and ``forest_ids/probs [B, R, D, k, K]``."""
+    out = collate_feat(rows)
+    shape = [int(v) for v in rows[0]["forest_shape"]]
+    cols = (("forest_tokens", np.int32, shape[:3]), ("forest_parents", np.int8, shape[:3]),
+            ("forest_ids", np.int32, shape), ("forest_probs", np.float16, shape))
+    for key, dtype, shp in cols:
+        t = torch.stack([_decode(r[key], dtype, shp) for r in rows])
+        out[key] = t.float() if dtype is np.float16 else t.long()
+    return out
+
+
+def forest_mask(parents: torch.Tensor, pairs: int) -> torch.Tensor:
+    """Bool ``[B, S, S]`` over ``pairs`` context pairs followed by the forest's nodes in
+    depth-major order (``S = pairs + D * R * k``, node ``(d, r, i)`` at ``pairs + (d * R + r)
+    * k + i``): context pairs are causal; a node sees the context pairs up to its root's
+    (pair ``r``, whose token is the root), its ancestors and itself.
+
+    ``parents [B, R, D, k]``: the parent's beam slot at depth ``d - 1`` (-1 at depth 1)."""
+    b, n_roots, depth, k = parents.shape
+    width = n_roots * k
+    size = pairs + depth * width
+    allowed = torch.zeros(b, size, size, dtype=torch.bool, device=parents.device)
+    allowed[:, :pairs, :pairs] = torch.tril(torch.ones(pairs, pairs, dtype=torch.bool,
+                                                       device=parents.device))
+    diag = torch.arange(width, device=parents.device)
+    for d in range(depth):
+        start = pairs + d * width
+        if d == 0:  # the root's pair row: pairs 0..r
+            rows = allowed[:, :n_roots, None, :].expand(b, n_roots, k, size)
+        else:
+            prev = allowed[:, start - width: start].view(b, n_roots, k, size)
+            idx = parents[:, :, d, :, None].expand(b, n_roots, k, size)
+            rows = prev.gather(2, idx)
+        rows = rows.reshape(b, width, size).clone()
+        rows[:, diag, start + diag] = True
+        allowed[:, start: start + width] = rows
+    return allowed
+
+
+def talf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """TALF on a :func:`collate_forest` batch (the module docstring): the mean
+    cross-entropy over the ``T`` roots' and ``T * D * k`` nodes' next tokens to the
+    target's kept top-K (renormalised), from :func:`talf_logits`."""
+    logits, ids, probs = talf_logits(model, batch)
+    return losses.soft_ce(logits, ids, probs, torch.ones(ids.shape[:2], device=ids.device))
+
+
+def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafter's logits after every root and node of a :func:`collate_forest` batch,
+    ``[B, T + D * T * k, V]`` (roots, then nodes in :func:`forest_mask`'s order), with the
+    target's kept ``ids/probs [B, T + D * T * k, K]`` there.
+
+    Pass 0 runs the ``T = L - 1`` context pairs with the target's features; pass ``d``
+    adds the depth-``d`` nodes, whose inputs are the previous pass's outputs at their
+    parents, and scores them. Roots ``r = 1..L-1`` sit on pairs ``r - 1`` (``R = T``).
+    Returns the mean cross-entropy over the ``T`` roots' and ``T * D * k`` nodes' next
+    tokens (the target's kept top-K, renormalised)."""
+    tokens, feats = batch["tokens"], batch["features"]
+    b, length, hidden = feats.shape
+    t = length - 1
+    f_tok, parents = batch["forest_tokens"], batch["forest_parents"]  # [B, R, D, k]
+    _, n_roots, depth, k = f_tok.shape
+    if n_roots != t:
+        raise ValueError(f"talf: {n_roots} trees for {t} pairs (one per root expected)")
+    width = t * k
+    allowed = forest_mask(parents, t)
+    neg = torch.finfo(feats.dtype).min
+    ctx_pos = torch.arange(t, device=feats.device)
+    node_pos = (ctx_pos[:, None] + 1).expand(t, k).reshape(-1)  # depth 1 under root pair r
+    inp_f, inp_x, pos = [feats[:, :-1]], [tokens[:, 1:length]], [ctx_pos]
+    out_f, logits = model(inp_f[0], inp_x[0], position_ids=ctx_pos.expand(b, t))
+    scored, prev = [logits], out_f  # prev: the last pass's outputs at the newest nodes
+    for d in range(depth):
+        if d == 0:  # depth 1: fed the output at the root's pair
+            parent_out = prev[:, :, None, :].expand(b, t, k, hidden)
+        else:
+            idx = parents[:, :, d, :, None].expand(b, t, k, hidden)
+            parent_out = prev.view(b, t, k, hidden).gather(2, idx)
+        inp_f.append(parent_out.reshape(b, width, hidden))
+        inp_x.append(f_tok[:, :, d].reshape(b, width))
+        pos.append(node_pos + d)
+        size = t + (d + 1) * width
+        mask = torch.zeros(b, 1, size, size, dtype=feats.dtype, device=feats.device)
+        mask.masked_fill_(~allowed[:, None, :size, :size], neg)
+        out_f, logits = model(torch.cat(inp_f, 1), torch.cat(inp_x, 1),
+                              position_ids=torch.cat(pos).expand(b, size), attention_mask=mask)
+        prev = out_f[:, -width:]
+        scored.append(logits[:, -width:])
+    k_top = batch["forest_ids"].shape[-1]
+    ids = torch.cat([batch["topk_ids"][:, 1:]]
+                    + [batch["forest_ids"][:, :, d].reshape(b, width, k_top)
+                       for d in range(depth)], 1)
+    probs = torch.cat([batch["topk_probs"][:, 1:]]
+                      + [batch["forest_probs"][:, :, d].reshape(b, width, k_top)
+                         for d in range(depth)], 1)
+    return torch.cat(scored, 1), ids, probs
 
 
 def _context_mask(t: int, step: int, device: torch.device) -> torch.Tensor:

@@ -312,28 +312,38 @@ class HeadTask:
 
 
 class EagleTask:
-    """An EAGLE feature drafter on ``feat`` shards (the last one held out)."""
+    """An EAGLE feature drafter on ``feat`` shards (``feat_tree`` for TALF; the last
+    shard held out), from scratch or from the drafter in ``eagle.init_from``."""
 
     def __init__(self, cfg: EagleTaskConfig, data_dir: Path, device: torch.device) -> None:
         self.tr, self.e, self.target, self.device = cfg.train, cfg.eagle, cfg.target, device
-        shards = sorted((Path(data_dir) / "feat").glob("shard-*.parquet"))
+        self.kind = "feat_tree" if self.e.loss == "talf" else "feat"
+        shards = sorted((Path(data_dir) / self.kind).glob("shard-*.parquet"))
         if len(shards) < 2:
-            raise ValueError(f"distill: need >= 2 feat shards (one is held out), found "
-                             f"{len(shards)} in {Path(data_dir) / 'feat'}")
+            raise ValueError(f"distill: need >= 2 {self.kind} shards (one is held out), "
+                             f"found {len(shards)} in {Path(data_dir) / self.kind}")
         self.val = pq.read_table(shards[-1]).to_pylist()
         self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
 
     def build_model(self) -> torch.nn.Module:
-        from speclab.models.eagle import EagleModel
+        from speclab.models.eagle import EagleModel, load_eagle
         from speclab.models.loading import load_model
 
         self.target_model = load_model(self.target, field="models.target")
-        return EagleModel.from_target(self.target_model, self.e.layers).float()
+        model = EagleModel.from_target(self.target_model, self.e.layers).float()
+        if self.e.init_from:
+            start = load_eagle(self.e.init_from, self.target_model.config)
+            if start.meta != model.meta:
+                raise ValueError(f"eagle.init_from: the drafter has {start.meta.layers} "
+                                 f"layers, eagle.layers is {self.e.layers}")
+            model.load_state_dict(start.float().state_dict())
+        return model
 
     def _collate(self, rows: list[dict]) -> dict:
-        from speclab.train.eagle import collate_feat
+        from speclab.train.eagle import collate_feat, collate_forest
 
-        return {k: v.to(self.device) for k, v in collate_feat(rows).items()}
+        collate = collate_forest if self.kind == "feat_tree" else collate_feat
+        return {k: v.to(self.device) for k, v in collate(rows).items()}
 
     def batch(self, step: int, rank: int) -> dict:
         g = _gen(self.tr.seed, step, rank)
@@ -341,9 +351,11 @@ class EagleTask:
         return self._collate([self.train[i] for i in idx])
 
     def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        from speclab.train.eagle import eagle_loss
+        from speclab.train.eagle import eagle_loss, talf_loss
 
         e = self.e
+        if e.loss == "talf":
+            return talf_loss(model, batch)
         return eagle_loss(model, batch, e.loss, e.w_reg, e.w_cls, e.hass_k, e.hass_steps)
 
     def tokens_in(self, batch: dict) -> int:

@@ -1,0 +1,103 @@
+"""Stage: an EAGLE feature drafter trained on Ray Train from the target's features, saved,
+registered and evaluated (distill_eagle, compare_eagle)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from speclab.pipelines.signals import Prepared, generate, prepare_target
+
+
+def prepare_eagle(cfg: Any) -> Prepared:
+    """:func:`prepare_target`, then ``eagle.init_from`` resolved to a local folder (a
+    ``models:/`` URI is downloaded) and checked against the target; ``cfg.eagle.init_from``
+    is set to that folder (ValueError when it is not a drafter for this target)."""
+    prep = prepare_target(cfg)
+    if cfg.eagle.init_from:
+        from speclab.models.eagle import load_eagle
+        from speclab.models.loading import load_model, resolve_source
+
+        folder = resolve_source(cfg.eagle.init_from, "eagle.init_from")
+        start = load_eagle(folder, load_model(prep.target, field="models.target").config,
+                           field="eagle.init_from")
+        if start.meta.layers != cfg.eagle.layers:
+            raise ValueError(f"eagle.init_from: the drafter has {start.meta.layers} layers, "
+                             f"eagle.layers is {cfg.eagle.layers}")
+        cfg.eagle.init_from = str(folder)
+    return prep
+
+
+def data_kinds(losses: list[str]) -> set[str]:
+    """The generated example kinds the EAGLE-family ``losses`` train on."""
+    return {"feat_tree" if loss == "talf" else "feat" for loss in losses}
+
+
+def save_final_eagle(result, target: str, layers: int, run_dir) -> Path:
+    """The last checkpoint's drafter written with :func:`~speclab.models.eagle.save_eagle`
+    to ``run_dir/eagle``."""
+    import torch
+
+    from speclab.models.eagle import EagleModel, save_eagle
+    from speclab.models.loading import load_model
+
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(Path(d) / "state.pt", weights_only=False)
+    model = EagleModel.from_target(load_model(target, field="models.target"), layers).float()
+    model.load_state_dict(state["model"])
+    return save_eagle(model, Path(run_dir) / "eagle")
+
+
+def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_name: str,
+                                  data_dir: Path, tracker, register_as: str | None,
+                                  evaluate: bool = True) -> tuple[Path, list[dict]]:
+    """Train an EAGLE drafter (``cfg.eagle``, ``train``, ``scaling``) on Ray Train, save
+    and register it, then (``evaluate``) run ``methods`` against the target, ``eagle``
+    methods with ``eagle_model: trained`` using this drafter. Returns (the drafter's
+    folder, the evaluation rows, AR first)."""
+    from speclab.config.jobs import TRAINED
+    from speclab.models.registry import resolve_models
+    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+    from speclab.pipelines.fit import fit
+    from speclab.train.tasks import EagleTaskConfig
+
+    task = EagleTaskConfig(train=cfg.train, eagle=cfg.eagle, target=prep.target)
+    t1 = time.perf_counter()
+    result = fit(task, cfg.scaling, storage, run_name, data_dir, prep.vocab, prep.eos,
+                 tracker.run_id, tracker.uri if tracker.run_id else None)
+    final = save_final_eagle(result, prep.target, cfg.eagle.layers, storage / run_name)
+    tracker.log_metrics({"train_s": time.perf_counter() - t1,
+                         "final_step": result.metrics["step"],
+                         "final_val_loss": result.metrics["val_loss"],
+                         "final_val_top1": result.metrics["val_top1"],
+                         "final_engine_tau": result.metrics.get("engine_tau", 0.0)})
+    uri = tracker.log_model(final, register_as)
+    print(f"[distill_eagle] drafter saved to {final}"
+          + (f", registered as {uri}" if uri else ""), flush=True)
+    if not evaluate:
+        return final, []
+    methods = [m.model_copy(update={"eagle_model": str(final)})
+               if getattr(m, "eagle_model", None) == TRAINED else m
+               for m in cfg.method_list()]
+    draft = None
+    if any(m.needs_draft_model for m in methods):
+        _, draft = resolve_models(cfg.models.target, cfg.models.draft)
+    rows = evaluate_pair(cfg, prep.target, draft, tokenized_prompts(cfg, prep.target),
+                         tracker, "eval/", methods)
+    return final, rows
+
+
+def generate_features(cfg: Any, prep: Prepared, data_dir: Path, tracker,
+                      losses: list[str]) -> None:
+    """Stage 1: the ``feat`` / ``feat_tree`` shards ``losses`` need, on Ray actors."""
+    t0 = time.perf_counter()
+    shards, actor_peak = generate(cfg, prep.target, data_dir, data_kinds(losses), prep.tokens)
+    from speclab.pipelines.fit import peak_rss_mb
+
+    tracker.log_metrics({"generate_s": time.perf_counter() - t0,
+                         "generate_driver_peak_rss_mb": peak_rss_mb(),
+                         "generate_actor_peak_rss_mb": actor_peak,
+                         **{f"shards.{k}": v for k, v in shards.items()}})
+    print(f"[distill_eagle] generated {shards} in {time.perf_counter() - t0:.0f}s",
+          flush=True)

@@ -1,0 +1,115 @@
+"""TALF on the EAGLE drafter: the target-built forest (one beam tree per position) and the
+drafter's logits at its nodes, each checked against a plain path-by-path computation."""
+
+import torch
+
+from speclab.decoding.runner import ModelRunner
+from speclab.models.eagle import EagleModel
+from speclab.models.loading import load_model
+from speclab.train.distill_data import feat_forest_example
+from speclab.train.eagle import collate_forest, talf_logits, talf_loss
+
+TOP_K, DEPTH, K = 3, 3, 4
+
+
+def _window(vocab: int, length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length + 1,), generator=g).tolist()
+
+
+def _path(batch: dict, b: int, r: int, d: int, i: int) -> list[int]:
+    """Tokens from root pair ``r`` down to beam slot ``i`` at depth index ``d``."""
+    toks, slot = [], i
+    for level in range(d, -1, -1):
+        toks.append(int(batch["forest_tokens"][b, r, level, slot]))
+        slot = int(batch["forest_parents"][b, r, level, slot])
+    return toks[::-1]
+
+
+def test_forest_nodes_carry_the_targets_own_beam_and_distributions(tiny_pair):
+    target = load_model(tiny_pair["target"])
+    runner = ModelRunner(target)
+    window = _window(target.config.vocab_size, 12, 0)
+    batch = collate_forest([feat_forest_example(runner, window, K, TOP_K, DEPTH)])
+    assert batch["forest_tokens"].shape == (1, 11, DEPTH, TOP_K)
+    assert (batch["forest_parents"][:, :, 0] == -1).all()
+    for r in (0, 4, 10):  # root x_{r+1}
+        prefix = window[: r + 2]
+        logp = torch.log_softmax(runner.model(torch.tensor([prefix])).logits[0, -1], -1)
+        assert batch["forest_tokens"][0, r, 0].tolist() == logp.topk(TOP_K).indices.tolist()
+        for d in range(DEPTH):
+            for i in range(TOP_K):
+                path = _path(batch, 0, r, d, i)
+                with torch.no_grad():
+                    out = target(torch.tensor([prefix + path])).logits[0, -1].softmax(-1)
+                probs, ids = out.topk(K)
+                assert batch["forest_ids"][0, r, d, i].tolist() == ids.tolist()
+                torch.testing.assert_close(batch["forest_probs"][0, r, d, i], probs,
+                                           atol=2e-3, rtol=1e-2)
+        # the beam: depth 2 keeps the TOP_K best two-token paths under the root
+        scores = {}
+        for a in logp.topk(TOP_K).indices.tolist():
+            with torch.no_grad():
+                nxt = torch.log_softmax(target(torch.tensor([prefix + [a]])).logits[0, -1], -1)
+            for c in range(nxt.shape[0]):
+                scores[(a, c)] = float(logp[a] + nxt[c])
+        best = sorted(scores, key=scores.get, reverse=True)[:TOP_K]
+        got = {tuple(_path(batch, 0, r, 1, i)) for i in range(TOP_K)}
+        assert got == set(best)
+
+
+def test_talf_logits_are_the_drafters_on_its_own_features_along_each_path(tiny_pair):
+    target = load_model(tiny_pair["target"])
+    runner = ModelRunner(target)
+    vocab = target.config.vocab_size
+    rows = [feat_forest_example(runner, _window(vocab, 10, s), K, TOP_K, DEPTH)
+            for s in (1, 2)]
+    batch = collate_forest(rows)
+    torch.manual_seed(0)
+    model = EagleModel.from_target(target).float().eval()
+    with torch.no_grad():
+        logits, ids, _ = talf_logits(model, batch)
+    t = batch["features"].shape[1] - 1
+    assert logits.shape[:2] == ids.shape[:2] == (2, t + DEPTH * t * TOP_K)
+    for b in (0, 1):
+        feats, tokens = batch["features"][b], batch["tokens"][b]
+        for r in (0, 3, t - 1):
+            # the engine's view: pairs 0..r with the target's features, then each node
+            # fed the drafter's own output at its parent (a chain, causal attention)
+            with torch.no_grad():
+                f_hat, ctx_logits = model(feats[None, : r + 1], tokens[None, 1: r + 2])
+            torch.testing.assert_close(logits[b, r], ctx_logits[0, -1], atol=1e-4, rtol=1e-4)
+            for d in range(DEPTH):
+                for i in range(TOP_K):
+                    path = _path(batch, b, r, d, i)
+                    f_in = feats[: r + 1]
+                    x_in = tokens[1: r + 2]
+                    out_f = f_hat[0]
+                    for tok in path:
+                        f_in = torch.cat([f_in, out_f[-1:]])
+                        x_in = torch.cat([x_in, torch.tensor([tok])])
+                        with torch.no_grad():
+                            out_f, out_l = model(f_in[None], x_in[None])
+                        out_f = out_f[0]
+                    col = t + (d * t + r) * TOP_K + i
+                    torch.testing.assert_close(logits[b, col], out_l[0, -1], atol=1e-4,
+                                               rtol=1e-4)
+
+
+def test_talf_training_lowers_the_loss(tiny_pair):
+    target = load_model(tiny_pair["target"])
+    runner = ModelRunner(target)
+    vocab = target.config.vocab_size
+    batch = collate_forest([feat_forest_example(runner, _window(vocab, 12, s), K, 2, 2)
+                            for s in range(4)])
+    torch.manual_seed(0)
+    model = EagleModel.from_target(target).float()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    history = []
+    for _ in range(40):
+        loss = talf_loss(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append(loss.item())
+    assert history[-1] < 0.7 * history[0]
