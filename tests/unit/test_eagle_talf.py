@@ -1,6 +1,7 @@
 """TALF on the EAGLE drafter: the target-built forest (one beam tree per position) and the
 drafter's logits at its nodes, each checked against a plain path-by-path computation."""
 
+import pytest
 import torch
 
 from speclab.decoding.runner import ModelRunner
@@ -58,22 +59,27 @@ def test_forest_nodes_carry_the_targets_own_beam_and_distributions(tiny_pair):
         assert got == set(best)
 
 
-def test_talf_logits_are_the_drafters_on_its_own_features_along_each_path(tiny_pair):
+@pytest.mark.parametrize("roots", [0, 4])
+def test_talf_logits_are_the_drafters_on_its_own_features_along_each_path(tiny_pair, roots):
     target = load_model(tiny_pair["target"])
     runner = ModelRunner(target)
     vocab = target.config.vocab_size
     rows = [feat_forest_example(runner, _window(vocab, 10, s), K, TOP_K, DEPTH)
             for s in (1, 2)]
-    batch = collate_forest(rows)
+    batch = collate_forest(rows, roots, torch.Generator().manual_seed(3))
     torch.manual_seed(0)
     model = EagleModel.from_target(target).float().eval()
     with torch.no_grad():
         logits, ids, _ = talf_logits(model, batch)
     t = batch["features"].shape[1] - 1
-    assert logits.shape[:2] == ids.shape[:2] == (2, t + DEPTH * t * TOP_K)
+    n_roots = roots or t
+    assert logits.shape[:2] == ids.shape[:2] == (2, t + DEPTH * n_roots * TOP_K)
+    if roots:  # a random subset, different per row
+        assert batch["forest_roots"][0].tolist() != batch["forest_roots"][1].tolist()
     for b in (0, 1):
         feats, tokens = batch["features"][b], batch["tokens"][b]
-        for r in (0, 3, t - 1):
+        for j in sorted({0, n_roots // 2, n_roots - 1}):
+            r = int(batch["forest_roots"][b, j])
             # the engine's view: pairs 0..r with the target's features, then each node
             # fed the drafter's own output at its parent (a chain, causal attention)
             with torch.no_grad():
@@ -81,7 +87,7 @@ def test_talf_logits_are_the_drafters_on_its_own_features_along_each_path(tiny_p
             torch.testing.assert_close(logits[b, r], ctx_logits[0, -1], atol=1e-4, rtol=1e-4)
             for d in range(DEPTH):
                 for i in range(TOP_K):
-                    path = _path(batch, b, r, d, i)
+                    path = _path(batch, b, j, d, i)
                     f_in = feats[: r + 1]
                     x_in = tokens[1: r + 2]
                     out_f = f_hat[0]
@@ -91,7 +97,7 @@ def test_talf_logits_are_the_drafters_on_its_own_features_along_each_path(tiny_p
                         with torch.no_grad():
                             out_f, out_l = model(f_in[None], x_in[None])
                         out_f = out_f[0]
-                    col = t + (d * t + r) * TOP_K + i
+                    col = t + (d * n_roots + j) * TOP_K + i
                     torch.testing.assert_close(logits[b, col], out_l[0, -1], atol=1e-4,
                                                rtol=1e-4)
 

@@ -220,6 +220,8 @@ class EagleTrainConfig(StrictModel):
     talf_top_k: int = Field(4, gt=0, description="TALF training trees: children kept per "
                                                   "depth (the beam width k)")
     talf_depth: int = Field(3, gt=0, description="TALF training trees: depth")
+    talf_roots: int = Field(0, ge=0, description="TALF trees per window and step, drawn at "
+                                                 "random (0: every position's)")
     init_from: str | None = Field(None, description="start from this EAGLE drafter (folder "
                                                     "or models:/ URI) instead of scratch")
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "

@@ -70,26 +70,38 @@ def _decode(data: bytes, dtype, shape) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(shape).copy())
 
 
-def collate_forest(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """``feat_tree`` rows -> :func:`collate_feat`'s tensors plus ``forest_tokens`` and
-    ``forest_parents [B, R, D, k]`` (long) and ``forest_ids/probs [B, R, D, k, K]``."""
+def collate_forest(rows: list[dict], roots: int = 0,
+                   generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """``feat_tree`` rows -> :func:`collate_feat`'s tensors plus the trees of ``R`` roots
+    per row: ``forest_roots [B, R]`` (the root's pair index, ascending), ``forest_tokens``
+    and ``forest_parents [B, R, D, k]`` (long) and ``forest_ids/probs [B, R, D, k, K]``.
+
+    ``roots`` 0 keeps every root (``R = L - 1``); ``n`` keeps ``n`` drawn at random per row
+    (with ``generator``): an unbiased sample of the same per-root loss terms at a
+    fraction of the cost."""
     out = collate_feat(rows)
     shape = [int(v) for v in rows[0]["forest_shape"]]
+    n_all = shape[0]
+    n = n_all if roots <= 0 else min(roots, n_all)
+    picks = [torch.arange(n_all) if n == n_all else
+             torch.randperm(n_all, generator=generator)[:n].sort().values for _ in rows]
+    out["forest_roots"] = torch.stack(picks)
     cols = (("forest_tokens", np.int32, shape[:3]), ("forest_parents", np.int8, shape[:3]),
             ("forest_ids", np.int32, shape), ("forest_probs", np.float16, shape))
     for key, dtype, shp in cols:
-        t = torch.stack([_decode(r[key], dtype, shp) for r in rows])
+        t = torch.stack([_decode(r[key], dtype, shp)[pick] for r, pick in zip(rows, picks)])
         out[key] = t.float() if dtype is np.float16 else t.long()
     return out
 
 
-def forest_mask(parents: torch.Tensor, pairs: int) -> torch.Tensor:
+def forest_mask(parents: torch.Tensor, roots: torch.Tensor, pairs: int) -> torch.Tensor:
     """Bool ``[B, S, S]`` over ``pairs`` context pairs followed by the forest's nodes in
     depth-major order (``S = pairs + D * R * k``, node ``(d, r, i)`` at ``pairs + (d * R + r)
     * k + i``): context pairs are causal; a node sees the context pairs up to its root's
-    (pair ``r``, whose token is the root), its ancestors and itself.
+    (pair ``roots[r]``, whose token is the root), its ancestors and itself.
 
-    ``parents [B, R, D, k]``: the parent's beam slot at depth ``d - 1`` (-1 at depth 1)."""
+    ``parents [B, R, D, k]``: the parent's beam slot at depth ``d - 1`` (-1 at depth 1);
+    ``roots [B, R]``: each tree's root pair."""
     b, n_roots, depth, k = parents.shape
     width = n_roots * k
     size = pairs + depth * width
@@ -99,8 +111,9 @@ def forest_mask(parents: torch.Tensor, pairs: int) -> torch.Tensor:
     diag = torch.arange(width, device=parents.device)
     for d in range(depth):
         start = pairs + d * width
-        if d == 0:  # the root's pair row: pairs 0..r
-            rows = allowed[:, :n_roots, None, :].expand(b, n_roots, k, size)
+        if d == 0:  # the root's pair row: pairs 0..root
+            idx = roots[:, :, None].expand(b, n_roots, size)
+            rows = allowed.gather(1, idx)[:, :, None, :].expand(b, n_roots, k, size)
         else:
             prev = allowed[:, start - width: start].view(b, n_roots, k, size)
             idx = parents[:, :, d, :, None].expand(b, n_roots, k, size)
@@ -113,7 +126,7 @@ def forest_mask(parents: torch.Tensor, pairs: int) -> torch.Tensor:
 
 def talf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """TALF on a :func:`collate_forest` batch (the module docstring): the mean
-    cross-entropy over the ``T`` roots' and ``T * D * k`` nodes' next tokens to the
+    cross-entropy over the ``T`` roots' and ``R * D * k`` nodes' next tokens to the
     target's kept top-K (renormalised), from :func:`talf_logits`."""
     logits, ids, probs = talf_logits(model, batch)
     return losses.soft_ce(logits, ids, probs, torch.ones(ids.shape[:2], device=ids.device))
@@ -122,35 +135,33 @@ def talf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
 def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The drafter's logits after every root and node of a :func:`collate_forest` batch,
-    ``[B, T + D * T * k, V]`` (roots, then nodes in :func:`forest_mask`'s order), with the
-    target's kept ``ids/probs [B, T + D * T * k, K]`` there.
+    ``[B, T + D * R * k, V]`` (the ``T`` pairs, then nodes in :func:`forest_mask`'s order),
+    with the target's kept ``ids/probs [B, T + D * R * k, K]`` there.
 
-    Pass 0 runs the ``T = L - 1`` context pairs with the target's features; pass ``d``
-    adds the depth-``d`` nodes, whose inputs are the previous pass's outputs at their
-    parents, and scores them. Roots ``r = 1..L-1`` sit on pairs ``r - 1`` (``R = T``).
-    Returns the mean cross-entropy over the ``T`` roots' and ``T * D * k`` nodes' next
-    tokens (the target's kept top-K, renormalised)."""
+    Pass 0 runs the ``T = L - 1`` context pairs with the target's features (pair ``j``'s
+    token ``x_{j+1}`` is the root of tree ``j``); pass ``d`` adds the depth-``d`` nodes,
+    whose inputs are the previous pass's outputs at their parents, and scores them."""
     tokens, feats = batch["tokens"], batch["features"]
     b, length, hidden = feats.shape
     t = length - 1
-    f_tok, parents = batch["forest_tokens"], batch["forest_parents"]  # [B, R, D, k]
+    f_tok, parents, roots = (batch["forest_tokens"], batch["forest_parents"],
+                             batch["forest_roots"])  # [B, R, D, k], [B, R]
     _, n_roots, depth, k = f_tok.shape
-    if n_roots != t:
-        raise ValueError(f"talf: {n_roots} trees for {t} pairs (one per root expected)")
-    width = t * k
-    allowed = forest_mask(parents, t)
+    width = n_roots * k
+    allowed = forest_mask(parents, roots, t)
     neg = torch.finfo(feats.dtype).min
-    ctx_pos = torch.arange(t, device=feats.device)
-    node_pos = (ctx_pos[:, None] + 1).expand(t, k).reshape(-1)  # depth 1 under root pair r
+    ctx_pos = torch.arange(t, device=feats.device).expand(b, t)
+    node_pos = (roots[:, :, None] + 1).expand(b, n_roots, k).reshape(b, width)  # depth 1
     inp_f, inp_x, pos = [feats[:, :-1]], [tokens[:, 1:length]], [ctx_pos]
-    out_f, logits = model(inp_f[0], inp_x[0], position_ids=ctx_pos.expand(b, t))
+    out_f, logits = model(inp_f[0], inp_x[0], position_ids=ctx_pos)
     scored, prev = [logits], out_f  # prev: the last pass's outputs at the newest nodes
     for d in range(depth):
         if d == 0:  # depth 1: fed the output at the root's pair
-            parent_out = prev[:, :, None, :].expand(b, t, k, hidden)
+            idx = roots[:, :, None].expand(b, n_roots, hidden)
+            parent_out = prev.gather(1, idx)[:, :, None, :].expand(b, n_roots, k, hidden)
         else:
-            idx = parents[:, :, d, :, None].expand(b, t, k, hidden)
-            parent_out = prev.view(b, t, k, hidden).gather(2, idx)
+            idx = parents[:, :, d, :, None].expand(b, n_roots, k, hidden)
+            parent_out = prev.view(b, n_roots, k, hidden).gather(2, idx)
         inp_f.append(parent_out.reshape(b, width, hidden))
         inp_x.append(f_tok[:, :, d].reshape(b, width))
         pos.append(node_pos + d)
@@ -158,7 +169,7 @@ def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         mask = torch.zeros(b, 1, size, size, dtype=feats.dtype, device=feats.device)
         mask.masked_fill_(~allowed[:, None, :size, :size], neg)
         out_f, logits = model(torch.cat(inp_f, 1), torch.cat(inp_x, 1),
-                              position_ids=torch.cat(pos).expand(b, size), attention_mask=mask)
+                              position_ids=torch.cat(pos, 1), attention_mask=mask)
         prev = out_f[:, -width:]
         scored.append(logits[:, -width:])
     k_top = batch["forest_ids"].shape[-1]

@@ -339,16 +339,23 @@ class EagleTask:
             model.load_state_dict(start.float().state_dict())
         return model
 
-    def _collate(self, rows: list[dict]) -> dict:
+    def _collate(self, rows: list[dict], g: torch.Generator) -> dict:
         from speclab.train.eagle import collate_feat, collate_forest
 
-        collate = collate_forest if self.kind == "feat_tree" else collate_feat
-        return {k: v.to(self.device) for k, v in collate(rows).items()}
+        if self.kind == "feat_tree":  # eagle.talf_roots trees per window, drawn with g
+            batch = collate_forest(rows, self.e.talf_roots, g)
+        else:
+            batch = collate_feat(rows)
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def batch(self, step: int, rank: int) -> dict:
         g = _gen(self.tr.seed, step, rank)
         idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
-        return self._collate([self.train[i] for i in idx])
+        return self._collate([self.train[i] for i in idx], g)
+
+    def _val_batch(self) -> dict:
+        """The held-out windows (a fixed draw of TALF roots)."""
+        return self._collate(self.val[: self.tr.batch_size * 4], _gen(self.tr.seed, -1, 0))
 
     def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         from speclab.train.eagle import eagle_loss, talf_loss
@@ -365,7 +372,7 @@ class EagleTask:
     def validate(self, model: torch.nn.Module) -> float:
         """The training loss on held-out windows."""
         model.eval()
-        out = float(self.loss(model, self._collate(self.val[: self.tr.batch_size * 4])))
+        out = float(self.loss(model, self._val_batch()))
         model.train()
         return out
 
@@ -376,8 +383,7 @@ class EagleTask:
         from speclab.train.eagle import engine_acceptance, top1_agreement
 
         model.eval()
-        out = {"val_top1": top1_agreement(model, self._collate(self.val[: self.tr.batch_size
-                                                                        * 4]))}
+        out = {"val_top1": top1_agreement(model, self._val_batch())}
         if self.e.engine_prompts:
             prompts = [r["tokens"][: len(r["tokens"]) // 2]
                        for r in self.val[: self.e.engine_prompts]]

@@ -1,0 +1,57 @@
+"""jobs.compare_eagle end to end: feat and feat_tree shards generated once, an EAGLE base
+drafter, EAGLE and TALF fine-tuned from it on Ray Train, each a child run with its own
+registered drafter, and the loss x method table with acceptance per draft position on
+the parent run; bad input before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import python, run_cmd
+
+pytestmark = pytest.mark.integration
+CONFIG = "experiments/smoke/compare_eagle.yaml"
+
+
+def test_eagle_losses_compared_as_child_runs(job_env, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    res = run_cmd([python(), "-m", "jobs.compare_eagle", "--config", CONFIG,
+                   f"output.storage_path={tmp_path / 'runs'}", "tracking.experiment=ce"],
+                  job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    client = MlflowClient(job_env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("ce").experiment_id])
+    parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
+    children = {r.data.tags["loss"] + r.data.tags.get("stage", ""): r for r in runs
+                if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    assert sorted(children) == ["eagle", "eaglebase", "talf"]
+    assert parent.data.metrics["shards.feat"] == 2 and parent.data.metrics["shards.feat_tree"] == 2
+    assert children["eaglebase"].data.metrics["final_step"] == 10
+    for loss in ("eagle", "talf"):  # fine-tuned from the base for compare.finetune_steps
+        m = children[loss].data.metrics
+        assert m["final_step"] == 6 and m["engine_tau"] >= 1.0, m
+        assert all(v == 1.0 for k, v in m.items() if k.endswith("identical_to_ar")), m
+        assert 0.0 <= m["eval/eagle-salf.accept_at_1"] <= 1.0
+        version = client.get_model_version(f"speclab-smoke-compare-eagle-{loss}", "1")
+        assert version.run_id == children[loss].info.run_id
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"loss_comparison.csv", "loss_comparison.txt", "tau_by_loss.png",
+            "acceptance_per_position.png"} <= arts, arts
+    rows = [ln.split() for ln in res.stdout.splitlines()]
+    assert {(r[0], r[1]) for r in rows if r[:2] in (["eagle", "eagle-salf"],
+                                                     ["talf", "eagle-salf"])} == {
+        ("eagle", "eagle-salf"), ("talf", "eagle-salf")}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["compare.losses=[eagle,medusa]"], "compare.losses"),
+    (["eagle.init_from=/nonexistent/drafter"], "eagle.init_from"),
+    (["eagle.talf_depth=30"], "eagle.talf_depth (30) must be below distill.seq_len (24)"),
+])
+def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
+    res = run_cmd([python(), "-m", "jobs.compare_eagle", "--config", CONFIG, *overrides,
+                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=180)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert message in res.stderr
+    assert "running on" not in res.stdout
