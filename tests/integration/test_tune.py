@@ -127,6 +127,37 @@ def test_head_training_sweep_with_asha(job_env, tmp_path):
     assert Path(parent.data.tags["best_config"]).exists()
 
 
+def test_eagle_training_sweep_over_hass_knobs(job_env, tmp_path):
+    """2 trials each train a HASS drafter (hass_k 1 / 2) with Ray Train in two chunks,
+    report val_top1 and the engine's tau, then decode method eagle with their own
+    drafter (lossless); the best config evaluates the best trial's drafter."""
+    storage = tmp_path / "runs"
+    res = run_cmd([python(), "-m", "jobs.tune", "--config",
+                   "experiments/sweeps/eagle_smoke.yaml", "tracking.experiment=te",
+                   f"output.storage_path={storage}", "output.run_name=es"], job_env,
+                  timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "te")
+    assert len(children) == 2 and parent.data.metrics["shards.feat"] == 2
+    assert parent.data.metrics["t_draft_s"] > 0  # the EAGLE drafter's forward, timed
+    for c in children:
+        m = c.data.metrics
+        assert c.data.tags["status"] == "ok" and m["step"] == 8, m
+        assert m["identical_to_ar"] == 1.0 and 0 <= m["val_top1"] <= 1 and m["engine_tau"] >= 1
+        assert m["predicted_speedup"] > 0
+    best = yaml.safe_load((storage / "es" / "best_config.yaml").read_text())
+    assert best["job"] == "evaluate" and best["method"]["name"] == "eagle"
+    assert Path(best["method"]["eagle_model"], "config.json").exists()
+
+
+def test_eagle_sweep_needs_the_eagle_method(job_env, tmp_path):
+    res = run_cmd([python(), "-m", "jobs.tune", "--config", "experiments/sweeps/eagle_smoke.yaml",
+                   "method={name: chain}", f"output.storage_path={tmp_path / 'runs'}"],
+                  job_env, timeout=120)
+    assert res.returncode == 2 and "method.name" in res.stderr, res.stderr[-2000:]
+    assert "running on" not in res.stdout
+
+
 def test_unknown_swept_field_fails_before_ray(job_env, tmp_path):
     res = run_cmd([python(), "-m", "jobs.tune", "--config", SMOKE,
                    "sweep.space={method.gama: {grid: [2, 3]}}",

@@ -278,6 +278,8 @@ class CompareEagleJob(DistillEagleJob):
 
     job: Literal["compare_eagle"] = "compare_eagle"
     compare: EagleCompareConfig = EagleCompareConfig()
+    #: top-16 stored by default, so the default HASS K (10) is below it
+    distill: DistillConfig = DistillConfig(top_k=16)
 
     def eagle_losses(self) -> list[str]:
         return list(self.compare.losses)
@@ -351,6 +353,8 @@ TUNE_GROUPS: dict[str, tuple[str, ...]] = {
     "train_head": ("models", "data", "decoding", "method", "retrieval", "corpus", "tokenizer",
                    "distill", "head", "train", "scaling", "output"),
     "atspeed": ("rec", "rec_eval", "arch", "train", "scaling", "output"),
+    "eagle": ("models", "data", "decoding", "method", "retrieval", "corpus", "tokenizer",
+              "distill", "eagle", "train", "scaling", "output"),
 }
 
 
@@ -358,7 +362,9 @@ class TuneJob(_Trains):
     """``jobs.tune``: a Ray Tune sweep over dotted paths of this config. Which groups
     it takes depends on ``sweep.kind`` (:data:`TUNE_GROUPS`): ``decode`` evaluates
     ``method``; ``train_head`` trains a head per trial; ``atspeed`` an AtSpeed drafter
-    (``rec_eval.draft_loss`` / ``rec_eval.align_alpha``)."""
+    (``rec_eval.draft_loss`` / ``rec_eval.align_alpha``); ``eagle`` an EAGLE-family
+    drafter (the ``eagle`` group: loss, HASS K / steps / weights, TALF trees), then
+    evaluates ``method`` (``name: eagle``) with it."""
 
     job: Literal["tune"] = "tune"
     sweep: SweepConfig | None = None  # required by the job; trial configs drop it
@@ -371,6 +377,7 @@ class TuneJob(_Trains):
     tokenizer: TokenizerConfig = TokenizerConfig()
     distill: DistillConfig = DistillConfig()
     head: HeadConfig = HeadConfig()
+    eagle: EagleTrainConfig = EagleTrainConfig()
     rec: RecConfig = RecConfig()
     rec_eval: RecTrialConfig = RecTrialConfig()
     arch: ArchConfig = ArchConfig()
@@ -395,10 +402,16 @@ class TuneJob(_Trains):
     @classmethod
     def precheck(cls, data: dict) -> None:
         """A swept ``method.<knob>`` must be a knob of some method (checked first: with
-        ``method.name`` swept the base ``method`` may hold several methods' knobs)."""
+        ``method.name`` swept the base ``method`` may hold several methods' knobs). In an
+        ``eagle`` sweep, ``method.eagle_model`` defaults to ``trained``: each trial's
+        drafter."""
         from speclab.config.method import methods
 
         sweep = data.get("sweep")
+        method = data.get("method")
+        if (isinstance(sweep, dict) and sweep.get("kind") == "eagle"
+                and isinstance(method, dict) and method.get("name") == "eagle"):
+            method.setdefault("eagle_model", TRAINED)  # each trial's own drafter
         space = sweep.get("space") if isinstance(sweep, dict) else None
         if not isinstance(space, dict):
             return
@@ -408,6 +421,24 @@ class TuneJob(_Trains):
             if head == "method" and knob and knob not in knobs:
                 raise ConfigError(f"sweep.space: {path!r} is not a field of the config "
                                   f"(method knobs: {', '.join(sorted(knobs))})")
+
+    @model_validator(mode="after")
+    def _eagle_sweep(self):
+        if self.sweep is None or self.sweep.kind != "eagle":
+            return self
+        if self.method.name != "eagle":
+            raise ValueError(f"method.name: an eagle sweep evaluates method eagle with each "
+                             f"trial's drafter, got {self.method.name!r}")
+        ks = [self.eagle.hass_k]
+        swept = self.sweep.space.get("eagle.hass_k")
+        if swept is not None:
+            ks += list(swept.grid or swept.choice or [])
+            if swept.randint:
+                ks.append(swept.randint[1] - 1)
+        if max(ks) > self.distill.top_k:
+            raise ValueError(f"eagle.hass_k ({max(ks)}) must not exceed distill.top_k "
+                             f"({self.distill.top_k}), the stored top-k")
+        return self
 
     def sweep_base(self) -> dict:
         """The JSON dump trials start from (``method`` with every swept method's knobs)."""

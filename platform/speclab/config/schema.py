@@ -442,10 +442,12 @@ class SweepConfig(StrictModel):
     """The ``tune`` job: a Ray Tune search over dotted paths of the tune config itself
     (the groups its ``kind`` uses: :data:`speclab.config.jobs.TUNE_GROUPS`)."""
 
-    kind: Literal["decode", "train_head", "atspeed"] = Field(
+    kind: Literal["decode", "train_head", "atspeed", "eagle"] = Field(
         "decode", description="decode: evaluate `method` with trained models; train_head: "
                               "train an acceptance head per trial, then evaluate specdecpp; "
-                              "atspeed: train a rec drafter per trial, then beam SD")
+                              "atspeed: train a rec drafter per trial, then beam SD; eagle: "
+                              "train an EAGLE drafter per trial, then evaluate `method` "
+                              "(eagle) with it")
     space: dict[str, SweepParam] = Field(default_factory=dict,
                                          description="dotted config path -> values")
     search: Literal["grid", "random", "optuna"] = "grid"

@@ -19,6 +19,11 @@ constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
   trial function builds the trainer; accept data is generated once per sweep), report
   the held-out unweighted BCE after every ``train.report_every`` steps (ASHA stops bad
   trials on it) and then evaluate ``specdecpp`` with the head.
+* ``kind: eagle`` trials train an EAGLE-family drafter (the ``eagle`` group: ``loss``,
+  HASS ``hass_k`` / ``hass_steps`` / ``w_reg`` / ``w_cls``, TALF trees) with Ray Train on
+  ``feat`` / ``feat_tree`` data generated once per sweep, report ``val_top1_miss`` per
+  chunk (ASHA) and the engine's ``engine_tau``, then evaluate ``method`` (``eagle``)
+  with the trial's drafter. The best config is an ``evaluate`` config using it.
 * ``kind: atspeed`` trials train an AtSpeed drafter (``rec_eval.draft_loss`` with
   AtSpeed weight ``rec_eval.align_alpha``; target and alignment data made once per
   sweep), report its validation loss per chunk (ASHA), then run beam SD for
@@ -55,7 +60,7 @@ class Inputs:
     draft: str | None
     prompts: list[list[int]]
     references: tuple[str, list[str]] | None
-    head_prep: object | None  # signals.Prepared for train_head sweeps
+    train_prep: object | None  # signals.Prepared for train_head / eagle sweeps
     rec_prep: tuple | None = None  # (RecMeta, examples) for atspeed sweeps
 
 
@@ -78,7 +83,7 @@ def prepare(cfg: TuneJob) -> Inputs:
                                  f"(a {sw.kind} sweep has groups "
                                  f"{', '.join(TUNE_GROUPS[sw.kind])})")
             node = node[key]
-    head_prep = None
+    train_prep = None
     if sw.kind == "atspeed":  # the target is trained (or checked) in main, under Ray
         from speclab.pipelines.recommender import prepare_rec
 
@@ -86,8 +91,13 @@ def prepare(cfg: TuneJob) -> Inputs:
     if sw.kind == "train_head":
         from speclab.pipelines.head import prepare_head
 
-        head_prep, draft = prepare_head(cfg)
-        target = head_prep.target
+        train_prep, draft = prepare_head(cfg)
+        target = train_prep.target
+    elif sw.kind == "eagle":  # target + corpus; eagle.init_from resolved and checked
+        from speclab.pipelines.eagle import prepare_eagle
+
+        train_prep, draft = prepare_eagle(cfg), None
+        target = train_prep.target
     else:
         target, draft = resolve_models(cfg.models.target, cfg.models.draft)
         target = resolve_source(target, "models.target")
@@ -103,17 +113,18 @@ def prepare(cfg: TuneJob) -> Inputs:
         references = (exs[0].metric, [e.reference for e in exs])
     else:
         prompts = tokenized_prompts(cfg, target)
-    return Inputs(target, draft, prompts, references, head_prep)
+    return Inputs(target, draft, prompts, references, train_prep)
 
 
-_TRAINED = {"train_head": "heldout_bce", "atspeed": "val_loss"}  # kind -> ASHA metric
+#: kind -> the held-out metric training trials report per chunk (ASHA minimises it)
+_TRAINED = {"train_head": "heldout_bce", "atspeed": "val_loss", "eagle": "val_top1_miss"}
 
 
 def _tuner(cfg: TuneJob, inputs: Inputs, sweep_dir: Path, times: tuple):
     """A fresh Tuner, or the interrupted one restored (``train.resume``)."""
     from ray import tune
 
-    from speclab.pipelines.tune_trials import head_trial, rec_trial
+    from speclab.pipelines.tune_trials import eagle_trial, head_trial, rec_trial
     from speclab.sweep import decode_trial, param_space
 
     sw, base = cfg.sweep, cfg.sweep_base()
@@ -130,9 +141,10 @@ def _tuner(cfg: TuneJob, inputs: Inputs, sweep_dir: Path, times: tuple):
                                   vocab=inputs.rec_prep[0].vocab_size, eos=EOS,
                                   run_dir=str(sweep_dir))
     else:
-        p = inputs.head_prep
-        fn = tune.with_parameters(head_trial, data_dir=str(sweep_dir / "data"),
-                                  vocab=p.vocab, eos=p.eos, **common)
+        p = inputs.train_prep
+        fn = tune.with_parameters(eagle_trial if sw.kind == "eagle" else head_trial,
+                                  data_dir=str(sweep_dir / "data"), vocab=p.vocab,
+                                  eos=p.eos, **common)
     fn = tune.with_resources(fn, {"cpu": sw.trial_cpus})
     exp_dir = sweep_dir / "tune"
     if cfg.train.resume and tune.Tuner.can_restore(str(exp_dir)):
@@ -189,8 +201,9 @@ def _figures(rows: list[dict], space: list[str], metric: str) -> dict:
     return figs
 
 
+#: metrics in the results table
 _SHOWN = ("speedup", "tau", "predicted_speedup", "accuracy", "accuracy_ratio", "heldout_bce",
-          "as_at_k", "ws_at_k", "recall_at_k", "val_loss")  # metrics in the results table
+          "as_at_k", "ws_at_k", "recall_at_k", "val_loss", "val_top1", "engine_tau")
 
 
 def _best_config(cfg: TuneJob, best: dict, sweep_dir: Path, target: str) -> dict:
@@ -207,6 +220,8 @@ def _best_config(cfg: TuneJob, best: dict, sweep_dir: Path, target: str) -> dict
     trial_dir = sweep_dir / "trials"
     if cfg.sweep.kind == "train_head":  # the best trial's own head
         data["method"]["head"] = str(trial_dir / f"head-{best['trial']}" / "head")
+    elif cfg.sweep.kind == "eagle":  # the best trial's own drafter
+        data["method"]["eagle_model"] = str(trial_dir / f"eagle-{best['trial']}" / "eagle")
     elif cfg.sweep.kind == "atspeed":
         re = best_cfg.rec_eval
         loss = re.draft_loss
@@ -278,6 +293,47 @@ def record(cfg: TuneJob, results, tracker, sweep_dir: Path,
     return best
 
 
+def swept_losses(cfg: TuneJob) -> list[str]:
+    """The EAGLE-family losses an ``eagle`` sweep may train (``eagle.loss`` and the
+    values of a swept ``eagle.loss``), so their data is generated once up front."""
+    swept = cfg.sweep.space.get("eagle.loss")
+    values = list((swept.grid or swept.choice or []) if swept is not None else [])
+    return list(dict.fromkeys([cfg.eagle.loss, *values]))
+
+
+def eagle_forward_time(dec, cfg: TuneJob, prompt: list[int]) -> float:
+    """Median seconds of one single-pair forward of an EAGLE drafter after ``prompt``
+    (the cost model's ``t_draft`` for ``eagle``: weights do not change the time, so
+    ``method.eagle_model`` when it is given, else a fresh ``eagle.layers`` drafter)."""
+    import statistics
+
+    import torch
+
+    from speclab.decoding.runner import ModelRunner
+    from speclab.models.eagle import EagleModel, load_eagle
+    from speclab.models.loading import resolve_source
+
+    source = getattr(cfg.method, "eagle_model", None)
+    if cfg.sweep.kind != "eagle" and source:
+        model = load_eagle(resolve_source(source, "method.eagle_model"))
+    else:
+        model = EagleModel.from_target(dec.target.model, cfg.eagle.layers)
+    device, dtype = dec.target.device, dec.target.dtype
+    runner = ModelRunner(model.to(device, dtype).eval())
+
+    def pairs(tokens: list[int]) -> None:
+        feats = torch.zeros(1, len(tokens), model.meta.hidden_size, dtype=dtype, device=device)
+        runner.run(torch.tensor(tokens), features=feats)
+
+    pairs(prompt[1:])
+    times = []
+    for _ in range(16):
+        s0 = runner.seconds
+        pairs(prompt[-1:])
+        times.append(runner.seconds - s0)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     job = start_job("tune", __doc__, argv, prepare)
     cfg, tracker, inputs = job.cfg, job.tracker, job.inputs
@@ -299,13 +355,20 @@ def main(argv: list[str] | None = None) -> int:
         else:
             dec = Decoder.from_pretrained(inputs.target, inputs.draft)
             times = forward_times(dec, inputs.prompts[0])  # once per sweep (cost model)
+            if cfg.sweep.kind == "eagle" or cfg.method.name == "eagle":  # no draft LM
+                times = (eagle_forward_time(dec, cfg, inputs.prompts[0]), times[1])
             t.log_metrics({"t_draft_s": times[0], "t_target_s": times[1]})
         if cfg.sweep.kind == "train_head":
             from speclab.pipelines.signals import generate
 
-            p = inputs.head_prep
+            p = inputs.train_prep
             generate(cfg, p.target, sweep_dir / "data", {"accept"}, p.tokens, inputs.draft,
                      cfg.head.temperature)
+        elif cfg.sweep.kind == "eagle":
+            from speclab.pipelines.eagle import generate_features
+
+            generate_features(cfg, inputs.train_prep, sweep_dir / "data", t,
+                              swept_losses(cfg))
         results = _tuner(cfg, inputs, sweep_dir, times).fit()
         best = record(cfg, results, t, sweep_dir, inputs.target)
     if best is None:

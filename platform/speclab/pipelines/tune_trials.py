@@ -11,6 +11,11 @@ so ASHA can stop bad trials early. The last report carries the sweep objective.
   ``rec_eval.draft_loss`` / ``rec_eval.align_alpha`` on alignment data generated once per
   sweep (:func:`prepare_rec_sweep`); reports the validation loss, then runs beam SD
   against the target's beam search and reports AS@K / WS@K / Recall@K / NDCG@K.
+* :func:`eagle_trial`: an EAGLE-family drafter (``sweep.kind: eagle``: the ``eagle``
+  group's loss, HASS K / steps / weights, TALF trees) on ``feat`` / ``feat_tree`` data
+  generated once per sweep; reports ``val_loss``, ``val_top1`` (and ``val_top1_miss``
+  = 1 - val_top1, what ASHA minimises: comparable across loss weights) and the
+  engine-measured ``engine_tau`` per chunk, then decodes ``method`` with the drafter.
 """
 
 from __future__ import annotations
@@ -170,5 +175,46 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
                     "recall_at_k": row["Recall@K"], "ndcg_at_k": row["NDCG@K"],
                     "target_calls_per_user": row["target_calls_per_user"],
                     "K": row["K"], "N": row["N"]})
+    metrics["objective"] = objective(metrics, base["sweep"])
+    tune.report(metrics)
+
+
+def eagle_trial(config: dict, *, base: dict, target: str, draft: str | None, data_dir: str,
+                prompts: list[list[int]], t_draft: float, t_target: float, vocab: int,
+                eos: int | None, run_dir: str) -> None:
+    """Tune function trainable for EAGLE-family drafter trials (see the module docstring).
+
+    Ray Train runs in chunks of ``train.report_every`` steps, each resuming the last
+    checkpoint of the same run; the drafter is then saved under
+    ``<run_dir>/trials/eagle-<trial>/eagle`` and ``method`` (an ``eagle`` method) decodes
+    the prompts with it: ``tau``, ``speedup`` and the cost-model ``predicted_speedup``
+    (``t_draft``: one EAGLE drafter forward, measured once per sweep).
+    """
+    from ray import tune
+
+    from speclab.config.method import parse_method
+    from speclab.pipelines.eagle import save_final_eagle
+    from speclab.pipelines.fit import fit
+    from speclab.sweep import evaluate_method, log_start, objective, trial_config
+    from speclab.train.tasks import EagleTaskConfig
+
+    log_start(run_dir, config["params"])
+    cfg = trial_config(base, config["params"])
+    name = "eagle-" + tune.get_context().get_trial_id()
+    storage = Path(run_dir) / "trials"
+    steps = cfg.train.steps
+    for done in _chunks(steps, cfg.train.report_every):
+        task = EagleTaskConfig(train=cfg.train.model_copy(update={"steps": done}),
+                               eagle=cfg.eagle, target=target)
+        result = fit(task, cfg.scaling, storage, name, Path(data_dir), vocab, eos, None, None)
+        metrics = {k: float(v) for k, v in result.metrics.items()
+                   if k in ("val_loss", "val_top1", "engine_tau")}
+        metrics["val_top1_miss"] = 1.0 - metrics["val_top1"]
+        metrics["step"] = int(result.metrics["step"])
+        if done < steps:  # intermediate result: ASHA may stop the trial here
+            tune.report(metrics)
+    folder = save_final_eagle(result, target, cfg.eagle.layers, storage / name)
+    m = parse_method({**cfg.method.model_dump(exclude_none=True), "eagle_model": str(folder)})
+    metrics.update(evaluate_method(cfg, target, draft, prompts, None, t_draft, t_target, m))
     metrics["objective"] = objective(metrics, base["sweep"])
     tune.report(metrics)
