@@ -128,7 +128,8 @@ def test_engine_acceptance_during_training(tiny_pair, trained):
 
     target = load_model(tiny_pair["target"])
     got = engine_acceptance(target, trained[0], [PROMPT, [5, 6, 7]], 24, depth=4)
-    assert got["engine_tau"] > 1.5
+    assert got["engine_tau"] > 1.5 and got["engine_identical"] == 1.0
+    assert got["engine_speedup"] > 0
     accept = [got[f"engine_accept_at_{k}"] for k in range(1, 5)]
     assert 1.0 >= accept[0] > 0 and accept == sorted(accept, reverse=True)
     fresh = engine_acceptance(target, EagleModel.from_target(target), [PROMPT], 24, depth=4)

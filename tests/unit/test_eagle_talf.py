@@ -119,3 +119,48 @@ def test_talf_training_lowers_the_loss(tiny_pair):
         opt.step()
         history.append(loss.item())
     assert history[-1] < 0.7 * history[0]
+
+
+def test_training_starts_from_init_from(tiny_pair, tmp_path):
+    """``eagle.init_from``: the task's model starts as that drafter (the papers' protocol
+    of fine-tuning an EAGLE-trained drafter with HASS or TALF); another depth is refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from speclab.config.schema import EagleTrainConfig, TrainConfig
+    from speclab.models.eagle import save_eagle
+    from speclab.train.tasks import EagleTask, EagleTaskConfig
+
+    target = load_model(tiny_pair["target"])
+    runner = ModelRunner(target)
+    vocab = target.config.vocab_size
+    folder = tmp_path / "data" / "feat_tree"
+    folder.mkdir(parents=True)
+    for i in range(2):
+        rows = [feat_forest_example(runner, _window(vocab, 8, 10 * i + s), K, 2, 2)
+                for s in range(2)]
+        pq.write_table(pa.Table.from_pylist(rows), folder / f"shard-{i:05d}.parquet")
+    torch.manual_seed(5)
+    start = save_eagle(EagleModel.from_target(target).float(), tmp_path / "start")
+    cfg = EagleTaskConfig(train=TrainConfig(batch_size=2),
+                          eagle=EagleTrainConfig(loss="talf", init_from=str(start),
+                                                 talf_roots=3),
+                          target=tiny_pair["target"])
+    task = EagleTask(cfg, tmp_path / "data", torch.device("cpu"))
+    model = task.build_model()
+    saved = EagleModel.from_target(target).float()
+    saved.load_state_dict(_saved_state(start))
+    for (name, a), b in zip(model.state_dict().items(), saved.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    batch = task.batch(0, 0)
+    assert batch["forest_roots"].shape == (2, 3) and torch.isfinite(task.loss(model, batch))
+    deeper = cfg.model_copy(update={"eagle": cfg.eagle.model_copy(update={"layers": 2})})
+    with pytest.raises(ValueError, match="eagle.init_from"):
+        EagleTask(deeper, tmp_path / "data", torch.device("cpu")).build_model()
+
+
+def _saved_state(folder) -> dict:
+    """The tensors of a drafter folder written by save_eagle."""
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))

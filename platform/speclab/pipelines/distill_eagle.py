@@ -15,7 +15,7 @@ and frozen, ``eagle.layers`` trainable decoder layers (or the drafter in
 Train with the same loop, checkpoints and FailureConfig as every training job. At every
 report rank 0 logs ``loss``, ``val_loss``, ``val_top1`` and the ENGINE's figures with the current
 drafter (greedy EAGLE-2 decoding of ``eagle.engine_prompts`` held-out prompts:
-``engine_tau`` and ``engine_accept_at_<k>``) into the run, next to the loss curve.
+``engine_tau``, ``engine_accept_at_<k>``, ``engine_speedup``) into the run, next to the loss.
 Then the drafter is saved (``config.json`` naming its target + ``model.safetensors``),
 registered (``output.register_as``) and evaluated: ``methods`` against plain decoding,
 where ``eagle`` methods use the trained drafter.
