@@ -34,9 +34,22 @@ class MethodRun:
 
     @property
     def key(self) -> str:
-        """``name`` as a valid MLflow metric prefix, e.g. ``chain_gamma3``."""
+        """``name`` as a valid MLflow metric prefix, e.g. ``chain_gamma3``; a name longer
+        than :data:`MAX_KEY` (e.g. one holding a folder path) is cut and made unique with
+        a hash of the whole name, so ``<prefix><key>.<metric>`` stays within MLflow's
+        250-character limit."""
         out = self.name.replace("(", "_").replace(")", "").replace(",", "_").replace("=", "")
-        return "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in out)
+        out = "".join(ch if ch.isalnum() or ch in "_-." else "_" for ch in out)
+        if len(out) > MAX_KEY:
+            import hashlib
+
+            digest = hashlib.sha1(self.name.encode()).hexdigest()[:10]
+            out = f"{out[: MAX_KEY - 11]}_{digest}"
+        return out
+
+
+#: longest metric prefix a method gets (MLflow keys are at most 250 characters)
+MAX_KEY = 160
 
 
 #: draft positions whose acceptance :func:`summarize` reports (``accept_at_1..``)

@@ -32,7 +32,6 @@ def main(argv: list[str] | None = None) -> int:
     job = start_job("compare_eagle", __doc__, argv, prepare_eagle)
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
-    from speclab.evaluation import MethodRun
     from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
@@ -40,8 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[compare_eagle] running on {where}; run dir {storage / run_name}", flush=True)
     losses, finetune = cfg.compare.losses, cfg.compare.finetune_steps
-    # the configured names (eagle_model: trained), the same for every loss's drafter
-    names = [MethodRun(m.name, m.params(), m.label or "").name for m in cfg.method_list()]
     table: list[dict] = []
     with tracker as parent:
         parent.set_tags({"job": "compare_eagle", "target": prep.target})
@@ -70,6 +67,6 @@ def main(argv: list[str] | None = None) -> int:
                 _, rows = train_register_evaluate_eagle(sub, prep, storage,
                                                         f"{run_name}-{loss}", data_dir,
                                                         child, register)
-            table += comparison_rows(loss, rows, names)
+            table += comparison_rows(loss, rows)  # methods keep their configured names
         log_comparison(parent, table)
     return 0

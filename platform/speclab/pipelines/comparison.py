@@ -6,17 +6,13 @@ from __future__ import annotations
 from speclab.evaluation import ACCEPT_POSITIONS
 
 
-def comparison_rows(loss: str, rows: list[dict], names: list[str] | None = None
-                    ) -> list[dict]:
+def comparison_rows(loss: str, rows: list[dict]) -> list[dict]:
     """One table row per evaluated method of the drafter trained with ``loss``
-    (``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first).
-    ``names`` replace the methods' names (one per method), e.g. the configured ones when
-    the evaluated methods name each loss's own drafter folder."""
+    (``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first)."""
     keep = ("tau", "target_calls_per_token", "speedup", "tokens_per_s",
             *(f"accept_at_{k}" for k in range(1, ACCEPT_POSITIONS + 1)))
-    names = names or [row["method"] for row in rows[1:]]
-    return [{"loss": loss, "method": name, **{k: row[k] for k in keep}}
-            for name, row in zip(names, rows[1:], strict=True)]
+    return [{"loss": loss, "method": row["method"], **{k: row[k] for k in keep}}
+            for row in rows[1:]]
 
 
 def _tau_by_loss(table: list[dict]):

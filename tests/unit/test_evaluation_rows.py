@@ -1,0 +1,31 @@
+"""Evaluation rows: metric keys within MLflow's limit, acceptance per draft position."""
+
+from speclab.api import Decoder
+from speclab.evaluation import MAX_KEY, MethodRun, Totals, summarize
+
+
+def test_long_method_names_get_short_unique_keys():
+    short = MethodRun("chain", {"gamma": 3})
+    assert short.key == "chain_gamma3"
+    runs = [MethodRun("eagle", {"eagle_model": "/tmp/" + "x" * 300 + f"/run{i}/eagle"})
+            for i in range(2)]
+    keys = [r.key for r in runs]
+    assert all(len(k) <= MAX_KEY for k in keys) and keys[0] != keys[1]
+    assert len(f"eval/{keys[0]}.accept_at_6") <= 250  # MLflow's metric-name limit
+
+
+def test_rows_carry_acceptance_per_draft_position(tiny_pair):
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    totals, ar = Totals(), Totals()
+    lengths = []
+    for prompt in ([3, 9, 27], [5, 6, 7, 8]):
+        res = dec.generate(prompt_ids=prompt, method="chain", gamma=4, max_new_tokens=24)
+        totals.add(res)
+        lengths += res.stats.accepted_lengths
+        ar.add(dec.generate(prompt_ids=prompt, method="ar", max_new_tokens=24))
+    row = summarize(MethodRun("chain", {"gamma": 4}), totals, ar)
+    for k in range(1, 7):
+        want = sum(n - 1 >= k for n in lengths) / len(lengths)
+        assert row[f"accept_at_{k}"] == want
+    assert row["accept_at_5"] == 0.0  # gamma 4 drafts at most 4 tokens
+    assert summarize(MethodRun("ar"), ar, ar)["accept_at_1"] == 0.0
