@@ -36,7 +36,8 @@ def test_forest_nodes_carry_the_targets_own_beam_and_distributions(tiny_pair):
     assert (batch["forest_parents"][:, :, 0] == -1).all()
     for r in (0, 4, 10):  # root x_{r+1}
         prefix = window[: r + 2]
-        logp = torch.log_softmax(runner.model(torch.tensor([prefix])).logits[0, -1], -1)
+        with torch.no_grad():
+            logp = torch.log_softmax(target(torch.tensor([prefix])).logits[0, -1], -1)
         assert batch["forest_tokens"][0, r, 0].tolist() == logp.topk(TOP_K).indices.tolist()
         for d in range(DEPTH):
             for i in range(TOP_K):
