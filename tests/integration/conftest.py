@@ -53,6 +53,18 @@ def run_cmd(args: list[str], env: dict, timeout: float = 600) -> subprocess.Comp
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
+def refused_before_work(job: str, config: str, overrides: list[str], message: str, env: dict,
+                        storage: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m jobs.<job> --config <config> <overrides>`` must exit 2 with ``message``
+    on stderr before Ray starts (no "running on" line); returns the finished process."""
+    res = run_cmd([python(), "-m", f"jobs.{job}", "--config", config, *overrides,
+                   f"output.storage_path={storage}"], env, timeout=timeout)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert message in res.stderr
+    assert "running on" not in res.stdout
+    return res
+
+
 def _proc_table() -> dict[int, tuple[int, int, str, int]]:
     """pid -> (ppid, pgid, state, start time) of every process, read from /proc."""
     table = {}

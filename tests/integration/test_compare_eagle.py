@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import python, run_cmd
+from tests.integration.conftest import python, refused_before_work, run_cmd
 
 pytestmark = pytest.mark.integration
 CONFIG = "experiments/smoke/compare_eagle.yaml"
@@ -50,8 +50,5 @@ def test_eagle_losses_compared_as_child_runs(job_env, tmp_path):
     (["eagle.talf_depth=30"], "eagle.talf_depth (30) must be below distill.seq_len (24)"),
 ])
 def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
-    res = run_cmd([python(), "-m", "jobs.compare_eagle", "--config", CONFIG, *overrides,
-                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=180)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert message in res.stderr
-    assert "running on" not in res.stdout
+    refused_before_work("compare_eagle", CONFIG, overrides, message, job_env,
+                        tmp_path / "runs")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import find_run, python, run_cmd
+from tests.integration.conftest import find_run, python, refused_before_work, run_cmd
 
 pytestmark = pytest.mark.integration
 DISTILL = "experiments/smoke/distill.yaml"
@@ -91,8 +91,4 @@ def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
     if any("{tok}" in o for o in overrides):
         train_bpe_tokenizer(["def f(x):\n    return x\n" * 50], 320, tmp_path / "tok")
     overrides = [o.replace("{tok}", str(tmp_path / "tok")) for o in overrides]
-    res = run_cmd([python(), "-m", "jobs.distill", "--config", DISTILL, *overrides,
-                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=180)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert message in res.stderr
-    assert "running on" not in res.stdout
+    refused_before_work("distill", DISTILL, overrides, message, job_env, tmp_path / "runs")

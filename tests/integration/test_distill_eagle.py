@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import find_run, python, run_cmd
+from tests.integration.conftest import find_run, python, refused_before_work, run_cmd
 
 pytestmark = pytest.mark.integration
 CONFIG = "experiments/smoke/distill_eagle.yaml"
@@ -54,8 +54,5 @@ def test_eagle_drafter_trained_registered_and_served_by_the_cli(job_env, tmp_pat
     (["methods=[{name: eagle, builder: beam}]"], "builder"),
 ])
 def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
-    res = run_cmd([python(), "-m", "jobs.distill_eagle", "--config", CONFIG, *overrides,
-                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=180)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert message in res.stderr
-    assert "running on" not in res.stdout
+    refused_before_work("distill_eagle", CONFIG, overrides, message, job_env,
+                        tmp_path / "runs")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import find_run, python, run_cmd
+from tests.integration.conftest import find_run, python, refused_before_work, run_cmd
 
 pytestmark = pytest.mark.integration
 SMOKE = "experiments/smoke/train_head.yaml"
@@ -62,8 +62,5 @@ def test_head_trained_registered_and_used_by_the_engine(job_env, tmp_path, monke
     (["models.target=/nonexistent/target", "models.draft=/nonexistent/draft"], "models.target"),
 ])
 def test_bad_input_fails_before_ray(job_env, tmp_path, overrides, message):
-    res = run_cmd([python(), "-m", "jobs.train_head", "--config", SMOKE, *overrides,
-                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=120)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert message in res.stderr
-    assert "running on" not in res.stdout
+    refused_before_work("train_head", SMOKE, overrides, message, job_env, tmp_path / "runs",
+                        timeout=120)

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import ROOT, find_run, python, run_cmd, stop_process_tree
+from tests.integration.conftest import (
+    ROOT,
+    find_run,
+    python,
+    refused_before_work,
+    run_cmd,
+    stop_process_tree,
+)
 
 pytestmark = pytest.mark.integration
 SMOKE = "experiments/smoke/train_target.yaml"
@@ -103,9 +110,6 @@ def test_bad_input_fails_before_training(job_env, tmp_path, overrides, message):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     overrides = [o.replace("{empty}", str(empty)) for o in overrides]
-    res = run_cmd([python(), "-m", "jobs.train_target", "--config", SMOKE, *overrides,
-                   f"output.storage_path={tmp_path / 'runs'}"], job_env, timeout=120)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert message in res.stderr
-    assert "running on" not in res.stdout  # no Ray, no training
+    refused_before_work("train_target", SMOKE, overrides, message, job_env,
+                        tmp_path / "runs", timeout=120)  # no Ray, no training
     assert not list(Path(tmp_path / "runs").rglob("checkpoint_*"))
