@@ -30,6 +30,28 @@ def _chunks(steps: int, every: int) -> list[int]:
     return [min(done, steps) for done in range(every, steps + every, every)]
 
 
+def _train_in_chunks(cfg: TuneJob, steps: int, make_task, name: str, run_dir: str,
+                     data_dir: str, vocab: int, eos: int | None, held_out):
+    """Ray Train for ``steps`` steps in chunks of ``train.report_every`` (each chunk
+    resumes the last checkpoint of run ``name`` under ``<run_dir>/trials``).
+
+    ``make_task(train)`` builds the task config for a chunk's ``train`` group;
+    ``held_out(result, done) -> metrics`` scores it. Every chunk but the last is reported
+    (ASHA may stop the trial there). Returns the last (result, metrics)."""
+    from ray import tune
+
+    from speclab.pipelines.fit import fit
+
+    for done in _chunks(steps, cfg.train.report_every):
+        task = make_task(cfg.train.model_copy(update={"steps": done}))
+        result = fit(task, cfg.scaling, Path(run_dir) / "trials", name, Path(data_dir), vocab,
+                     eos, None, None)
+        metrics = held_out(result, done)
+        if done < steps:  # intermediate result: ASHA may stop the trial here
+            tune.report(metrics)
+    return result, metrics
+
+
 def _trained_head(result, depth: int):
     import torch
 
@@ -57,7 +79,6 @@ def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: s
 
     from speclab.config.method import parse_method
     from speclab.decoding.acceptance_head import save_head
-    from speclab.pipelines.fit import fit
     from speclab.pipelines.head import held_out_metrics
     from speclab.sweep import evaluate_method, log_start, objective, trial_config
     from speclab.train.tasks import HeadTaskConfig
@@ -66,18 +87,19 @@ def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: s
     cfg = trial_config(base, config["params"])
     plain = cfg.head.model_copy(update={"w_acc": 1.0, "w_rej": 1.0})
     name = "head-" + tune.get_context().get_trial_id()
-    storage = Path(run_dir) / "trials"
-    steps = cfg.train.steps
-    for done in _chunks(steps, cfg.train.report_every):
-        task = HeadTaskConfig(train=cfg.train.model_copy(update={"steps": done}),
-                              head=cfg.head, draft=draft)
-        result = fit(task, cfg.scaling, storage, name, Path(data_dir), vocab, eos, None, None)
-        head = _trained_head(result, cfg.head.depth)
-        metrics = held_out_metrics(plain, head, draft, Path(data_dir))
-        metrics["step"] = int(result.metrics["step"])
-        if done < steps:  # intermediate result: ASHA may stop the trial here
-            tune.report(metrics)
-    folder = storage / name / "head"
+    heads = {}
+
+    def held_out(result, done: int) -> dict:
+        heads["last"] = _trained_head(result, cfg.head.depth)
+        return {**held_out_metrics(plain, heads["last"], draft, Path(data_dir)),
+                "step": int(result.metrics["step"])}
+
+    _, metrics = _train_in_chunks(
+        cfg, cfg.train.steps, lambda train: HeadTaskConfig(train=train, head=cfg.head,
+                                                           draft=draft),
+        name, run_dir, data_dir, vocab, eos, held_out)
+    head = heads["last"]
+    folder = Path(run_dir) / "trials" / name / "head"
     save_head(head, folder)
     m = parse_method({**cfg.method.model_dump(exclude_none=True), "name": "specdecpp",
                      "head": str(folder)})
@@ -140,7 +162,7 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
     from speclab.data.rec_dataset import RecExample, RecMeta
     from speclab.decoding.runner import ModelRunner
     from speclab.models.loading import load_model
-    from speclab.pipelines.fit import fit, save_final
+    from speclab.pipelines.fit import save_final
     from speclab.rec_eval import evaluate
     from speclab.recommend import Recommender
     from speclab.sweep import log_start, objective, trial_config
@@ -151,17 +173,16 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
     re = cfg.rec_eval
     name = "draft-" + tune.get_context().get_trial_id()
     storage = Path(run_dir) / "trials"
-    for done in _chunks(re.draft_steps, cfg.train.report_every):
-        train = cfg.train.model_copy(update={"steps": done})
+
+    def make_task(train):
         if re.draft_loss == "sft":
-            task = RecTaskConfig(train=train, arch=re.draft_arch)
-        else:
-            task = RecAlignTaskConfig(train=train, arch=re.draft_arch, loss=re.draft_loss,
-                                      align_alpha=re.align_alpha, align_k=re.align_k)
-        result = fit(task, cfg.scaling, storage, name, Path(data_dir), vocab, eos, None, None)
-        metrics = {"val_loss": float(result.metrics["val_loss"]), "step": done}
-        if done < re.draft_steps:  # intermediate result: ASHA may stop the trial here
-            tune.report(metrics)
+            return RecTaskConfig(train=train, arch=re.draft_arch)
+        return RecAlignTaskConfig(train=train, arch=re.draft_arch, loss=re.draft_loss,
+                                  align_alpha=re.align_alpha, align_k=re.align_k)
+
+    result, metrics = _train_in_chunks(
+        cfg, re.draft_steps, make_task, name, run_dir, data_dir, vocab, eos,
+        lambda result, done: {"val_loss": float(result.metrics["val_loss"]), "step": done})
     final = save_final(result, re.draft_arch, storage / name, Path(data_dir) / "tokenizer",
                        vocab, eos)
     RecMeta.load(data_dir).save(final)
@@ -194,26 +215,24 @@ def eagle_trial(config: dict, *, base: dict, target: str, draft: str | None, dat
 
     from speclab.config.method import parse_method
     from speclab.pipelines.eagle import save_final_eagle
-    from speclab.pipelines.fit import fit
     from speclab.sweep import evaluate_method, log_start, objective, trial_config
     from speclab.train.tasks import EagleTaskConfig
 
     log_start(run_dir, config["params"])
     cfg = trial_config(base, config["params"])
     name = "eagle-" + tune.get_context().get_trial_id()
-    storage = Path(run_dir) / "trials"
-    steps = cfg.train.steps
-    for done in _chunks(steps, cfg.train.report_every):
-        task = EagleTaskConfig(train=cfg.train.model_copy(update={"steps": done}),
-                               eagle=cfg.eagle, target=target)
-        result = fit(task, cfg.scaling, storage, name, Path(data_dir), vocab, eos, None, None)
+
+    def held_out(result, done: int) -> dict:
         metrics = {k: float(v) for k, v in result.metrics.items()
                    if k in ("val_loss", "val_top1", "engine_tau")}
-        metrics["val_top1_miss"] = 1.0 - metrics["val_top1"]
-        metrics["step"] = int(result.metrics["step"])
-        if done < steps:  # intermediate result: ASHA may stop the trial here
-            tune.report(metrics)
-    folder = save_final_eagle(result, target, cfg.eagle.layers, storage / name)
+        return {**metrics, "val_top1_miss": 1.0 - metrics["val_top1"],
+                "step": int(result.metrics["step"])}
+
+    result, metrics = _train_in_chunks(
+        cfg, cfg.train.steps, lambda train: EagleTaskConfig(train=train, eagle=cfg.eagle,
+                                                            target=target),
+        name, run_dir, data_dir, vocab, eos, held_out)
+    folder = save_final_eagle(result, target, cfg.eagle.layers, Path(run_dir) / "trials" / name)
     m = parse_method({**cfg.method.model_dump(exclude_none=True), "eagle_model": str(folder)})
     metrics.update(evaluate_method(cfg, target, draft, prompts, None, t_draft, t_target, m))
     metrics["objective"] = objective(metrics, base["sweep"])
