@@ -8,6 +8,7 @@ independent figures (tau, target calls per token, acceptance) come from all prom
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from speclab import theory
@@ -229,11 +230,22 @@ def pareto_dominated(point: tuple[float, float], others: list[tuple[float, float
     return any(o[0] <= point[0] and o[1] <= point[1] and o != point for o in others)
 
 
+def median_call_time(runner, call: Callable[[], object], n: int = 16) -> float:
+    """Median seconds ``runner`` (a :class:`~speclab.decoding.runner.ModelRunner`)
+    spends in one of ``n`` calls of ``call`` (which runs one forward on it)."""
+    import statistics
+
+    times = []
+    for _ in range(n):
+        s0 = runner.seconds
+        call()
+        times.append(runner.seconds - s0)
+    return statistics.median(times)
+
+
 def forward_times(dec: Decoder, prompt: list[int], n: int = 16) -> tuple[float, float]:
     """``(t_draft, t_target)``: median seconds of one single-token forward after
     ``prompt`` (SpecDec++ eq. 2.3's constants); ``t_draft`` is 0 without a draft."""
-    import statistics
-
     import torch
 
     out = []
@@ -243,10 +255,6 @@ def forward_times(dec: Decoder, prompt: list[int], n: int = 16) -> tuple[float, 
             continue
         runner.reset()
         runner.forward(torch.tensor(prompt, dtype=torch.long))
-        times = []
-        for _ in range(n):
-            s0 = runner.seconds
-            runner.forward(torch.tensor([prompt[-1]], dtype=torch.long))
-            times.append(runner.seconds - s0)
-        out.append(statistics.median(times))
+        out.append(median_call_time(
+            runner, lambda r=runner: r.forward(torch.tensor([prompt[-1]], dtype=torch.long)), n))
     return out[0], out[1]

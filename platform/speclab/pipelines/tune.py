@@ -305,11 +305,10 @@ def eagle_forward_time(dec, cfg: TuneJob, prompt: list[int]) -> float:
     """Median seconds of one single-pair forward of an EAGLE drafter after ``prompt``
     (the cost model's ``t_draft`` for ``eagle``: weights do not change the time, so
     ``method.eagle_model`` when it is given, else a fresh ``eagle.layers`` drafter)."""
-    import statistics
-
     import torch
 
     from speclab.decoding.runner import ModelRunner
+    from speclab.evaluation import median_call_time
     from speclab.models.eagle import EagleModel, load_eagle
     from speclab.models.loading import resolve_source
 
@@ -326,12 +325,7 @@ def eagle_forward_time(dec, cfg: TuneJob, prompt: list[int]) -> float:
         runner.run(torch.tensor(tokens), features=feats)
 
     pairs(prompt[1:])
-    times = []
-    for _ in range(16):
-        s0 = runner.seconds
-        pairs(prompt[-1:])
-        times.append(runner.seconds - s0)
-    return statistics.median(times)
+    return median_call_time(runner, lambda: pairs(prompt[-1:]))
 
 
 def main(argv: list[str] | None = None) -> int:
