@@ -158,3 +158,19 @@ def load_eagle(folder: str | Path, target_config=None, dtype: torch.dtype = torc
     model = EagleModel(meta)
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def load_init(folder: str | Path, target_config, layers: int,
+              field: str = "eagle.init_from") -> EagleModel:
+    """A trained drafter to continue training from: :func:`load_eagle` checked against
+    the target (errors name ``field``), with ``layers`` decoder layers and otherwise the
+    shape :meth:`EagleModel.from_target` gives for this target."""
+    model = load_eagle(folder, target_config, field=field)
+    if model.meta.layers != layers:
+        raise ValueError(f"{field}: the drafter has {model.meta.layers} layers, "
+                         f"eagle.layers is {layers}")
+    want = EagleMeta.for_target(target_config, layers)
+    if model.meta != want:
+        raise ValueError(f"{field}: the drafter's shape {asdict(model.meta)} is not that of "
+                         f"a drafter for this target, {asdict(want)}")
+    return model

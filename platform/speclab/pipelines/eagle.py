@@ -16,15 +16,12 @@ def prepare_eagle(cfg: Any) -> Prepared:
     is set to that folder (ValueError when it is not a drafter for this target)."""
     prep = prepare_target(cfg)
     if cfg.eagle.init_from:
-        from speclab.models.eagle import load_eagle
+        from speclab.models.eagle import load_init
         from speclab.models.loading import load_model, resolve_source
 
         folder = resolve_source(cfg.eagle.init_from, "eagle.init_from")
-        start = load_eagle(folder, load_model(prep.target, field="models.target").config,
-                           field="eagle.init_from")
-        if start.meta.layers != cfg.eagle.layers:
-            raise ValueError(f"eagle.init_from: the drafter has {start.meta.layers} layers, "
-                             f"eagle.layers is {cfg.eagle.layers}")
+        load_init(folder, load_model(prep.target, field="models.target").config,
+                  cfg.eagle.layers)
         cfg.eagle.init_from = str(folder)
     return prep
 

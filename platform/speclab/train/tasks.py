@@ -326,16 +326,13 @@ class EagleTask:
         self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
 
     def build_model(self) -> torch.nn.Module:
-        from speclab.models.eagle import EagleModel, load_eagle
+        from speclab.models.eagle import EagleModel, load_init
         from speclab.models.loading import load_model
 
         self.target_model = load_model(self.target, field="models.target")
         model = EagleModel.from_target(self.target_model, self.e.layers).float()
         if self.e.init_from:
-            start = load_eagle(self.e.init_from, self.target_model.config)
-            if start.meta != model.meta:
-                raise ValueError(f"eagle.init_from: the drafter has {start.meta.layers} "
-                                 f"layers, eagle.layers is {self.e.layers}")
+            start = load_init(self.e.init_from, self.target_model.config, self.e.layers)
             model.load_state_dict(start.float().state_dict())
         return model
 
