@@ -129,7 +129,7 @@ class Decoder:
         params = SamplingParams(temperature, sample_top_k, top_p)
         generator = torch.Generator().manual_seed(seed)
         drafter = build_drafter(cfg, BuildContext(self.draft, params, generator, self._resources,
-                                                  self.target.model.config))
+                                                  self.target.model.config, self.target.model))
         rule = request_rule(verify, verify_params, params, drafter.rule if drafter else None)
         tokens, stats = generate_tokens(self.target, drafter, ids, max_new_tokens, params, rule,
                                         self.eos_token_id, generator)

@@ -13,6 +13,8 @@ compare_losses      as distill, plus compare
 distill_eagle       models, corpus, tokenizer, distill (generation), eagle, train, scaling,
                     output, data, decoding, method, methods, resources
 compare_eagle       as distill_eagle, plus compare (EAGLE-family losses)
+train_medusa        models, corpus, tokenizer, distill (generation), medusa, train, scaling,
+                    output, data, decoding, method, methods, resources
 train_recommender   rec, arch, train, scaling, output
 recommend_eval      rec, rec_eval, arch, train, scaling, output
 train_head          models, corpus, tokenizer, distill (generation), head, train, scaling,
@@ -60,6 +62,7 @@ from speclab.config.schema import (
     EagleCompareConfig,
     EagleTrainConfig,
     HeadConfig,
+    MedusaTrainConfig,
     ModelsConfig,
     OutputConfig,
     RayConfig,
@@ -285,6 +288,36 @@ class CompareEagleJob(DistillEagleJob):
         return list(self.compare.losses)
 
 
+class TrainMedusaJob(_Trains, _Evaluates):
+    """``jobs.train_medusa``: the target's self-distillation data -> Medusa heads (each of
+    ``medusa.variants``) -> calibration and sparse tree -> registry -> evaluation. Its
+    ``medusa`` methods default to ``medusa_model: trained``, the heads this job trains
+    (for ``medusa2`` with the jointly trained target)."""
+
+    job: Literal["train_medusa"] = "train_medusa"
+    corpus: CorpusConfig = CorpusConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    distill: DistillConfig = DistillConfig()
+    medusa: MedusaTrainConfig = MedusaTrainConfig()
+
+    @classmethod
+    def precheck(cls, data: dict) -> None:
+        """``medusa`` methods without ``medusa_model`` evaluate the trained heads."""
+        entries = [data.get("method")] + list(data.get("methods") or [])
+        for m in entries:
+            if isinstance(m, dict) and m.get("name") == "medusa":
+                m.setdefault("medusa_model", TRAINED)
+
+    @model_validator(mode="after")
+    def _sequences_longer_than_the_heads_reach(self):
+        length = self.distill.prompt_len + self.distill.response_len
+        if length <= self.medusa.heads + 1:
+            raise ValueError(f"distill.prompt_len + distill.response_len ({length}) must "
+                             f"exceed medusa.heads + 1 ({self.medusa.heads + 1}): head k "
+                             f"predicts k + 1 tokens ahead")
+        return self
+
+
 class TrainRecommenderJob(_Trains):
     """``jobs.train_recommender``: an AtSpeed target (or SFT drafter) on ``rec`` data."""
 
@@ -471,7 +504,7 @@ class ServeJob(ExperimentConfig):
 JOB_CONFIGS: dict[str, type[ExperimentConfig]] = {
     c.model_fields["job"].default: c
     for c in (EvaluateJob, TrainTargetJob, DistillJob, CompareLossesJob, DistillEagleJob,
-              CompareEagleJob, TrainRecommenderJob,
+              CompareEagleJob, TrainMedusaJob, TrainRecommenderJob,
               RecommendEvalJob, TrainHeadJob, SpecdecppEvalJob, BuildDatastoreJob,
               RetrievalEvalJob, TuneJob, ServeJob)
 }

@@ -229,6 +229,33 @@ class EagleTrainConfig(StrictModel):
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
 
 
+class MedusaTrainConfig(StrictModel):
+    """The Medusa heads ``train_medusa`` trains (see :mod:`speclab.train.medusa`): ``heads``
+    heads, each variant in ``variants`` on the same self-distillation data: ``medusa1``
+    (frozen backbone, loss ``sum_k decay^k CE_k``) and ``medusa2`` (joint fine-tuning,
+    ``L_LM + lambda0 * L_MEDUSA-1``, the backbone frozen for ``heads_warmup`` steps, then
+    trained at ``backbone_lr_scale`` times ``train.lr``). After training the heads'
+    top-``calibration_top`` accuracies are measured on the held-out shard and the
+    ``sparse_nodes``-node sparse tree built from them is stored with the heads."""
+
+    heads: int = Field(4, gt=0, description="Medusa heads K")
+    variants: list[Literal["medusa1", "medusa2"]] = Field(
+        default_factory=lambda: ["medusa1"], min_length=1)
+    decay: float = Field(0.8, gt=0.0, le=1.0, description="lambda_k = decay^k")
+    lambda0: float = Field(0.2, gt=0.0, allow_inf_nan=False,
+                           description="MEDUSA-2: weight of the heads' loss")
+    lm_loss: Literal["kl", "ce"] = Field("kl", description="MEDUSA-2 L_LM: kl (to the "
+                                                           "original's top-k) or ce")
+    heads_warmup: int = Field(0, ge=0, description="MEDUSA-2: steps training heads only")
+    backbone_lr_scale: float = Field(0.25, gt=0.0, le=1.0,
+                                     description="MEDUSA-2: backbone lr / train.lr")
+    calibration_top: int = Field(10, gt=0, description="ranks per head measured")
+    sparse_nodes: int = Field(32, gt=0, description="nodes of the stored sparse tree")
+    engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "
+                                                       "at every report (0: none)")
+    engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
+
+
 class EagleCompareConfig(StrictModel):
     """``compare_eagle``: the EAGLE-family losses trained one after another on the same
     data. ``finetune_steps`` 0: each loss trains from scratch for ``train.steps``; > 0: an

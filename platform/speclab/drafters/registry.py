@@ -32,6 +32,7 @@ from speclab.drafters.base import Drafter
 from speclab.drafters.chain import ChainConfig
 from speclab.drafters.eagle import EagleConfig
 from speclab.drafters.eagle2 import TreeConfig
+from speclab.drafters.medusa import MedusaConfig
 from speclab.drafters.optimal import OptimalConfig, SalfConfig
 from speclab.drafters.pld import AasdConfig, PldConfig
 from speclab.drafters.rest import RestConfig
@@ -39,7 +40,7 @@ from speclab.drafters.specdecpp import SpecDecPPConfig
 
 BUILTIN: tuple[type[MethodSpec], ...] = (
     ArConfig, ChainConfig, TreeConfig, OptimalConfig, SalfConfig, SpecDecPPConfig,
-    PldConfig, RestConfig, AasdConfig, EagleConfig,
+    PldConfig, RestConfig, AasdConfig, EagleConfig, MedusaConfig,
 )
 for _cls in BUILTIN:
     register(_cls)
@@ -50,14 +51,15 @@ class BuildContext:
     """What a method's ``build`` may use: a runner over the draft model (None when
     none is loaded), the sampling settings and rng of the sequence, ``resources``:
     things loaded once per Decoder / Serve replica (acceptance heads, datastores), and
-    the target's HF config when the drafter runs next to the target (feature drafters
-    check they were trained for it; None in a Serve draft replica)."""
+    the target's HF config and model when the drafter runs next to the target (feature
+    drafters check they were trained for it; None in a Serve draft replica)."""
 
     draft: ModelRunner | None
     sampling: SamplingParams
     generator: torch.Generator | None = None
     resources: dict = field(default_factory=dict)
     target_config: Any = None
+    target_model: Any = None
 
     def cached(self, key: Any, load: Callable[[], Any]) -> Any:
         """``load()`` once per ``key`` for the lifetime of ``resources``."""

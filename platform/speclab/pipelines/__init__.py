@@ -8,7 +8,7 @@ Ray actors), :mod:`.drafter` (train, register and evaluate a drafter),
 (AtSpeed alignment data and drafters), :mod:`.head` (SpecDec++ acceptance heads),
 :mod:`.tune_trials` (Ray Tune trainables that train), :mod:`.comparison` (the loss x
 method table of loss comparisons), :mod:`.eagle` (EAGLE feature drafters: train, register,
-evaluate).
+evaluate), :mod:`.medusa` (Medusa heads: train, calibrate, register, evaluate).
 
 Jobs: ``speclab.pipelines.<job>.main(argv)`` for every name in :data:`JOBS`; the
 checkout's ``jobs/<job>.py`` (``python -m jobs.<job>``) only calls it, and ``speclab run
@@ -24,8 +24,9 @@ import importlib
 from collections.abc import Callable
 
 JOBS: tuple[str, ...] = ("evaluate", "train_target", "distill", "compare_losses", "distill_eagle",
-                         "compare_eagle", "train_recommender", "recommend_eval", "train_head",
-                         "specdecpp_eval", "build_datastore", "retrieval_eval", "tune")
+                         "compare_eagle", "train_medusa", "train_recommender", "recommend_eval",
+                         "train_head", "specdecpp_eval", "build_datastore", "retrieval_eval",
+                         "tune")
 
 
 def job_main(job: str) -> Callable[[list[str] | None], int]:

@@ -6,27 +6,27 @@ from __future__ import annotations
 from speclab.evaluation import ACCEPT_POSITIONS
 
 
-def comparison_rows(loss: str, rows: list[dict]) -> list[dict]:
-    """One table row per evaluated method of the drafter trained with ``loss``
-    (``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first)."""
+def comparison_rows(loss: str, rows: list[dict], key: str = "loss") -> list[dict]:
+    """One table row per evaluated method of the drafter trained with ``loss`` (in column
+    ``key``; ``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first)."""
     keep = ("tau", "target_calls_per_token", "speedup", "tokens_per_s",
             *(f"accept_at_{k}" for k in range(1, ACCEPT_POSITIONS + 1)))
-    return [{"loss": loss, "method": row["method"], **{k: row[k] for k in keep}}
+    return [{key: loss, "method": row["method"], **{k: row[k] for k in keep}}
             for row in rows[1:]]
 
 
-def _tau_by_loss(table: list[dict]):
+def _tau_by_loss(table: list[dict], key: str):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    losses = list(dict.fromkeys(r["loss"] for r in table))
+    losses = list(dict.fromkeys(r[key] for r in table))
     methods = list(dict.fromkeys(r["method"] for r in table))
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(losses)), 3.8))
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
-        vals = [next(r["tau"] for r in table if r["loss"] == loss and r["method"] == m)
+        vals = [next(r["tau"] for r in table if r[key] == loss and r["method"] == m)
                 for loss in losses]
         ax.bar([i + j * width for i in range(len(losses))], vals, width, label=m[:28])
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(losses))], losses)
@@ -36,7 +36,7 @@ def _tau_by_loss(table: list[dict]):
     return fig
 
 
-def _acceptance_per_position(table: list[dict]):
+def _acceptance_per_position(table: list[dict], key: str):
     """One panel per method, one line per loss: the fraction of rounds accepting at
     least ``k`` draft tokens against ``k`` (the HASS slide's per-step acceptance)."""
     import matplotlib
@@ -50,7 +50,7 @@ def _acceptance_per_position(table: list[dict]):
     ks = list(range(1, ACCEPT_POSITIONS + 1))
     for ax, m in zip(axes[0], methods):
         for r in (r for r in table if r["method"] == m):
-            ax.plot(ks, [r[f"accept_at_{k}"] for k in ks], "o-", label=r["loss"])
+            ax.plot(ks, [r[f"accept_at_{k}"] for k in ks], "o-", label=r[key])
         ax.set_title(m[:32], fontsize=8)
         ax.set_xlabel("draft position k")
         ax.legend(fontsize=7)
@@ -59,18 +59,20 @@ def _acceptance_per_position(table: list[dict]):
     return fig
 
 
-def log_comparison(tracker, table: list[dict], name: str = "loss_comparison") -> str:
-    """Print ``table`` and log it (CSV/JSON/TXT) with the tau-by-loss and the
-    acceptance-per-position plots to ``tracker``'s run; returns the printed text."""
+def log_comparison(tracker, table: list[dict], name: str = "loss_comparison",
+                   key: str = "loss") -> str:
+    """Print ``table`` (rows of :func:`comparison_rows` with the same ``key``) and log it
+    (CSV/JSON/TXT) with the tau-by-``key`` and the acceptance-per-position plots to
+    ``tracker``'s run; returns the printed text."""
     from speclab.evaluation import format_table
 
-    cols = [("loss", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
+    cols = [(key, "{}"), ("method", "{}"), ("tau", "{:.2f}"),
             ("target_calls_per_token", "{:.3f}"), ("speedup", "{:.2f}x"),
             *((f"accept_at_{k}", "{:.2f}") for k in range(1, 4))]
     text = format_table(table, cols)
     print(text, flush=True)
     tracker.log_table(table, name)
     tracker.log_text(text, f"{name}.txt")
-    tracker.log_figure(_tau_by_loss(table), "tau_by_loss.png")
-    tracker.log_figure(_acceptance_per_position(table), "acceptance_per_position.png")
+    tracker.log_figure(_tau_by_loss(table, key), f"tau_by_{key}.png")
+    tracker.log_figure(_acceptance_per_position(table, key), "acceptance_per_position.png")
     return text

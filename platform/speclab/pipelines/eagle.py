@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speclab.pipelines.signals import Prepared, generate, prepare_target
+from speclab.pipelines.signals import Prepared, generate_logged, prepare_target
 
 
 def prepare_eagle(cfg: Any) -> Prepared:
@@ -91,13 +91,4 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
 def generate_features(cfg: Any, prep: Prepared, data_dir: Path, tracker,
                       losses: list[str]) -> None:
     """Stage 1: the ``feat`` / ``feat_tree`` shards ``losses`` need, on Ray actors."""
-    t0 = time.perf_counter()
-    shards, actor_peak = generate(cfg, prep.target, data_dir, data_kinds(losses), prep.tokens)
-    from speclab.pipelines.fit import peak_rss_mb
-
-    tracker.log_metrics({"generate_s": time.perf_counter() - t0,
-                         "generate_driver_peak_rss_mb": peak_rss_mb(),
-                         "generate_actor_peak_rss_mb": actor_peak,
-                         **{f"shards.{k}": v for k, v in shards.items()}})
-    print(f"[distill_eagle] generated {shards} in {time.perf_counter() - t0:.0f}s",
-          flush=True)
+    generate_logged(cfg, prep, data_dir, tracker, data_kinds(losses), "distill_eagle")

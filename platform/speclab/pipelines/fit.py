@@ -61,7 +61,8 @@ def train_loop(config: dict) -> None:
         model = task.build_model()
     else:
         model = _build_model(spec.arch, config["vocab"], config["eos"])
-    opt, sched = make_optimizer(model, tr.lr, 0.01, tr.warmup, tr.steps)
+    groups = task.param_groups(model) if hasattr(task, "param_groups") else None
+    opt, sched = make_optimizer(model, tr.lr, 0.01, tr.warmup, tr.steps, groups)
     start = 0
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:  # restart after a failure or an explicit resume
@@ -71,7 +72,9 @@ def train_loop(config: dict) -> None:
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         start = state["step"]
-    model = ray.train.torch.prepare_model(model)
+    model = ray.train.torch.prepare_model(  # a task may leave parameters without gradients
+        model, parallel_strategy_kwargs={"find_unused_parameters": True}
+        if getattr(task, "unused_parameters", False) else None)
     core = model.module if hasattr(model, "module") else model
     mlflow_client = None
     if rank == 0 and config.get("run_id"):

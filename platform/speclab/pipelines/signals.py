@@ -5,6 +5,7 @@ The corpus (tokenised with the target's tokenizer) is cut into deterministic win
 target replicas on Ray actors turn them into what the losses need (``kd``, ``seq``,
 ``tree`` examples; ``feat`` windows with the target's features for EAGLE drafters, and
 ``feat_tree`` ones that add a target-built tree at every position for TALF on them;
+``medusa`` prompts continued by the target, with its features, for Medusa heads;
 ``accept`` data for SpecDec++ heads; see :mod:`speclab.train.distill_data`) and write Parquet shards
 ``<data>/<kind>/shard-NNNNN.parquet`` one at a time (written to a temporary name, then
 renamed, so a shard is either whole or absent). Shards already present are not
@@ -26,7 +27,7 @@ def plan_starts(d: DistillConfig, seed: int, tokens, kind: str) -> tuple[list[in
     import torch
 
     length = {"kd": d.seq_len + 1, "feat": d.seq_len + 1, "feat_tree": d.seq_len + 1,
-              "seq": d.prompt_len,
+              "seq": d.prompt_len, "medusa": d.prompt_len,
               "tree": d.context_len, "accept": d.prompt_len}[kind]
     if tokens.numel() <= length + 1:
         raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
@@ -81,6 +82,8 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
             elif kind == "feat_tree":
                 rows = [dd.feat_forest_example(runner, x, d.top_k, talf_k, talf_depth)
                         for x in inputs]
+            elif kind == "medusa":
+                rows = [dd.medusa_example(runner, x, d.response_len, d.top_k) for x in inputs]
             elif kind == "seq":
                 rows = [dd.seq_example(runner, x, d.response_len, eos) for x in inputs]
             elif kind == "accept":
@@ -123,6 +126,24 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
         for a in pool:
             ray.kill(a)
     return written, peak
+
+
+def generate_logged(cfg: Any, prep: Prepared, data_dir: Path, tracker, kinds: set[str],
+                    job: str) -> dict[str, int]:
+    """:func:`generate` of ``kinds`` for ``prep.target``, with its wall time, the peak
+    memory of the driver and the actors and the shard counts logged to ``tracker``."""
+    import time
+
+    from speclab.pipelines.fit import peak_rss_mb
+
+    t0 = time.perf_counter()
+    shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
+    tracker.log_metrics({"generate_s": time.perf_counter() - t0,
+                         "generate_driver_peak_rss_mb": peak_rss_mb(),
+                         "generate_actor_peak_rss_mb": actor_peak,
+                         **{f"shards.{k}": v for k, v in shards.items()}})
+    print(f"[{job}] generated {shards} in {time.perf_counter() - t0:.0f}s", flush=True)
+    return shards
 
 
 @dataclass

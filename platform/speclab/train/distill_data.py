@@ -9,6 +9,8 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
 * :func:`feat_forest_example` — a ``feat`` window plus a target-built beam tree rooted at
   every position (TALF on the EAGLE drafter, :func:`speclab.train.eagle.talf_loss`);
 * :func:`seq_example` — a prompt and the target's greedy continuation (``seq_kd``);
+* :func:`medusa_example` — a :func:`feat_example` over a prompt and the target's greedy
+  continuation (self-distillation data for Medusa heads, :mod:`speclab.train.medusa`);
 * :func:`tree_example` — a context and a target-built EAGLE-2 draft tree (top-k children,
   depth d, as in TALF Algorithm 1) with the target's top-k distribution at every node
   (``talf``);
@@ -29,7 +31,7 @@ import torch
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
 from speclab.drafters.eagle2 import build_eagle2_tree
 
-KINDS = ("kd", "seq", "tree", "accept", "feat", "feat_tree")
+KINDS = ("kd", "seq", "tree", "accept", "feat", "feat_tree", "medusa")
 LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",
              "talf": "tree"}
 
@@ -132,6 +134,17 @@ def seq_example(target: ModelRunner, prompt: list[int], response_len: int,
 
     out, _ = autoregressive_generate(target, prompt, response_len, SamplingParams(0.0), eos)
     return {"tokens": prompt + out, "loss_from": len(prompt)}
+
+
+def medusa_example(target: ModelRunner, prompt: list[int], response_len: int, k: int) -> dict:
+    """``prompt`` + the target's greedy continuation of exactly ``response_len`` tokens
+    (EOS does not stop it, so rows have one length) as a :func:`feat_example` window: the
+    target's features and top-k at every input of ``prompt + continuation``."""
+    from speclab.decoding.loop import autoregressive_generate
+    from speclab.decoding.sampling import SamplingParams
+
+    out, _ = autoregressive_generate(target, prompt, response_len, SamplingParams(0.0), None)
+    return feat_example(target, prompt + out, k)
 
 
 def tree_example(target: ModelRunner, context: list[int], top_k: int, depth: int, nodes: int,

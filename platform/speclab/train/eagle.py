@@ -248,39 +248,10 @@ def top1_agreement(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> fl
 
 def engine_acceptance(target: torch.nn.Module, model: torch.nn.Module, prompts: list[list[int]],
                       max_new_tokens: int, depth: int = 5) -> dict[str, float]:
-    """Greedy EAGLE-2 decoding (``tree_top_k`` 4, ``depth``, 16 nodes) of ``prompts`` with
-    the drafter as it is now: ``engine_tau`` (tokens per target call),
-    ``engine_accept_at_<k>`` (fraction of rounds accepting at least ``k`` draft tokens)
-    and ``engine_speedup`` (plain greedy decoding's wall time over EAGLE's, each prompt
-    timed AR then EAGLE in this process), the engine-measured figures logged next to the
-    training loss. ``engine_identical``: 1.0 when every output equals plain decoding's."""
-    import time
-
-    from speclab.decoding.loop import autoregressive_generate, generate_tokens
-    from speclab.decoding.rules import resolve_rule
-    from speclab.decoding.runner import ModelRunner
-    from speclab.decoding.sampling import SamplingParams
+    """:func:`~speclab.train.engine_probe.engine_figures` of greedy EAGLE-2 decoding
+    (``tree_top_k`` 4, ``depth``, 16 nodes) with the drafter as it is now."""
     from speclab.drafters.eagle import EagleDrafter
+    from speclab.train.engine_probe import engine_figures
 
-    params = SamplingParams(0.0)
-    runner = ModelRunner(target)
-    lengths: list[int] = []
-    ar_s = eagle_s = 0.0
-    same = True
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        ar, _ = autoregressive_generate(runner, prompt, max_new_tokens, params)
-        t1 = time.perf_counter()
-        drafter = EagleDrafter(model, top_k=4, depth=depth, nodes=16)
-        out_ids, stats = generate_tokens(runner, drafter, prompt, max_new_tokens, params,
-                                         resolve_rule(None, None, params))
-        ar_s, eagle_s = ar_s + t1 - t0, eagle_s + time.perf_counter() - t1
-        same = same and list(out_ids) == list(ar)
-        lengths += stats.accepted_lengths
-    runner.release()
-    out = {"engine_tau": sum(lengths) / max(len(lengths), 1),
-           "engine_speedup": ar_s / eagle_s if eagle_s else 0.0,
-           "engine_identical": float(same)}
-    for k in range(1, depth + 1):
-        out[f"engine_accept_at_{k}"] = sum(n - 1 >= k for n in lengths) / max(len(lengths), 1)
-    return out
+    return engine_figures(target, lambda: EagleDrafter(model, top_k=4, depth=depth, nodes=16),
+                          prompts, max_new_tokens, depth)

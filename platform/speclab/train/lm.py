@@ -69,10 +69,13 @@ def eval_loss(model: torch.nn.Module, tokens: torch.Tensor, seq_len: int, max_wi
 
 
 def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup: int,
-                   steps: int):
-    """AdamW with linear warm-up then cosine decay to 10% of ``lr``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                            betas=(0.9, 0.95))
+                   steps: int, groups: list[dict] | None = None):
+    """AdamW with linear warm-up then cosine decay to 10% of ``lr``. ``groups``: parameter
+    groups ``{"params": [...], "lr_scale": s}``, each at ``s * lr`` on the same schedule
+    (default: every parameter of ``model`` at ``lr``)."""
+    groups = groups or [{"params": list(model.parameters()), "lr_scale": 1.0}]
+    opt = torch.optim.AdamW([{"params": g["params"], "lr": lr * g["lr_scale"]} for g in groups],
+                            lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
 
     def lr_at(step: int) -> float:
         if step < warmup:

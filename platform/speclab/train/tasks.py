@@ -15,7 +15,9 @@ checkpoint sees the same data; ``loss(model, batch)``; ``validate(model)`` on he
 * :class:`RecTask` — L_Rec on "history -> next item id" examples (AtSpeed);
 * :class:`RecAlignTask` — an AtSpeed drafter loss on the target's alignment data;
 * :class:`HeadTask` — a SpecDec++ acceptance head on a frozen drafter;
-* :class:`EagleTask` — an EAGLE feature drafter (EAGLE or HASS loss) on ``feat`` shards.
+* :class:`EagleTask` — an EAGLE feature drafter (EAGLE or HASS loss) on ``feat`` shards;
+* :class:`MedusaTask` — Medusa heads (MEDUSA-1) or heads plus backbone (MEDUSA-2) on
+  ``medusa`` shards.
 
 A task may define ``build_model()``; otherwise the loop builds a LLaMA from ``arch``.
 """
@@ -30,7 +32,13 @@ import torch
 from pydantic import Field, TypeAdapter
 
 from speclab.config.base import StrictModel
-from speclab.config.schema import ArchConfig, EagleTrainConfig, HeadConfig, TrainConfig
+from speclab.config.schema import (
+    ArchConfig,
+    EagleTrainConfig,
+    HeadConfig,
+    MedusaTrainConfig,
+    TrainConfig,
+)
 from speclab.train.distill_batches import COLLATE, batch_loss
 from speclab.train.distill_data import LOSS_KIND
 from speclab.train.lm import eval_loss, lm_loss, random_windows
@@ -88,8 +96,20 @@ class EagleTaskConfig(_TaskConfig):
     target: str
 
 
+class MedusaTaskConfig(_TaskConfig):
+    """Medusa heads for the target in local folder ``target``: ``variant`` ``medusa1``
+    (frozen backbone) or ``medusa2`` (joint fine-tuning)."""
+
+    kind: Literal["medusa"] = "medusa"
+    arch: ArchConfig | None = None
+    medusa: MedusaTrainConfig = MedusaTrainConfig()
+    variant: Literal["medusa1", "medusa2"] = "medusa1"
+    target: str
+
+
 TaskConfig = Annotated[LMTaskConfig | DistillTaskConfig | RecTaskConfig | RecAlignTaskConfig
-                       | HeadTaskConfig | EagleTaskConfig, Field(discriminator="kind")]
+                       | HeadTaskConfig | EagleTaskConfig | MedusaTaskConfig,
+                       Field(discriminator="kind")]
 _TASK_ADAPTER: TypeAdapter = TypeAdapter(TaskConfig)
 
 
@@ -390,5 +410,111 @@ class EagleTask:
         return out
 
 
+class MedusaTask:
+    """Medusa heads on ``medusa`` shards (the last one held out). MEDUSA-1 trains
+    :class:`~speclab.models.medusa.MedusaHeads` on the stored features; MEDUSA-2 a
+    :class:`~speclab.train.medusa.Medusa2Model` (a copy of the target with the heads),
+    with two parameter groups (heads at ``train.lr``, backbone at ``backbone_lr_scale``
+    of it) and the heads-only warm-up."""
+
+    def __init__(self, cfg: MedusaTaskConfig, data_dir: Path, device: torch.device) -> None:
+        self.tr, self.m, self.variant = cfg.train, cfg.medusa, cfg.variant
+        self.target, self.device = cfg.target, device
+        # MEDUSA-2's backbone gets no gradient during the warm-up (DDP must allow it)
+        self.unused_parameters = self.variant == "medusa2" and self.m.heads_warmup > 0
+        shards = sorted((Path(data_dir) / "medusa").glob("shard-*.parquet"))
+        if len(shards) < 2:
+            raise ValueError(f"distill: need >= 2 medusa shards (one is held out), "
+                             f"found {len(shards)} in {Path(data_dir) / 'medusa'}")
+        self.val = pq.read_table(shards[-1]).to_pylist()
+        self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
+
+    def build_model(self) -> torch.nn.Module:
+        from speclab.models.loading import load_model
+        from speclab.models.medusa import MedusaHeads
+        from speclab.train.medusa import Medusa2Model
+
+        self.target_model = load_model(self.target, field="models.target").float()
+        heads = MedusaHeads.from_target(self.target_model, self.target, self.m.heads).float()
+        if self.variant == "medusa1":
+            return heads
+        return Medusa2Model(load_model(self.target, field="models.target").float(), heads)
+
+    def param_groups(self, model: torch.nn.Module) -> list[dict]:
+        """MEDUSA-2: the heads at ``train.lr``, the backbone at ``backbone_lr_scale`` of it."""
+        if self.variant == "medusa1":
+            return [{"params": list(model.parameters()), "lr_scale": 1.0}]
+        return [{"params": list(model.heads.parameters()), "lr_scale": 1.0},
+                {"params": list(model.backbone.parameters()),
+                 "lr_scale": self.m.backbone_lr_scale}]
+
+    def _collate(self, rows: list[dict]) -> dict:
+        from speclab.train.eagle import collate_feat
+
+        return {k: v.to(self.device) for k, v in collate_feat(rows).items()}
+
+    def batch(self, step: int, rank: int) -> dict:
+        g = _gen(self.tr.seed, step, rank)
+        idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
+        out = self._collate([self.train[i] for i in idx])
+        out["frozen"] = step < self.m.heads_warmup
+        return out
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        from speclab.train.medusa import medusa1_loss, medusa2_loss
+
+        if self.variant == "medusa1":
+            return medusa1_loss(model, batch, self.m.decay)
+        return medusa2_loss(model, batch, self.m.decay, self.m.lambda0, self.m.lm_loss,
+                            bool(batch.get("frozen", False)))
+
+    def tokens_in(self, batch: dict) -> int:
+        return int(batch["tokens"].numel())
+
+    def _parts(self, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """(the target as it is now, the heads)."""
+        if self.variant == "medusa1":
+            return self.target_model, model
+        return model.backbone, model.heads
+
+    def features(self, model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """The current target's features ``[B, L, H]`` at ``tokens[:, :-1]``."""
+        target, _ = self._parts(model)
+        return target.model(input_ids=tokens[:, :-1]).last_hidden_state
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module) -> float:
+        """The training loss on held-out sequences (MEDUSA-2: past the warm-up's)."""
+        model.eval()
+        val = self._collate(self.val[: self.tr.batch_size * 4])
+        out = float(self.loss(model, val))
+        model.train()
+        return out
+
+    @torch.no_grad()
+    def val_metrics(self, model: torch.nn.Module) -> dict[str, float]:
+        """``val_head<k>_top1`` (head ``k``'s calibration accuracy at rank 0 on the held-out
+        sequences) and the engine's figures with the sparse tree built from them."""
+        from speclab.drafters.medusa import MedusaDrafter
+        from speclab.drafters.medusa_trees import sparse_template
+        from speclab.models.medusa import head_accuracies
+        from speclab.train.engine_probe import engine_figures
+
+        model.eval()
+        target, heads = self._parts(model)
+        val = self._collate(self.val[: self.tr.batch_size * 4])
+        acc = head_accuracies(heads, self.features(model, val["tokens"]), val["tokens"],
+                              self.m.calibration_top)
+        out = {f"val_head{k}_top1": a[0] for k, a in enumerate(acc, start=1)}
+        if self.m.engine_prompts:
+            template = sparse_template(acc, self.m.sparse_nodes)
+            prompts = [r["tokens"][: len(r["tokens"]) // 2]
+                       for r in self.val[: self.m.engine_prompts]]
+            out.update(engine_figures(target, lambda: MedusaDrafter(heads, template), prompts,
+                                      self.m.engine_tokens, self.m.heads))
+        model.train()
+        return out
+
+
 TASKS = {"lm": LMTask, "distill": DistillTask, "rec": RecTask, "rec_align": RecAlignTask,
-         "head": HeadTask, "eagle": EagleTask}
+         "head": HeadTask, "eagle": EagleTask, "medusa": MedusaTask}

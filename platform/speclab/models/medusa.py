@@ -1,0 +1,172 @@
+"""Medusa heads: ``K`` small heads on the target's last hidden state (pure PyTorch).
+
+Head ``k`` (``k = 1..K``) at position ``t`` predicts the token ``x_{t+k+1}`` (the target's
+own LM head, "head 0", predicts ``x_{t+1}``), as on the slides' "MEDUSA heads" page::
+
+    h~_t^(k) = SiLU(W1^(k) h_t) + h_t,    p_t^(k) = softmax(W2^(k) h~_t^(k))
+
+``h_t`` is the target's last-layer feature (the LM head's input, after the final norm).
+``W1`` starts at zero and ``W2`` as a copy of the target's LM head, so an untrained head
+repeats the target's next-token distribution.
+
+On disk (``save_pretrained`` style): ``config.json`` (a :class:`MedusaMeta`: the target
+the heads belong to — its name, architecture, sizes and a fingerprint of its LM head —
+and ``K``), ``model.safetensors`` and, once calibrated, ``tree.json``: the heads'
+measured top-``r`` accuracies and the sparse tree built from them
+(:mod:`speclab.drafters.medusa_trees`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KIND = "speclab-medusa"
+
+
+def target_fingerprint(target: nn.Module) -> str:
+    """A short hash of ``target``'s LM head weights rounded to bfloat16 (the same for a
+    float32 and a bfloat16 copy of one model; different after MEDUSA-2 fine-tuning)."""
+    w = target.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16)
+    return hashlib.sha1(w.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class MedusaMeta:
+    """What a set of Medusa heads is and which target it belongs to."""
+
+    target: str
+    target_architecture: str
+    hidden_size: int
+    vocab_size: int
+    heads: int = 4
+    fingerprint: str = ""
+    kind: str = KIND
+
+    @classmethod
+    def for_target(cls, model: nn.Module, name: str, heads: int) -> MedusaMeta:
+        """The meta of ``heads`` heads for ``model`` (a HF causal LM) named ``name``."""
+        config = model.config
+        arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+        return cls(target=str(name), target_architecture=arch,
+                   hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
+                   heads=heads, fingerprint=target_fingerprint(model))
+
+    def check_target(self, model: nn.Module, field: str = "medusa_model") -> None:
+        """A ValueError naming ``field`` when ``model`` is not the target these heads were
+        trained on (another shape, or other LM head weights, e.g. MEDUSA-2 heads used with
+        the original target)."""
+        config = model.config
+        for name, have in (("hidden_size", int(config.hidden_size)),
+                           ("vocab_size", int(config.vocab_size))):
+            if getattr(self, name) != have:
+                raise ValueError(f"{field}: heads trained for a target with {name}="
+                                 f"{getattr(self, name)}, but the target has {have}")
+        if self.fingerprint and self.fingerprint != target_fingerprint(model):
+            raise ValueError(f"{field}: heads trained for target {self.target!r} (LM head "
+                             f"fingerprint {self.fingerprint}); the loaded target has other "
+                             f"weights")
+
+
+class MedusaHeads(nn.Module):
+    """``K`` residual heads, each with its own LM head (see the module docstring)."""
+
+    def __init__(self, meta: MedusaMeta) -> None:
+        super().__init__()
+        self.meta = meta
+        h, v = meta.hidden_size, meta.vocab_size
+        self.blocks = nn.ModuleList(nn.Linear(h, h) for _ in range(meta.heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(meta.heads))
+        self.tree: dict | None = None  # the calibration of tree.json, once loaded
+
+    @classmethod
+    def from_target(cls, target: nn.Module, name: str, heads: int = 4) -> MedusaHeads:
+        """Fresh heads for ``target``: ``W1 = 0``, ``W2`` = the target's LM head."""
+        model = cls(MedusaMeta.for_target(target, name, heads))
+        lm = target.get_output_embeddings().weight
+        with torch.no_grad():
+            for block, head in zip(model.blocks, model.lm_heads):
+                block.weight.zero_()
+                block.bias.zero_()
+                head.weight.copy_(lm)
+        return model.to(lm.dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [..., H]`` -> logits ``[K, ..., V]`` (head ``k`` at index ``k - 1``)."""
+        hidden = hidden.to(self.lm_heads[0].weight.dtype)
+        return torch.stack([head(hidden + F.silu(block(hidden)))
+                            for block, head in zip(self.blocks, self.lm_heads)])
+
+
+def save_medusa(model: MedusaHeads, folder: str | Path, tree: dict | None = None) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and (when given) ``tree.json``."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(asdict(model.meta), indent=2))
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"))
+    if tree is not None:
+        (folder / "tree.json").write_text(json.dumps(tree, indent=1))
+    return folder
+
+
+def is_medusa_folder(folder: str | Path) -> bool:
+    """True when ``folder`` holds heads written by :func:`save_medusa`."""
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("kind") == KIND
+    except (OSError, ValueError):
+        return False
+
+
+def load_medusa(folder: str | Path, target: nn.Module | None = None,
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                field: str = "medusa_model") -> MedusaHeads:
+    """Load heads written by :func:`save_medusa` (``model.tree``: the ``tree.json``
+    calibration, or None). With ``target`` (the loaded target model) heads trained for
+    another target are a ValueError naming ``field``."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not is_medusa_folder(folder):
+        raise ValueError(f"{field}: {folder} holds no Medusa heads (config.json with kind "
+                         f"{KIND!r})")
+    data = json.loads((folder / "config.json").read_text())
+    meta = MedusaMeta(**{k: v for k, v in data.items() if k in MedusaMeta.__dataclass_fields__})
+    if target is not None:
+        meta.check_target(target, field)
+    model = MedusaHeads(meta)
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    model = model.to(device=device, dtype=dtype).eval()
+    tree_file = folder / "tree.json"
+    model.tree = json.loads(tree_file.read_text()) if tree_file.exists() else None
+    return model
+
+
+@torch.no_grad()
+def head_accuracies(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Tensor,
+                    top: int = 10) -> list[list[float]]:
+    """Calibration: ``acc[k-1][r]`` = fraction of positions where head ``k``'s ``r``-th
+    most likely token (``r = 0..top-1``) is the true token ``x_{t+k+1}``.
+
+    ``features [B, L, H]``: the target's features at inputs ``tokens[:, :L]``;
+    ``tokens [B, L+1]``."""
+    logits = heads(features)  # [K, B, L, V]
+    length = features.shape[1]
+    out = []
+    for k in range(1, heads.meta.heads + 1):
+        span = length - k
+        if span <= 0:
+            out.append([0.0] * top)
+            continue
+        ranked = logits[k - 1, :, :span].topk(top, dim=-1).indices  # [B, span, top]
+        truth = tokens[:, k + 1: k + 1 + span, None]
+        out.append((ranked == truth).float().mean((0, 1)).tolist())
+    return out

@@ -1,0 +1,149 @@
+"""Stage: Medusa heads trained on Ray Train (MEDUSA-1 or MEDUSA-2), calibrated (head
+accuracies -> the sparse tree stored with them), saved, registered and evaluated
+(train_medusa)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from speclab.pipelines.signals import Prepared
+
+
+def save_final_medusa(result, variant: str, target: str, heads: int, run_dir: Path
+                      ) -> tuple[Any, Any, Path]:
+    """The last checkpoint as (the target model, the heads, the target's folder). For
+    ``medusa2`` the fine-tuned target is written with ``save_pretrained`` (and the
+    original's tokenizer) to ``run_dir/target`` and the heads' meta names it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from speclab.models.loading import load_model
+    from speclab.models.medusa import MedusaHeads, MedusaMeta
+    from speclab.train.medusa import Medusa2Model
+
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(Path(d) / "state.pt", weights_only=False)
+    model = load_model(target, field="models.target").float()
+    fresh = MedusaHeads.from_target(model, target, heads).float()
+    if variant == "medusa1":
+        fresh.load_state_dict(state["model"])
+        return model, fresh, Path(target)
+    joint = Medusa2Model(model, fresh)
+    joint.load_state_dict(state["model"])
+    folder = Path(run_dir) / "target"
+    joint.backbone.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(target).save_pretrained(folder)
+    joint.heads.meta = MedusaMeta.for_target(joint.backbone, str(folder), heads)
+    return joint.backbone.eval(), joint.heads, folder
+
+
+def calibrate(heads, target_model, rows: list[dict], top: int, nodes: int) -> dict:
+    """``tree.json``'s content: the heads' top-``top`` accuracies measured with
+    ``target_model``'s features on ``rows`` (held-out ``medusa`` sequences), the
+    ``nodes``-node sparse tree built from them, and every tree shape's expected tau."""
+    import torch
+
+    from speclab.drafters.medusa_trees import (
+        cartesian_template,
+        chain_template,
+        expected_length,
+        sparse_template,
+    )
+    from speclab.models.medusa import head_accuracies
+
+    tokens = torch.tensor([r["tokens"] for r in rows], dtype=torch.long)
+    with torch.no_grad():
+        feats = target_model.model(input_ids=tokens[:, :-1]).last_hidden_state
+    acc = head_accuracies(heads, feats, tokens, top)
+    k = heads.meta.heads
+    sparse = sparse_template(acc, nodes)
+    shapes = {"chain": chain_template(k), "cartesian_2": cartesian_template(2, k),
+              f"sparse_{nodes}": sparse}
+    return {"accuracies": acc, "calibration_sequences": len(rows),
+            "sparse_nodes": nodes, "sparse": [list(p) for p in sparse],
+            "expected_tau": {name: expected_length(t, acc) for name, t in shapes.items()}}
+
+
+def quality_change(cfg: Any, original: str, tuned_model, prompts: list[list[int]]
+                   ) -> dict[str, float]:
+    """:func:`~speclab.train.medusa.lm_quality` of the fine-tuned target against the
+    original on held-out corpus windows (``distill.seq_len`` tokens, up to 64) and the
+    evaluation prompts (``decoding.max_new_tokens`` greedy tokens)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from speclab.data.text import load_corpus
+    from speclab.models.loading import load_model
+    from speclab.train.medusa import lm_quality
+
+    _, val_text = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
+                              cfg.corpus.val_chars, cfg.corpus.text_field)
+    ids = torch.tensor(AutoTokenizer.from_pretrained(original).encode(val_text))
+    length = cfg.distill.seq_len + 1
+    n = min(64, ids.numel() // length)
+    if n == 0:
+        raise ValueError(f"corpus.val_chars: too little held-out text for one window of "
+                         f"{length} tokens")
+    windows = ids[: n * length].view(n, length)
+    return lm_quality(load_model(original, field="models.target").float(), tuned_model,
+                      windows, prompts, cfg.decoding.max_new_tokens)
+
+
+def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_name: str,
+                                   data_dir: Path, tracker, variant: str,
+                                   register_as: str | None) -> tuple[Path, str, list[dict]]:
+    """Train ``variant``'s heads (``cfg.medusa``, ``train``, ``scaling``) on Ray Train,
+    calibrate them on the held-out shard, save and register them, then run ``methods``
+    against plain decoding of the variant's target (the original, or MEDUSA-2's
+    fine-tuned one), ``medusa`` methods with ``medusa_model: trained`` using these heads.
+    Returns (the heads' folder, the target's folder, the evaluation rows, AR first)."""
+    import pyarrow.parquet as pq
+
+    from speclab.config.jobs import TRAINED
+    from speclab.evaluation import MethodRun
+    from speclab.models.medusa import save_medusa
+    from speclab.models.registry import resolve_models
+    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+    from speclab.pipelines.fit import fit
+    from speclab.train.tasks import MedusaTaskConfig
+
+    task = MedusaTaskConfig(train=cfg.train, medusa=cfg.medusa, variant=variant,
+                            target=prep.target)
+    t1 = time.perf_counter()
+    result = fit(task, cfg.scaling, storage, run_name, data_dir, prep.vocab, prep.eos,
+                 tracker.run_id, tracker.uri if tracker.run_id else None)
+    run_dir = storage / run_name
+    target_model, heads, target = save_final_medusa(result, variant, prep.target,
+                                                    cfg.medusa.heads, run_dir)
+    held_out = sorted((data_dir / "medusa").glob("shard-*.parquet"))[-1]
+    tree = calibrate(heads, target_model, pq.read_table(held_out).to_pylist(),
+                     cfg.medusa.calibration_top, cfg.medusa.sparse_nodes)
+    folder = save_medusa(heads, run_dir / "medusa", tree)
+    metrics = {"train_s": time.perf_counter() - t1, "final_step": result.metrics["step"],
+               "final_val_loss": result.metrics["val_loss"],
+               "final_engine_tau": result.metrics.get("engine_tau", 0.0),
+               **{f"expected_tau.{k}": v for k, v in tree["expected_tau"].items()},
+               **{f"head{k}_acc_top{r + 1}": sum(a[: r + 1]) for k, a in
+                  enumerate(tree["accuracies"], start=1) for r in (0, 4)
+                  if r < len(a)}}
+    prompts = tokenized_prompts(cfg, prep.target)
+    if variant == "medusa2":
+        metrics.update({f"quality.{k}": v for k, v in
+                        quality_change(cfg, prep.target, target_model, prompts).items()})
+        tracker.log_model(target, f"{register_as}-target" if register_as else None)
+    tracker.log_metrics(metrics)
+    uri = tracker.log_model(folder, register_as)
+    print(f"[train_medusa] {variant} heads saved to {folder}" + (
+        f", registered as {uri}" if uri else "") + f"; expected tau {tree['expected_tau']}",
+        flush=True)
+    # the trained heads replace ``trained``; the configured name stays the label
+    methods = [m.model_copy(update={"medusa_model": str(folder), "label": m.label or MethodRun(
+        m.name, m.params(), "").name}) if getattr(m, "medusa_model", None) == TRAINED else m
+        for m in cfg.method_list()]
+    draft = None
+    if any(m.needs_draft_model for m in methods):
+        _, draft = resolve_models(cfg.models.target, cfg.models.draft)
+    rows = evaluate_pair(cfg, str(target), draft, prompts, tracker, "eval/", methods)
+    return folder, str(target), rows

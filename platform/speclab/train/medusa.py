@@ -1,0 +1,131 @@
+"""Training Medusa heads: MEDUSA-1 and MEDUSA-2 (pure PyTorch).
+
+Data: ``medusa`` examples (:func:`speclab.train.distill_data.medusa_example`): a corpus
+prompt and the target's own greedy continuation (self-distillation, as Medusa's recipe
+uses when the original training data is not at hand), with the target's features
+``h_0..h_{L-1}`` and its top-k distribution at every input (``collate_feat`` tensors).
+
+* MEDUSA-1 (frozen backbone; the slides' formula): ``sum_k lambda_k CE(p_t^(k),
+  x_{t+k+1})`` with ``lambda_k = decay^k``, on the stored features, so a step never runs
+  the backbone (:func:`medusa1_loss`).
+* MEDUSA-2 (joint fine-tuning): ``L_LM + lambda_0 L_MEDUSA-1`` on a trainable copy of the
+  backbone (:class:`Medusa2Model`). ``L_LM`` is, by default (``lm_loss: kl``), the
+  cross-entropy to the ORIGINAL target's stored top-k distribution (Medusa's
+  self-distillation variant: KL to the original model up to a constant, which keeps the
+  fine-tuned target close to it); ``lm_loss: ce`` is the slides' ``-log p^(0)(x_{t+1})``.
+  The recipe's warm-up: for the first ``heads_warmup`` steps only the heads train (the
+  backbone runs without gradients), then both, the backbone at a lower learning rate
+  (the task's parameter groups).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speclab import losses
+from speclab.models.medusa import MedusaHeads
+
+
+def head_losses(head_logits: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Per-head mean cross-entropy: ``head_logits [K, B, L, V]`` (head ``k`` at features
+    ``h_0..h_{L-1}``) against ``tokens [B, L+1]``; head ``k`` at ``t`` predicts
+    ``x_{t+k+1}`` (positions with ``t + k + 1 > L`` have no label and are skipped)."""
+    n_heads, _, length, vocab = head_logits.shape
+    out = []
+    for k in range(1, n_heads + 1):
+        span = length - k
+        if span <= 0:
+            out.append(head_logits.sum() * 0.0)
+            continue
+        logits = head_logits[k - 1, :, :span].reshape(-1, vocab).float()
+        out.append(F.cross_entropy(logits, tokens[:, k + 1: k + 1 + span].reshape(-1)))
+    return out
+
+
+def weighted(per_head: list[torch.Tensor], decay: float) -> torch.Tensor:
+    """``sum_k decay^k * per_head[k-1]`` (the slides' ``lambda_k = c^k``)."""
+    return sum(decay ** k * loss for k, loss in enumerate(per_head, start=1))
+
+
+def medusa1_loss(heads: MedusaHeads, batch: dict[str, torch.Tensor],
+                 decay: float = 0.8) -> torch.Tensor:
+    """MEDUSA-1 on a ``collate_feat`` batch (``features [B, L, H]``, ``tokens [B, L+1]``)."""
+    return weighted(head_losses(heads(batch["features"]), batch["tokens"]), decay)
+
+
+class Medusa2Model(nn.Module):
+    """A trainable backbone (a HF causal LM) with its Medusa heads."""
+
+    def __init__(self, backbone: nn.Module, heads: MedusaHeads) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.heads = heads
+
+    def forward(self, input_ids: torch.Tensor, frozen: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids [B, L]`` -> (LM logits ``[B, L, V]``, head logits ``[K, B, L, V]``).
+        ``frozen``: the backbone runs without gradients (the heads-only warm-up)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not frozen):
+            hidden = self.backbone.model(input_ids=input_ids).last_hidden_state
+            lm_logits = self.backbone.lm_head(hidden)
+        return lm_logits, self.heads(hidden)
+
+
+def medusa2_loss(model: Medusa2Model, batch: dict[str, torch.Tensor], decay: float = 0.8,
+                 lambda0: float = 0.2, lm_loss: str = "kl", frozen: bool = False
+                 ) -> torch.Tensor:
+    """MEDUSA-2's ``L_LM + lambda0 * L_MEDUSA-1`` on a ``collate_feat`` batch (the stored
+    features are not used: the backbone recomputes them). During the warm-up
+    (``frozen``) ``L_LM`` is left out: the backbone does not train."""
+    tokens = batch["tokens"]
+    lm_logits, head_logits = model(tokens[:, :-1], frozen)
+    medusa = weighted(head_losses(head_logits, tokens), decay)
+    if frozen:
+        return lambda0 * medusa
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1, device=tokens.device)
+    if lm_loss == "kl":
+        lm = losses.soft_ce(lm_logits, batch["topk_ids"], batch["topk_probs"], mask)
+    else:
+        lm = losses.cross_entropy(lm_logits, tokens[:, 1:], mask)
+    return lm + lambda0 * medusa
+
+
+@torch.no_grad()
+def lm_quality(original: nn.Module, tuned: nn.Module, windows: torch.Tensor,
+               prompts: list[list[int]], max_new_tokens: int) -> dict[str, float]:
+    """How far a fine-tuned target (MEDUSA-2) moved from the original.
+
+    ``windows [N, L+1]`` of held-out text: perplexity of each model
+    (``ppl_original``, ``ppl_tuned``) and ``top1_agreement`` (teacher-forced argmax
+    equality per position); ``prompts``: greedy decoding of ``max_new_tokens`` by each,
+    ``greedy_token_agreement`` (equal tokens at equal positions) and
+    ``greedy_identical`` (fraction of prompts with identical outputs)."""
+    from speclab.decoding.loop import autoregressive_generate
+    from speclab.decoding.runner import ModelRunner
+    from speclab.decoding.sampling import SamplingParams
+
+    out: dict[str, float] = {}
+    argmax = []
+    for name, model in (("original", original), ("tuned", tuned)):
+        model.eval()
+        logits = model(input_ids=windows[:, :-1]).logits.float()
+        ce = F.cross_entropy(logits.transpose(1, 2), windows[:, 1:])
+        out[f"ppl_{name}"] = math.exp(float(ce))
+        argmax.append(logits.argmax(-1))
+    out["top1_agreement"] = float((argmax[0] == argmax[1]).float().mean())
+    same = equal = total = 0
+    for prompt in prompts:
+        a, _ = autoregressive_generate(ModelRunner(original), prompt, max_new_tokens,
+                                       SamplingParams(0.0))
+        b, _ = autoregressive_generate(ModelRunner(tuned), prompt, max_new_tokens,
+                                       SamplingParams(0.0))
+        same += a == b
+        equal += sum(x == y for x, y in zip(a, b))
+        total += max(len(a), len(b))
+    out["greedy_token_agreement"] = equal / max(total, 1)
+    out["greedy_identical"] = same / max(len(prompts), 1)
+    return out
