@@ -1,0 +1,279 @@
+"""Medusa heads: tree templates, the heads' folder and target checks, what the heads read
+each round, losslessness (greedy identity for every tree shape, chi-square at T > 0),
+typical acceptance, and the MEDUSA-1 / MEDUSA-2 losses."""
+
+import pytest
+import torch
+
+from speclab.api import Decoder
+from speclab.decoding.loop import autoregressive_generate
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
+from speclab.drafters.medusa import MedusaDrafter, medusa_template
+from speclab.drafters.medusa_trees import (
+    cartesian_template,
+    chain_template,
+    expected_length,
+    sparse_template,
+)
+from speclab.models.loading import load_model
+from speclab.models.medusa import MedusaHeads, head_accuracies, load_medusa, save_medusa
+from speclab.train.distill_data import medusa_example
+from speclab.train.eagle import collate_feat
+from speclab.train.medusa import (
+    Medusa2Model,
+    head_losses,
+    lm_quality,
+    medusa1_loss,
+    medusa2_loss,
+)
+
+PROMPT = [3, 9, 27, 17, 51, 2]
+ACC = [[0.6, 0.2, 0.1], [0.4, 0.3, 0.05], [0.3, 0.1, 0.0]]
+
+
+def _data(target_dir: str, n: int = 32, seed: int = 0) -> dict:
+    """Self-distillation rows: random 3-token prompts continued greedily by the target."""
+    runner = ModelRunner(load_model(target_dir))
+    g = torch.Generator().manual_seed(seed)
+    vocab = runner.vocab_size
+    rows = [medusa_example(runner, torch.randint(0, vocab, (3,), generator=g).tolist(), 14, 4)
+            for _ in range(n)]
+    return collate_feat(rows)
+
+
+def _train(target_dir: str, steps: int, heads: int = 3) -> tuple[MedusaHeads, list[float]]:
+    """MEDUSA-1 heads trained on the target's own continuations."""
+    target = load_model(target_dir)
+    batch = _data(target_dir)
+    torch.manual_seed(0)
+    model = MedusaHeads.from_target(target, target_dir, heads)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    history = []
+    for _ in range(steps):
+        loss = medusa1_loss(model, batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        history.append(loss.item())
+    model.eval()
+    acc = head_accuracies(model, batch["features"], batch["tokens"], 4)
+    model.tree = {"accuracies": acc}
+    return model, history
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_pair):
+    return _train(tiny_pair["target"], 80)
+
+
+def test_templates():
+    assert chain_template(3) == [(0,), (0, 0), (0, 0, 0)]
+    cart = cartesian_template(2, 3)
+    assert len(cart) == 2 + 4 + 8 and len(set(cart)) == len(cart)
+    sparse = sparse_template(ACC, 5)
+    # the five best products: .6, .24 (.6*.4), .2, .18 (.6*.3), .1
+    assert sparse == [(0,), (1,), (2,), (0, 0), (0, 1)]
+    for nodes in range(1, 20):
+        tpl = sparse_template(ACC, nodes)
+        assert len(tpl) == min(nodes, 3 + 9 + 27)
+        assert all(p[:-1] in tpl for p in tpl if len(p) > 1)  # parents kept
+        order = {p: i for i, p in enumerate(tpl)}
+        assert all(order[p[:-1]] < order[p] for p in tpl if len(p) > 1)
+    assert sparse_template(ACC, 10, depth=1) == [(0,), (1,), (2,)]
+    assert expected_length([(0,), (0, 0)], ACC) == pytest.approx(1 + 0.6 + 0.24)
+    # the sparse tree's estimate is the best of any template of its size
+    assert expected_length(sparse_template(ACC, 14), ACC) >= expected_length(cart, ACC)
+    with pytest.raises(ValueError, match="accuracies"):
+        sparse_template([], 4)
+
+
+def test_fresh_heads_repeat_the_lm_head_and_folder_round_trip(tiny_pair, tmp_path):
+    from speclab.models.tiny import build_tiny_llama
+
+    target = load_model(tiny_pair["target"])
+    heads = MedusaHeads.from_target(target, tiny_pair["target"], 3)
+    h = torch.randn(2, 5, target.config.hidden_size)
+    want = target.get_output_embeddings()(h)
+    got = heads(h)
+    assert got.shape == (3, 2, 5, target.config.vocab_size)
+    for k in range(3):
+        torch.testing.assert_close(got[k], want)
+    folder = save_medusa(heads, tmp_path / "m", {"accuracies": ACC})
+    again = load_medusa(folder, target)
+    torch.testing.assert_close(again(h), got)
+    assert again.tree == {"accuracies": ACC} and again.meta == heads.meta
+    other = build_tiny_llama(tmp_path / "other", seed=4, vocab_size=64, hidden_size=48)
+    with pytest.raises(ValueError, match="medusa_model: heads trained for a target with "
+                                         "hidden_size=32"):
+        load_medusa(folder, load_model(str(other)))
+    # same shape, other weights (e.g. MEDUSA-2 heads with the original target)
+    with pytest.raises(ValueError, match="medusa_model: heads trained for target .*other "
+                                         "weights"):
+        Decoder.from_pretrained(tiny_pair["close"]).generate(
+            prompt_ids=PROMPT, method="medusa", medusa_model=str(folder))
+    with pytest.raises(ValueError, match="medusa_model: .* holds no Medusa heads"):
+        load_medusa(tiny_pair["target"])
+    bare = save_medusa(heads, tmp_path / "bare")
+    with pytest.raises(ValueError, match="medusa_model: these heads have no calibration"):
+        Decoder.from_pretrained(tiny_pair["target"]).generate(
+            prompt_ids=PROMPT, method="medusa", medusa_model=str(bare), tree="sparse")
+    with pytest.raises(ValueError, match="medusa_model"):
+        Decoder.from_pretrained(tiny_pair["target"]).generate(prompt_ids=PROMPT,
+                                                              method="medusa")
+
+
+def test_heads_read_the_feature_that_produced_the_root(tiny_pair):
+    """Fresh heads repeat the target's next-token distribution, so on the feature of the
+    last accepted node head 1's best token is the token that feature produced: the root.
+    Every round of greedy decoding must therefore draft the root itself first."""
+    target = load_model(tiny_pair["target"])
+    heads = MedusaHeads.from_target(target, tiny_pair["target"], 2)
+    drafter = MedusaDrafter(heads, chain_template(2))
+    roots, firsts = [], []
+    propose = drafter.propose
+
+    def spy(committed, budget):
+        tree = propose(committed, budget)
+        if len(tree) > 1:
+            roots.append(tree.tokens[0])
+            firsts.append(tree.tokens[1])
+        return tree
+
+    drafter.propose = spy
+    from speclab.decoding.loop import generate_tokens
+    from speclab.decoding.rules import resolve_rule
+
+    params = SamplingParams(0.0)
+    generate_tokens(ModelRunner(target), drafter, PROMPT, 20, params,
+                    resolve_rule(None, None, params))
+    assert len(roots) > 5 and roots[1:] == firsts[1:]  # the first root is the prompt's
+
+
+@pytest.mark.parametrize("tree,knobs", [("chain", {}), ("cartesian", {"tree_top_k": 2}),
+                                        ("sparse", {"nodes": 10}),
+                                        ("sparse", {"nodes": 6, "depth": 2})])
+def test_greedy_output_is_the_targets_for_every_tree(tiny_pair, trained, tmp_path, tree, knobs):
+    heads, history = trained
+    assert history[-1] < 0.7 * history[0]
+    folder = save_medusa(heads, tmp_path / "m", heads.tree)
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    for prompt in (PROMPT, [5], [7, 8, 9, 10]):
+        ar, _ = autoregressive_generate(dec.target, prompt, 40, SamplingParams(0.0))
+        res = dec.generate(prompt_ids=prompt, method="medusa", medusa_model=str(folder),
+                           tree=tree, max_new_tokens=40, **knobs)
+        assert res.token_ids == ar
+    assert res.stats.accepted_tokens > 0  # trained heads are right sometimes
+
+
+def test_sparse_tree_beats_the_chain_and_follows_the_calibration(tiny_pair, trained):
+    heads, _ = trained
+    acc = heads.tree["accuracies"]
+    assert acc[0][0] > 0.3  # head 1's top-1 is learnt
+    tpl = medusa_template(heads, "sparse", 10, 2)
+    assert tpl == sparse_template(acc, 10)
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    taus = {}
+    for tree in ("chain", "sparse"):
+        lengths = []
+        for prompt in (PROMPT, [7, 8, 9, 10], [1, 2]):
+            res = dec.generate(prompt_ids=prompt, method="medusa", medusa_model=heads,
+                               tree=tree, nodes=10, max_new_tokens=40)
+            lengths += res.stats.accepted_lengths
+        taus[tree] = sum(lengths) / len(lengths)
+    assert taus["sparse"] >= taus["chain"] > 1.0, taus
+
+
+def test_typical_acceptance_runs_relaxed_and_is_greedy_at_t0(tiny_pair, trained):
+    heads, _ = trained
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    ar = dec.generate(prompt_ids=PROMPT, method="ar", max_new_tokens=30)
+    t0 = dec.generate(prompt_ids=PROMPT, method="medusa", medusa_model=heads,
+                      verify="typical", max_new_tokens=30)
+    assert t0.token_ids == ar.token_ids
+    hot = dec.generate(prompt_ids=PROMPT, method="medusa", medusa_model=heads,
+                       verify="typical", temperature=0.7, max_new_tokens=30,
+                       verify_params={"epsilon": 0.3, "delta": 0.09})
+    assert len(hot.token_ids) == 30 and hot.stats.tau >= 1.0
+    with pytest.raises(Exception, match="epsilon"):
+        dec.generate(prompt_ids=PROMPT, method="medusa", medusa_model=heads, verify="typical",
+                     temperature=0.7, verify_params={"epsilon": -1})
+
+
+def test_head_losses_pair_head_k_with_the_token_k_plus_1_ahead():
+    vocab, length = 7, 5
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])  # L + 1 = 6
+    logits = torch.randn(2, 1, length, vocab)
+    got = head_losses(logits, tokens)
+    for k in (1, 2):
+        span = length - k
+        want = torch.nn.functional.cross_entropy(logits[k - 1, 0, :span],
+                                                 tokens[0, k + 1: k + 1 + span])
+        torch.testing.assert_close(got[k - 1], want)
+
+
+def test_medusa1_trains_and_raises_head_accuracy(tiny_pair, trained):
+    heads, history = trained
+    target = load_model(tiny_pair["target"])
+    fresh = MedusaHeads.from_target(target, tiny_pair["target"], 3)
+    batch = _data(tiny_pair["target"], n=16, seed=5)  # held out
+    before = head_accuracies(fresh, batch["features"], batch["tokens"], 1)
+    after = head_accuracies(heads, batch["features"], batch["tokens"], 1)
+    assert after[0][0] > before[0][0] + 0.2, (before, after)
+    with torch.no_grad():
+        assert float(medusa1_loss(heads, batch)) < float(medusa1_loss(fresh, batch))
+
+
+def test_medusa2_warmup_freezes_the_backbone_then_trains_both(tiny_pair):
+    target = load_model(tiny_pair["target"])
+    model = Medusa2Model(load_model(tiny_pair["target"]),
+                         MedusaHeads.from_target(target, tiny_pair["target"], 2))
+    batch = _data(tiny_pair["target"], n=4)
+    medusa2_loss(model, batch, frozen=True).backward()
+    assert all(p.grad is None for p in model.backbone.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.heads.parameters())
+    model.zero_grad(set_to_none=True)
+    loss = medusa2_loss(model, batch, lambda0=0.5)
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0
+               for p in model.backbone.parameters())
+    # L_LM (kl) of the untouched copy is the original's own cross-entropy to its top-k
+    from speclab import losses
+
+    with torch.no_grad():
+        lm_logits, heads_logits = model(batch["tokens"][:, :-1])
+        mask = torch.ones(batch["tokens"].shape[0], batch["tokens"].shape[1] - 1)
+        kl = losses.soft_ce(lm_logits, batch["topk_ids"], batch["topk_probs"], mask)
+        want = kl + 0.5 * sum(0.8 ** k * v for k, v in
+                              enumerate(head_losses(heads_logits, batch["tokens"]), 1))
+    torch.testing.assert_close(loss.detach(), want)
+
+
+def test_lm_quality_of_a_copy_and_of_another_model(tiny_pair):
+    a = load_model(tiny_pair["target"])
+    windows = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(0))
+    same = lm_quality(a, load_model(tiny_pair["target"]), windows, [PROMPT], 12)
+    assert same["ppl_original"] == pytest.approx(same["ppl_tuned"])
+    assert same["top1_agreement"] == 1.0 and same["greedy_identical"] == 1.0
+    other = lm_quality(a, load_model(tiny_pair["weak"]), windows, [PROMPT], 12)
+    assert other["top1_agreement"] < 1.0 and other["greedy_token_agreement"] < 1.0
+
+
+@pytest.mark.slow
+def test_sampling_with_medusa_matches_the_target(micro_pair):
+    from tests.unit.test_engine_sampling import N, PROMPT as SPROMPT
+    from tests.unit.test_engine_sampling import chi_square_p, exact_two_token_dist
+
+    heads, _ = _train(micro_pair["target"], 60, heads=2)
+    dec = Decoder.from_pretrained(micro_pair["target"])
+    exact = exact_two_token_dist(dec, SamplingParams(1.0))
+    counts, accepted = {}, 0
+    for seed in range(N):
+        res = dec.generate(prompt_ids=SPROMPT, method="medusa", medusa_model=heads,
+                           tree="cartesian", tree_top_k=3, max_new_tokens=2,
+                           temperature=1.0, seed=seed)
+        key = tuple(res.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += res.stats.accepted_tokens
+    assert accepted > N // 4
+    assert chi_square_p(counts, exact, N) > 1e-3
