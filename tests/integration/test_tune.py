@@ -55,6 +55,42 @@ def test_decode_sweep_logs_parent_children_and_a_runnable_best_config(job_env, t
     assert "True" in ev.stdout  # greedy output identical to AR
 
 
+def test_medusa_sweep_over_tree_size_and_typical_epsilon(job_env, tmp_path, monkeypatch):
+    """A decode sweep of Medusa's sparse-tree size x typical acceptance's epsilon at
+    T=0.7 (``decoding.verify_params``), with heads from a folder."""
+    from speclab.models.medusa import save_medusa
+    from speclab.models.registry import ensure_tiny_pair
+    from tests.unit.test_medusa import _train
+
+    monkeypatch.setenv("SPECLAB_HOME", job_env["SPECLAB_HOME"])
+    target, _ = ensure_tiny_pair()
+    heads, _ = _train(target, 40)
+    folder = save_medusa(heads, tmp_path / "heads", heads.tree)
+    res = run_cmd([python(), "-m", "jobs.tune", "--config", SMOKE, "tracking.experiment=tm",
+                   f"output.storage_path={tmp_path / 'runs'}",
+                   f"method={{name: medusa, medusa_model: {folder}, nodes: 8}}",
+                   "decoding.temperature=0.7", "decoding.verify=typical",
+                   "decoding.verify_params={epsilon: 0.09, delta: 0.3}",
+                   "sweep.space={method.nodes: {grid: [4, 8]}, "
+                   "decoding.verify_params.epsilon: {grid: [0.05, 0.3]}}",
+                   "sweep.metric=speedup"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "tm")
+    seen = {(c.data.params["method.nodes"], c.data.params["decoding.verify_params.epsilon"])
+            for c in children}
+    assert seen == {("4", "0.05"), ("4", "0.3"), ("8", "0.05"), ("8", "0.3")}
+    assert all(c.data.tags["status"] == "ok" and c.data.metrics["tau"] >= 1.0
+               for c in children)
+    assert parent.data.metrics["failed_trials"] == 0
+    bad = run_cmd([python(), "-m", "jobs.tune", "--config", SMOKE, "tracking.experiment=tb",
+                   f"output.storage_path={tmp_path / 'runs'}",
+                   f"method={{name: medusa, medusa_model: {folder}}}",
+                   "decoding.temperature=0.7", "decoding.verify=typical",
+                   "decoding.verify_params={epsilon: -1}",
+                   "sweep.space={method.nodes: {grid: [4, 8]}}"], job_env)
+    assert bad.returncode == 2 and "epsilon" in bad.stderr
+
+
 def test_failing_trials_are_recorded_and_the_sweep_goes_on(job_env, tmp_path):
     """salf with batch 20 > nodes 8 is an invalid combination: those trials fail with
     the field named; chain ignores batch and succeeds."""

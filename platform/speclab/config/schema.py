@@ -57,6 +57,19 @@ class DecodingConfig(StrictModel):
     max_new_tokens: int = Field(64, gt=0)
     seed: int = 0
     verify: Literal["greedy", "sample", "typical"] | None = None
+    verify_params: dict[str, float] | None = Field(
+        None, description="the rule's parameters, e.g. typical: {epsilon, delta}")
+
+    @model_validator(mode="after")
+    def _rule_params(self):
+        """``verify_params`` checked against the rule now, not at the first prompt."""
+        if self.verify_params is not None:
+            from speclab.decoding.rules import resolve_rule
+            from speclab.decoding.sampling import SamplingParams
+
+            resolve_rule(self.verify, self.verify_params, SamplingParams(
+                self.temperature, self.sample_top_k, self.top_p))
+        return self
 
 
 class ResourcesConfig(StrictModel):
