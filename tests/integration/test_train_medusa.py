@@ -36,7 +36,7 @@ def test_medusa_heads_trained_calibrated_registered_and_used_by_the_cli(job_env,
     assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id
                for r in children.values())
     assert parent.data.metrics["shards.medusa"] == 2
-    for variant, run in children.items():
+    for run in children.values():
         m = run.data.metrics
         assert m["final_step"] == 12
         for key in ("val_head1_top1", "engine_tau", "engine_accept_at_1"):  # next to loss

@@ -261,8 +261,8 @@ def test_lm_quality_of_a_copy_and_of_another_model(tiny_pair):
 
 @pytest.mark.slow
 def test_sampling_with_medusa_matches_the_target(micro_pair):
-    from tests.unit.test_engine_sampling import N, PROMPT as SPROMPT
-    from tests.unit.test_engine_sampling import chi_square_p, exact_two_token_dist
+    from tests.unit.test_engine_sampling import PROMPT as SPROMPT
+    from tests.unit.test_engine_sampling import N, chi_square_p, exact_two_token_dist
 
     heads, _ = _train(micro_pair["target"], 60, heads=2)
     dec = Decoder.from_pretrained(micro_pair["target"])
