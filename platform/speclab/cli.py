@@ -2,6 +2,8 @@
 
     speclab generate --target DIR --draft DIR --method salf --prompt "def f(" --json
     speclab bench [--out bench_out] [--quick]          # engine benchmark on the reference pair
+    speclab shift --target DIR --method medusa ... --verify typical --temperature 0.7
+                                                        # first-token TV of a relaxed rule
     speclab reference                                   # build (or find) the reference pair
     speclab run <job> --config experiments/x.yaml [k=v ...]   # a job on local/embedded Ray
     speclab submit <job> --config ... [--address http://HEAD:8265] [k=v ...]
@@ -47,12 +49,11 @@ def _renamed_flags() -> dict[str, dict[str, str]]:
     return out
 
 
-def _add_generate(sub) -> None:
+def add_method_args(p: argparse.ArgumentParser) -> None:
+    """The target/draft, ``--method`` with every registered knob, the verification rule
+    and the sampling flags (shared by ``generate`` and ``shift``)."""
     from speclab.config.method import methods
 
-    p = sub.add_parser("generate", help="decode one prompt with a method of the engine",
-                       description="Method knobs come from the method registry; a knob "
-                                   "applies only to the methods listed in its help.")
     p.add_argument("--target", required=True, help="target model folder or hub id")
     p.add_argument("--draft", help="draft model folder or hub id (methods with a draft LM)")
     p.add_argument("--method", default="chain", choices=list(methods()))
@@ -72,17 +73,40 @@ def _add_generate(sub) -> None:
                        help=argparse.SUPPRESS)
     p.add_argument("--verify", help="greedy | sample | typical (default: greedy at "
                                     "temperature 0, sample otherwise)")
+    p.add_argument("--verify-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a parameter of the rule, e.g. --verify-param epsilon=0.2 (typical)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the sampler")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+
+
+def verify_params_from_args(args: argparse.Namespace) -> dict | None:
+    """``--verify-param KEY=VALUE`` flags as ``{key: float}`` (None when none given)."""
+    out = {}
+    for item in args.verify_param:
+        key, sep, value = item.partition("=")
+        try:
+            if not sep or not key:
+                raise ValueError
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"verify_params: expected KEY=NUMBER, got {item!r}") from None
+    return out or None
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="decode one prompt with a method of the engine",
+                       description="Method knobs come from the method registry; a knob "
+                                   "applies only to the methods listed in its help.")
+    add_method_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="prompt text (needs a tokenizer next to the target)")
     group.add_argument("--prompt-ids", help="comma-separated token ids, used as given")
     p.add_argument("--num-samples", type=int, default=1, help="samples; seeds seed..seed+S-1")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--json", action="store_true", help="one JSON object per sample")
 
 
@@ -135,7 +159,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         res = dec.generate(
             args.prompt, prompt_ids=ids, method=cfg, max_new_tokens=args.max_new_tokens,
             temperature=args.temperature, sample_top_k=args.sample_top_k, top_p=args.top_p,
-            verify=args.verify, seed=args.seed + s,
+            verify=args.verify, verify_params=verify_params_from_args(args),
+            seed=args.seed + s,
         )
         if args.json:
             print(json.dumps(res.to_dict()), flush=True)

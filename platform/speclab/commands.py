@@ -26,6 +26,18 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32")
     HANDLERS["bench"] = cmd_bench
+
+    from speclab.cli import add_method_args
+
+    p = sub.add_parser("shift", help="first-token distribution shift of a method's rule "
+                                     "against the target (total variation; table + JSON)")
+    add_method_args(p)
+    p.add_argument("--samples", type=int, default=200, help="seeded runs per prompt")
+    p.add_argument("--prompts", default="stdlib_functions", help="data.prompts kind")
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--context-chars", type=int, default=300)
+    p.add_argument("--out", default="shift_out", help="folder for shift.json")
+    HANDLERS["shift"] = cmd_shift
     _add_job_parsers(sub)
 
 
@@ -52,6 +64,43 @@ def cmd_bench(args: argparse.Namespace) -> int:
     run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype)
     return 0
 
+
+
+def cmd_shift(args: argparse.Namespace) -> int:
+    """Print the per-prompt TV table and write ``<out>/shift.json``."""
+    import json
+    from pathlib import Path
+
+    from speclab.api import Decoder
+    from speclab.cli import method_from_args, verify_params_from_args
+    from speclab.data.prompts import load_prompts
+    from speclab.decoding.sampling import SamplingParams
+    from speclab.evaluation import format_table
+    from speclab.shift import first_token_shift
+
+    cfg = method_from_args(args)
+    if cfg.needs_draft_model and not args.draft:
+        raise ValueError(f"draft: method {args.method!r} needs --draft")
+    dec = Decoder.from_pretrained(args.target, args.draft if cfg.needs_draft_model else None,
+                                  args.dtype, args.device)
+    params = SamplingParams(args.temperature, args.sample_top_k, args.top_p)
+    prompts = [dec.encode(t) for t in load_prompts(args.prompts, args.num_prompts,
+                                                   args.context_chars)]
+    verify_params = verify_params_from_args(args)
+    rows = first_token_shift(dec, prompts, cfg, args.samples, params, args.verify,
+                             verify_params)
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "prompt"}
+    cols = [("prompt", "{}"), ("tv_method", "{:.3f}"), ("tv_ar", "{:.3f}"),
+            ("p_top_target", "{:.3f}"), ("p_top_method", "{:.3f}")]
+    print(format_table([*rows, {"prompt": "mean", **mean}], cols))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shift.json").write_text(json.dumps({
+        "method": cfg.model_dump(mode="json"), "verify": args.verify,
+        "verify_params": verify_params, "temperature": args.temperature,
+        "samples": args.samples, "rows": rows, "mean": mean}, indent=2, default=str))
+    print(f"[shift] wrote {out / 'shift.json'}")
+    return 0
 
 
 def _add_job_parsers(sub) -> None:

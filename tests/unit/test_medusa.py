@@ -277,3 +277,33 @@ def test_sampling_with_medusa_matches_the_target(micro_pair):
         accepted += res.stats.accepted_tokens
     assert accepted > N // 4
     assert chi_square_p(counts, exact, N) > 1e-3
+
+
+def test_shift_command_measures_typical_acceptance_against_the_target(tmp_path, capsys):
+    """`speclab shift`: speculative sampling's first-token TV stays at plain sampling's
+    noise floor (same seeds); typical acceptance moves mass onto the drafted token."""
+    import json
+
+    from speclab.cli import main
+    from speclab.models.registry import ensure_tiny_pair
+
+    target, _ = ensure_tiny_pair(tmp_path / "models")  # with a tokenizer, for text prompts
+    heads, _ = _train(target, 60)
+    folder = save_medusa(heads, tmp_path / "m", heads.tree)
+    common = ["shift", "--target", target, "--method", "medusa",
+              "--medusa-model", str(folder), "--temperature", "0.7", "--samples", "150",
+              "--num-prompts", "3", "--context-chars", "60"]
+    result = {}
+    for rule in ("sample", "typical"):
+        out = tmp_path / rule
+        assert main([*common, "--verify", rule, "--verify-param", "epsilon=0.3",
+                     "--out", str(out)] if rule == "typical" else
+                    [*common, "--verify", rule, "--out", str(out)]) == 0
+        result[rule] = json.loads((out / "shift.json").read_text())["mean"]
+    assert "tv_method" in capsys.readouterr().out
+    floor = result["sample"]["tv_ar"]
+    assert result["sample"]["tv_method"] < floor + 0.1, result
+    assert result["typical"]["tv_method"] > result["sample"]["tv_method"] + 0.05, result
+    assert main([*common, "--verify", "typical", "--verify-param", "epsilon"]) == 2
+    assert "verify_params: expected KEY=NUMBER" in capsys.readouterr().err
+    assert main([*common[:-6], "--temperature", "0", "--samples", "3"]) == 2
