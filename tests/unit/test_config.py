@@ -45,6 +45,11 @@ def test_defaults_and_override_precedence(tmp_path):
         ({}, ["method.name=salf", "method.batch=40", "method.nodes=8"], "batch (40)"),
         ({}, ["noequals"], "expected key=value"),
         ({}, ["data.prompts=jsonl"], "path is required"),
+        ({}, ["decoding.temperature=0.7", "decoding.verify=typical",
+              "decoding.verify_params={epsilon: 0}"], "verify_params (typical): epsilon"),
+        ({}, ["decoding.verify_params={epsilon: 0.2}"], "verify_params (greedy): epsilon"),
+        ({}, ["method={name: medusa}"], "method 'medusa' needs heads"),
+        ({}, ["method={name: medusa, medusa_model: x, tree: dense}"], "method.tree"),
     ],
 )
 def test_errors_name_the_field(data, overrides, message):
