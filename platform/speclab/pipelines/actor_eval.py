@@ -119,6 +119,26 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     return rows
 
 
+def evaluate_trained(cfg: Any, target: str, prompts: list[list[int]], tracker, field: str,
+                     folder: str) -> list[dict]:
+    """:func:`evaluate_pair` of ``cfg.method_list()`` where every method whose ``field``
+    (``eagle_model``, ``medusa_model``) is ``trained`` uses the model just trained in
+    ``folder``. Those keep their configured name as label, so tables and metric keys do
+    not carry (and are not lengthened by) the run folder. Methods with a draft LM use
+    ``models.draft``. Returns the rows, AR first."""
+    from speclab.config.jobs import TRAINED
+    from speclab.evaluation import MethodRun
+    from speclab.models.registry import resolve_models
+
+    methods = [m.model_copy(update={field: str(folder), "label": m.label or MethodRun(
+        m.name, m.params(), "").name}) if getattr(m, field, None) == TRAINED else m
+        for m in cfg.method_list()]
+    draft = None
+    if any(m.needs_draft_model for m in methods):
+        _, draft = resolve_models(cfg.models.target, cfg.models.draft)
+    return evaluate_pair(cfg, target, draft, prompts, tracker, "eval/", methods)
+
+
 def tokenized_prompts(cfg: Any, target: str) -> list[list[int]]:
     """The ``data`` prompt set, tokenised with the target's tokenizer (on the driver)."""
     from speclab.api import Decoder

@@ -13,12 +13,10 @@ plot of tau per method and loss and one of acceptance per draft position
 
 from __future__ import annotations
 
-import time
-
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.comparison import comparison_rows, log_comparison
 from speclab.pipelines.drafter import train_register_evaluate
-from speclab.pipelines.signals import generate, prepare_target
+from speclab.pipelines.signals import generate_logged, prepare_target
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,12 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     table: list[dict] = []
     with tracker as parent:
         parent.set_tags({"job": "compare_losses", "target": prep.target})
-        t0 = time.perf_counter()
-        kinds = {LOSS_KIND[name] for name in cfg.compare.losses}
-        shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
-        parent.log_metrics({"generate_s": time.perf_counter() - t0,
-                            "generate_actor_peak_rss_mb": actor_peak,
-                            **{f"shards.{k}": v for k, v in shards.items()}})
+        generate_logged(cfg, prep, data_dir, parent,
+                        {LOSS_KIND[name] for name in cfg.compare.losses}, "compare_losses")
         for loss in cfg.compare.losses:
             sub = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"loss": loss})})
             register = f"{cfg.output.register_as}-{loss}" if cfg.output.register_as else None

@@ -17,18 +17,15 @@ target (``methods``, ``data``, ``decoding``) in the same MLflow run (metrics ``e
 
 from __future__ import annotations
 
-import time
-
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.drafter import train_register_evaluate
-from speclab.pipelines.signals import generate, prepare_target
+from speclab.pipelines.signals import generate_logged, prepare_target
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("distill", __doc__, argv, prepare_target)  # bad inputs fail here
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
-    from speclab.pipelines.fit import peak_rss_mb
     from speclab.raylib import init_ray
     from speclab.train.distill_data import LOSS_KIND
 
@@ -40,13 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     with tracker as t:
         t.set_tags({"job": "distill", "run_dir": str(storage / run_name),
                     "target": prep.target, "loss": ",".join(sorted(cfg.distill.loss_weights()))})
-        t0 = time.perf_counter()
-        shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens)
-        t.log_metrics({"generate_s": time.perf_counter() - t0,
-                       "generate_driver_peak_rss_mb": peak_rss_mb(),
-                       "generate_actor_peak_rss_mb": actor_peak,
-                       **{f"shards.{k}": v for k, v in shards.items()}})
-        print(f"[distill] generated {shards} in {time.perf_counter() - t0:.0f}s", flush=True)
+        generate_logged(cfg, prep, data_dir, t, kinds, "distill")
         train_register_evaluate(cfg, prep, storage, run_name, data_dir, t,
                                 cfg.output.register_as)
     return 0

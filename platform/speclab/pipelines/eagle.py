@@ -53,10 +53,7 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
     and register it, then (``evaluate``) run ``methods`` against the target, ``eagle``
     methods with ``eagle_model: trained`` using this drafter. Returns (the drafter's
     folder, the evaluation rows, AR first)."""
-    from speclab.config.jobs import TRAINED
-    from speclab.evaluation import MethodRun
-    from speclab.models.registry import resolve_models
-    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+    from speclab.pipelines.actor_eval import evaluate_trained, tokenized_prompts
     from speclab.pipelines.fit import fit
     from speclab.train.tasks import EagleTaskConfig
 
@@ -75,16 +72,8 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
           + (f", registered as {uri}" if uri else ""), flush=True)
     if not evaluate:
         return final, []
-    # the trained drafter replaces ``trained``; the configured name stays the label, so
-    # tables and metric keys do not carry (and are not lengthened by) the run folder
-    methods = [m.model_copy(update={"eagle_model": str(final), "label": m.label or MethodRun(
-        m.name, m.params(), "").name}) if getattr(m, "eagle_model", None) == TRAINED else m
-        for m in cfg.method_list()]
-    draft = None
-    if any(m.needs_draft_model for m in methods):
-        _, draft = resolve_models(cfg.models.target, cfg.models.draft)
-    rows = evaluate_pair(cfg, prep.target, draft, tokenized_prompts(cfg, prep.target),
-                         tracker, "eval/", methods)
+    rows = evaluate_trained(cfg, prep.target, tokenized_prompts(cfg, prep.target), tracker,
+                            "eagle_model", str(final))
     return final, rows
 
 

@@ -101,11 +101,8 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
     Returns (the heads' folder, the target's folder, the evaluation rows, AR first)."""
     import pyarrow.parquet as pq
 
-    from speclab.config.jobs import TRAINED
-    from speclab.evaluation import MethodRun
     from speclab.models.medusa import save_medusa
-    from speclab.models.registry import resolve_models
-    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+    from speclab.pipelines.actor_eval import evaluate_trained, tokenized_prompts
     from speclab.pipelines.fit import fit
     from speclab.train.tasks import MedusaTaskConfig
 
@@ -138,12 +135,5 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
     print(f"[train_medusa] {variant} heads saved to {folder}" + (
         f", registered as {uri}" if uri else "") + f"; expected tau {tree['expected_tau']}",
         flush=True)
-    # the trained heads replace ``trained``; the configured name stays the label
-    methods = [m.model_copy(update={"medusa_model": str(folder), "label": m.label or MethodRun(
-        m.name, m.params(), "").name}) if getattr(m, "medusa_model", None) == TRAINED else m
-        for m in cfg.method_list()]
-    draft = None
-    if any(m.needs_draft_model for m in methods):
-        _, draft = resolve_models(cfg.models.target, cfg.models.draft)
-    rows = evaluate_pair(cfg, str(target), draft, prompts, tracker, "eval/", methods)
+    rows = evaluate_trained(cfg, str(target), prompts, tracker, "medusa_model", str(folder))
     return folder, str(target), rows
