@@ -18,7 +18,7 @@ from speclab.drafters.medusa_trees import (
 )
 from speclab.models.loading import load_model
 from speclab.models.medusa import MedusaHeads, head_accuracies, load_medusa, save_medusa
-from speclab.train.distill_data import medusa_example
+from speclab.train.distill_data import feat_example, medusa_examples
 from speclab.train.eagle import collate_feat
 from speclab.train.medusa import (
     Medusa2Model,
@@ -37,9 +37,8 @@ def _data(target_dir: str, n: int = 32, seed: int = 0) -> dict:
     runner = ModelRunner(load_model(target_dir))
     g = torch.Generator().manual_seed(seed)
     vocab = runner.vocab_size
-    rows = [medusa_example(runner, torch.randint(0, vocab, (3,), generator=g).tolist(), 14, 4)
-            for _ in range(n)]
-    return collate_feat(rows)
+    prompts = [torch.randint(0, vocab, (3,), generator=g).tolist() for _ in range(n)]
+    return collate_feat(medusa_examples(runner, prompts, 14, 4, batch=8))
 
 
 def _train(target_dir: str, steps: int, heads: int = 3) -> tuple[MedusaHeads, list[float]]:
@@ -65,6 +64,21 @@ def _train(target_dir: str, steps: int, heads: int = 3) -> tuple[MedusaHeads, li
 @pytest.fixture(scope="module")
 def trained(tiny_pair):
     return _train(tiny_pair["target"], 80)
+
+
+def test_self_distillation_rows_are_the_targets_greedy_continuations(tiny_pair):
+    """Batched generation equals one-at-a-time greedy decoding with the engine, and each
+    row's features / top-k are the target's on that sequence."""
+    runner = ModelRunner(load_model(tiny_pair["target"]))
+    prompts = [[1, 2, 3], [7, 7, 7], [40, 3, 9], [5, 6, 60]]
+    rows = medusa_examples(runner, prompts, 10, 4, batch=3)  # a full and a partial batch
+    for prompt, row in zip(prompts, rows):
+        out, _ = autoregressive_generate(runner, prompt, 10, SamplingParams(0.0))
+        assert row["tokens"] == prompt + out
+        one = feat_example(runner, row["tokens"], 4)
+        assert row["topk_ids"] == one["topk_ids"]
+        torch.testing.assert_close(collate_feat([row])["features"],
+                                   collate_feat([one])["features"], atol=2e-3, rtol=0)
 
 
 def test_templates():

@@ -98,8 +98,7 @@ class MedusaDrafter(Drafter):
         if self.last is None:  # a 1-token prompt: no feature yet, the target goes first
             return tree
         t0 = time.perf_counter()
-        weight = self.heads.lm_heads[0].weight
-        logits = self.heads(self.last.to(weight.device))  # [K, V]
+        logits = self.heads(self.last.to(self.heads.w1.device))  # [K, V]
         probs = logits.float().softmax(-1)
         top_p, top_i = probs.topk(min(self.ranks, probs.shape[-1]), dim=-1)  # [K, ranks]
         top_p, top_i = top_p.cpu().tolist(), top_i.cpu().tolist()
@@ -160,8 +159,5 @@ class MedusaConfig(MethodSpec):
                                lambda: load_medusa(medusa_folder(self.medusa_model)))
         if ctx.target_model is not None:
             heads.meta.check_target(ctx.target_model)
-        template = ctx.cached(("medusa-template", id(heads), self.tree, self.nodes,
-                               self.tree_top_k, self.depth),
-                              lambda: medusa_template(heads, self.tree, self.nodes,
-                                                      self.tree_top_k, self.depth))
-        return MedusaDrafter(heads, template)
+        return MedusaDrafter(heads, medusa_template(heads, self.tree, self.nodes,
+                                                    self.tree_top_k, self.depth))

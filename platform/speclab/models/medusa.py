@@ -75,14 +75,18 @@ class MedusaMeta:
 
 
 class MedusaHeads(nn.Module):
-    """``K`` residual heads, each with its own LM head (see the module docstring)."""
+    """``K`` residual heads, each with its own LM head (see the module docstring). The
+    heads' weights are stacked (``w1 [K, H, H]``, ``b1 [K, H]``, ``w2 [K, V, H]``), so all
+    ``K`` heads run as two batched matmuls: a round's draft costs two kernel launches,
+    not ``2K``."""
 
     def __init__(self, meta: MedusaMeta) -> None:
         super().__init__()
         self.meta = meta
-        h, v = meta.hidden_size, meta.vocab_size
-        self.blocks = nn.ModuleList(nn.Linear(h, h) for _ in range(meta.heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(meta.heads))
+        k, h, v = meta.heads, meta.hidden_size, meta.vocab_size
+        self.w1 = nn.Parameter(torch.zeros(k, h, h))
+        self.b1 = nn.Parameter(torch.zeros(k, h))
+        self.w2 = nn.Parameter(torch.zeros(k, v, h))
         self.tree: dict | None = None  # the calibration of tree.json, once loaded
 
     @classmethod
@@ -91,17 +95,17 @@ class MedusaHeads(nn.Module):
         model = cls(MedusaMeta.for_target(target, name, heads))
         lm = target.get_output_embeddings().weight
         with torch.no_grad():
-            for block, head in zip(model.blocks, model.lm_heads):
-                block.weight.zero_()
-                block.bias.zero_()
-                head.weight.copy_(lm)
+            model.w2.copy_(lm.detach()[None].expand_as(model.w2))
         return model.to(lm.dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [..., H]`` -> logits ``[K, ..., V]`` (head ``k`` at index ``k - 1``)."""
-        hidden = hidden.to(self.lm_heads[0].weight.dtype)
-        return torch.stack([head(hidden + F.silu(block(hidden)))
-                            for block, head in zip(self.blocks, self.lm_heads)])
+        lead = hidden.shape[:-1]
+        x = hidden.reshape(1, -1, hidden.shape[-1]).to(self.w1.dtype)  # [1, N, H]
+        res = x + F.silu(torch.baddbmm(self.b1[:, None, :], x.expand(self.meta.heads, -1, -1),
+                                       self.w1.transpose(1, 2)))  # [K, N, H]
+        logits = torch.bmm(res, self.w2.transpose(1, 2))  # [K, N, V]
+        return logits.reshape(self.meta.heads, *lead, -1)
 
 
 def save_medusa(model: MedusaHeads, folder: str | Path, tree: dict | None = None) -> Path:

@@ -83,7 +83,7 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
                 rows = [dd.feat_forest_example(runner, x, d.top_k, talf_k, talf_depth)
                         for x in inputs]
             elif kind == "medusa":
-                rows = [dd.medusa_example(runner, x, d.response_len, d.top_k) for x in inputs]
+                rows = dd.medusa_examples(runner, inputs, d.response_len, d.top_k)
             elif kind == "seq":
                 rows = [dd.seq_example(runner, x, d.response_len, eos) for x in inputs]
             elif kind == "accept":

@@ -9,8 +9,9 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
 * :func:`feat_forest_example` — a ``feat`` window plus a target-built beam tree rooted at
   every position (TALF on the EAGLE drafter, :func:`speclab.train.eagle.talf_loss`);
 * :func:`seq_example` — a prompt and the target's greedy continuation (``seq_kd``);
-* :func:`medusa_example` — a :func:`feat_example` over a prompt and the target's greedy
-  continuation (self-distillation data for Medusa heads, :mod:`speclab.train.medusa`);
+* :func:`medusa_examples` — :func:`feat_example` windows over prompts and the target's
+  greedy continuations, decoded in batches (self-distillation data for Medusa heads,
+  :mod:`speclab.train.medusa`);
 * :func:`tree_example` — a context and a target-built EAGLE-2 draft tree (top-k children,
   depth d, as in TALF Algorithm 1) with the target's top-k distribution at every node
   (``talf``);
@@ -136,15 +137,36 @@ def seq_example(target: ModelRunner, prompt: list[int], response_len: int,
     return {"tokens": prompt + out, "loss_from": len(prompt)}
 
 
-def medusa_example(target: ModelRunner, prompt: list[int], response_len: int, k: int) -> dict:
-    """``prompt`` + the target's greedy continuation of exactly ``response_len`` tokens
+@torch.no_grad()
+def medusa_examples(target: ModelRunner, prompts: list[list[int]], response_len: int, k: int,
+                    batch: int = 64) -> list[dict]:
+    """Each prompt + the target's greedy continuation of exactly ``response_len`` tokens
     (EOS does not stop it, so rows have one length) as a :func:`feat_example` window: the
-    target's features and top-k at every input of ``prompt + continuation``."""
-    from speclab.decoding.loop import autoregressive_generate
-    from speclab.decoding.sampling import SamplingParams
+    target's features and top-k at every input of ``prompt + continuation``.
 
-    out, _ = autoregressive_generate(target, prompt, response_len, SamplingParams(0.0), None)
-    return feat_example(target, prompt + out, k)
+    Prompts of one length decode ``batch`` at a time (one batched forward per token over
+    a shared KV cache, no padding), the cheap way to make self-distillation data."""
+    from speclab.train.eagle import encode_features
+
+    model = target.model
+    device = next(model.parameters()).device
+    rows: list[dict] = []
+    for start in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[start: start + batch], dtype=torch.long, device=device)
+        out = model(input_ids=ids, use_cache=True)
+        seq = [ids]
+        for _ in range(response_len):
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            seq.append(nxt)
+            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+        window = torch.cat(seq, 1)  # [B, P + R]
+        hidden = model.model(input_ids=window[:, :-1]).last_hidden_state  # [B, L, H]
+        probs, top = torch.topk(model.lm_head(hidden).float().softmax(-1), k, dim=-1)
+        for b in range(window.shape[0]):
+            rows.append({"tokens": window[b].tolist(), "features": encode_features(hidden[b]),
+                         "hidden": int(hidden.shape[-1]), "topk_ids": top[b].tolist(),
+                         "topk_probs": probs[b].tolist()})
+    return rows
 
 
 def tree_example(target: ModelRunner, context: list[int], top_k: int, depth: int, nodes: int,
