@@ -14,6 +14,11 @@ Every loss takes ``mask [B, L]`` (1 = position counts) and optional per-sequence
 * ``tvd_kd``: total variation 0.5 * sum |p - q| (TVD-KD);
 * ``hass_topk``: HASS top-K distillation, -sum_{k in top-K(p)} p_k log q_k with the
   target's unrenormalised ``p_k`` (the slides' formula);
+* ``topk_kl``: KL(p || q) between the distributions coarsened to the kept entries plus
+  ONE bucket for the rest of the mass (the target's unrenormalised ``p``): a true
+  divergence that is 0 only when ``q`` matches ``p`` on the kept entries and on the rest,
+  so, unlike a renormalised top-k objective, it does not push ``q``'s mass off the
+  tokens outside the top-k (MEDUSA-2's self-distillation ``L_LM``);
 * ``talf``: cross-entropy summed over every node of target-built draft trees (the
   caller runs one drafter forward per tree with tree attention and passes the node
   logits here as ``[B, T, V]`` with ``mask`` over real nodes).
@@ -90,6 +95,20 @@ def hass_topk(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask
     logq = _student_logq(logits, ids)
     per_pos = -(probs.float() * logq).sum(-1)  # [B, L]
     return _reduce(per_pos, mask, weights)
+
+
+def topk_kl(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """KL over the kept entries and one "rest" bucket (module docstring): ``sum_k p_k
+    (log p_k - log q_k) + p_r (log p_r - log q_r)`` with ``p_r = 1 - sum_k p_k``, ``q_r = 1 -
+    sum_k q_k``; ``probs`` are the target's own (unrenormalised) probabilities."""
+    logq = _student_logq(logits, ids)  # [B, L, K]
+    p = probs.float()
+    p_rest = (1.0 - p.sum(-1)).clamp_min(0.0)  # [B, L]
+    q_rest = (1.0 - logq.exp().sum(-1)).clamp_min(1e-12)
+    kept = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)
+    rest = p_rest * (torch.log(p_rest.clamp_min(1e-12)) - torch.log(q_rest))
+    return _reduce(kept + rest, mask, weights)
 
 
 def soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,

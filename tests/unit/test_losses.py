@@ -153,3 +153,19 @@ def test_each_position_aligns_over_its_own_valid_tokens(fn):
     assert batch[0].abs().sum() > 0 and batch[1, 1].abs() > 0
     if fn == "r":  # one valid token: the truncated distributions coincide
         assert batch[1, 0].item() == 0.0 and batch[1, 2].item() == 0.0
+
+
+def test_topk_kl_is_a_divergence_that_keeps_the_rest_of_the_mass():
+    """0 for the teacher itself; unlike a renormalised top-k cross-entropy it is not
+    lowered by moving the mass outside the top-k onto the kept tokens."""
+    from speclab.losses import soft_ce, topk_kl
+
+    torch.manual_seed(0)
+    teacher = torch.randn(1, 3, 20)
+    probs, ids = teacher.softmax(-1).topk(4, dim=-1)
+    mask = torch.ones(1, 3)
+    assert float(topk_kl(teacher, ids, probs, mask)) == pytest.approx(0.0, abs=1e-5)
+    sharp = teacher.clone()
+    sharp.scatter_add_(-1, ids, torch.full_like(probs, 5.0))  # all mass onto the top-4
+    assert float(topk_kl(sharp, ids, probs, mask)) > 0.5
+    assert float(soft_ce(sharp, ids, probs, mask)) < float(soft_ce(teacher, ids, probs, mask))

@@ -251,16 +251,12 @@ def test_medusa2_warmup_freezes_the_backbone_then_trains_both(tiny_pair):
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0
                for p in model.backbone.parameters())
-    # L_LM (kl) of the untouched copy is the original's own cross-entropy to its top-k
-    from speclab import losses
-
+    # L_LM (kl) of the untouched copy is 0: the copy IS the original
     with torch.no_grad():
-        lm_logits, heads_logits = model(batch["tokens"][:, :-1])
-        mask = torch.ones(batch["tokens"].shape[0], batch["tokens"].shape[1] - 1)
-        kl = losses.soft_ce(lm_logits, batch["topk_ids"], batch["topk_probs"], mask)
-        want = kl + 0.5 * sum(0.8 ** k * v for k, v in
-                              enumerate(head_losses(heads_logits, batch["tokens"]), 1))
-    torch.testing.assert_close(loss.detach(), want)
+        _, heads_logits = model(batch["tokens"][:, :-1])
+        want = 0.5 * sum(0.8 ** k * v for k, v in
+                         enumerate(head_losses(heads_logits, batch["tokens"]), 1))
+    torch.testing.assert_close(loss.detach(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_lm_quality_of_a_copy_and_of_another_model(tiny_pair):

@@ -9,10 +9,12 @@ uses when the original training data is not at hand), with the target's features
   x_{t+k+1})`` with ``lambda_k = decay^k``, on the stored features, so a step never runs
   the backbone (:func:`medusa1_loss`).
 * MEDUSA-2 (joint fine-tuning): ``L_LM + lambda_0 L_MEDUSA-1`` on a trainable copy of the
-  backbone (:class:`Medusa2Model`). ``L_LM`` is, by default (``lm_loss: kl``), the
-  cross-entropy to the ORIGINAL target's stored top-k distribution (Medusa's
-  self-distillation variant: KL to the original model up to a constant, which keeps the
-  fine-tuned target close to it); ``lm_loss: ce`` is the slides' ``-log p^(0)(x_{t+1})``.
+  backbone (:class:`Medusa2Model`). ``L_LM`` is, by default (``lm_loss: kl``), the KL
+  from the ORIGINAL target's distribution (Medusa's self-distillation variant, which keeps
+  the fine-tuned target close to the original), computed on the stored top-k plus one
+  bucket for the rest of the mass (:func:`speclab.losses.topk_kl`: a renormalised top-k
+  cross-entropy would push the mass off every other token and ruin the perplexity on
+  real text); ``lm_loss: ce`` is the slides' ``-log p^(0)(x_{t+1})``.
   The recipe's warm-up: for the first ``heads_warmup`` steps only the heads train (the
   backbone runs without gradients), then both, the backbone at a lower learning rate
   (the task's parameter groups).
@@ -88,7 +90,7 @@ def medusa2_loss(model: Medusa2Model, batch: dict[str, torch.Tensor], decay: flo
         return lambda0 * medusa
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1, device=tokens.device)
     if lm_loss == "kl":
-        lm = losses.soft_ce(lm_logits, batch["topk_ids"], batch["topk_probs"], mask)
+        lm = losses.topk_kl(lm_logits, batch["topk_ids"], batch["topk_probs"], mask)
     else:
         lm = losses.cross_entropy(lm_logits, tokens[:, 1:], mask)
     return lm + lambda0 * medusa
