@@ -257,8 +257,8 @@ class MedusaTrainConfig(StrictModel):
     decay: float = Field(0.8, gt=0.0, le=1.0, description="lambda_k = decay^k")
     lambda0: float = Field(0.2, gt=0.0, allow_inf_nan=False,
                            description="MEDUSA-2: weight of the heads' loss")
-    lm_loss: Literal["kl", "ce"] = Field("kl", description="MEDUSA-2 L_LM: kl (to the "
-                                                           "original's top-k) or ce")
+    lm_loss: Literal["kl", "ce"] = Field("kl", description="MEDUSA-2 L_LM: kl (from the "
+                                                           "original's top-k + rest) or ce")
     heads_warmup: int = Field(0, ge=0, description="MEDUSA-2: steps training heads only")
     backbone_lr_scale: float = Field(0.25, gt=0.0, le=1.0,
                                      description="MEDUSA-2: backbone lr / train.lr")
