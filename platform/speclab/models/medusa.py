@@ -156,21 +156,23 @@ def load_medusa(folder: str | Path, target: nn.Module | None = None,
 
 @torch.no_grad()
 def head_accuracies(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Tensor,
-                    top: int = 10) -> list[list[float]]:
+                    top: int = 10, chunk: int = 32) -> list[list[float]]:
     """Calibration: ``acc[k-1][r]`` = fraction of positions where head ``k``'s ``r``-th
     most likely token (``r = 0..top-1``) is the true token ``x_{t+k+1}``.
 
     ``features [B, L, H]``: the target's features at inputs ``tokens[:, :L]``;
-    ``tokens [B, L+1]``."""
-    logits = heads(features)  # [K, B, L, V]
-    length = features.shape[1]
-    out = []
-    for k in range(1, heads.meta.heads + 1):
-        span = length - k
-        if span <= 0:
-            out.append([0.0] * top)
-            continue
-        ranked = logits[k - 1, :, :span].topk(top, dim=-1).indices  # [B, span, top]
-        truth = tokens[:, k + 1: k + 1 + span, None]
-        out.append((ranked == truth).float().mean((0, 1)).tolist())
-    return out
+    ``tokens [B, L+1]``. Sequences go through the heads ``chunk`` at a time (the logits
+    of all of them at once would be ``K x B x L x V`` floats)."""
+    n_heads, length = heads.meta.heads, features.shape[1]
+    hits = torch.zeros(n_heads, top)
+    for start in range(0, features.shape[0], chunk):
+        logits = heads(features[start: start + chunk])  # [K, b, L, V]
+        for k in range(1, n_heads + 1):
+            span = length - k
+            if span > 0:
+                ranked = logits[k - 1, :, :span].topk(top, dim=-1).indices  # [b, span, top]
+                truth = tokens[start: start + chunk, k + 1: k + 1 + span, None]
+                hits[k - 1] += (ranked == truth).float().sum((0, 1)).cpu()
+    counts = [features.shape[0] * max(length - k, 0) for k in range(1, n_heads + 1)]
+    return [(hits[k] / counts[k]).tolist() if counts[k] else [0.0] * top
+            for k in range(n_heads)]
