@@ -30,6 +30,7 @@ from speclab.drafters.eagle2 import build_eagle2_tree
 from speclab.drafters.knobs import TreeKnobs
 from speclab.drafters.optimal import build_optimal_tree
 from speclab.models.eagle import EagleModel, load_eagle
+from speclab.models.loading import registry_or_folder
 
 Builder = Literal["eagle2", "optimal", "salf"]
 
@@ -122,15 +123,6 @@ class EagleDrafter(Drafter):
                                   threshold, depth).tree
 
 
-def eagle_folder(source: str) -> str:
-    """A drafter folder: ``models:/`` URIs are downloaded, local folders used as given."""
-    if not source.startswith("models:/"):
-        return source
-    from speclab.models.loading import resolve_source
-
-    return resolve_source(source, "eagle_model")
-
-
 class EagleConfig(TreeKnobs):
     """``eagle``: an EAGLE feature drafter (``eagle_model``) drafting EAGLE-2 trees
     (``builder: eagle2``, ``tree_top_k`` per level) or optimal / SALF trees."""
@@ -158,7 +150,8 @@ class EagleConfig(TreeKnobs):
     def build(self, ctx) -> EagleDrafter:
         model = self.eagle_model
         if not isinstance(model, EagleModel):
-            model = ctx.cached(("eagle", model), lambda: load_eagle(eagle_folder(self.eagle_model)))
+            model = ctx.cached(("eagle", model), lambda: load_eagle(
+                registry_or_folder(self.eagle_model, "eagle_model")))
         if ctx.target_config is not None:
             model.meta.check_target(ctx.target_config)
         return EagleDrafter(model, self.tree_top_k, self.depth, self.nodes,

@@ -33,7 +33,8 @@ from speclab.drafters.medusa_trees import (
     chain_template,
     sparse_template,
 )
-from speclab.models.medusa import MedusaHeads, load_medusa
+from speclab.models.loading import registry_or_folder
+from speclab.models.medusa import MedusaHeads, load_medusa, target_fingerprint
 
 TreeShape = Literal["sparse", "cartesian", "chain"]
 
@@ -118,15 +119,6 @@ class MedusaDrafter(Drafter):
         return tree
 
 
-def medusa_folder(source: str) -> str:
-    """A heads folder: ``models:/`` URIs are downloaded, local folders used as given."""
-    if not source.startswith("models:/"):
-        return source
-    from speclab.models.loading import resolve_source
-
-    return resolve_source(source, "medusa_model")
-
-
 class MedusaConfig(MethodSpec):
     """``medusa``: Medusa heads (``medusa_model``) drafting a ``chain``, ``cartesian`` or
     calibrated ``sparse`` tree from the target's last feature."""
@@ -155,9 +147,10 @@ class MedusaConfig(MethodSpec):
     def build(self, ctx) -> MedusaDrafter:
         heads = self.medusa_model
         if not isinstance(heads, MedusaHeads):
-            heads = ctx.cached(("medusa", heads),
-                               lambda: load_medusa(medusa_folder(self.medusa_model)))
-        if ctx.target_model is not None:
-            heads.meta.check_target(ctx.target_model)
+            heads = ctx.cached(("medusa", heads), lambda: load_medusa(
+                registry_or_folder(self.medusa_model, "medusa_model")))
+        if ctx.target_model is not None:  # the target's hash once per Decoder, not per call
+            heads.meta.check_target(ctx.target_model, fingerprint=ctx.cached(
+                "target_fingerprint", lambda: target_fingerprint(ctx.target_model)))
         return MedusaDrafter(heads, medusa_template(heads, self.tree, self.nodes,
                                                     self.tree_top_k, self.depth))

@@ -34,6 +34,12 @@ def resolve_source(source: str, field: str = "model") -> str:
     return _check_source(source, field)
 
 
+def registry_or_folder(source: str, field: str) -> str:
+    """A drafter folder (EAGLE drafter, Medusa heads): ``models:/`` URIs are downloaded,
+    local folders are used as given (their own loader checks what they hold)."""
+    return resolve_source(source, field) if source.startswith("models:/") else source
+
+
 def _check_source(source: str, field: str) -> str:
     if source.startswith(("models:/", "runs:/")):  # MLflow registry: download, then a folder
         from speclab.tracking import resolve_model_uri

@@ -58,17 +58,18 @@ class MedusaMeta:
                    hidden_size=int(config.hidden_size), vocab_size=int(config.vocab_size),
                    heads=heads, fingerprint=target_fingerprint(model))
 
-    def check_target(self, model: nn.Module, field: str = "medusa_model") -> None:
+    def check_target(self, model: nn.Module, field: str = "medusa_model",
+                     fingerprint: str | None = None) -> None:
         """A ValueError naming ``field`` when ``model`` is not the target these heads were
         trained on (another shape, or other LM head weights, e.g. MEDUSA-2 heads used with
-        the original target)."""
+        the original target). ``fingerprint``: ``model``'s, when already computed."""
         config = model.config
         for name, have in (("hidden_size", int(config.hidden_size)),
                            ("vocab_size", int(config.vocab_size))):
             if getattr(self, name) != have:
                 raise ValueError(f"{field}: heads trained for a target with {name}="
                                  f"{getattr(self, name)}, but the target has {have}")
-        if self.fingerprint and self.fingerprint != target_fingerprint(model):
+        if self.fingerprint and self.fingerprint != (fingerprint or target_fingerprint(model)):
             raise ValueError(f"{field}: heads trained for target {self.target!r} (LM head "
                              f"fingerprint {self.fingerprint}); the loaded target has other "
                              f"weights")
