@@ -20,17 +20,20 @@ request it cannot honour is an error, never a silent swap.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from speclab.config.method import MethodSpec, method_class, parse_method
+from speclab.decoding.batch_loop import BatchStats, BatchTarget, generate_batch
+from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.loop import GenerationStats, generate_tokens
 from speclab.decoding.rules import request_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.drafters.registry import BuildContext, build_drafter
+from speclab.drafters.registry import BuildContext, build_drafter, make_batch_drafter
 from speclab.models.loading import check_same_vocab, load_model, load_tokenizer, resolve_source
 
 
@@ -66,6 +69,7 @@ class Decoder:
         self.draft = ModelRunner(draft) if draft is not None else None
         self.tokenizer = tokenizer
         self._resources: dict = {}  # acceptance heads, datastores: loaded once per Decoder
+        self.last_batch: BatchStats | None = None  # figures of the last batched generate
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -98,6 +102,8 @@ class Decoder:
         prompt: str | None = None,
         *,
         prompt_ids: list[int] | None = None,
+        prompts: list[str] | list[list[int]] | None = None,
+        batch_size: int | None = None,
         method: str | MethodSpec = "chain",
         max_new_tokens: int = 64,
         temperature: float = 0.0,
@@ -107,34 +113,102 @@ class Decoder:
         verify_params: dict | None = None,
         seed: int = 0,
         **knobs,
-    ) -> GenerationResult:
+    ) -> GenerationResult | list[GenerationResult]:
         """Generate up to ``max_new_tokens`` after the prompt (text or ids).
 
         ``method``: a registered method name with its ``knobs`` as keywords (e.g.
         ``method="chain", gamma=4``), or a method config object. ``sample_top_k`` /
         ``top_p`` / ``temperature`` warp target and draft alike; ``seed`` seeds sampling.
+
+        ``prompts``: a list of texts or of token-id lists, decoded TOGETHER by the batched
+        engine (at most ``batch_size`` rows at once, default all); returns one result per
+        prompt, in order. Prompt ``i`` uses seed ``seed + i``, so at temperature 0 (and,
+        up to float rounding, when sampling) it gets what ``generate`` gives it alone.
         """
+        cfg = self.method_config(method, knobs)
+        params = SamplingParams(temperature, sample_top_k, top_p)
+        if prompts is not None:
+            if prompt is not None or prompt_ids is not None:
+                raise ValueError("prompts: give either prompts (a list) or one prompt, not both")
+            return self._generate_batch(self.encode_all(prompts), cfg, params, batch_size,
+                                        max_new_tokens, verify, verify_params, seed)
+        if batch_size is not None:
+            raise ValueError("batch_size: only with prompts=[...]")
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("prompt: give exactly one of prompt (text) or prompt_ids")
-        if prompt_ids is not None and any(isinstance(t, bool) for t in prompt_ids):
-            raise ValueError("prompt_ids: booleans are not token ids")
-        ids = self.encode(prompt) if prompt is not None else [int(t) for t in prompt_ids]
-        if isinstance(method, MethodSpec):
-            if knobs:
-                raise ValueError(f"{sorted(knobs)}: give knobs in the method config, not both")
-            cfg = method
-        else:
-            method_class(method)  # unknown method: ValueError naming `method`
-            cfg = parse_method({"name": method, **knobs})
-        params = SamplingParams(temperature, sample_top_k, top_p)
+        ids = self.encode(prompt) if prompt is not None else _ids(prompt_ids, "prompt_ids")
         generator = torch.Generator().manual_seed(seed)
-        drafter = build_drafter(cfg, BuildContext(self.draft, params, generator, self._resources,
-                                                  self.target.model.config, self.target.model))
+        drafter = build_drafter(cfg, self._context(self.draft, params, generator))
         rule = request_rule(verify, verify_params, params, drafter.rule if drafter else None)
         tokens, stats = generate_tokens(self.target, drafter, ids, max_new_tokens, params, rule,
                                         self.eos_token_id, generator)
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else None
-        return GenerationResult(tokens, text, stats)
+        return GenerationResult(tokens, self.decode(tokens), stats)
+
+    def method_config(self, method: str | MethodSpec, knobs: dict) -> MethodSpec:
+        """``method`` (a name plus ``knobs``, or a config object) as a validated config."""
+        if isinstance(method, MethodSpec):
+            if knobs:
+                raise ValueError(f"{sorted(knobs)}: give knobs in the method config, not both")
+            return method
+        method_class(method)  # unknown method: ValueError naming `method`
+        return parse_method({"name": method, **knobs})
+
+    def encode_all(self, prompts: list[str] | list[list[int]]) -> list[list[int]]:
+        """Texts or token-id lists -> token-id lists (ValueError naming ``prompts[i]``)."""
+        if isinstance(prompts, str) or not isinstance(prompts, list | tuple) or not prompts:
+            raise ValueError("prompts: must be a non-empty list of texts or token-id lists")
+        out = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                try:
+                    out.append(self.encode(p))
+                except ValueError as e:
+                    raise ValueError(f"prompts[{i}]: {e}") from None
+            else:
+                out.append(_ids(p, f"prompts[{i}]"))
+        return out
+
+    def decode(self, tokens: list[int]) -> str | None:
+        """Token ids -> text (None without a tokenizer)."""
+        return self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+
+    def _context(self, draft: ModelRunner | None, params: SamplingParams,
+                 generator: torch.Generator | None) -> BuildContext:
+        return BuildContext(draft, params, generator, self._resources, self.target.model.config,
+                            self.target.model)
+
+    def _generate_batch(self, prompts: list[list[int]], cfg: MethodSpec, params: SamplingParams,
+                        batch_size: int | None, max_new_tokens: int, verify: str | None,
+                        verify_params: dict | None, seed: int) -> list[GenerationResult]:
+        """The batched engine over ``prompts`` (see :meth:`generate`)."""
+        batch_size = len(prompts) if batch_size is None else batch_size
+        drafter = make_batch_drafter(cfg, self._context(self.draft, params, None),
+                                     lambda g: build_drafter(cfg, self._context(
+                                         ModelRunner(self.draft.model) if self.draft else None,
+                                         params, g)))
+        rule = request_rule(verify, verify_params, params, drafter.rule if drafter else None)
+        features = drafter is not None and drafter.needs_features
+        target = BatchTarget(BatchRunner(self.target.model), params, rule, features)
+        generators = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+        try:
+            outs, stats, batch = generate_batch(target, drafter, prompts, max_new_tokens,
+                                                batch_size, generators, self.eos_token_id)
+        finally:
+            target.runner.release()
+        self.last_batch = batch
+        return [GenerationResult(o, self.decode(o), s) for o, s in zip(outs, stats, strict=True)]
+
+
+def _ids(ids: list[int], name: str) -> list[int]:
+    """Token ids as ints; ValueError naming ``name`` for booleans or non-integers."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, list | tuple):
+        raise ValueError(f"{name}: must be a list of token ids")
+    if any(isinstance(t, bool) for t in ids):
+        raise ValueError(f"{name}: booleans are not token ids")
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError(f"{name}: token ids must be integers") from None
 
 
 def generate(target: str, draft: str | None = None, **kwargs) -> GenerationResult:

@@ -48,6 +48,15 @@ class MethodSpec(StrictModel):
         ``None`` means plain decoding."""
         raise NotImplementedError(f"method {self.name!r} does not say how to build its drafter")
 
+    def build_batch(self, ctx: Any):
+        """A drafter that drafts for MANY rows in batched draft forwards
+        (:class:`speclab.drafters.batched.BatchDrafter`), or None: the batched engine then
+        drafts row by row with :meth:`build`'s drafter and still verifies every row in one
+        target forward. ``ctx`` as for :meth:`build` (its ``generator`` is unused: each
+        row brings its own)."""
+        del ctx
+        return None
+
 
 def register(cls: type[MethodSpec]) -> type[MethodSpec]:
     """Register a method config class under its ``name`` literal (usable as a decorator)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Iterable
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,7 +33,9 @@ from speclab.decoding.sides import (
     prefill,
     verify_round,
 )
-from speclab.drafters.base import Drafter
+
+if TYPE_CHECKING:
+    from speclab.drafters.base import Drafter
 
 __all__ = ["Committed", "DraftSide", "GenerationStats", "Propose", "Proposal", "Start",
            "TargetSide", "Verify", "VerifyResult", "autoregressive_generate", "commit_tokens",

@@ -22,7 +22,7 @@ loop. Plain decoding (``ar``) is the empty draft side: no drafter, root-only rou
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +30,6 @@ from speclab.decoding.rules import RuleSpec, Verdict, apply_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.tree import TokenTree
-from speclab.drafters.base import Drafter
 
 
 @dataclass
@@ -121,6 +120,9 @@ def verify_round(target: ModelRunner, tree: TokenTree, rule: RuleSpec, params: S
     verdict = apply_rule(rule, tree, logits, params, generator)
     target.keep(list(range(prefix)) + [prefix + i for i in verdict.path])
     return verdict, [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+
+if TYPE_CHECKING:
+    from speclab.drafters.base import Drafter
 
 
 class TargetSide:

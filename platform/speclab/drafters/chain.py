@@ -8,10 +8,12 @@ import torch
 from pydantic import Field
 
 from speclab.config.method import MethodSpec
+from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams, sample, warp_probs
 from speclab.decoding.tree import DETERMINISTIC, SAMPLED, TokenTree
 from speclab.drafters.base import ModelDrafter
+from speclab.drafters.batched import BatchModelDrafter
 
 
 def draft_next(tree: TokenTree, node: int, logits: torch.Tensor, params: SamplingParams,
@@ -68,6 +70,35 @@ class ChainDrafter(ModelDrafter):
         return tree
 
 
+class BatchChainDrafter(BatchModelDrafter):
+    """:class:`ChainDrafter` for many rows: each draft step is ONE forward over every row
+    still drafting (rows with a smaller budget stop early)."""
+
+    name = "chain"
+
+    def __init__(self, runner: BatchRunner, gamma: int, params: SamplingParams) -> None:
+        if gamma < 1:
+            raise ValueError(f"gamma: must be >= 1, got {gamma}")
+        super().__init__(runner)
+        self.gamma, self.params = gamma, params
+
+    def draft(self, rows, root_logits, budgets):
+        trees = [TokenTree(self.committed[b][-1]) for b in rows]
+        node = [0] * len(rows)
+        steps = [min(self.gamma, budget) for budget in budgets]
+        logits = list(root_logits)
+        for i in range(max(steps)):
+            for j, b in enumerate(rows):
+                if i < steps[j]:
+                    node[j] = draft_next(trees[j], node[j], logits[j], self.params,
+                                         self.generators[b])
+            more = {b: (trees[j], [node[j]]) for j, b in enumerate(rows) if i + 1 < steps[j]}
+            if more:
+                out = self.expand(more)
+                logits = [out[b][-1] if b in out else None for b in rows]
+        return trees
+
+
 class ChainConfig(MethodSpec):
     """``chain``: Leviathan et al. speculative decoding with a fixed draft length."""
 
@@ -76,3 +107,6 @@ class ChainConfig(MethodSpec):
 
     def build(self, ctx) -> ChainDrafter:
         return ChainDrafter(ctx.draft, self.gamma, ctx.sampling, ctx.generator)
+
+    def build_batch(self, ctx) -> BatchChainDrafter:
+        return BatchChainDrafter(BatchRunner(ctx.draft.model), self.gamma, ctx.sampling)

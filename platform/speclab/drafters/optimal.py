@@ -14,15 +14,18 @@ parent always outranks its children and ``G`` stays a connected tree.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
+from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 from speclab.drafters.base import ModelDrafter
+from speclab.drafters.batched import BatchModelDrafter
 from speclab.drafters.eagle2 import ExpandFn
 from speclab.drafters.knobs import TreeKnobs
 
@@ -64,6 +67,27 @@ def build_optimal_tree(
         threshold: SALF threshold ``th`` in [0, 1); 0 disables stopping.
         max_depth: nodes at this depth are not expanded.
     """
+    steps = optimal_tree_steps(root_token, root_probs, nodes, batch, threshold, max_depth)
+    probs = None
+    while True:
+        try:
+            request = steps.send(probs)
+        except StopIteration as stop:
+            return stop.value
+        probs = expand(*request)
+
+
+def optimal_tree_steps(
+    root_token: int,
+    root_probs: torch.Tensor,
+    nodes: int,
+    batch: int,
+    threshold: float = 0.0,
+    max_depth: int = 64,
+) -> Generator[tuple[TokenTree, list[int]], torch.Tensor, OptimalTreeResult]:
+    """:func:`build_optimal_tree` as a generator, so many trees can grow in lockstep with
+    batched draft forwards: it yields ``(work_tree, node_ids)`` to expand, receives their
+    ``[len(node_ids), V]`` draft probabilities, and returns the result."""
     if not 1 <= batch <= nodes:
         raise ValueError(f"batch: must be in [1, nodes={nodes}], got {batch}")
     work = TokenTree(root_token)
@@ -106,7 +130,7 @@ def build_optimal_tree(
             break
         expandable = [i for i in expandable if work.depths[i] < max_depth]
         if expandable:
-            probs = expand(work, expandable)
+            probs = yield work, expandable
             for row, node in enumerate(expandable):
                 push_children(node, probs[row])
             queue.sort()
@@ -129,6 +153,17 @@ class OptimalTreeDrafter(ModelDrafter):
         depth: int = 64,
         score_temperature: float = 1.0,
     ) -> None:
+        self.check_knobs(nodes, batch, threshold, depth, score_temperature)
+        super().__init__(runner)
+        self.nodes, self.batch, self.threshold, self.depth = nodes, batch, threshold, depth
+        self.score_temperature = score_temperature
+        self.name = "salf" if threshold > 0 else "optimal"
+        self.last_sums: list[float] = []
+
+    @staticmethod
+    def check_knobs(nodes: int, batch: int, threshold: float, depth: int,
+                    score_temperature: float) -> None:
+        """ValueError naming the first knob out of range."""
         if score_temperature <= 0:
             raise ValueError(f"score_temperature: must be > 0, got {score_temperature}")
         if nodes < 1:
@@ -139,11 +174,6 @@ class OptimalTreeDrafter(ModelDrafter):
             raise ValueError(f"threshold: must be in [0, 1), got {threshold}")
         if depth < 1:
             raise ValueError(f"depth: must be >= 1, got {depth}")
-        super().__init__(runner)
-        self.nodes, self.batch, self.threshold, self.depth = nodes, batch, threshold, depth
-        self.score_temperature = score_temperature
-        self.name = "salf" if threshold > 0 else "optimal"
-        self.last_sums: list[float] = []
 
     def propose(self, committed: list[int], budget: int) -> TokenTree:
         st = self.score_temperature
@@ -159,6 +189,48 @@ class OptimalTreeDrafter(ModelDrafter):
         self.last_sums = res.sums
         self.slot = {res.old_to_new[o]: s for o, s in self.slot.items() if o in res.old_to_new}
         return res.tree
+
+
+class BatchOptimalDrafter(BatchModelDrafter):
+    """:class:`OptimalTreeDrafter` for many rows: every row's Algorithm 2 advances in
+    lockstep (:func:`optimal_tree_steps`), and each iteration's expansions of ALL rows
+    run in ONE draft forward. SALF rows that stop early simply leave the lockstep."""
+
+    def __init__(self, runner: BatchRunner, nodes: int, batch: int, threshold: float = 0.0,
+                 depth: int = 64, score_temperature: float = 1.0) -> None:
+        OptimalTreeDrafter.check_knobs(nodes, batch, threshold, depth, score_temperature)
+        super().__init__(runner)
+        self.nodes, self.batch, self.threshold, self.depth = nodes, batch, threshold, depth
+        self.score_temperature = score_temperature
+        self.name = "salf" if threshold > 0 else "optimal"
+
+    def draft(self, rows, root_logits, budgets):
+        st = self.score_temperature
+        root_probs = (root_logits / st).softmax(-1)
+        steps = {b: optimal_tree_steps(self.committed[b][-1], root_probs[j], self.nodes,
+                                       self.batch, self.threshold,
+                                       min(self.depth, max(budgets[j], 1)))
+                 for j, b in enumerate(rows)}
+        results: dict[int, OptimalTreeResult] = {}
+        replies: dict[int, torch.Tensor | None] = dict.fromkeys(rows)
+        while steps:
+            requests = {}
+            for b in list(steps):
+                try:
+                    requests[b] = steps[b].send(replies[b])
+                except StopIteration as stop:
+                    results[b] = stop.value
+                    del steps[b]
+            if requests:
+                out = self.expand(requests)
+                replies = {b: (logits / st).softmax(-1) for b, logits in out.items()}
+        trees = []
+        for b in rows:
+            res = results[b]
+            self.slots[b] = {res.old_to_new[o]: s for o, s in self.slots[b].items()
+                             if o in res.old_to_new}
+            trees.append(res.tree)
+        return trees
 
 
 class OptimalConfig(TreeKnobs):
@@ -180,6 +252,10 @@ class OptimalConfig(TreeKnobs):
     def build(self, ctx) -> OptimalTreeDrafter:
         return OptimalTreeDrafter(ctx.draft, self.nodes, self.batch, self.stop_threshold(),
                                   self.depth, self.score_temperature)
+
+    def build_batch(self, ctx) -> BatchOptimalDrafter:
+        return BatchOptimalDrafter(BatchRunner(ctx.draft.model), self.nodes, self.batch,
+                                   self.stop_threshold(), self.depth, self.score_temperature)
 
 
 class SalfConfig(OptimalConfig):

@@ -29,6 +29,7 @@ from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.drafters.ar import ArConfig
 from speclab.drafters.base import Drafter
+from speclab.drafters.batched import BatchDrafter, PerRowDrafters
 from speclab.drafters.chain import ChainConfig
 from speclab.drafters.eagle import EagleConfig
 from speclab.drafters.eagle2 import TreeConfig
@@ -75,5 +76,18 @@ def build_drafter(cfg: MethodSpec, ctx: BuildContext) -> Drafter | None:
     return cfg.build(ctx)
 
 
+def make_batch_drafter(cfg: MethodSpec, ctx: BuildContext,
+                       per_row: Callable[[torch.Generator | None], Drafter | None]
+                       ) -> BatchDrafter | None:
+    """The batched engine's draft side for ``cfg`` (None: plain decoding): the method's
+    batched drafter when it has one (``MethodSpec.build_batch``), else one ``per_row(rng)``
+    drafter per row."""
+    if cfg.needs_draft_model and ctx.draft is None:
+        raise ValueError(f"draft: method {cfg.name!r} needs a draft model")
+    if per_row(None) is None:
+        return None
+    return cfg.build_batch(ctx) or PerRowDrafters(per_row)
+
+
 __all__ = ["BUILTIN", "BuildContext", "MethodConfig", "MethodSpec", "build_drafter",
-           "method_class", "methods", "parse_method", "register"]
+           "make_batch_drafter", "method_class", "methods", "parse_method", "register"]

@@ -1,0 +1,272 @@
+"""A causal LM over a batch of rows, each with its own length, in one KV cache.
+
+:class:`BatchRunner` is :class:`~speclab.decoding.runner.ModelRunner` for ``B`` sequences
+at once. Every row sees its own *logical* positions ``0 .. length_b - 1`` (what a
+single-row runner would hold); the shared cache stores them at *physical* slots
+``slots[b]`` of a ``[B, heads, S, D]`` tensor. A forward appends the same number of
+physical slots ``T`` to every row (the longest row's input; shorter rows are padded with
+tokens nobody sees), so rows may process different numbers of tokens, with their own
+position ids and their own tree pattern, in ONE model call. Pruning a row
+(:meth:`keep`) only re-points its logical positions at the kept slots; the slots left
+behind are garbage that no query attends to, and :meth:`compact` gathers the live
+slots to the front once garbage takes more than half the cache (a gather, never a
+recompute).
+
+Rows can leave (:meth:`drop`) and join (:meth:`add_rows`, which prefills them as a
+padded batch and merges their cache) between forwards: the shape continuous batching
+needs. A row decoded here sees exactly the keys and values it would see alone, so at
+temperature 0 its tokens equal the single-row engine's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from speclab.decoding.tree import additive_mask
+
+
+class BatchRunner:
+    """Runs one HF causal LM over ``B`` rows with per-row lengths and one shared cache.
+
+    ``calls`` counts model forwards and ``seconds`` their wall time (synchronised on CUDA).
+    ``hidden`` (after :meth:`track_hidden`): ``[B, T, H]`` final hidden states of the
+    last forward.
+    """
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.cache: DynamicCache | None = None
+        self.slots: list[torch.Tensor] = []  # per row: [length_b] physical slot of each position
+        self.width = 0  # S, physical slots per row
+        self.calls = 0
+        self.seconds = 0.0
+        self.hidden: torch.Tensor | None = None
+        self._hook = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def rows(self) -> int:
+        """Number of rows in the batch."""
+        return len(self.slots)
+
+    def length(self, row: int) -> int:
+        """Logical positions row ``row`` holds."""
+        return int(self.slots[row].shape[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def track_hidden(self) -> None:
+        """Keep every forward's final hidden states (the LM head's input) in ``hidden``."""
+        if self._hook is None:
+            def grab(_module, args):
+                self.hidden = args[0].detach()
+
+            self._hook = self.model.get_output_embeddings().register_forward_pre_hook(grab)
+
+    def release(self) -> None:
+        """Drop the cache, the rows and the hidden-state hook."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.cache, self.slots, self.width, self.hidden = None, [], 0, None
+
+    # ------------------------------------------------------------------ forwards
+    @torch.inference_mode()
+    def forward(self, tokens: list[torch.Tensor],
+                positions: list[torch.Tensor | None] | None = None,
+                allowed: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Process ``tokens[b]`` on top of row ``b``'s cache and append them to it.
+
+        Args:
+            tokens: one ``[n_b]`` tensor of token ids per row (``n_b`` may be 0).
+            positions: per row ``[n_b]`` position ids, or None: ``length_b ..`` (causal).
+            allowed: per row ``[n_b, length_b + n_b]`` bool attention pattern over the row's
+                logical positions (as :meth:`ModelRunner.forward` takes it), or None:
+                causal over everything the row holds.
+        Returns:
+            ``[B, T, V]`` float32 logits, ``T = max n_b``; row ``b``'s are ``[b, :n_b]``.
+        """
+        if len(tokens) != self.rows:
+            raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
+        t0 = time.perf_counter()
+        b_rows, s = self.rows, self.width
+        n = [int(t.shape[0]) for t in tokens]
+        t_new = max(max(n, default=0), 1)
+        ids = torch.zeros(b_rows, t_new, dtype=torch.long)
+        pos = torch.zeros(b_rows, t_new, dtype=torch.long)
+        seen = torch.zeros(b_rows, t_new, s + t_new, dtype=torch.bool)
+        # padded queries see their own slot only (a fully masked row would give NaN)
+        seen[:, torch.arange(t_new), s + torch.arange(t_new)] = True
+        for b in range(b_rows):
+            nb, lb, slots = n[b], self.length(b), self.slots[b]
+            if nb == 0:
+                continue
+            ids[b, :nb] = tokens[b]
+            p = positions[b] if positions is not None else None
+            pos[b, :nb] = p if p is not None else torch.arange(lb, lb + nb)
+            a = allowed[b] if allowed is not None else None
+            if a is None:
+                seen[b, :nb, slots] = True
+                seen[b, :nb, s:s + nb] = torch.ones(nb, nb, dtype=torch.bool).tril()
+            else:
+                seen[b, :nb, slots] = a[:, :lb]
+                seen[b, :nb, s:s + nb] = a[:, lb:]
+        if self.cache is None:
+            self.cache = preallocated_cache(self.model.config)
+        mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]  # [B, 1, T, S+T]
+        out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+                         attention_mask=mask,
+                         past_key_values=self.cache, use_cache=True)
+        new_slots = torch.arange(s, s + t_new)
+        self.slots = [torch.cat([self.slots[b], new_slots[:n[b]]]) for b in range(b_rows)]
+        self.width = s + t_new
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return out.logits.float()
+
+    # ------------------------------------------------------------------ rows
+    def add_rows(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Append rows holding ``sequences`` (prefilled together in ONE forward, then merged
+        into the cache). Returns their ``[R, T, V]`` logits (row ``r``'s are
+        ``[r, :len(sequences[r])]``)."""
+        if not sequences:
+            return torch.zeros(0, 0, self.vocab_size)
+        old_cache, old_slots, old_width = self.cache, self.slots, self.width
+        self.cache, self.slots, self.width = None, [torch.zeros(0, dtype=torch.long)
+                                                    for _ in sequences], 0
+        # rows with nothing to prefill get one hidden padding slot, so the cache exists
+        logits = self.forward([torch.tensor(q, dtype=torch.long) for q in sequences])
+        if old_cache is None or not old_slots:
+            return logits
+        new_cache, new_width = self.cache, self.width
+        width = max(old_width, new_width)
+        for old, new in zip(old_cache.layers, new_cache.layers):
+            old.keys, old.values = (
+                torch.cat([_pad_seq(old.keys, width), _pad_seq(new.keys, width)]),
+                torch.cat([_pad_seq(old.values, width), _pad_seq(new.values, width)]))
+        self.cache, self.slots, self.width = old_cache, old_slots + self.slots, width
+        return logits
+
+    def drop(self, rows: list[int]) -> None:
+        """Remove rows ``rows`` from the batch (their cache goes)."""
+        if not rows:
+            return
+        gone = set(rows)
+        keep = [b for b in range(self.rows) if b not in gone]
+        if not keep:
+            self.cache, self.slots, self.width, self.hidden = None, [], 0, None
+            return
+        idx = torch.tensor(keep, device=self.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = (layer.keys.index_select(0, idx),
+                                        layer.values.index_select(0, idx))
+        self.slots = [self.slots[b] for b in keep]
+        self.compact()
+
+    def keep(self, row: int, positions: list[int]) -> None:
+        """Row ``row`` keeps only its logical positions ``positions`` (ascending), in order."""
+        self.slots[row] = self.slots[row][torch.tensor(positions, dtype=torch.long)]
+
+    def crop(self, row: int, length: int) -> None:
+        """Row ``row`` drops every logical position from ``length`` on."""
+        self.slots[row] = self.slots[row][:length]
+
+    def maybe_compact(self) -> None:
+        """:meth:`compact` once garbage slots outnumber the longest row's live ones."""
+        longest = max((self.length(b) for b in range(self.rows)), default=0)
+        if self.width > 2 * longest + 16:
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather every row's live slots to the front of the cache (width = longest row)."""
+        if self.cache is None or not self.slots:
+            return
+        width = max(max(self.length(b) for b in range(self.rows)), 1)
+        idx = torch.zeros(self.rows, width, dtype=torch.long)
+        for b, sl in enumerate(self.slots):
+            idx[b, :sl.shape[0]] = sl
+        idx = idx.to(self.device)
+        for layer in self.cache.layers:
+            g = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
+        self.slots = [torch.arange(sl.shape[0]) for sl in self.slots]
+        self.width = width
+
+
+def _pad_seq(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, heads, S, D]`` zero-padded along the sequence axis to ``width``."""
+    if x.shape[2] >= width:
+        return x
+    pad = x.new_zeros(x.shape[0], x.shape[1], width - x.shape[2], x.shape[3])
+    return torch.cat([x, pad], dim=2)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A cache layer whose keys and values live in a preallocated buffer
+    ``[B, heads, capacity, D]``: a forward writes its new slots in place (no per-round
+    reallocation of the whole cache, as concatenation costs); the buffer doubles when full.
+    ``keys`` / ``values`` are the live views ``[B, heads, S, D]``; assigning them (gather,
+    row drop, merge) replaces the buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._len = 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, :self._len]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._k = value
+        self._len = 0 if value is None else int(value.shape[2])
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, :self._len]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._v = value
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[B, heads, T, D]`` new states after the live ones; returns the live views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, t = self._len, key_states.shape[2]
+        if self._k is None or n + t > self._k.shape[2]:
+            cap = max(2 * n, n + t, 64)
+            k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3])
+            v = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[3])
+            if n:
+                k[:, :, :n] = self._k[:, :, :n]
+                v[:, :, :n] = self._v[:, :, :n]
+            self._k, self._v = k, v
+        self._k[:, :, n:n + t] = key_states
+        self._v[:, :, n:n + t] = value_states
+        self._len = n + t
+        return self.keys, self.values
+
+
+def preallocated_cache(config) -> DynamicCache:
+    """A ``DynamicCache`` whose layers are :class:`PreallocatedLayer` s."""
+    cache = DynamicCache(config=config)
+    cache.layers = [PreallocatedLayer() for _ in cache.layers]
+    return cache
