@@ -114,6 +114,19 @@ def test_greedy_output_is_the_targets(tiny_pair, trained, tmp_path, builder):
     assert res.stats.tau > 1.5  # a trained drafter is really accepted
 
 
+def test_batched_rows_equal_rows_alone(tiny_pair, trained, tmp_path):
+    """Feature drafters in the batched engine (one drafter per row, one target forward)."""
+    folder = str(save_eagle(trained[0], tmp_path / "e"))
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    ps = [PROMPT, [7], [5, 6, 7, 8], [9, 9]]
+    kw = {"method": "eagle", "eagle_model": folder, "builder": "salf", "nodes": 8, "batch": 2,
+          "max_new_tokens": 30}
+    alone = [dec.generate(prompt_ids=p, **kw) for p in ps]
+    res = dec.generate(prompts=ps, batch_size=3, **kw)
+    assert [r.token_ids for r in res] == [a.token_ids for a in alone]
+    assert [r.stats.accepted_lengths for r in res] == [a.stats.accepted_lengths for a in alone]
+
+
 def test_training_raises_agreement_and_hass_trains_too(tiny_pair, trained):
     model, history, batch = trained
     assert history[-1] < 0.5 * history[0]

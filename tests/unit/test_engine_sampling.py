@@ -80,3 +80,18 @@ def test_first_two_tokens_match_target_distribution(micro_pair, method, hp, temp
         accepted += res.stats.accepted_tokens
     assert accepted > N // 4  # drafts were really accepted, not just corrected
     assert chi_square_p(counts, exact, N) > 1e-3
+
+
+@pytest.mark.parametrize("method,hp", [("chain", {"gamma": 2}),
+                                       ("salf", {"nodes": 6, "batch": 2, "salf_threshold": 0.2})])
+def test_batched_rows_match_target_distribution(micro_pair, method, hp):
+    """The batched engine: N rows of the same prompt (seeds 0..N-1), 64 at a time."""
+    dec = Decoder.from_pretrained(micro_pair["target"], micro_pair["draft"])
+    exact = exact_two_token_dist(dec, SamplingParams(1.0))
+    res = dec.generate(prompts=[PROMPT] * N, method=method, max_new_tokens=2, temperature=1.0,
+                       batch_size=64, **hp)
+    counts = {}
+    for r in res:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    assert sum(r.stats.accepted_tokens for r in res) > N // 4
+    assert chi_square_p(counts, exact, N) > 1e-3

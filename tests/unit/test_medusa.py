@@ -180,6 +180,18 @@ def test_greedy_output_is_the_targets_for_every_tree(tiny_pair, trained, tmp_pat
     assert res.stats.accepted_tokens > 0  # trained heads are right sometimes
 
 
+def test_batched_rows_equal_rows_alone(tiny_pair, trained):
+    heads, _ = trained
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    ps = [PROMPT, [5], [7, 8, 9, 10], [1, 2]]
+    kw = {"method": "medusa", "medusa_model": heads, "tree": "sparse", "nodes": 8,
+          "max_new_tokens": 30}
+    alone = [dec.generate(prompt_ids=p, **kw) for p in ps]
+    res = dec.generate(prompts=ps, batch_size=2, **kw)
+    assert [r.token_ids for r in res] == [a.token_ids for a in alone]
+    assert sum(r.stats.accepted_tokens for r in res) > 0
+
+
 def test_sparse_tree_beats_the_chain_and_follows_the_calibration(tiny_pair, trained):
     heads, _ = trained
     acc = heads.tree["accuracies"]

@@ -1,0 +1,146 @@
+"""The batched engine: rows decoded together equal the rows decoded alone.
+
+Ragged prompts (1 to 11 tokens), ragged trees (every row drafts its own), rows that
+finish at different times (EOS) and rows that join mid-run (``batch_size`` smaller than
+the number of prompts) are all exercised.
+"""
+
+import pytest
+import torch
+
+from speclab.api import Decoder
+from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.runner import ModelRunner
+from speclab.drafters.batched import BatchModelDrafter, PerRowDrafters
+from speclab.drafters.registry import BuildContext, make_batch_drafter, parse_method
+from speclab.decoding.sampling import SamplingParams
+
+from .test_engine_greedy import SETTINGS, prompts
+
+EXTRA = [("pld", {}), ("aasd", {}), ("pld", {"candidates": 3, "ngram": 4})]
+
+
+def test_batch_runner_logits_equal_single_rows(tiny_pair):
+    """Ragged prefill, then ragged tree forwards: each row's logits are the single-row
+    runner's; dropping and adding rows keeps the others intact."""
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    model = dec.target.model
+    seqs = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2], [3, 3]]
+    batch = BatchRunner(model)
+    pre = batch.add_rows([s[:-1] for s in seqs])
+    singles = []
+    for b, s in enumerate(seqs):
+        one = ModelRunner(model)
+        one.reset()
+        if len(s) > 1:
+            torch.testing.assert_close(pre[b, :len(s) - 1], one.forward(torch.tensor(s[:-1])))
+        singles.append(one)
+    # a causal chain on row 0, a 3-node tree on row 2, nothing on row 3, one token on row 1
+    allowed = torch.ones(3, 7 + 3, dtype=torch.bool)
+    allowed[1, 7 + 2] = allowed[2, 7 + 1] = False  # siblings 1 and 2 under node 0
+    positions = torch.tensor([7, 8, 8])
+    inputs = [torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([2, 4, 1]),
+              torch.zeros(0, dtype=torch.long)]
+    got = batch.forward(inputs, [None, None, positions, None], [None, None, allowed, None])
+    want = [singles[0].forward(inputs[0]), singles[1].forward(inputs[1]),
+            singles[2].forward(inputs[2], positions, allowed)]
+    for b, w in enumerate(want):
+        torch.testing.assert_close(got[b, :w.shape[0]], w, atol=1e-5, rtol=1e-5)
+    assert [batch.length(b) for b in range(4)] == [6, 1, 10, 1]
+    # row 2 keeps node 1 only; then rows leave and a row joins; the rest still match
+    batch.keep(2, list(range(7)) + [8])
+    singles[2].keep(list(range(7)) + [8])
+    batch.drop([0, 1])
+    batch.add_rows([[4, 4, 4]])
+    batch.compact()
+    nxt = batch.forward([torch.tensor([9]), torch.tensor([5]), torch.tensor([6])])
+    torch.testing.assert_close(nxt[0, :1], singles[2].forward(torch.tensor([9])), atol=1e-5,
+                               rtol=1e-5)
+    torch.testing.assert_close(nxt[1, :1], singles[3].forward(torch.tensor([5])), atol=1e-5,
+                               rtol=1e-5)
+    assert batch.rows == 3 and batch.width == max(batch.length(b) for b in range(3))
+
+
+@pytest.mark.parametrize("draft", ["close", "weak"])
+def test_every_method_in_a_batch_equals_each_row_alone(tiny_pair, draft):
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair[draft])
+    ps = prompts(9)
+    accepted = 0
+    for method, hp in SETTINGS + EXTRA:
+        alone = [dec.generate(prompt_ids=p, method=method, max_new_tokens=24, **hp)
+                 for p in ps]
+        for batch_size in (4, 9):  # rows join as others finish / all at once
+            res = dec.generate(prompts=ps, method=method, max_new_tokens=24,
+                               batch_size=batch_size, **hp)
+            assert [r.token_ids for r in res] == [a.token_ids for a in alone], (method, hp)
+            assert [r.stats.accepted_lengths for r in res] == \
+                [a.stats.accepted_lengths for a in alone], (method, hp)
+            assert dec.last_batch.max_batch == batch_size
+            accepted += sum(r.stats.accepted_tokens for r in res)
+    if draft == "close":
+        assert accepted > 300
+
+
+def test_batched_drafters_draft_together(tiny_pair):
+    """Chain and optimal/SALF draft every row in shared forwards; other methods fall back
+    to one drafter per row."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    ctx = BuildContext(dec.draft, SamplingParams(0.0))
+    for name, knobs, kind in [("chain", {"gamma": 3}, BatchModelDrafter),
+                              ("salf", {"nodes": 8, "batch": 2}, BatchModelDrafter),
+                              ("pld", {}, PerRowDrafters)]:
+        cfg = parse_method({"name": name, **knobs})
+        drafter = make_batch_drafter(cfg, ctx, lambda g, c=cfg: c.build(BuildContext(
+            ModelRunner(dec.draft.model), SamplingParams(0.0), g)))
+        assert isinstance(drafter, kind), name
+    ps = prompts(8)
+    dec.generate(prompts=ps, method="chain", gamma=3, max_new_tokens=20)
+    batched = dec.last_batch
+    rounds = max(len(r) for r in [dec.generate(prompt_ids=p, method="chain", gamma=3,
+                                                max_new_tokens=20).stats.accepted_lengths
+                                   for p in ps])
+    # one target forward per round of the slowest row (+ the prefill), not per row
+    assert batched.target_forwards == rounds + 1
+    assert batched.draft_forwards <= 3 * rounds + 1
+
+
+def test_rows_stop_at_eos_and_leave(tiny_pair):
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    ps = prompts(6)
+    full = [dec.generate(prompt_ids=p, method="ar", max_new_tokens=30).token_ids for p in ps]
+    eos = dec.eos_token_id = full[0][5]
+    for method in ("ar", "chain", "salf"):
+        alone = [dec.generate(prompt_ids=p, method=method, max_new_tokens=30).token_ids
+                 for p in ps]
+        res = dec.generate(prompts=ps, method=method, max_new_tokens=30, batch_size=3)
+        assert [r.token_ids for r in res] == alone
+        assert res[0].token_ids[-1] == eos and len(res[0].token_ids) <= 6  # stopped at EOS
+        assert len({len(r.token_ids) for r in res}) > 1  # rows left at different rounds
+
+
+def test_sampling_rows_are_reproducible_per_row(tiny_pair):
+    """Row i uses seed + i: with sampling, a batch gives each row what it gets alone."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    ps = prompts(5)
+    for method, hp in [("chain", {"gamma": 3}), ("salf", {"nodes": 6, "batch": 2})]:
+        alone = [dec.generate(prompt_ids=p, method=method, max_new_tokens=16, temperature=0.9,
+                              seed=7 + i, **hp).token_ids for i, p in enumerate(ps)]
+        res = dec.generate(prompts=ps, method=method, max_new_tokens=16, temperature=0.9,
+                           seed=7, batch_size=3, **hp)
+        assert [r.token_ids for r in res] == alone, method
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"prompts": []}, "prompts"),
+    ({"prompts": "def f("}, "prompts"),
+    ({"prompts": [[1, 2], []]}, "prompt"),
+    ({"prompts": [[1, 2], [True]]}, "prompts[1]"),
+    ({"prompts": [[1, 2], [1, 999]]}, "prompt_ids"),
+    ({"prompts": [[1, 2]], "batch_size": 0}, "batch_size"),
+    ({"prompt_ids": [1, 2], "batch_size": 2}, "batch_size"),
+    ({"prompts": [[1, 2]], "prompt_ids": [1]}, "prompts"),
+])
+def test_bad_batches_name_the_field(tiny_pair, kwargs, field):
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    with pytest.raises(ValueError, match=rf"^{field.replace('[', '.').replace(']', '.')}"):
+        dec.generate(method="chain", max_new_tokens=4, **kwargs)
