@@ -104,9 +104,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--prompt", help="prompt text (needs a tokenizer next to the target)")
-    group.add_argument("--prompt-ids", help="comma-separated token ids, used as given")
+    group.add_argument("--prompt", action="append",
+                       help="prompt text (needs a tokenizer next to the target); repeat it to "
+                            "decode several prompts together in the batched engine")
+    group.add_argument("--prompt-ids", action="append",
+                       help="comma-separated token ids, used as given (repeatable)")
     p.add_argument("--num-samples", type=int, default=1, help="samples; seeds seed..seed+S-1")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="several prompts: rows decoded at once (default: all of them)")
     p.add_argument("--json", action="store_true", help="one JSON object per sample")
 
 
@@ -150,26 +155,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     cfg = method_from_args(args)
     if cfg.needs_draft_model and not args.draft:
         raise ValueError(f"draft: method {args.method!r} needs --draft")
-    ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    if args.prompt is not None and not args.prompt:
+    prompts = ([_parse_ids(t) for t in args.prompt_ids] if args.prompt_ids is not None
+               else list(args.prompt))
+    if any(p == "" for p in prompts):
         raise ValueError("prompt: must not be empty")
     dec = Decoder.from_pretrained(args.target, args.draft if cfg.needs_draft_model else None,
                                   args.dtype, args.device)
+    gen = {"method": cfg, "max_new_tokens": args.max_new_tokens,
+           "temperature": args.temperature, "sample_top_k": args.sample_top_k,
+           "top_p": args.top_p, "verify": args.verify,
+           "verify_params": verify_params_from_args(args)}
+    if len(prompts) > 1 or args.batch_size is not None:
+        # every prompt x sample is one row of the batched engine (row i: seed + i)
+        rows = [p for p in prompts for _ in range(args.num_samples)]
+        results = dec.generate(prompts=rows, batch_size=args.batch_size, seed=args.seed, **gen)
+        for i, res in enumerate(results):
+            _print_result(res, args.json, {"prompt_index": i // args.num_samples,
+                                           "seed": args.seed + i})
+        b = dec.last_batch
+        print(f"[batch: {len(rows)} rows, at most {b.max_batch} at once, {b.new_tokens} tokens, "
+              f"{b.tokens_per_s:.1f} tokens/s, {b.target_forwards} target forwards, "
+              f"{b.wall_s:.2f}s]", file=sys.stderr)
+        return 0
+    text, ids = (prompts[0], None) if isinstance(prompts[0], str) else (None, prompts[0])
     for s in range(args.num_samples):
-        res = dec.generate(
-            args.prompt, prompt_ids=ids, method=cfg, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, sample_top_k=args.sample_top_k, top_p=args.top_p,
-            verify=args.verify, verify_params=verify_params_from_args(args),
-            seed=args.seed + s,
-        )
-        if args.json:
-            print(json.dumps(res.to_dict()), flush=True)
-        else:
-            st = res.stats
-            print(res.text if res.text is not None else res.token_ids)
-            print(f"[{st.new_tokens} tokens, tau={st.tau:.2f}, alpha={st.acceptance_rate:.2f}, "
-                  f"target calls={st.target_calls}, {st.wall_s:.2f}s]", file=sys.stderr)
+        res = dec.generate(text, prompt_ids=ids, seed=args.seed + s, **gen)
+        _print_result(res, args.json, {})
     return 0
+
+
+def _print_result(res, as_json: bool, extra: dict) -> None:
+    """One generation: a JSON line, or the text (stdout) and its stats (stderr)."""
+    if as_json:
+        print(json.dumps({**extra, **res.to_dict()}), flush=True)
+        return
+    st = res.stats
+    print(res.text if res.text is not None else res.token_ids)
+    print(f"[{st.new_tokens} tokens, tau={st.tau:.2f}, alpha={st.acceptance_rate:.2f}, "
+          f"target calls={st.target_calls}, {st.wall_s:.2f}s]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

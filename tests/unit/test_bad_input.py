@@ -59,6 +59,8 @@ def test_missing_model_dir(tmp_path):
         (["--prompt-ids", ""], "prompt_ids"),
         (["--prompt", ""], "prompt"),
         (["--prompt-ids", "a,b"], "prompt_ids"),
+        (["--prompt-ids", "1,2", "--prompt-ids", "1,900"], "prompt_ids"),
+        (["--prompt-ids", "1,2", "--prompt-ids", "3", "--batch-size", "0"], "batch_size"),
     ],
 )
 def test_cli_errors_exit_nonzero(tiny_pair, capsys, extra, field):

@@ -5,15 +5,17 @@ finish at different times (EOS) and rows that join mid-run (``batch_size`` small
 the number of prompts) are all exercised.
 """
 
+import json
+
 import pytest
 import torch
 
 from speclab.api import Decoder
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
 from speclab.drafters.batched import BatchModelDrafter, PerRowDrafters
 from speclab.drafters.registry import BuildContext, make_batch_drafter, parse_method
-from speclab.decoding.sampling import SamplingParams
 
 from .test_engine_greedy import SETTINGS, prompts
 
@@ -144,3 +146,19 @@ def test_bad_batches_name_the_field(tiny_pair, kwargs, field):
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
     with pytest.raises(ValueError, match=rf"^{field.replace('[', '.').replace(']', '.')}"):
         dec.generate(method="chain", max_new_tokens=4, **kwargs)
+
+
+def test_cli_decodes_several_prompts_as_one_batch(tiny_pair, capsys):
+    from speclab.cli import main
+
+    base = ["generate", "--target", tiny_pair["target"], "--draft", tiny_pair["close"],
+            "--method", "chain", "--gamma", "3", "--max-new-tokens", "12", "--json"]
+    assert main([*base, "--prompt-ids", "1,2,3", "--prompt-ids", "7", "--prompt-ids", "4,4",
+                 "--batch-size", "2"]) == 0
+    out = capsys.readouterr()
+    rows = [json.loads(line) for line in out.out.splitlines()]
+    assert [r["prompt_index"] for r in rows] == [0, 1, 2]
+    assert "at most 2 at once" in out.err
+    for ids, row in zip(["1,2,3", "7", "4,4"], rows):
+        assert main([*base, "--prompt-ids", ids]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == row["token_ids"]
