@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -101,3 +102,156 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"\nwrote {out / 'bench.json'}")
     return rows
+
+
+# chain at its two best lengths and SALF with the sharpened ranking (see DEFAULT_RUNS)
+BATCH_RUNS = [
+    MethodRun("chain", {"gamma": 2}),
+    MethodRun("chain", {"gamma": 3}),
+    MethodRun("salf", {"nodes": 16, "batch": 4, "salf_threshold": 0.2, "depth": 10,
+                       "score_temperature": 0.5}),
+]
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,4,16"`` -> ``[1, 4, 16]`` (ValueError naming ``batch_sizes``)."""
+    try:
+        sizes = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"batch_sizes: expected comma-separated integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise ValueError(f"batch_sizes: need integers >= 1, got {text!r}")
+    return sorted(set(sizes))
+
+
+def crossover(rows: list[dict]) -> dict[str, int | None]:
+    """Per method: the smallest batch size at which it is no faster than AR at that batch
+    size (``speedup <= 1``); None when it pays at every size measured."""
+    out: dict[str, int | None] = {}
+    for r in sorted(rows, key=lambda r: r["batch_size"]):
+        if r["method"] == "ar":
+            continue
+        out.setdefault(r["method"], None)
+        if out[r["method"]] is None and r["speedup"] <= 1.0:
+            out[r["method"]] = r["batch_size"]
+    return out
+
+
+def batch_plot(rows: list[dict]):
+    """Speedup over AR (same batch size) against batch size, one line per method, and AR's
+    tokens/s; a matplotlib figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    methods = sorted({r["method"] for r in rows if r["method"] != "ar"})
+    for m in methods:
+        pts = sorted((r["batch_size"], r["speedup"]) for r in rows if r["method"] == m)
+        ax.plot([b for b, _ in pts], [s for _, s in pts], "o-", label=m)
+    ax.axhline(1.0, color="grey", ls="--", lw=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (rows decoded together)")
+    ax.set_ylabel("speedup over AR at the same batch size (x)")
+    ax.set_title("Where speculation stops paying (greedy, reference pair)")
+    ax.legend(fontsize=7)
+    ar = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if r["method"] == "ar")
+    ax2.plot([b for b, _ in ar], [t for _, t in ar], "o-")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("batch size")
+    ax2.set_ylabel("AR tokens/s (all rows)")
+    ax2.set_title("Autoregressive throughput")
+    fig.tight_layout()
+    return fig
+
+
+BATCH_COLUMNS = [
+    ("batch_size", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
+    ("target_calls_per_token", "{:.3f}"), ("target_forwards_per_token", "{:.3f}"),
+    ("tokens_per_s", "{:.1f}"), ("speedup", "{:.2f}x"), ("ar_scaling", "{:.2f}x"),
+    ("measured_over_predicted", "{:.2f}"), ("identical_to_alone", "{}"),
+]
+
+
+def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_tokens: int = 64,
+                    out_dir: str = "bench_out", runs: list[MethodRun] | None = None,
+                    device: str = "cpu", dtype: str = "float32", log_mlflow: bool = False,
+                    tracking_uri: str | None = None, repeats: int = 1) -> list[dict]:
+    """The batched engine at each batch size: AR, then each method with AR re-timed right
+    before it at the SAME batch size, ``repeats`` times (timed figures: the median).
+    Prints the table, writes ``batch_bench.json`` and ``batch_scaling.png``; with
+    ``log_mlflow`` also an MLflow run at ``tracking_uri`` (default: the embedded store)
+    in experiment ``speclab-bench``, with every figure as a metric whose step is the
+    batch size, and the plot. Returns the rows."""
+    from speclab.api import Decoder
+    from speclab.data.corpus import function_header_prompts
+    from speclab.models.reference import ensure_reference_pair
+
+    if num_prompts < max(batch_sizes):
+        raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
+                         f"of prompts ({num_prompts})")
+    pair = ensure_reference_pair()
+    dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device)
+    prompts = [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
+    runs = runs or BATCH_RUNS
+    reference = run_prompts(dec, MethodRun("ar"), prompts, {"max_new_tokens": max_new_tokens}
+                            ).outputs  # each prompt decoded alone
+    rows: list[dict] = []
+    for bs in batch_sizes:
+        gen = {"max_new_tokens": max_new_tokens, "batch_size": bs}
+        blocks = []
+        for _ in range(repeats):  # each repeat: AR, method, AR, method, ... (A B A B)
+            results = interleaved_comparison(dec, runs, prompts, gen, warmup=not blocks)
+            first = results[runs[0].name]["ar"]
+            blocks.append([summarize(MethodRun("ar"), first, first, reference)]
+                          + [summarize(r["run"], r["totals"], r["ar"], reference)
+                             for r in results.values()])
+        for i, row in enumerate(blocks[0]):  # timed figures: the median over repeats
+            for k in ("tokens_per_s", "ar_tokens_per_s", "speedup", "wall_s"):
+                row[k] = statistics.median(b[i][k] for b in blocks)
+            row["speedup_repeats"] = [b[i]["speedup"] for b in blocks]
+            row["identical_to_alone"] = all(b[i].pop("identical_to_ar") for b in blocks)
+            row["batch_size"] = bs
+            row.pop("identical_to_ar", None)
+        rows += blocks[0]
+    ar_first = next(r["tokens_per_s"] for r in rows if r["method"] == "ar")
+    for row in rows:  # AR tokens/s over AR's at the smallest batch size measured
+        row["ar_scaling"] = row["tokens_per_s"] / ar_first if row["method"] == "ar" else None
+    print(format_table(rows, BATCH_COLUMNS))
+    cross = crossover(rows)
+    print("\ncrossover batch size (speculation no faster than AR from here; '-': pays at "
+          "every size measured):")
+    for m, b in cross.items():
+        print(f"  {m}: {b if b is not None else '-'}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes, "repeats": repeats,
+            "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
+            "device": device, "dtype": dtype, "temperature": 0.0}
+    (out / "batch_bench.json").write_text(json.dumps(
+        {"meta": meta, "rows": rows, "crossover": cross}, indent=2))
+    fig = batch_plot(rows)
+    fig.savefig(out / "batch_scaling.png", dpi=110)
+    print(f"\nwrote {out / 'batch_bench.json'} and {out / 'batch_scaling.png'}")
+    if log_mlflow:
+        log_batch_bench(tracking_uri, meta, rows, cross, fig)
+    return rows
+
+
+def log_batch_bench(uri: str | None, meta: dict, rows: list[dict], cross: dict, fig) -> None:
+    """One MLflow run in ``speclab-bench``: ``<method>.<figure>`` metrics with the batch
+    size as step, ``crossover.<method>``, the table and the plot."""
+    from speclab.evaluation import MethodRun
+    from speclab.tracking import MlflowTracker, resolve_tracking_uri
+
+    with MlflowTracker(resolve_tracking_uri(uri), "speclab-bench", "batch-bench", meta) as t:
+        for r in rows:
+            key = MethodRun(r["method"]).key
+            t.log_metrics({f"{key}.{k}": v for k, v in r.items()
+                           if k not in ("method", "batch_size")}, step=r["batch_size"])
+        t.log_metrics({f"crossover.{MethodRun(m).key}": b for m, b in cross.items()
+                       if b is not None})
+        t.log_table(rows, "batch_bench")
+        t.log_figure(fig, "batch_scaling.png")

@@ -25,6 +25,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default="bench_out", help="folder for bench.json")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch-sizes", default=None,
+                   help="e.g. 1,4,16: the batched engine at each batch size (speedup over AR "
+                        "at the same size, the crossover, batch_bench.json + a plot)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --batch-sizes: interleaved repeats (timed figures: the median)")
+    p.add_argument("--mlflow", nargs="?", const="", default=None, metavar="TRACKING_URI",
+                   help="with --batch-sizes: also log an MLflow run (default store if no URI)")
     HANDLERS["bench"] = cmd_bench
 
     from speclab.cli import add_method_args
@@ -61,6 +68,16 @@ def cmd_reference(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from speclab.bench import run_bench
 
+    if args.batch_sizes is not None:
+        from speclab.bench import parse_batch_sizes, run_batch_bench
+
+        run_batch_bench(parse_batch_sizes(args.batch_sizes), args.prompts, args.max_new_tokens,
+                        args.out, device=args.device, dtype=args.dtype,
+                        log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,
+                        repeats=args.repeats)
+        return 0
+    if args.mlflow is not None:
+        raise ValueError("mlflow: only with --batch-sizes")
     run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype)
     return 0
 

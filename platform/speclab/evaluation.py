@@ -64,7 +64,8 @@ class Totals:
     prompts: int = 0
     new_tokens: int = 0
     committed: int = 0  # tokens committed over all rounds (sum of accepted lengths)
-    target_calls: int = 0
+    target_calls: int = 0  # rounds, per row: one target call each at batch 1
+    forwards: int = 0  # target model forwards (a batched forward verifies many rows' rounds)
     draft_calls: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -83,6 +84,7 @@ class Totals:
         self.new_tokens += s.new_tokens
         self.committed += sum(s.accepted_lengths)
         self.target_calls += s.target_calls
+        self.forwards += s.target_calls
         self.draft_calls += s.draft_calls
         self.drafted += s.drafted_tokens
         self.accepted += s.accepted_tokens
@@ -97,7 +99,7 @@ class Totals:
         self.outputs.append(res.token_ids)
 
     def merge(self, other: Totals) -> None:
-        for k in ("prompts", "new_tokens", "committed", "target_calls", "draft_calls",
+        for k in ("prompts", "new_tokens", "committed", "target_calls", "forwards", "draft_calls",
                   "drafted", "accepted", "judged", "wall_s", "draft_s", "verify_s", "rounds"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.at_least = [a + b for a, b in zip(self.at_least, other.at_least)]
@@ -105,11 +107,22 @@ class Totals:
 
 
 def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dict) -> Totals:
-    """Generate for every prompt with one method; ``gen`` holds Decoder.generate kwargs."""
+    """Generate for every prompt with one method; ``gen`` holds Decoder.generate kwargs
+    (``batch_size`` > 1: the prompts go through the batched engine together, and the
+    wall, draft and verify times and the forwards are the batch's)."""
     totals = Totals()
+    gen = dict(gen)
+    seed, batch_size = gen.pop("seed", 0), gen.pop("batch_size", 1) or 1
+    if batch_size > 1:
+        for res in dec.generate(prompts=prompts, batch_size=batch_size, method=run.method,
+                                seed=seed, **gen, **run.params):
+            totals.add(res)
+        b = dec.last_batch
+        totals.wall_s, totals.draft_s, totals.verify_s = b.wall_s, b.draft_s, b.verify_s
+        totals.forwards, totals.draft_calls = b.target_forwards, b.draft_forwards
+        return totals
     for i, ids in enumerate(prompts):
-        res = dec.generate(prompt_ids=ids, method=run.method, seed=gen.get("seed", 0) + i,
-                           **{k: v for k, v in gen.items() if k != "seed"}, **run.params)
+        res = dec.generate(prompt_ids=ids, method=run.method, seed=seed + i, **gen, **run.params)
         totals.add(res)
     return totals
 
@@ -142,7 +155,7 @@ def summarize(
     the SpecDec++ cost model (eq. 2.1 with the measured call counts) for other methods.
     """
     n = max(totals.new_tokens, 1)
-    t_target = ar.wall_s / max(ar.target_calls, 1)
+    t_target = ar.wall_s / max(ar.forwards, 1)
     t_draft = totals.draft_s / totals.draft_calls if totals.draft_calls else 0.0
     c = t_draft / t_target if t_target else 0.0
     alpha = totals.accepted / totals.judged if totals.judged else 0.0
@@ -157,12 +170,15 @@ def summarize(
     else:
         model_time = theory.total_time(t_draft, t_target, totals.draft_calls, totals.target_calls)
         predicted = (t_target * n) / model_time if model_time else 0.0
+    if totals.forwards != totals.target_calls or ar.forwards != ar.target_calls:
+        predicted = None  # batched: the per-sequence cost models do not apply
     row = {
         "method": run.name,
         "prompts": totals.prompts,
         "new_tokens": totals.new_tokens,
         "tau": tau(totals.committed, totals.target_calls),
         "target_calls_per_token": totals.target_calls / n,
+        "target_forwards_per_token": totals.forwards / n,
         "draft_calls_per_token": totals.draft_calls / n,
         "acceptance_rate": alpha,
         "discard_rate": (totals.drafted - totals.accepted) / n,
@@ -171,7 +187,7 @@ def summarize(
         "speedup": speedup,
         "c": c,
         "predicted_speedup": predicted,
-        "measured_over_predicted": speedup / predicted if predicted else 0.0,
+        "measured_over_predicted": speedup / predicted if predicted else None,
         "draft_s": totals.draft_s,
         "verify_s": totals.verify_s,
         "wall_s": totals.wall_s,

@@ -56,6 +56,9 @@ class DecodingConfig(StrictModel):
     sample_top_k: int = Field(0, ge=0, description="top-k filter of the sampler (0: off)")
     max_new_tokens: int = Field(64, gt=0)
     seed: int = 0
+    batch_size: int = Field(1, gt=0, description="prompts decoded together by the batched "
+                                                 "engine (1: one at a time); AR is timed at "
+                                                 "the same batch size")
     verify: Literal["greedy", "sample", "typical"] | None = None
     verify_params: dict[str, float] | None = Field(
         None, description="the rule's parameters, e.g. typical: {epsilon, delta}")

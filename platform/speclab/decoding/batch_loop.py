@@ -118,7 +118,7 @@ class BatchTarget:
             tokens.append(tree.token_tensor())
             chain = tree.is_chain()
             positions.append(None if chain else tree.position_ids(n))
-            allowed.append(None if chain else tree.attention_mask(n))
+            allowed.append(None if chain else tree.ancestor_matrix())  # + the whole prefix
         logits = self.runner.forward(tokens, positions, allowed)
         out = []
         for b, (tree, gen) in enumerate(zip(trees, generators, strict=True)):

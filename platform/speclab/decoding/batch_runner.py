@@ -44,6 +44,7 @@ class BatchRunner:
         self.cache: DynamicCache | None = None
         self.slots: list[torch.Tensor] = []  # per row: [length_b] physical slot of each position
         self.width = 0  # S, physical slots per row
+        self.live = torch.zeros(0, 0, dtype=torch.bool)  # [B, S]: slot holds one of the row's
         self.calls = 0
         self.seconds = 0.0
         self.hidden: torch.Tensor | None = None
@@ -77,6 +78,7 @@ class BatchRunner:
             self._hook.remove()
             self._hook = None
         self.cache, self.slots, self.width, self.hidden = None, [], 0, None
+        self.live = torch.zeros(0, 0, dtype=torch.bool)
 
     # ------------------------------------------------------------------ forwards
     @torch.inference_mode()
@@ -88,9 +90,11 @@ class BatchRunner:
         Args:
             tokens: one ``[n_b]`` tensor of token ids per row (``n_b`` may be 0).
             positions: per row ``[n_b]`` position ids, or None: ``length_b ..`` (causal).
-            allowed: per row ``[n_b, length_b + n_b]`` bool attention pattern over the row's
-                logical positions (as :meth:`ModelRunner.forward` takes it), or None:
-                causal over everything the row holds.
+            allowed: per row the bool attention pattern of the new tokens, one of
+                ``[n_b, length_b + n_b]`` over the row's logical positions (as
+                :meth:`ModelRunner.forward` takes it); ``[n_b, n_b]`` over the new tokens
+                only, each also seeing everything the row holds (a tree over a committed
+                prefix); or None: causal over everything the row holds.
         Returns:
             ``[B, T, V]`` float32 logits, ``T = max n_b``; row ``b``'s are ``[b, :n_b]``.
         """
@@ -98,35 +102,41 @@ class BatchRunner:
             raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
         t0 = time.perf_counter()
         b_rows, s = self.rows, self.width
-        n = [int(t.shape[0]) for t in tokens]
-        t_new = max(max(n, default=0), 1)
+        n = torch.tensor([int(t.shape[0]) for t in tokens], dtype=torch.long)
+        t_new = max(int(n.max()) if b_rows else 0, 1)
+        lengths = torch.tensor([self.length(b) for b in range(b_rows)], dtype=torch.long)
+        cols = torch.arange(t_new)
+        query = cols[None, :] < n[:, None]  # [B, T] real (not padding) queries
+        # tokens and positions, scattered into [B, T] (padding: token 0 at position 0)
         ids = torch.zeros(b_rows, t_new, dtype=torch.long)
-        pos = torch.zeros(b_rows, t_new, dtype=torch.long)
+        ids[query] = torch.cat(list(tokens)) if b_rows else ids[query]
+        pos = torch.where(query, lengths[:, None] + cols[None, :], 0)
+        if positions is not None:
+            for b, p in enumerate(positions):
+                if p is not None:
+                    pos[b, :p.shape[0]] = p
+        # every real query sees the row's live slots and, causally, the new ones
         seen = torch.zeros(b_rows, t_new, s + t_new, dtype=torch.bool)
+        seen[:, :, :s] = self.live[:, None, :] & query[:, :, None]
+        seen[:, :, s:] = torch.ones(t_new, t_new, dtype=torch.bool).tril() & query[:, :, None]
         # padded queries see their own slot only (a fully masked row would give NaN)
-        seen[:, torch.arange(t_new), s + torch.arange(t_new)] = True
-        for b in range(b_rows):
-            nb, lb, slots = n[b], self.length(b), self.slots[b]
-            if nb == 0:
-                continue
-            ids[b, :nb] = tokens[b]
-            p = positions[b] if positions is not None else None
-            pos[b, :nb] = p if p is not None else torch.arange(lb, lb + nb)
-            a = allowed[b] if allowed is not None else None
+        seen[:, cols, s + cols] = True
+        for b, a in enumerate(allowed if allowed is not None else ()):
             if a is None:
-                seen[b, :nb, slots] = True
-                seen[b, :nb, s:s + nb] = torch.ones(nb, nb, dtype=torch.bool).tril()
-            else:
-                seen[b, :nb, slots] = a[:, :lb]
-                seen[b, :nb, s:s + nb] = a[:, lb:]
+                continue
+            nb, lb = a.shape[0], self.length(b)
+            if a.shape[1] == nb + lb and lb:
+                seen[b, :nb, :s] = False
+                seen[b, :nb, self.slots[b]] = a[:, :lb]
+            seen[b, :nb, s:s + nb] = a[:, -nb:]
         if self.cache is None:
             self.cache = preallocated_cache(self.model.config)
         mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]  # [B, 1, T, S+T]
         out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                         attention_mask=mask,
-                         past_key_values=self.cache, use_cache=True)
+                         attention_mask=mask, past_key_values=self.cache, use_cache=True)
         new_slots = torch.arange(s, s + t_new)
-        self.slots = [torch.cat([self.slots[b], new_slots[:n[b]]]) for b in range(b_rows)]
+        self.slots = [torch.cat([self.slots[b], new_slots[:int(n[b])]]) for b in range(b_rows)]
+        self.live = torch.cat([self.live, query], dim=1)
         self.width = s + t_new
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -135,15 +145,17 @@ class BatchRunner:
         return out.logits.float()
 
     # ------------------------------------------------------------------ rows
+    @torch.inference_mode()
     def add_rows(self, sequences: list[list[int]]) -> torch.Tensor:
         """Append rows holding ``sequences`` (prefilled together in ONE forward, then merged
         into the cache). Returns their ``[R, T, V]`` logits (row ``r``'s are
         ``[r, :len(sequences[r])]``)."""
         if not sequences:
             return torch.zeros(0, 0, self.vocab_size)
-        old_cache, old_slots, old_width = self.cache, self.slots, self.width
+        old_cache, old_slots, old_width, old_live = self.cache, self.slots, self.width, self.live
         self.cache, self.slots, self.width = None, [torch.zeros(0, dtype=torch.long)
                                                     for _ in sequences], 0
+        self.live = torch.zeros(len(sequences), 0, dtype=torch.bool)
         # rows with nothing to prefill get one hidden padding slot, so the cache exists
         logits = self.forward([torch.tensor(q, dtype=torch.long) for q in sequences])
         if old_cache is None or not old_slots:
@@ -154,9 +166,11 @@ class BatchRunner:
             old.keys, old.values = (
                 torch.cat([_pad_seq(old.keys, width), _pad_seq(new.keys, width)]),
                 torch.cat([_pad_seq(old.values, width), _pad_seq(new.values, width)]))
+        self.live = torch.cat([_pad_cols(old_live, width), _pad_cols(self.live, width)])
         self.cache, self.slots, self.width = old_cache, old_slots + self.slots, width
         return logits
 
+    @torch.inference_mode()
     def drop(self, rows: list[int]) -> None:
         """Remove rows ``rows`` from the batch (their cache goes)."""
         if not rows:
@@ -164,21 +178,32 @@ class BatchRunner:
         gone = set(rows)
         keep = [b for b in range(self.rows) if b not in gone]
         if not keep:
-            self.cache, self.slots, self.width, self.hidden = None, [], 0, None
+            self.release_rows()
             return
         idx = torch.tensor(keep, device=self.device)
         for layer in self.cache.layers:
             layer.keys, layer.values = (layer.keys.index_select(0, idx),
                                         layer.values.index_select(0, idx))
         self.slots = [self.slots[b] for b in keep]
+        self.live = self.live[keep]
         self.compact()
 
+    def release_rows(self) -> None:
+        """Drop every row and the cache (the hidden-state hook stays)."""
+        self.cache, self.slots, self.width, self.hidden = None, [], 0, None
+        self.live = torch.zeros(0, 0, dtype=torch.bool)
+
+    @torch.inference_mode()
     def keep(self, row: int, positions: list[int]) -> None:
         """Row ``row`` keeps only its logical positions ``positions`` (ascending), in order."""
         self.slots[row] = self.slots[row][torch.tensor(positions, dtype=torch.long)]
+        self.live[row] = False
+        self.live[row, self.slots[row]] = True
 
+    @torch.inference_mode()
     def crop(self, row: int, length: int) -> None:
         """Row ``row`` drops every logical position from ``length`` on."""
+        self.live[row, self.slots[row][length:]] = False
         self.slots[row] = self.slots[row][:length]
 
     def maybe_compact(self) -> None:
@@ -187,6 +212,7 @@ class BatchRunner:
         if self.width > 2 * longest + 16:
             self.compact()
 
+    @torch.inference_mode()
     def compact(self) -> None:
         """Gather every row's live slots to the front of the cache (width = longest row)."""
         if self.cache is None or not self.slots:
@@ -199,8 +225,15 @@ class BatchRunner:
         for layer in self.cache.layers:
             g = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
+        lengths = torch.tensor([sl.shape[0] for sl in self.slots])
         self.slots = [torch.arange(sl.shape[0]) for sl in self.slots]
+        self.live = torch.arange(width)[None, :] < lengths[:, None]
         self.width = width
+
+
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, S]`` bool padded with False to ``[B, width]``."""
+    return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1])], dim=1)
 
 
 def _pad_seq(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -33,8 +33,11 @@ def _plots(rows: list[dict], runs) -> dict:
     if len(chain) >= 2:
         fig, ax = plt.subplots(figsize=(4.5, 3.5))
         ax.plot([g for g, _ in chain], [r["speedup"] for _, r in chain], "o-", label="measured")
-        ax.plot([g for g, _ in chain], [r["predicted_speedup"] for _, r in chain], "s--",
-                label="predicted (Thm 3.8)")
+        predicted = [(g, r["predicted_speedup"]) for g, r in chain
+                     if r["predicted_speedup"] is not None]  # None when batched
+        if predicted:
+            ax.plot([g for g, _ in predicted], [p for _, p in predicted], "s--",
+                    label="predicted (Thm 3.8)")
         ax.set_xlabel("gamma")
         ax.set_ylabel("speedup over AR")
         ax.legend()
