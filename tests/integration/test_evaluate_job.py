@@ -159,3 +159,20 @@ def test_speclab_cli_rejects_bad_submit_config(job_env):
     res = run_cmd([python(), "-m", "speclab.cli", "submit", "evaluate", "--config", SMOKE,
                    "--address", f"http://127.0.0.1:{free_port()}", "decoding.top_p=2"], job_env)
     assert res.returncode == 2 and "decoding.top_p" in res.stderr
+
+
+def test_evaluate_job_decodes_in_batches(job_env):
+    """`decoding.batch_size`: the job's prompts go through the batched engine (AR at the
+    same batch size); outputs still equal each prompt decoded alone."""
+    res = run_cmd([python(), "-m", "jobs.evaluate", "--config", SMOKE, "decoding.batch_size=2",
+                   "resources.num_actors=1", "name=smoke-evaluate-batched"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    table = [ln for ln in res.stdout.splitlines()
+             if ln.startswith(("ar ", "chain(", "tree(", "salf("))]
+    assert len(table) == 5 and all(ln.rstrip().endswith("True") for ln in table), res.stdout
+    _, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
+    m = run.data.metrics
+    assert run.data.params["decoding.batch_size"] == "2"
+    # two rows per forward: fewer target forwards than per-row rounds
+    assert m["chain_gamma2.target_forwards_per_token"] < m["chain_gamma2.target_calls_per_token"]
+    assert m["ar.target_forwards_per_token"] == pytest.approx(0.5, abs=0.07)
