@@ -33,6 +33,7 @@ from speclab.decoding.loop import GenerationStats, generate_tokens
 from speclab.decoding.rules import request_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
+from speclab.decoding.static_runner import FastPath, StaticBatchRunner
 from speclab.drafters.registry import BuildContext, build_drafter, make_batch_drafter
 from speclab.models.loading import check_same_vocab, load_model, load_tokenizer, resolve_source
 
@@ -62,7 +63,11 @@ class Decoder:
         target: PreTrainedModel,
         draft: PreTrainedModel | None = None,
         tokenizer=None,
+        compile: bool = False,
+        capacity: int | None = None,
     ) -> None:
+        if capacity is not None and (isinstance(capacity, bool) or capacity < 2):
+            raise ValueError(f"capacity: must be >= 2 cache slots, got {capacity}")
         if draft is not None:
             check_same_vocab(target, draft)
         self.target = ModelRunner(target)
@@ -70,6 +75,9 @@ class Decoder:
         self.tokenizer = tokenizer
         self._resources: dict = {}  # acceptance heads, datastores: loaded once per Decoder
         self.last_batch: BatchStats | None = None  # figures of the last batched generate
+        # the opt-in fast path: static caches and compiled forwards, one per (model, rows)
+        self.compile, self.capacity = bool(compile), capacity
+        self._fast: dict[tuple[int, int, int], FastPath] = {}
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -80,14 +88,22 @@ class Decoder:
         draft: str | None = None,
         dtype: str = "float32",
         device: str = "cpu",
+        compile: bool = False,
+        capacity: int | None = None,
     ) -> Decoder:
         """Load from local folders, hub ids or ``models:/name/version`` URIs; the tokenizer
-        comes from the target's folder."""
+        comes from the target's folder. ``compile``: the fast path (every generate runs
+        the batched engine over static caches of ``capacity`` slots per row, with
+        ``torch.compile``'d forwards; each new shape compiles once, on first use).
+        ``capacity`` None: per call, the longest prompt + ``max_new_tokens`` + 64 tree
+        slots, rounded up to 64 (attention runs over the whole capacity, so tight is fast;
+        each new capacity compiles anew)."""
         target = resolve_source(target, "target")
         draft = resolve_source(draft, "draft") if draft else None
         target_model = load_model(target, dtype, device, field="target")
         draft_model = load_model(draft, dtype, device, field="draft") if draft else None
-        return cls(target_model, draft_model, load_tokenizer(target, field="target"))
+        return cls(target_model, draft_model, load_tokenizer(target, field="target"),
+                   compile=compile, capacity=capacity)
 
     def encode(self, prompt: str) -> list[int]:
         """Text -> token ids (no special tokens added)."""
@@ -137,6 +153,9 @@ class Decoder:
         if (prompt is None) == (prompt_ids is None):
             raise ValueError("prompt: give exactly one of prompt (text) or prompt_ids")
         ids = self.encode(prompt) if prompt is not None else _ids(prompt_ids, "prompt_ids")
+        if self.compile:  # the fast path is the batched engine's: one row
+            return self._generate_batch([ids], cfg, params, 1, max_new_tokens, verify,
+                                        verify_params, seed)[0]
         generator = torch.Generator().manual_seed(seed)
         drafter = build_drafter(cfg, self._context(self.draft, params, generator))
         rule = request_rule(verify, verify_params, params, drafter.rule if drafter else None)
@@ -173,22 +192,45 @@ class Decoder:
         return self.tokenizer.decode(tokens) if self.tokenizer is not None else None
 
     def _context(self, draft: ModelRunner | None, params: SamplingParams,
-                 generator: torch.Generator | None) -> BuildContext:
+                 generator: torch.Generator | None, rows: int = 1,
+                 capacity: int = 0) -> BuildContext:
         return BuildContext(draft, params, generator, self._resources, self.target.model.config,
-                            self.target.model)
+                            self.target.model,
+                            lambda model: self.batch_runner(model, rows, capacity))
+
+    def batch_runner(self, model: PreTrainedModel, rows: int, capacity: int) -> BatchRunner:
+        """A batched runner over ``model`` for up to ``rows`` rows: the static, compiled
+        fast path (``capacity`` slots per row) when the Decoder was built with
+        ``compile=True``."""
+        if not self.compile:
+            return BatchRunner(model)
+        key = (id(model), rows, capacity)
+        if key not in self._fast:
+            self._fast[key] = FastPath(model, rows, capacity)
+        return StaticBatchRunner(self._fast[key])
+
+    @property
+    def warmup_s(self) -> float:
+        """Seconds spent so far in forwards that compiled a new shape (fast path)."""
+        return sum(f.warmup_s for f in self._fast.values())
 
     def _generate_batch(self, prompts: list[list[int]], cfg: MethodSpec, params: SamplingParams,
                         batch_size: int | None, max_new_tokens: int, verify: str | None,
                         verify_params: dict | None, seed: int) -> list[GenerationResult]:
         """The batched engine over ``prompts`` (see :meth:`generate`)."""
         batch_size = len(prompts) if batch_size is None else batch_size
-        drafter = make_batch_drafter(cfg, self._context(self.draft, params, None),
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
+        rows = min(batch_size, len(prompts))
+        capacity = self.capacity or -(-(max(map(len, prompts)) + max_new_tokens + 64) // 64) * 64
+        drafter = make_batch_drafter(cfg, self._context(self.draft, params, None, rows, capacity),
                                      lambda g: build_drafter(cfg, self._context(
                                          ModelRunner(self.draft.model) if self.draft else None,
                                          params, g)))
         rule = request_rule(verify, verify_params, params, drafter.rule if drafter else None)
         features = drafter is not None and drafter.needs_features
-        target = BatchTarget(BatchRunner(self.target.model), params, rule, features)
+        target = BatchTarget(self.batch_runner(self.target.model, rows, capacity), params, rule,
+                             features)
         generators = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
         try:
             outs, stats, batch = generate_batch(target, drafter, prompts, max_new_tokens,

@@ -177,13 +177,16 @@ BATCH_COLUMNS = [
 def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_tokens: int = 64,
                     out_dir: str = "bench_out", runs: list[MethodRun] | None = None,
                     device: str = "cpu", dtype: str = "float32", log_mlflow: bool = False,
-                    tracking_uri: str | None = None, repeats: int = 1) -> list[dict]:
+                    tracking_uri: str | None = None, repeats: int = 1,
+                    compile: bool = False) -> list[dict]:
     """The batched engine at each batch size: AR, then each method with AR re-timed right
     before it at the SAME batch size, ``repeats`` times (timed figures: the median).
     Prints the table, writes ``batch_bench.json`` and ``batch_scaling.png``; with
     ``log_mlflow`` also an MLflow run at ``tracking_uri`` (default: the embedded store)
     in experiment ``speclab-bench``, with every figure as a metric whose step is the
-    batch size, and the plot. Returns the rows."""
+    batch size, and the plot. ``compile``: the static, compiled fast path; its compile
+    warm-up (the forwards that compiled a shape, all in the untimed warm-up passes) is
+    reported apart. Returns the rows."""
     from speclab.api import Decoder
     from speclab.data.corpus import function_header_prompts
     from speclab.models.reference import ensure_reference_pair
@@ -192,9 +195,18 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
         raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
                          f"of prompts ({num_prompts})")
     pair = ensure_reference_pair()
-    dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device)
+    dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device, compile=compile)
     prompts = [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
     runs = runs or BATCH_RUNS
+    if compile:  # compile every shape before anything is timed (full-length warm-up)
+        t0 = time.perf_counter()
+        for bs in batch_sizes:
+            for run in [MethodRun("ar"), *runs]:
+                run_prompts(dec, run, prompts, {"max_new_tokens": max_new_tokens,
+                                                "batch_size": bs})
+        warm = time.perf_counter() - t0
+        print(f"compile warm-up: {dec.warmup_s:.1f} s compiling, {warm:.1f} s for the "
+              f"untimed warm-up passes")
     reference = run_prompts(dec, MethodRun("ar"), prompts, {"max_new_tokens": max_new_tokens}
                             ).outputs  # each prompt decoded alone
     rows: list[dict] = []
@@ -229,7 +241,8 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes, "repeats": repeats,
             "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
-            "device": device, "dtype": dtype, "temperature": 0.0}
+            "device": device, "dtype": dtype, "temperature": 0.0, "compile": compile,
+            "compile_warmup_s": dec.warmup_s}
     (out / "batch_bench.json").write_text(json.dumps(
         {"meta": meta, "rows": rows, "crossover": cross}, indent=2))
     fig = batch_plot(rows)

@@ -112,6 +112,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="samples; seeds seed..seed+S-1")
     p.add_argument("--batch-size", type=int, default=None,
                    help="several prompts: rows decoded at once (default: all of them)")
+    p.add_argument("--compile", action="store_true",
+                   help="the fast path: static KV cache + torch.compile'd forwards (each new "
+                        "shape compiles once, tens of seconds on CPU)")
     p.add_argument("--json", action="store_true", help="one JSON object per sample")
 
 
@@ -160,7 +163,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if any(p == "" for p in prompts):
         raise ValueError("prompt: must not be empty")
     dec = Decoder.from_pretrained(args.target, args.draft if cfg.needs_draft_model else None,
-                                  args.dtype, args.device)
+                                  args.dtype, args.device, compile=args.compile)
     gen = {"method": cfg, "max_new_tokens": args.max_new_tokens,
            "temperature": args.temperature, "sample_top_k": args.sample_top_k,
            "top_p": args.top_p, "verify": args.verify,

@@ -28,6 +28,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--batch-sizes", default=None,
                    help="e.g. 1,4,16: the batched engine at each batch size (speedup over AR "
                         "at the same size, the crossover, batch_bench.json + a plot)")
+    p.add_argument("--compile", action="store_true",
+                   help="with --batch-sizes: the fast path (static cache + torch.compile); "
+                        "the compile warm-up is reported apart")
     p.add_argument("--repeats", type=int, default=1,
                    help="with --batch-sizes: interleaved repeats (timed figures: the median)")
     p.add_argument("--mlflow", nargs="?", const="", default=None, metavar="TRACKING_URI",
@@ -74,10 +77,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_batch_bench(parse_batch_sizes(args.batch_sizes), args.prompts, args.max_new_tokens,
                         args.out, device=args.device, dtype=args.dtype,
                         log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,
-                        repeats=args.repeats)
+                        repeats=args.repeats, compile=args.compile)
         return 0
-    if args.mlflow is not None:
-        raise ValueError("mlflow: only with --batch-sizes")
+    if args.mlflow is not None or args.compile:
+        raise ValueError(f"{'mlflow' if args.mlflow is not None else 'compile'}: only with "
+                         "--batch-sizes")
     run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype)
     return 0
 

@@ -108,12 +108,13 @@ class Totals:
 
 def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dict) -> Totals:
     """Generate for every prompt with one method; ``gen`` holds Decoder.generate kwargs
-    (``batch_size`` > 1: the prompts go through the batched engine together, and the
-    wall, draft and verify times and the forwards are the batch's)."""
+    (``batch_size`` > 1, or a Decoder on the compiled fast path: the prompts go through
+    the batched engine together, and the wall, draft and verify times and the forwards
+    are the batch's)."""
     totals = Totals()
     gen = dict(gen)
     seed, batch_size = gen.pop("seed", 0), gen.pop("batch_size", 1) or 1
-    if batch_size > 1:
+    if batch_size > 1 or dec.compile:  # (the fast path is the batched engine's)
         for res in dec.generate(prompts=prompts, batch_size=batch_size, method=run.method,
                                 seed=seed, **gen, **run.params):
             totals.add(res)

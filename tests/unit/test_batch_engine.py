@@ -162,3 +162,30 @@ def test_cli_decodes_several_prompts_as_one_batch(tiny_pair, capsys):
     for ids, row in zip(["1,2,3", "7", "4,4"], rows):
         assert main([*base, "--prompt-ids", ids]) == 0
         assert json.loads(capsys.readouterr().out)["token_ids"] == row["token_ids"]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_fast_path_equals_the_engine(tiny_pair, compiled):
+    """The static cache (rows and capacity fixed; a small capacity forces in-place
+    compaction), eager and compiled: every row still equals the row decoded alone."""
+    from speclab.decoding.static_runner import FastPath, StaticBatchRunner
+
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    fast = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"], compile=True,
+                                   capacity=48)
+    if not compiled:  # the same static layout without torch.compile
+        fast.batch_runner = lambda model, rows, cap: StaticBatchRunner(
+            fast._fast.setdefault((id(model), rows, cap), FastPath(model, rows, cap, False)))
+    ps = prompts(5)
+    settings = [("ar", {}), ("chain", {"gamma": 3})] + (
+        [] if compiled else [("salf", {"nodes": 8, "batch": 2}), ("pld", {})])
+    for method, hp in settings:
+        alone = [dec.generate(prompt_ids=p, method=method, max_new_tokens=20, **hp).token_ids
+                 for p in ps]
+        res = fast.generate(prompts=ps, method=method, max_new_tokens=20, batch_size=3, **hp)
+        assert [r.token_ids for r in res] == alone, method
+        one = fast.generate(prompt_ids=ps[0], method=method, max_new_tokens=20, **hp)
+        assert one.token_ids == alone[0]
+    assert (fast.warmup_s > 0) == compiled
+    with pytest.raises(ValueError, match="^compile: .*features"):
+        StaticBatchRunner(FastPath(dec.target.model, 1, 16, False)).track_hidden()

@@ -109,4 +109,4 @@ class ChainConfig(MethodSpec):
         return ChainDrafter(ctx.draft, self.gamma, ctx.sampling, ctx.generator)
 
     def build_batch(self, ctx) -> BatchChainDrafter:
-        return BatchChainDrafter(BatchRunner(ctx.draft.model), self.gamma, ctx.sampling)
+        return BatchChainDrafter(ctx.make_batch_runner(), self.gamma, ctx.sampling)

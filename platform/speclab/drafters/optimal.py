@@ -254,7 +254,7 @@ class OptimalConfig(TreeKnobs):
                                   self.depth, self.score_temperature)
 
     def build_batch(self, ctx) -> BatchOptimalDrafter:
-        return BatchOptimalDrafter(BatchRunner(ctx.draft.model), self.nodes, self.batch,
+        return BatchOptimalDrafter(ctx.make_batch_runner(), self.nodes, self.batch,
                                    self.stop_threshold(), self.depth, self.score_temperature)
 
 

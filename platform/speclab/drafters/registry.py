@@ -25,6 +25,7 @@ from speclab.config.method import (
     parse_method,
     register,
 )
+from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.drafters.ar import ArConfig
@@ -61,6 +62,11 @@ class BuildContext:
     resources: dict = field(default_factory=dict)
     target_config: Any = None
     target_model: Any = None
+    batch_runner: Callable[[Any], BatchRunner] = BatchRunner  # the batched engine's runner
+
+    def make_batch_runner(self) -> BatchRunner:
+        """A batched runner over the draft model (the static fast path when enabled)."""
+        return self.batch_runner(self.draft.model)
 
     def cached(self, key: Any, load: Callable[[], Any]) -> Any:
         """``load()`` once per ``key`` for the lifetime of ``resources``."""

@@ -1,0 +1,264 @@
+"""The opt-in fast path: a static KV cache and a compiled forward with repeating shapes.
+
+:class:`FastPath` holds, for one model, a preallocated cache of fixed shape
+``[rows, heads, capacity, D]`` per layer and the model's forward compiled by
+``torch.compile(dynamic=False)``. :class:`StaticBatchRunner` is a
+:class:`~speclab.decoding.batch_runner.BatchRunner` over it: every forward is padded to
+``rows`` rows and to a power-of-two number of new tokens (1, 2, 4, ... : the tree-size
+buckets), and attends over the whole ``capacity`` with a mask, so the compiled graph
+sees only a handful of shapes and is reused across rounds, requests and
+:meth:`Decoder.generate` calls. Writes go in place to fixed addresses (on CUDA the
+compiled step can then capture CUDA graphs: ``mode="reduce-overhead"``).
+
+A logical row (what the engine calls row ``b``) lives in a physical row of the buffer;
+rows that leave free their physical row, rows that join take a free one (prefilled
+eagerly, then copied in). Garbage slots are reclaimed by an in-place gather when the
+shared write frontier reaches ``capacity``.
+
+Cost: each new shape compiles once (about 10-30 s on a 2-core CPU); ``warmup_s``
+accumulates the time of forwards that compiled. Without compiling (``compile=False``)
+the same static layout runs eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.tree import additive_mask
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= ``n`` (>= 1): the padded number of new tokens."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class _FixedLayer(DynamicLayer):
+    """A cache layer over fixed buffers: ``update`` writes the new ``[R, heads, T, D]``
+    states at the slots ``positions[T]`` (set before each forward) and returns the whole
+    buffers."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor,
+                 positions: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.buf_k, self.buf_v, self.positions = keys, values, positions
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        at = self.positions[key_states.shape[2]]
+        self.buf_k.index_copy_(2, at, key_states)
+        self.buf_v.index_copy_(2, at, value_states)
+        return self.buf_k, self.buf_v
+
+    def get_seq_length(self) -> int:
+        return 0
+
+
+class FastPath:
+    """A model's static cache (``rows`` x ``capacity`` slots) and its compiled step.
+
+    One per model and batch shape, kept for the lifetime of a
+    :class:`~speclab.api.Decoder` so compiled graphs are reused across calls.
+    """
+
+    def __init__(self, model: PreTrainedModel, rows: int, capacity: int = 1024,
+                 compile: bool = True, mode: str | None = None) -> None:
+        cfg = model.config
+        self.model, self.rows, self.capacity = model, rows, capacity
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        shape = (rows, heads, capacity, head_dim)
+        self.positions: dict[int, torch.Tensor] = {}
+        t = 1
+        while t <= capacity:
+            self.positions[t] = torch.zeros(t, dtype=torch.long, device=self.device)
+            t *= 2
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                     for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                       for _ in range(cfg.num_hidden_layers)]
+        self.cache = DynamicCache(config=cfg)
+        self.cache.layers = [_FixedLayer(k, v, self.positions)
+                             for k, v in zip(self.keys, self.values, strict=True)]
+        self.compiled = compile
+        if compile:  # every FastPath shares _step's code: room for all their shapes
+            dyn = torch._dynamo.config
+            dyn.recompile_limit = max(dyn.recompile_limit, 256)
+            dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 4096)
+        self.step = torch.compile(self._step, dynamic=False, mode=mode) if compile else self._step
+        self.shapes: set[tuple[int, int]] = set()
+        self.warmup_s = 0.0  # wall time of the forwards that compiled a new shape
+
+    def _step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
+        return self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                          past_key_values=self.cache, use_cache=True).logits
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int
+            ) -> torch.Tensor:
+        """ONE forward of ``[rows, T]`` tokens written at slots ``start .. start+T-1``
+        (``T`` a power of two); returns ``[rows, T, V]`` logits."""
+        t = ids.shape[1]
+        self.positions[t].copy_(torch.arange(start, start + t, device=self.device))
+        t0 = time.perf_counter()
+        logits = self.step(ids, pos, mask)
+        if (self.rows, t) not in self.shapes:
+            self.shapes.add((self.rows, t))
+            if self.compiled:
+                self.warmup_s += time.perf_counter() - t0
+        return logits
+
+
+class StaticBatchRunner(BatchRunner):
+    """:class:`BatchRunner` over a :class:`FastPath` (same interface and semantics)."""
+
+    def __init__(self, fast: FastPath) -> None:
+        super().__init__(fast.model)
+        self.fast = fast
+        self.phys: list[int] = []  # physical row of each logical row
+        self.live = torch.zeros(fast.rows, fast.capacity, dtype=torch.bool)
+        self.width = 0  # the write frontier, shared by all physical rows
+
+    @property
+    def capacity(self) -> int:
+        return self.fast.capacity
+
+    def track_hidden(self) -> None:
+        """Refused: a hook inside the compiled step would break it."""
+        raise ValueError("compile: the fast path does not run drafters that read the "
+                         "target's features (eagle, medusa); run them without compile")
+
+    def release(self) -> None:
+        super().release()
+        self.phys = []
+        self.live = torch.zeros(self.fast.rows, self.fast.capacity, dtype=torch.bool)
+
+    @torch.inference_mode()
+    def forward(self, tokens, positions=None, allowed=None) -> torch.Tensor:
+        if len(tokens) != self.rows:
+            raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
+        t0 = time.perf_counter()
+        n = [int(t.shape[0]) for t in tokens]
+        t_new = bucket(max(n, default=1))
+        if self.width + t_new > self.capacity:
+            self.compact()
+            if self.width + t_new > self.capacity:
+                raise ValueError(f"capacity: {self.capacity} cache slots per row cannot hold "
+                                 f"{self.width} live + {t_new} new positions")
+        s, rows, cap = self.width, self.fast.rows, self.capacity
+        ids = torch.zeros(rows, t_new, dtype=torch.long)
+        pos = torch.zeros(rows, t_new, dtype=torch.long)
+        seen = torch.zeros(rows, t_new, cap, dtype=torch.bool)
+        cols = torch.arange(t_new)
+        seen[:, cols, s + cols] = True  # padded queries see their own slot only
+        for b, p in enumerate(self.phys):
+            nb, lb = n[b], self.length(b)
+            if nb == 0:
+                continue
+            ids[p, :nb] = tokens[b]
+            given = positions[b] if positions is not None else None
+            pos[p, :nb] = given if given is not None else torch.arange(lb, lb + nb)
+            a = allowed[b] if allowed is not None else None
+            if a is None:
+                seen[p, :nb, self.slots[b]] = True
+                seen[p, :nb, s:s + nb] = torch.ones(nb, nb, dtype=torch.bool).tril()
+            elif a.shape[1] == nb + lb and lb:
+                seen[p, :nb, self.slots[b]] = a[:, :lb]
+                seen[p, :nb, s:s + nb] = a[:, lb:]
+            else:
+                seen[p, :nb, self.slots[b]] = True
+                seen[p, :nb, s:s + nb] = a
+        mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]
+        logits = self.fast.run(ids.to(self.device), pos.to(self.device), mask, s)
+        idx = torch.tensor(self.phys, dtype=torch.long, device=logits.device)
+        new_slots = torch.arange(s, s + t_new)
+        for b, p in enumerate(self.phys):
+            self.slots[b] = torch.cat([self.slots[b], new_slots[:n[b]]])
+            self.live[p, s:s + n[b]] = True
+        self.width = s + t_new
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.calls += 1
+        self.seconds += time.perf_counter() - t0
+        return logits.index_select(0, idx).float()
+
+    @torch.inference_mode()
+    def add_rows(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Prefill the new rows eagerly (a plain :class:`BatchRunner`), then copy their
+        cache into free physical rows, just below the write frontier."""
+        free = [p for p in range(self.fast.rows) if p not in self.phys]
+        if len(sequences) > len(free):
+            raise ValueError(f"batch_size: {len(self.phys) + len(sequences)} rows exceed the "
+                             f"fast path's {self.fast.rows}")
+        pre = BatchRunner(self.model)
+        logits = pre.add_rows(sequences)
+        pre.compact()
+        longest = pre.width
+        if max(self.width, longest) + 1 > self.capacity:
+            self.compact()
+        self.width = max(self.width, longest)
+        base = self.width - longest
+        for r, p in enumerate(free[:len(sequences)]):
+            n = pre.length(r)
+            for layer, k, v in zip(pre.cache.layers, self.fast.keys, self.fast.values,
+                                   strict=True):
+                k[p, :, base:base + n] = layer.keys[r, :, :n]
+                v[p, :, base:base + n] = layer.values[r, :, :n]
+            self.live[p] = False
+            self.live[p, base:base + n] = True
+            self.phys.append(p)
+            self.slots.append(torch.arange(base, base + n))
+        pre.release()
+        return logits
+
+    @torch.inference_mode()
+    def drop(self, rows: list[int]) -> None:
+        gone = set(rows)
+        for b in sorted(gone, reverse=True):
+            self.live[self.phys[b]] = False
+            self.phys.pop(b)
+            self.slots.pop(b)
+        if not self.phys:
+            self.width = 0
+
+    @torch.inference_mode()
+    def keep(self, row: int, positions: list[int]) -> None:
+        p = self.phys[row]
+        self.slots[row] = self.slots[row][torch.tensor(positions, dtype=torch.long)]
+        self.live[p] = False
+        self.live[p, self.slots[row]] = True
+
+    @torch.inference_mode()
+    def crop(self, row: int, length: int) -> None:
+        self.live[self.phys[row], self.slots[row][length:]] = False
+        self.slots[row] = self.slots[row][:length]
+
+    def maybe_compact(self) -> None:
+        """Nothing: the static cache compacts only when its frontier is full."""
+
+    @torch.inference_mode()
+    def compact(self) -> None:
+        """Gather every row's live slots to the front of its physical row, in place."""
+        if not self.phys:
+            self.width = 0
+            return
+        width = max(self.length(b) for b in range(self.rows))
+        idx = torch.zeros(len(self.phys), max(width, 1), dtype=torch.long)
+        for b, sl in enumerate(self.slots):
+            idx[b, :sl.shape[0]] = sl
+        phys = torch.tensor(self.phys, dtype=torch.long)
+        idx, phys = idx.to(self.device), phys.to(self.device)
+        for k, v in zip(self.fast.keys, self.fast.values, strict=True):
+            g = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            k[phys, :, :idx.shape[1]] = k[phys].gather(2, g)
+            v[phys, :, :idx.shape[1]] = v[phys].gather(2, g)
+        self.live.zero_()
+        for b, p in enumerate(self.phys):
+            self.live[p, :self.length(b)] = True
+            self.slots[b] = torch.arange(self.length(b))
+        self.width = width
