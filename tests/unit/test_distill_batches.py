@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from speclab.decoding.runner import ModelRunner
 from speclab.models.loading import load_model
 from speclab.train.distill_batches import batch_loss, collate_kd, collate_seq, collate_trees
-from speclab.train.distill_data import kd_example, seq_example, tree_example
+from speclab.train.distill_data import kd_example, seq_examples, tree_example
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +31,19 @@ def test_kd_example_matches_target_distribution(target, tiny_pair):
     assert batch["inputs"].shape == (2, 6) and batch["topk_probs"].shape == (2, 6, 5)
 
 
-def test_seq_example_is_target_greedy(target):
-    row = seq_example(target, [1, 2, 3], 6, eos=None)
-    assert row["loss_from"] == 3 and len(row["tokens"]) == 9
-    b = collate_seq([row, seq_example(target, [4, 5], 3, eos=None)])
+def test_seq_examples_are_target_greedy(target):
+    from speclab.decoding.loop import autoregressive_generate
+    from speclab.decoding.sampling import SamplingParams
+
+    prompts = [[1, 2, 3], [4, 5], [9], [7, 7, 7, 7]]
+    rows = seq_examples(target, prompts, 6, eos=None, batch=3)  # batched, rows join
+    for p, row in zip(prompts, rows):
+        out, _ = autoregressive_generate(target, p, 6, SamplingParams(0.0))
+        assert row["tokens"] == p + out and row["loss_from"] == len(p)
+    eos = rows[0]["tokens"][4]
+    assert seq_examples(target, [[1, 2, 3]], 6, eos=eos)[0]["tokens"] == rows[0]["tokens"][:5]
+    row = rows[0]
+    b = collate_seq([row, seq_examples(target, [[4, 5]], 3, eos=None)[0]])
     assert b["mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 1, 1]
     assert b["mask"][1].tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
 

@@ -85,7 +85,7 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
             elif kind == "medusa":
                 rows = dd.medusa_examples(runner, inputs, d.response_len, d.top_k)
             elif kind == "seq":
-                rows = [dd.seq_example(runner, x, d.response_len, eos) for x in inputs]
+                rows = dd.seq_examples(runner, inputs, d.response_len, eos)
             elif kind == "accept":
                 rows = [dd.accept_example(runner, self.dec.draft, x, d.response_len,
                                           head_temperature, seed + first + j,

@@ -8,7 +8,7 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
   at every position (the EAGLE feature drafter, :mod:`speclab.train.eagle`);
 * :func:`feat_forest_example` — a ``feat`` window plus a target-built beam tree rooted at
   every position (TALF on the EAGLE drafter, :func:`speclab.train.eagle.talf_loss`);
-* :func:`seq_example` — a prompt and the target's greedy continuation (``seq_kd``);
+* :func:`seq_examples` — prompts and the target's greedy continuation (``seq_kd``);
 * :func:`medusa_examples` — :func:`feat_example` windows over prompts and the target's
   greedy continuations, decoded in batches (self-distillation data for Medusa heads,
   :mod:`speclab.train.medusa`);
@@ -127,14 +127,31 @@ def feat_forest_example(target: ModelRunner, window: list[int], k: int, top_k: i
             "forest_probs": torch.stack(probs, 1).to(torch.float16).numpy().tobytes()}
 
 
-def seq_example(target: ModelRunner, prompt: list[int], response_len: int,
-                eos: int | None) -> dict:
-    """Prompt + the target's greedy continuation; ``loss_from`` marks the response start."""
-    from speclab.decoding.loop import autoregressive_generate
+def seq_examples(target: ModelRunner, prompts: list[list[int]], response_len: int,
+                 eos: int | None, batch: int = 16) -> list[dict]:
+    """Each prompt + the target's greedy continuation (up to ``response_len`` tokens or
+    EOS); ``loss_from`` marks the response start. Decoded ``batch`` rows at a time by the
+    batched engine (each row equals the prompt decoded alone)."""
+    outs = greedy_continuations(target, prompts, response_len, eos, batch)
+    return [{"tokens": p + o, "loss_from": len(p)} for p, o in zip(prompts, outs, strict=True)]
+
+
+def greedy_continuations(target: ModelRunner, prompts: list[list[int]], response_len: int,
+                         eos: int | None, batch: int) -> list[list[int]]:
+    """The target's greedy continuations of ``prompts`` (batched engine, plain decoding,
+    ``batch`` rows at a time; ``eos`` None: always ``response_len`` tokens)."""
+    from speclab.decoding.batch_loop import BatchTarget, generate_batch
+    from speclab.decoding.batch_runner import BatchRunner
+    from speclab.decoding.rules import resolve_rule
     from speclab.decoding.sampling import SamplingParams
 
-    out, _ = autoregressive_generate(target, prompt, response_len, SamplingParams(0.0), eos)
-    return {"tokens": prompt + out, "loss_from": len(prompt)}
+    if not prompts:
+        return []
+    params = SamplingParams(0.0)
+    side = BatchTarget(BatchRunner(target.model), params, resolve_rule(None, None, params))
+    outs, _, _ = generate_batch(side, None, prompts, response_len, batch,
+                                [None] * len(prompts), eos)
+    return outs
 
 
 @torch.no_grad()
@@ -144,22 +161,19 @@ def medusa_examples(target: ModelRunner, prompts: list[list[int]], response_len:
     (EOS does not stop it, so rows have one length) as a :func:`feat_example` window: the
     target's features and top-k at every input of ``prompt + continuation``.
 
-    Prompts of one length decode ``batch`` at a time (one batched forward per token over
-    a shared KV cache, no padding), the cheap way to make self-distillation data."""
+    The continuations come from the batched engine, ``batch`` rows at a time (the cheap
+    way to make self-distillation data); the feature pass needs prompts of one length per
+    ``batch`` (the corpus windows are)."""
     from speclab.train.eagle import encode_features
 
     model = target.model
     device = next(model.parameters()).device
+    outs = greedy_continuations(target, prompts, response_len, None, batch)
     rows: list[dict] = []
     for start in range(0, len(prompts), batch):
-        ids = torch.tensor(prompts[start: start + batch], dtype=torch.long, device=device)
-        out = model(input_ids=ids, use_cache=True)
-        seq = [ids]
-        for _ in range(response_len):
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
-            seq.append(nxt)
-            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-        window = torch.cat(seq, 1)  # [B, P + R]
+        window = torch.tensor([p + o for p, o in zip(prompts[start: start + batch],
+                                                     outs[start: start + batch], strict=True)],
+                              dtype=torch.long, device=device)  # [B, P + R]
         hidden = model.model(input_ids=window[:, :-1]).last_hidden_state  # [B, L, H]
         probs, top = torch.topk(model.lm_head(hidden).float().softmax(-1), k, dim=-1)
         for b in range(window.shape[0]):
