@@ -155,7 +155,7 @@ def batch_plot(rows: list[dict]):
     ax.set_xlabel("batch size (rows decoded together)")
     ax.set_ylabel("speedup over AR at the same batch size (x)")
     ax.set_title("Where speculation stops paying (greedy, reference pair)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="best")
     ar = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if r["method"] == "ar")
     ax2.plot([b for b, _ in ar], [t for _, t in ar], "o-")
     ax2.set_xscale("log", base=2)

@@ -84,12 +84,13 @@ def test_every_method_in_a_batch_equals_each_row_alone(tiny_pair, draft):
 
 
 def test_batched_drafters_draft_together(tiny_pair):
-    """Chain and optimal/SALF draft every row in shared forwards; other methods fall back
-    to one drafter per row."""
+    """Chain, EAGLE-2 trees and optimal/SALF draft every row in shared forwards; other
+    methods (no draft model, or feature drafters) fall back to one drafter per row."""
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
     ctx = BuildContext(dec.draft, SamplingParams(0.0))
     for name, knobs, kind in [("chain", {"gamma": 3}, BatchModelDrafter),
                               ("salf", {"nodes": 8, "batch": 2}, BatchModelDrafter),
+                              ("tree", {"nodes": 6, "depth": 3}, BatchModelDrafter),
                               ("pld", {}, PerRowDrafters)]:
         cfg = parse_method({"name": name, **knobs})
         drafter = make_batch_drafter(cfg, ctx, lambda g, c=cfg: c.build(BuildContext(

@@ -8,13 +8,14 @@ rounds, in the order the engine keeps them.
   each drafting alone (its draft forwards are not batched; the target's are).
 * :class:`BatchModelDrafter` is the base of drafters whose draft LM runs over all rows
   in ONE forward per step (:class:`~speclab.decoding.batch_runner.BatchRunner`): chain
-  and optimal/SALF (``MethodSpec.build_batch``).
+  and, through :class:`BatchTreeDrafter`, the EAGLE-2 and optimal/SALF trees
+  (``MethodSpec.build_batch``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import torch
 
@@ -198,3 +199,61 @@ class BatchModelDrafter(BatchDrafter):
               ) -> list[TokenTree]:
         """Trees for rows ``rows`` (``root_logits`` ``[len(rows), V]``, their budgets), with
         batched :meth:`expand` calls; ``slots`` must map each tree's processed nodes."""
+
+
+#: A tree builder as a generator: yields ``(work_tree, node_ids)`` to expand, receives
+#: their ``[len(node_ids), V]`` draft probabilities, returns ``(tree, work -> tree index)``.
+TreeSteps = Generator[tuple[TokenTree, list[int]], torch.Tensor, tuple[TokenTree, dict[int, int]]]
+
+
+def run_steps(steps: TreeSteps, expand: Callable[[TokenTree, list[int]], torch.Tensor]
+              ) -> tuple[TokenTree, dict[int, int]]:
+    """Drive one tree builder with an ``expand`` function (the single-row way)."""
+    probs = None
+    while True:
+        try:
+            request = steps.send(probs)
+        except StopIteration as stop:
+            return stop.value
+        probs = expand(*request)
+
+
+class BatchTreeDrafter(BatchModelDrafter):
+    """Tree drafting for many rows: every row's builder (``steps(root_token, root_probs,
+    budget)``) advances in lockstep, and each step's expansions of ALL rows run in ONE
+    draft forward. Rows whose tree is done (e.g. SALF stopping early) leave the lockstep.
+    Nodes are ranked by ``softmax(logits / score_temperature)``."""
+
+    def __init__(self, runner: BatchRunner, name: str,
+                 steps: Callable[[int, torch.Tensor, int], TreeSteps],
+                 score_temperature: float = 1.0) -> None:
+        if score_temperature <= 0:
+            raise ValueError(f"score_temperature: must be > 0, got {score_temperature}")
+        super().__init__(runner)
+        self.name, self.steps, self.score_temperature = name, steps, score_temperature
+
+    def draft(self, rows, root_logits, budgets):
+        st = self.score_temperature
+        root_probs = (root_logits / st).softmax(-1)
+        running = {b: self.steps(self.committed[b][-1], root_probs[j], budgets[j])
+                   for j, b in enumerate(rows)}
+        results: dict[int, tuple[TokenTree, dict[int, int]]] = {}
+        replies: dict[int, torch.Tensor | None] = dict.fromkeys(rows)
+        while running:
+            requests = {}
+            for b in list(running):
+                try:
+                    requests[b] = running[b].send(replies[b])
+                except StopIteration as stop:
+                    results[b] = stop.value
+                    del running[b]
+            if requests:
+                out = self.expand(requests)
+                replies = {b: (logits / st).softmax(-1) for b, logits in out.items()}
+        trees = []
+        for b in rows:
+            tree, old_to_new = results[b]
+            self.slots[b] = {old_to_new[o]: s for o, s in self.slots[b].items()
+                             if o in old_to_new}
+            trees.append(tree)
+        return trees

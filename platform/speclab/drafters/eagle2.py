@@ -18,6 +18,7 @@ from pydantic import Field
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 from speclab.drafters.base import ModelDrafter
+from speclab.drafters.batched import BatchTreeDrafter, TreeSteps, run_steps
 from speclab.drafters.knobs import TreeKnobs
 
 ExpandFn = Callable[[TokenTree, list[int]], torch.Tensor]
@@ -49,11 +50,18 @@ def build_eagle2_tree(
     Returns:
         The kept tree and the map from candidate-tree index to kept-tree index.
     """
+    return run_steps(eagle2_tree_steps(root_token, root_probs, top_k, depth, nodes), expand)
+
+
+def eagle2_tree_steps(root_token: int, root_probs: torch.Tensor, top_k: int, depth: int,
+                      nodes: int) -> TreeSteps:
+    """:func:`build_eagle2_tree` as a generator (see :data:`~speclab.drafters.batched.
+    TreeSteps`), so many rows' trees grow in lockstep with batched draft forwards."""
     work = TokenTree(root_token)
     frontier = _add_top_children(work, 0, root_probs, top_k)
     for _ in range(depth - 1):
         frontier = sorted(frontier, key=lambda i: -work.path_prob[i])[:top_k]
-        probs = expand(work, frontier)
+        probs = yield work, frontier
         level = []
         for row, node in enumerate(frontier):
             level += _add_top_children(work, node, probs[row], top_k)
@@ -105,3 +113,10 @@ class TreeConfig(TreeKnobs):
     def build(self, ctx) -> Eagle2TreeDrafter:
         return Eagle2TreeDrafter(ctx.draft, self.tree_top_k, self.depth, self.nodes,
                                  self.score_temperature)
+
+    def build_batch(self, ctx) -> BatchTreeDrafter:
+        def steps(root: int, probs: torch.Tensor, budget: int) -> TreeSteps:
+            return eagle2_tree_steps(root, probs, self.tree_top_k,
+                                     min(self.depth, max(budget, 1)), self.nodes)
+
+        return BatchTreeDrafter(ctx.make_batch_runner(), "tree", steps, self.score_temperature)

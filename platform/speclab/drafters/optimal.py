@@ -21,11 +21,10 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 from speclab.drafters.base import ModelDrafter
-from speclab.drafters.batched import BatchModelDrafter
+from speclab.drafters.batched import BatchTreeDrafter, run_steps
 from speclab.drafters.eagle2 import ExpandFn
 from speclab.drafters.knobs import TreeKnobs
 
@@ -68,13 +67,15 @@ def build_optimal_tree(
         max_depth: nodes at this depth are not expanded.
     """
     steps = optimal_tree_steps(root_token, root_probs, nodes, batch, threshold, max_depth)
-    probs = None
-    while True:
-        try:
-            request = steps.send(probs)
-        except StopIteration as stop:
-            return stop.value
-        probs = expand(*request)
+    sums: list[float] = []
+
+    def keep_sums():  # the same builder, returning the tree and map (run_steps' shape)
+        res = yield from steps
+        sums.extend(res.sums)
+        return res.tree, res.old_to_new
+
+    tree, old_to_new = run_steps(keep_sums(), expand)
+    return OptimalTreeResult(tree, old_to_new, sums)
 
 
 def optimal_tree_steps(
@@ -191,48 +192,6 @@ class OptimalTreeDrafter(ModelDrafter):
         return res.tree
 
 
-class BatchOptimalDrafter(BatchModelDrafter):
-    """:class:`OptimalTreeDrafter` for many rows: every row's Algorithm 2 advances in
-    lockstep (:func:`optimal_tree_steps`), and each iteration's expansions of ALL rows
-    run in ONE draft forward. SALF rows that stop early simply leave the lockstep."""
-
-    def __init__(self, runner: BatchRunner, nodes: int, batch: int, threshold: float = 0.0,
-                 depth: int = 64, score_temperature: float = 1.0) -> None:
-        OptimalTreeDrafter.check_knobs(nodes, batch, threshold, depth, score_temperature)
-        super().__init__(runner)
-        self.nodes, self.batch, self.threshold, self.depth = nodes, batch, threshold, depth
-        self.score_temperature = score_temperature
-        self.name = "salf" if threshold > 0 else "optimal"
-
-    def draft(self, rows, root_logits, budgets):
-        st = self.score_temperature
-        root_probs = (root_logits / st).softmax(-1)
-        steps = {b: optimal_tree_steps(self.committed[b][-1], root_probs[j], self.nodes,
-                                       self.batch, self.threshold,
-                                       min(self.depth, max(budgets[j], 1)))
-                 for j, b in enumerate(rows)}
-        results: dict[int, OptimalTreeResult] = {}
-        replies: dict[int, torch.Tensor | None] = dict.fromkeys(rows)
-        while steps:
-            requests = {}
-            for b in list(steps):
-                try:
-                    requests[b] = steps[b].send(replies[b])
-                except StopIteration as stop:
-                    results[b] = stop.value
-                    del steps[b]
-            if requests:
-                out = self.expand(requests)
-                replies = {b: (logits / st).softmax(-1) for b, logits in out.items()}
-        trees = []
-        for b in rows:
-            res = results[b]
-            self.slots[b] = {res.old_to_new[o]: s for o, s in self.slots[b].items()
-                             if o in res.old_to_new}
-            trees.append(res.tree)
-        return trees
-
-
 class OptimalConfig(TreeKnobs):
     """``optimal``: the optimal draft tree (SALF Algorithm 2 without stopping)."""
 
@@ -253,9 +212,18 @@ class OptimalConfig(TreeKnobs):
         return OptimalTreeDrafter(ctx.draft, self.nodes, self.batch, self.stop_threshold(),
                                   self.depth, self.score_temperature)
 
-    def build_batch(self, ctx) -> BatchOptimalDrafter:
-        return BatchOptimalDrafter(ctx.make_batch_runner(), self.nodes, self.batch,
-                                   self.stop_threshold(), self.depth, self.score_temperature)
+    def build_batch(self, ctx) -> BatchTreeDrafter:
+        OptimalTreeDrafter.check_knobs(self.nodes, self.batch, self.stop_threshold(),
+                                       self.depth, self.score_temperature)
+
+        def steps(root: int, probs: torch.Tensor, budget: int):
+            res = yield from optimal_tree_steps(root, probs, self.nodes, self.batch,
+                                                self.stop_threshold(),
+                                                min(self.depth, max(budget, 1)))
+            return res.tree, res.old_to_new
+
+        return BatchTreeDrafter(ctx.make_batch_runner(), self.name, steps,
+                                self.score_temperature)
 
 
 class SalfConfig(OptimalConfig):
