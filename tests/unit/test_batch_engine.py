@@ -190,3 +190,17 @@ def test_static_fast_path_equals_the_engine(tiny_pair, compiled):
     assert (fast.warmup_s > 0) == compiled
     with pytest.raises(ValueError, match="^compile: .*features"):
         StaticBatchRunner(FastPath(dec.target.model, 1, 16, False)).track_hidden()
+
+
+def test_batch_bench_helpers():
+    from speclab.bench import crossover, parse_batch_sizes
+
+    assert parse_batch_sizes("16,1,4,4") == [1, 4, 16]
+    for bad in ("", "a,b", "0,4"):
+        with pytest.raises(ValueError, match="^batch_sizes"):
+            parse_batch_sizes(bad)
+    rows = [{"method": "ar", "batch_size": b, "speedup": 1.0} for b in (1, 4, 16)]
+    rows += [{"method": "chain", "batch_size": b, "speedup": s}
+             for b, s in ((1, 1.3), (4, 1.1), (16, 0.9))]
+    rows += [{"method": "salf", "batch_size": b, "speedup": 1.2} for b in (1, 4, 16)]
+    assert crossover(rows) == {"chain": 16, "salf": None}
