@@ -67,6 +67,8 @@ class FastPath:
 
     def __init__(self, model: PreTrainedModel, rows: int, capacity: int = 1024,
                  compile: bool = True, mode: str | None = None) -> None:
+        """``mode``: ``torch.compile``'s (default on CUDA: ``"reduce-overhead"``, which
+        captures CUDA graphs; on CPU: the default mode)."""
         cfg = model.config
         self.model, self.rows, self.capacity = model, rows, capacity
         self.device = next(model.parameters()).device
@@ -86,6 +88,10 @@ class FastPath:
         self.cache = DynamicCache(config=cfg)
         self.cache.layers = [_FixedLayer(k, v, self.positions)
                              for k, v in zip(self.keys, self.values, strict=True)]
+        if self.device.type == "cuda":  # fixed addresses, so CUDA graphs can be captured
+            for t in [*self.keys, *self.values, *self.positions.values()]:
+                torch._dynamo.mark_static_address(t)
+            mode = mode or "reduce-overhead"
         self.compiled = compile
         if compile:  # every FastPath shares _step's code: room for all their shapes
             dyn = torch._dynamo.config
@@ -107,6 +113,8 @@ class FastPath:
         self.positions[t].copy_(torch.arange(start, start + t, device=self.device))
         t0 = time.perf_counter()
         logits = self.step(ids, pos, mask)
+        if self.compiled and self.device.type == "cuda":
+            logits = logits.clone()  # a captured graph reuses its output buffer
         if (self.rows, t) not in self.shapes:
             self.shapes.add((self.rows, t))
             if self.compiled:
