@@ -237,6 +237,8 @@ class Decoder:
                                                 batch_size, generators, self.eos_token_id)
         finally:
             target.runner.release()
+            if drafter is not None:
+                drafter.release()
         self.last_batch = batch
         return [GenerationResult(o, self.decode(o), s) for o, s in zip(outs, stats, strict=True)]
 

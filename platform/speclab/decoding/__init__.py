@@ -18,6 +18,9 @@ Modules: ``sampling`` (warping), ``tree`` (TokenTree, masks, positions), ``rules
 (verification rules: a registry of pure functions with their parameter models),
 ``runner`` (a model plus its KV cache), ``sides`` (the draft side and the target side of
 a round), ``loop`` (THE draft -> verify -> commit loop, written once, and its stats),
+``batch_runner`` / ``batch_loop`` (the same loop over many rows: ragged trees in one
+target forward, continuous batching), ``static_runner`` (the opt-in static-cache,
+compiled fast path),
 ``beam`` / ``beam_loop`` / ``trie`` (AtSpeed beam SD), ``acceptance_head`` (SpecDec++),
 ``datastore`` (REST suffix arrays). The drafters live in :mod:`speclab.drafters`.
 """

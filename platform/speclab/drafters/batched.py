@@ -59,6 +59,15 @@ class BatchDrafter(ABC):
     def calls(self) -> int:
         """Draft model forwards so far (a batched forward counts once)."""
 
+    def release(self) -> None:
+        """Free every row's draft state now (the run is over)."""
+        self.drop(list(range(self.rows)))
+
+    @property
+    @abstractmethod
+    def rows(self) -> int:
+        """Rows in the batch."""
+
 
 class PerRowDrafters(BatchDrafter):
     """One drafter per row, built by ``make(generator)``: any registered method, batched
@@ -98,6 +107,10 @@ class PerRowDrafters(BatchDrafter):
     def calls(self) -> int:
         return self._done_calls + sum(s.drafter.calls for s in self.sides)
 
+    @property
+    def rows(self) -> int:
+        return len(self.sides)
+
 
 class BatchModelDrafter(BatchDrafter):
     """Base for batched drafters over a draft LM (the batched :class:`ModelDrafter`).
@@ -119,6 +132,10 @@ class BatchModelDrafter(BatchDrafter):
     @property
     def calls(self) -> int:
         return self.runner.calls
+
+    @property
+    def rows(self) -> int:
+        return len(self.committed)
 
     def join(self, prompts, generators, prefill_tops, features) -> None:
         del prefill_tops, features
