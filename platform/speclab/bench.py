@@ -59,17 +59,23 @@ def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwa
     return totals
 
 
-def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
-              runs: list[MethodRun] | None = None, device: str = "cpu",
-              dtype: str = "float32") -> list[dict]:
-    """Run the benchmark, print the table, write ``bench.json``; returns the rows."""
+def reference_setup(num_prompts: int, device: str, dtype: str, compile: bool = False):
+    """The reference pair (built on first use), a Decoder over it and ``num_prompts``
+    held-out stdlib function-header prompts as token ids."""
     from speclab.api import Decoder
     from speclab.data.corpus import function_header_prompts
     from speclab.models.reference import ensure_reference_pair
 
     pair = ensure_reference_pair()
-    dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device)
-    prompts = [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
+    dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device, compile=compile)
+    return pair, dec, [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
+
+
+def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
+              runs: list[MethodRun] | None = None, device: str = "cpu",
+              dtype: str = "float32") -> list[dict]:
+    """Run the benchmark, print the table, write ``bench.json``; returns the rows."""
+    pair, dec, prompts = reference_setup(num_prompts, device, dtype)
     gen = {"max_new_tokens": max_new_tokens}
     runs = runs or DEFAULT_RUNS
     results = interleaved_comparison(dec, runs, prompts, gen)
@@ -187,16 +193,10 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     batch size, and the plot. ``compile``: the static, compiled fast path; its compile
     warm-up (the forwards that compiled a shape, all in the untimed warm-up passes) is
     reported apart. Returns the rows."""
-    from speclab.api import Decoder
-    from speclab.data.corpus import function_header_prompts
-    from speclab.models.reference import ensure_reference_pair
-
     if num_prompts < max(batch_sizes):
         raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
                          f"of prompts ({num_prompts})")
-    pair = ensure_reference_pair()
-    dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device, compile=compile)
-    prompts = [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
+    pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile)
     runs = runs or BATCH_RUNS
     if compile:  # compile every shape before anything is timed (full-length warm-up)
         t0 = time.perf_counter()

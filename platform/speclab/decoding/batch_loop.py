@@ -27,7 +27,7 @@ from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.loop import GenerationStats, check_max_new_tokens, commit_tokens, eos_set
 from speclab.decoding.rules import RuleSpec, apply_rule
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import VerifyResult, check_prompt
+from speclab.decoding.sides import VerifyResult, check_prompt, committed_tokens
 from speclab.decoding.tree import TokenTree
 from speclab.drafters.batched import BatchDrafter
 
@@ -124,7 +124,7 @@ class BatchTarget:
         for b, (tree, gen) in enumerate(zip(trees, generators, strict=True)):
             verdict = apply_rule(self.rule, tree, logits[b, :len(tree)], self.sampling, gen)
             self.runner.keep(b, list(range(prefix[b])) + [prefix[b] + i for i in verdict.path])
-            new = [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+            new = committed_tokens(tree, verdict)
             self.roots[b] = new[-1]
             feats = self.runner.hidden[b, verdict.path].clone() if self.features else None
             out.append(VerifyResult(verdict.path, new, verdict.accepted, verdict.evaluated,

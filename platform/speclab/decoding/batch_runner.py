@@ -77,8 +77,7 @@ class BatchRunner:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.cache, self.slots, self.width, self.hidden = None, [], 0, None
-        self.live = torch.zeros(0, 0, dtype=torch.bool)
+        self.release_rows()
 
     # ------------------------------------------------------------------ forwards
     @torch.inference_mode()
@@ -101,41 +100,18 @@ class BatchRunner:
         if len(tokens) != self.rows:
             raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
         t0 = time.perf_counter()
-        b_rows, s = self.rows, self.width
-        n = torch.tensor([int(t.shape[0]) for t in tokens], dtype=torch.long)
-        t_new = max(int(n.max()) if b_rows else 0, 1)
-        lengths = torch.tensor([self.length(b) for b in range(b_rows)], dtype=torch.long)
-        cols = torch.arange(t_new)
-        query = cols[None, :] < n[:, None]  # [B, T] real (not padding) queries
-        # tokens and positions, scattered into [B, T] (padding: token 0 at position 0)
-        ids = torch.zeros(b_rows, t_new, dtype=torch.long)
-        ids[query] = torch.cat(list(tokens)) if b_rows else ids[query]
-        pos = torch.where(query, lengths[:, None] + cols[None, :], 0)
-        if positions is not None:
-            for b, p in enumerate(positions):
-                if p is not None:
-                    pos[b, :p.shape[0]] = p
-        # every real query sees the row's live slots and, causally, the new ones
-        seen = torch.zeros(b_rows, t_new, s + t_new, dtype=torch.bool)
-        seen[:, :, :s] = self.live[:, None, :] & query[:, :, None]
-        seen[:, :, s:] = torch.ones(t_new, t_new, dtype=torch.bool).tril() & query[:, :, None]
-        # padded queries see their own slot only (a fully masked row would give NaN)
-        seen[:, cols, s + cols] = True
-        for b, a in enumerate(allowed if allowed is not None else ()):
-            if a is None:
-                continue
-            nb, lb = a.shape[0], self.length(b)
-            if a.shape[1] == nb + lb and lb:
-                seen[b, :nb, :s] = False
-                seen[b, :nb, self.slots[b]] = a[:, :lb]
-            seen[b, :nb, s:s + nb] = a[:, -nb:]
+        s = self.width
+        n = [int(t.shape[0]) for t in tokens]
+        t_new = max(max(n, default=0), 1)
+        ids, pos, seen, query = batch_inputs(tokens, positions, allowed, self.slots, self.live,
+                                             s, t_new, s + t_new)
         if self.cache is None:
             self.cache = preallocated_cache(self.model.config)
         mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]  # [B, 1, T, S+T]
         out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
                          attention_mask=mask, past_key_values=self.cache, use_cache=True)
         new_slots = torch.arange(s, s + t_new)
-        self.slots = [torch.cat([self.slots[b], new_slots[:int(n[b])]]) for b in range(b_rows)]
+        self.slots = [torch.cat([sl, new_slots[:nb]]) for sl, nb in zip(self.slots, n)]
         self.live = torch.cat([self.live, query], dim=1)
         self.width = s + t_new
         if self.device.type == "cuda":
@@ -186,7 +162,7 @@ class BatchRunner:
                                         layer.values.index_select(0, idx))
         self.slots = [self.slots[b] for b in keep]
         self.live = self.live[keep]
-        self.compact()
+        self.maybe_compact()
 
     def release_rows(self) -> None:
         """Drop every row and the cache (the hidden-state hook stays)."""
@@ -229,6 +205,48 @@ class BatchRunner:
         self.slots = [torch.arange(sl.shape[0]) for sl in self.slots]
         self.live = torch.arange(width)[None, :] < lengths[:, None]
         self.width = width
+
+
+def batch_inputs(tokens: list[torch.Tensor], positions: list[torch.Tensor | None] | None,
+                 allowed: list[torch.Tensor | None] | None, slots: list[torch.Tensor],
+                 live: torch.Tensor, s: int, t_new: int, width: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The padded inputs of one batched forward that writes its new tokens at slots
+    ``s .. s + t_new - 1`` (see :meth:`BatchRunner.forward` for ``tokens``, ``positions``
+    and ``allowed``; ``slots[b]``: row ``b``'s live slots, ``live`` ``[B, >= s]`` the same
+    as a bool map).
+
+    Returns ids and position ids ``[B, t_new]`` (padding: token 0 at position 0), the
+    attention pattern ``[B, t_new, width]`` over the slots, and the real (not padding)
+    queries ``[B, t_new]``.
+    """
+    b_rows = len(tokens)
+    n = torch.tensor([int(t.shape[0]) for t in tokens], dtype=torch.long)
+    lengths = torch.tensor([int(sl.shape[0]) for sl in slots], dtype=torch.long)
+    cols = torch.arange(t_new)
+    query = cols[None, :] < n[:, None]
+    ids = torch.zeros(b_rows, t_new, dtype=torch.long)
+    if b_rows:
+        ids[query] = torch.cat(list(tokens))
+    pos = torch.where(query, lengths[:, None] + cols[None, :], 0)
+    for b, p in enumerate(positions if positions is not None else ()):
+        if p is not None:
+            pos[b, :p.shape[0]] = p
+    # every real query sees the row's live slots and, causally, the new ones
+    seen = torch.zeros(b_rows, t_new, width, dtype=torch.bool)
+    seen[:, :, :s] = live[:, None, :s] & query[:, :, None]
+    seen[:, :, s:s + t_new] = torch.ones(t_new, t_new, dtype=torch.bool).tril() & query[:, :, None]
+    # padded queries see their own slot only (a fully masked row would give NaN)
+    seen[:, cols, s + cols] = True
+    for b, a in enumerate(allowed if allowed is not None else ()):
+        if a is None:
+            continue
+        nb, lb = a.shape[0], int(lengths[b])
+        if a.shape[1] == nb + lb and lb:
+            seen[b, :nb, :s] = False
+            seen[b, :nb, slots[b]] = a[:, :lb]
+        seen[b, :nb, s:s + nb] = a[:, -nb:]
+    return ids, pos, seen, query
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -119,7 +119,12 @@ def verify_round(target: ModelRunner, tree: TokenTree, rule: RuleSpec, params: S
         )
     verdict = apply_rule(rule, tree, logits, params, generator)
     target.keep(list(range(prefix)) + [prefix + i for i in verdict.path])
-    return verdict, [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
+    return verdict, committed_tokens(tree, verdict)
+
+
+def committed_tokens(tree: TokenTree, verdict: Verdict) -> list[int]:
+    """The tokens a verdict commits: the accepted drafts, then the bonus token."""
+    return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
 
 if TYPE_CHECKING:
     from speclab.drafters.base import Drafter

@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.batch_runner import BatchRunner, batch_inputs
 from speclab.decoding.tree import additive_mask
 
 
@@ -158,32 +158,21 @@ class StaticBatchRunner(BatchRunner):
             if self.width + t_new > self.capacity:
                 raise ValueError(f"capacity: {self.capacity} cache slots per row cannot hold "
                                  f"{self.width} live + {t_new} new positions")
-        s, rows, cap = self.width, self.fast.rows, self.capacity
+        s, rows = self.width, self.fast.rows
+        phys = torch.tensor(self.phys, dtype=torch.long)
+        # the logical rows' inputs, scattered into their physical rows; free physical
+        # rows are all padding (each query sees its own slot only)
+        ids_l, pos_l, seen_l, _ = batch_inputs(tokens, positions, allowed, self.slots,
+                                               self.live[phys], s, t_new, self.capacity)
         ids = torch.zeros(rows, t_new, dtype=torch.long)
         pos = torch.zeros(rows, t_new, dtype=torch.long)
-        seen = torch.zeros(rows, t_new, cap, dtype=torch.bool)
+        seen = torch.zeros(rows, t_new, self.capacity, dtype=torch.bool)
         cols = torch.arange(t_new)
-        seen[:, cols, s + cols] = True  # padded queries see their own slot only
-        for b, p in enumerate(self.phys):
-            nb, lb = n[b], self.length(b)
-            if nb == 0:
-                continue
-            ids[p, :nb] = tokens[b]
-            given = positions[b] if positions is not None else None
-            pos[p, :nb] = given if given is not None else torch.arange(lb, lb + nb)
-            a = allowed[b] if allowed is not None else None
-            if a is None:
-                seen[p, :nb, self.slots[b]] = True
-                seen[p, :nb, s:s + nb] = torch.ones(nb, nb, dtype=torch.bool).tril()
-            elif a.shape[1] == nb + lb and lb:
-                seen[p, :nb, self.slots[b]] = a[:, :lb]
-                seen[p, :nb, s:s + nb] = a[:, lb:]
-            else:
-                seen[p, :nb, self.slots[b]] = True
-                seen[p, :nb, s:s + nb] = a
+        seen[:, cols, s + cols] = True
+        ids[phys], pos[phys], seen[phys] = ids_l, pos_l, seen_l
         mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]
         logits = self.fast.run(ids.to(self.device), pos.to(self.device), mask, s)
-        idx = torch.tensor(self.phys, dtype=torch.long, device=logits.device)
+        idx = phys.to(logits.device)
         new_slots = torch.arange(s, s + t_new)
         for b, p in enumerate(self.phys):
             self.slots[b] = torch.cat([self.slots[b], new_slots[:n[b]]])

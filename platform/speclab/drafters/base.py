@@ -110,9 +110,16 @@ class ModelDrafter(Drafter):
         return (logits / temperature).softmax(-1)
 
     def accept(self, tree: TokenTree, path: list[int]) -> None:
-        keep = list(range(self.base))
-        for node in path[1:]:
-            if node not in self.slot:
-                break
-            keep.append(self.slot[node])
-        self.runner.keep(keep)
+        self.runner.keep(accepted_positions(self.base, self.slot, path))
+
+
+def accepted_positions(base: int, slot: dict[int, int], path: list[int]) -> list[int]:
+    """Cache positions a draft keeps after a round: the ``base`` committed ones, then those
+    of the accepted ``path``'s nodes (root first) it processed (``slot``: node -> position),
+    up to the first it did not."""
+    keep = list(range(base))
+    for node in path[1:]:
+        if node not in slot:
+            break
+        keep.append(slot[node])
+    return keep

@@ -24,7 +24,7 @@ from speclab.decoding.rules import RuleSpec
 from speclab.decoding.runner import tree_node_inputs
 from speclab.decoding.sides import DraftSide
 from speclab.decoding.tree import TokenTree
-from speclab.drafters.base import Drafter
+from speclab.drafters.base import Drafter, accepted_positions
 
 
 class BatchDrafter(ABC):
@@ -75,10 +75,12 @@ class PerRowDrafters(BatchDrafter):
 
     batched = False
 
-    def __init__(self, make: Callable[[torch.Generator | None], Drafter]) -> None:
+    def __init__(self, make: Callable[[torch.Generator | None], Drafter],
+                 probe: Drafter | None = None) -> None:
+        """``probe``: a drafter ``make`` already built (read for the method's traits)."""
         self.make = make
         self.sides: list[DraftSide] = []
-        probe = make(None)
+        probe = probe if probe is not None else make(None)
         self.prefill_top_k = probe.prefill_top_k
         self.needs_features = probe.needs_features
         self.rule = probe.rule
@@ -156,14 +158,8 @@ class BatchModelDrafter(BatchDrafter):
     def accept(self, paths: list[list[int] | None]) -> None:
         """Keep, per row, the committed prefix plus the accepted nodes already processed."""
         for b, (tree, path) in enumerate(zip(self.last, paths, strict=True)):
-            if tree is None or path is None:
-                continue
-            keep = list(range(self.base[b]))
-            for node in path[1:]:
-                if node not in self.slots[b]:
-                    break
-                keep.append(self.slots[b][node])
-            self.runner.keep(b, keep)
+            if tree is not None and path is not None:
+                self.runner.keep(b, accepted_positions(self.base[b], self.slots[b], path))
 
     def sync(self, rows: list[int]) -> torch.Tensor:
         """Feed rows ``rows`` the committed tokens their cache lacks (ONE forward for all);

@@ -90,9 +90,10 @@ def make_batch_drafter(cfg: MethodSpec, ctx: BuildContext,
     drafter per row."""
     if cfg.needs_draft_model and ctx.draft is None:
         raise ValueError(f"draft: method {cfg.name!r} needs a draft model")
-    if per_row(None) is None:
+    probe = per_row(None)
+    if probe is None:
         return None
-    return cfg.build_batch(ctx) or PerRowDrafters(per_row)
+    return cfg.build_batch(ctx) or PerRowDrafters(per_row, probe)
 
 
 __all__ = ["BUILTIN", "BuildContext", "MethodConfig", "MethodSpec", "build_drafter",
