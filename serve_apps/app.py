@@ -8,9 +8,12 @@
 common overrides); :func:`app_from_config` does the work. The ``models`` group gives
 the target and draft (a folder, a hub id, a ``models:/name/version`` URI, or the
 ``tiny`` / ``reference`` pairs); ``method`` the drafting method; ``serve`` the
-replicas, resources (``num_gpus: 1`` on both puts draft and target on separate GPUs),
-request-state bounds and the HTTP port. Both model deployments route every call of a
-request to one replica (:class:`serve_apps.router.SessionAffinityRouter`).
+replicas or autoscaling range of each deployment, their resources (``num_gpus: 1`` on
+both puts draft and target on separate GPUs), the batching (``max_batch``,
+``batch_wait_ms``), request-state bounds, the API key and the HTTP port. The ingress
+hands each request to the draft deployment, which drives its rounds and verifies on the
+target; both model deployments route every call of a request to one replica
+(:class:`serve_apps.router.SessionAffinityRouter`).
 """
 
 import time
@@ -75,9 +78,17 @@ def plugin_modules(method) -> list[str]:
 
 
 def _options(rc, name: str, routed: bool) -> dict:
-    opts = {"name": name, "num_replicas": rc.replicas,
-            "max_ongoing_requests": rc.max_ongoing_requests,
+    opts = {"name": name, "max_ongoing_requests": rc.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus}}
+    if rc.autoscaling is not None:
+        a = rc.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+            "initial_replicas": max(a.min_replicas, 1),
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s}
+    else:
+        opts["num_replicas"] = rc.replicas
     if routed:
         opts["request_router_config"] = RequestRouterConfig(
             request_router_class=SessionAffinityRouter)
@@ -96,20 +107,24 @@ def app_from_config(cfg: ServeJob):
     rec_target = str(resolve_source(sv.rec_target, "serve.rec_target")) if sv.rec_target \
         else None
     rec_draft = str(resolve_source(sv.rec_draft, "serve.rec_draft")) if sv.rec_draft else None
-    bounds = {"max_sessions": sv.max_sessions, "max_cached_tokens": sv.max_cached_tokens,
-              "idle_timeout_s": sv.idle_timeout_s}
+    common = {"max_sessions": sv.max_sessions, "max_cached_tokens": sv.max_cached_tokens,
+              "idle_timeout_s": sv.idle_timeout_s, "max_batch": sv.max_batch,
+              "batch_wait_ms": sv.batch_wait_ms}
     t = serve.deployment(TargetDeployment).options(**_options(sv.target, "target", True))
     d = serve.deployment(DraftDeployment).options(**_options(sv.draft, "draft", True))
     i = serve.deployment(Ingress).options(**_options(sv.ingress, "ingress", False))
+    buckets = sv.target.max_count  # target routing keys: one batched call per key
     settings = {"method": cfg.method.name, "model_name": sv.model_name or cfg.name,
                 "max_tokens": sv.max_tokens, "target_path": target, "created": int(time.time()),
-                "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma,
-                "replicas": {"target": sv.target.replicas, "draft": sv.draft.replicas}}
-    return i.bind(
-        t.bind(target, m.dtype, m.device, rec_target=rec_target, **bounds),
-        d.bind(draft, cfg.method.model_dump(mode="json"), vocab, m.dtype, m.device,
-               rec_draft=rec_draft, plugins=plugin_modules(cfg.method), **bounds),
-        settings)
+                "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma, "api_key": sv.api_key,
+                "target_buckets": buckets,
+                "replicas": {"target": sv.target.max_count, "draft": sv.draft.max_count}}
+    target_app = t.bind(target, m.dtype, m.device, rec_target=rec_target,
+                        torch_threads=sv.target.torch_threads, **common)
+    draft_app = d.bind(target_app, draft, cfg.method.model_dump(mode="json"), vocab, m.dtype,
+                       m.device, rec_draft=rec_draft, plugins=plugin_modules(cfg.method),
+                       torch_threads=sv.draft.torch_threads, buckets=buckets, **common)
+    return i.bind(target_app, draft_app, settings)
 
 
 def build_app(args: AppArgs):

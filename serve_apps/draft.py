@@ -1,42 +1,81 @@
-"""``DraftDeployment``: the draft side of any registered method (chain, EAGLE-2 tree,
-optimal tree, SALF, SpecDec++ with its head, PLD / REST / AASD, methods registered at run
-time, and AtSpeed beams for ``POST /recommend``), with per-request drafter state.
+"""``DraftDeployment``: the draft side of any registered method, and the replica that
+DRIVES each drafting request's rounds.
 
-Calls of one request (first argument: the request id; same replica throughout, see
-:mod:`serve_apps.router`): ``start`` (a fresh :class:`~speclab.decoding.sides.DraftSide`
-over the shared draft model; AASD also gets the target's top tokens per prompt
-position), ``propose`` (the draft side's round: commit the last verdict, draft the next
-tree, returned in wire form), ``end``. The draft model and the method's resources (an
-acceptance head, a datastore) are loaded once per replica; each request gets its own
-KV cache.
+A request reaches this replica once (``generate``: streamed rounds, or ``complete``:
+one reply), routed by its id (:mod:`serve_apps.router`). Its round loop
+(:func:`serve_apps.decode.drive`) runs here: the proposal is local, and the target is
+ONE handle call per round for every request of this replica that is ready (its
+:class:`~serve_apps.batcher.StepBatcher` collects them): one batched draft pass
+(:class:`~speclab.decoding.row_pool.DraftPool`: batched chain / EAGLE-2 / optimal / SALF
+drafting, else one drafter per row), then ``verify_rows`` on the target with every tree.
+Requests go to target replicas in ``buckets`` routing keys (:func:`serve_apps.router.
+target_key`). The draft model and the method's resources (an acceptance head, a
+datastore) are loaded once per replica. AtSpeed beams for ``POST /recommend`` keep their
+per-request calls (``rec_start``, ``rec_draft``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import torch
 
-from serve_apps.sessions import RequestStates
+from serve_apps.batcher import StepBatcher
+from serve_apps.decode import DecodeRequest, Timing, collect, drive
+from serve_apps.metrics import ServeMetrics
+from serve_apps.router import target_key
+from serve_apps.sessions import PoolRow, RequestStates, SessionGone
+from serve_apps.target import _error
 from speclab.config.method import parse_method
+from speclab.decoding.loop import Propose, Start, Verify
+from speclab.decoding.row_pool import DraftPool, NewRow
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import DraftSide, unpack_tensor
-from speclab.drafters.registry import BuildContext, build_drafter
+from speclab.decoding.sides import DraftSide, Proposal, VerifyResult, unpack_tensor
+from speclab.drafters.batched import BatchDrafter
+from speclab.drafters.registry import BuildContext, build_drafter, make_batch_drafter
 from speclab.models.loading import load_model
+
+
+@dataclass
+class _Join:
+    rid: str
+    key: str
+    req: DecodeRequest
+
+
+@dataclass
+class _Round:
+    rid: str
+    key: str
+    path: list[int] | None
+    new: list[int]
+    budget: int
+    features: torch.Tensor | None
 
 
 class DraftDeployment(RequestStates):
     """Holds the draft side of one method (``method``: a method config dump; ``plugins``:
-    modules to import first, for methods registered outside speclab)."""
+    modules to import first, for methods registered outside speclab) and a handle to the
+    target deployment."""
 
-    def __init__(self, draft: str | None, method: dict, target_vocab: int,
+    def __init__(self, target, draft: str | None, method: dict, target_vocab: int,
                  dtype: str = "float32", device: str = "cpu", max_sessions: int = 64,
                  max_cached_tokens: int = 65536, idle_timeout_s: float = 60.0,
-                 rec_draft: str | None = None, plugins: list[str] | None = None) -> None:
-        torch.set_num_threads(1)  # replicas get fractional CPUs; no oversubscription
+                 rec_draft: str | None = None, plugins: list[str] | None = None,
+                 max_batch: int = 64, batch_wait_ms: float = 5.0, torch_threads: int = 1,
+                 buckets: int = 1) -> None:
+        torch.set_num_threads(torch_threads)
         for module in plugins or []:
             importlib.import_module(module)
+        self.target = target
+        self.buckets = buckets
+        self.source = uuid.uuid4().hex  # who this replica is to the target's batcher
         self.cfg = parse_method(method)
         self.method = self.cfg.name
         self.model = None
@@ -48,26 +87,37 @@ class DraftDeployment(RequestStates):
             if vocab != target_vocab:
                 raise ValueError(f"models.draft: vocab_size {vocab} != target's {target_vocab}")
         self.resources: dict = {}  # the method's head / datastore, loaded once here
-        check = self._side(SamplingParams(), 0)  # bad method params fail at deploy time
+        check = build_drafter(self.cfg, self._context(SamplingParams(), None))
         self.drafting = check is not None  # False: plain decoding (the empty drafter)
         self.prefill_top_k = check.prefill_top_k if check else 0
         self.features = bool(check and check.needs_features)
-        self.rule = check.drafter.rule.to_dict() if check and check.drafter.rule else None
+        self.rule = check.rule.to_dict() if check and check.rule else None
         if check is not None:
-            check.release()  # e.g. SpecDec++'s hidden-state hook on the shared model
+            DraftSide(check).release()  # e.g. SpecDec++'s hidden-state hook on the model
         super().__init__(max_sessions, max_cached_tokens, idle_timeout_s)
+        self.pool = DraftPool(self._make)
+        self.active = 0  # requests decoding here
+        self.metrics = ServeMetrics()
+        self.batcher = StepBatcher(self._run, lambda: self.active, max_batch,
+                                   batch_wait_ms / 1e3, self.metrics.batch)
+        self._ending: set[asyncio.Task] = set()
         self.rec = None
         if rec_draft:
             from serve_apps.beams import RecDraftSide
 
             self.rec = RecDraftSide(rec_draft, dtype, device)
 
-    def _side(self, sampling: SamplingParams, seed: int) -> DraftSide | None:
+    def _context(self, sampling: SamplingParams, generator) -> BuildContext:
         runner = ModelRunner(self.model) if self.model is not None else None
-        ctx = BuildContext(runner, sampling, torch.Generator().manual_seed(seed),
-                           self.resources)
-        drafter = build_drafter(self.cfg, ctx)
-        return DraftSide(drafter) if drafter is not None else None
+        return BuildContext(runner, sampling, generator, self.resources)
+
+    def _make(self, sampling: SamplingParams) -> BatchDrafter:
+        ctx = self._context(sampling, None)
+        drafter = make_batch_drafter(
+            self.cfg, ctx, lambda g: build_drafter(self.cfg, self._context(sampling, g)))
+        if drafter is None:
+            raise ValueError(f"method: {self.method!r} does not draft")
+        return drafter
 
     def info(self) -> dict:
         """The method, whether it drafts at all, how many prefill top tokens its drafter
@@ -77,28 +127,125 @@ class DraftDeployment(RequestStates):
                 "prefill_top_k": self.prefill_top_k, "features": self.features,
                 "rule": self.rule}
 
-    def start(self, rid: str, prompt_ids: list[int], prefill_top: list[list[int]] | None,
-              sampling: dict, seed: int, features: dict | None = None) -> None:
-        """A fresh draft side for request ``rid`` (its own KV cache over the shared model;
-        ``features``: the target's prefill features, packed, for feature drafters)."""
-        side = self._side(SamplingParams(**sampling), seed + 1)
-        if side is None:
+    # ------------------------------------------------------------------ one batch
+    async def _run(self, steps: list) -> list:
+        """Propose for every ready request (one batched pass), then per target key ONE
+        call that starts the joining requests and ONE that verifies every tree."""
+        out: list = [None] * len(steps)
+        rounds = [(i, s) for i, s in enumerate(steps) if isinstance(s, _Round)]
+        joins = [(i, s) for i, s in enumerate(steps) if isinstance(s, _Join)]
+        # 1. draft: every ready request's tree in shared draft forwards
+        t0 = time.perf_counter()
+        ready = []
+        for i, s in rounds:
+            try:
+                self.sessions.get(s.rid)
+                ready.append((i, s))
+            except SessionGone as exc:
+                out[i] = exc
+        proposals = self.pool.propose([(s.rid, s.path, s.new, s.budget, s.features)
+                                       for _, s in ready]) if ready else []
+        draft_s = time.perf_counter() - t0
+        # 2. the target: starts and verifies of each key, all keys at once
+        calls, parts = [], []
+        for key in sorted({s.key for _, s in joins}):
+            mine = [(i, s) for i, s in joins if s.key == key]
+            rows = [{"rid": s.rid, "prompt_ids": s.req.prompt_ids, "sampling": s.req.sampling,
+                     "rule": s.req.rule, "seed": s.req.seed} for _, s in mine]
+            calls.append(self.target.start_rows.remote(key, self.source, rows,
+                                                       self.prefill_top_k, self.features))
+            parts.append(("start", mine))
+        for key in sorted({s.key for _, s in ready}):
+            mine = [(i, s, p) for (i, s), p in zip(ready, proposals, strict=True)
+                    if s.key == key]
+            items = [(s.rid, p.tree.to_wire() if p.tree is not None else None)
+                     for _, s, p in mine]
+            calls.append(self.target.verify_rows.remote(key, self.source, items))
+            parts.append(("verify", mine))
+        t1 = time.perf_counter()
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        call_s = time.perf_counter() - t1
+        # 3. hand each request its answer
+        joined = []
+        for (kind, mine), reply in zip(parts, replies, strict=True):
+            for j, entry in enumerate(mine):
+                i, s = entry[0], entry[1]
+                res = reply if isinstance(reply, BaseException) else reply[j]
+                if isinstance(res, BaseException) or "error" in res:
+                    out[i] = res if isinstance(res, BaseException) else _error(s.rid,
+                                                                              res["error"])
+                elif kind == "start":
+                    joined.append((i, s, res))
+                else:
+                    out[i] = (entry[2], VerifyResult.from_dict(res["verdict"]), {
+                        "draft_model_s": draft_s, "target_call_s": call_s,
+                        "target_model_s": res["target_model_s"], "rows": res["rows"]})
+        if joined:
+            self.pool.join([NewRow(s.rid, s.req.prompt_ids, SamplingParams(**s.req.sampling),
+                                   None, s.req.seed + 1, res["top"],
+                                   unpack_tensor(res["features"])) for _, s, res in joined])
+            for i, s, _ in joined:
+                self.sessions.put(s.rid, PoolRow(self.pool, s.rid))
+                out[i] = True
+        return out
+
+    # ------------------------------------------------------------------ a request
+    async def generate(self, rid: str, request: dict) -> AsyncIterator[dict]:
+        """Decode one request (a :class:`DecodeRequest` dict), streamed:
+        ``{"tokens"}`` per round, then ``{"stats"}``."""
+        if not self.drafting:
             raise ValueError(f"method: {self.method!r} does not draft")
-        side.start(prompt_ids, prefill_top, unpack_tensor(features))
-        with self.lock:
-            self.sessions.put(rid, side)
+        req = DecodeRequest.from_dict(request)
+        key = target_key(rid, self.buckets)
+        timing = Timing()
+        verdict: list[VerifyResult] = []
 
-    def propose(self, rid: str, accepted_path: list[int] | None, new_tokens: list[int],
-                budget: int, features: dict | None = None) -> dict:
-        """The draft side's round: commit the last verdict (``features``: the target's on
-        the accepted path, packed), then draft a tree of at most ``budget`` levels (wire
-        form) and the request's draft forwards so far."""
-        feats = unpack_tensor(features)
-        with self.lock:
-            proposal = self.sessions.get(rid).propose(accepted_path, new_tokens, budget,
-                                                      feats)
-        return {"tree": proposal.tree.to_wire(), "draft_calls": proposal.draft_calls}
+        async def round_step(path, new, budget, features) -> Proposal:
+            t0 = time.perf_counter()
+            proposal, result, times = await self.batcher.submit(
+                _Round(rid, key, path, new, budget, features), rid)
+            wait = time.perf_counter() - t0 - times["draft_model_s"] - times["target_call_s"]
+            timing.add({**times, "queue_s": max(wait, 0.0)})
+            verdict.append(result)
+            return proposal
 
+        async def step(msg):
+            if isinstance(msg, Start):
+                await self.batcher.submit(_Join(rid, key, req), rid)
+                return None
+            if isinstance(msg, Propose):
+                return await round_step(msg.path, msg.new, msg.budget, msg.features)
+            assert isinstance(msg, Verify)
+            if not verdict:  # a round without a draft (the last token): verify the root
+                await round_step(None, [], 0, None)
+            return verdict.pop()
+
+        self.active += 1
+        try:
+            async for chunk in drive(req, step, timing):
+                yield chunk
+        finally:
+            self.active -= 1
+            self.sessions.end(rid)
+            task = asyncio.create_task(self._end_target(key, rid))
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+
+    async def complete(self, rid: str, request: dict) -> dict:
+        """:meth:`generate` as one reply: ``{"tokens", "stats"}``."""
+        return await collect(self.generate(rid, request))
+
+    async def _end_target(self, key: str, rid: str) -> None:
+        try:
+            await self.target.end.remote(key, rid)
+        except Exception:  # a dead target replica took the row with it
+            pass
+
+    async def end(self, rid: str) -> bool:
+        """Free the request's draft state (False if it was already gone)."""
+        return self.sessions.end(rid)
+
+    # ------------------------------------------------------------------ recommend
     def rec_start(self, rid: str, prompt: list[int], mode: str = "strict", n: int = 10,
                   seed: int = 0) -> None:
         """``POST /recommend``: prefill the history prompt on the drafter recommender."""
@@ -112,3 +259,4 @@ class DraftDeployment(RequestStates):
         relaxed: ``n`` samples per level and each level's ``q``)."""
         with self.lock:
             return self.rec.draft(self.sessions.get(rid), committed, g)
+

@@ -1,24 +1,29 @@
-"""The HTTP ingress: runs the draft -> verify loop of each request between the draft
-and target deployments, and speaks an OpenAI-compatible API.
+"""The HTTP ingress: an OpenAI-compatible API in front of the draft and target
+deployments.
 
-Routes: ``POST /v1/completions`` (``stream: true`` sends server-sent events),
-``GET /v1/models``, ``POST /generate`` (tokens, text and the SD stats: tau, target and
-draft calls, accepted lengths), ``POST /recommend`` (AtSpeed beam SD), ``GET /health``
-(live request states and memory of every target and draft replica).
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``
+sends server-sent events; ``usage`` on every response; the request's SD statistics in
+the ``speclab`` extension field), ``GET /v1/models``, ``POST /generate`` (tokens, text
+and the SD stats: tau, target and draft calls, accepted lengths, where the time went),
+``POST /recommend`` (AtSpeed beam SD), ``GET /health`` (live request states and memory
+of every target and draft replica), ``GET /openapi.json`` (every route's body
+constraints and error responses).
 
-A request runs the engine's ONE round loop (:func:`speclab.decoding.loop.rounds`) with
-the deployments as its two sides: the draft deployment commits the last verdict and
-proposes a tree (wire form: token ids, parent indices, draft probabilities); the target
-deployment verifies it in ONE forward and returns the accepted path and new tokens.
-Stats (tau, draft/verify seconds as seen from here) are the loop's own.
-Every handle call is awaited, so a request waiting on a replica never blocks the
-others. Bad input -> 4xx JSON ``{"error": {"message", "type", "param"}}`` naming the
-field; a replica failure or a lost request state -> 503; the request's state on both
-deployments is freed when it ends, fails or its client goes away.
+A decoding request is ONE handle call from here: to the draft deployment, which drives
+the request's rounds next to its drafter and verifies on the target in batched calls
+(:mod:`serve_apps.draft`), or, for plain decoding, to the target deployment, which
+drives it alone (:mod:`serve_apps.target`). Streams and stop strings get the rounds'
+tokens as they come (a streamed call); other requests get one reply.
+
+Every error answers OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``:
+400 naming the field, 401 without the API key (``serve.api_key``), 404 for an unknown
+route or model, 503 when a replica failed or lost the request's state; the request's
+state on both deployments is freed when it ends, fails or its client goes away.
 """
 
 
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,40 +33,54 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_apps.beams import beams_from_wire, beams_to_wire
-from serve_apps.protocol import CompletionRequest, GenerateRequest, RecommendRequest
+from serve_apps.chat import chat_prompt
+from serve_apps.decode import DecodeRequest
+from serve_apps.metrics import RequestMetrics
+from serve_apps.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    GenerateRequest,
+    RecommendRequest,
+)
+from serve_apps.router import target_key
 from speclab.decoding.beam import BeamSDStats
 from speclab.decoding.beam_loop import BeamPropose, beam_rounds
-from speclab.decoding.loop import (
-    Committed,
-    GenerationStats,
-    Proposal,
-    Propose,
-    Start,
-    Verify,
-    VerifyResult,
-    eos_set,
-    rounds,
-)
+from speclab.decoding.loop import eos_set
 from speclab.decoding.rules import RuleSpec, request_rule
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import pack_tensor
 
-api = FastAPI(title="speclab")
+api = FastAPI(title="speclab", description=__doc__)
+
+
+def _errors(*codes: int) -> dict:
+    """OpenAPI ``responses`` for the error statuses a route can answer."""
+    what = {400: "invalid request: the message names the field (param)",
+            401: "missing or wrong API key (only when serve.api_key is set)",
+            404: "unknown model, or no recommender served",
+            503: "a replica failed or lost the request's state; retry"}
+    return {c: {"model": ErrorResponse, "description": what[c]} for c in codes}
 
 
 class HTTPError(Exception):
     """An error answered as JSON with ``status``; ``param`` names the bad field."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content={"error": {
-            "message": self.message, "type": self.kind, "param": self.param}})
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(status_code=self.status, content=self.body(), headers=headers)
 
 
 @api.exception_handler(RequestValidationError)
@@ -78,6 +97,14 @@ async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:
     return exc.response()
 
 
+@api.exception_handler(StarletteHTTPException)
+async def _routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404) and wrong methods (405) in the same shape."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return HTTPError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     None, kind).response()
+
+
 @api.exception_handler(Exception)
 async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
     return HTTPError(500, f"internal error: {type(exc).__name__}: {exc}", None,
@@ -86,6 +113,8 @@ async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
 
 def _replica_error(exc: Exception, what: str) -> HTTPError:
     """A replica call failed: the caller's fault (ValueError: 400) or not (503)."""
+    if isinstance(exc, HTTPError):
+        return exc
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
     if isinstance(exc, ValueError):
         return HTTPError(400, text)
@@ -94,7 +123,7 @@ def _replica_error(exc: Exception, what: str) -> HTTPError:
 
 @dataclass
 class Decoding:
-    """One request's decoding parameters, as the loop needs them."""
+    """One request's decoding parameters and, once decoded, its tokens and stats."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -102,7 +131,7 @@ class Decoding:
     rule: RuleSpec
     seed: int
     stops: list[str]
-    stats: GenerationStats = field(default_factory=GenerationStats)
+    stats: dict = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str = "length"
 
@@ -118,6 +147,38 @@ class Ingress:
         self.s = settings
         self.tokenizer = load_tokenizer(settings["target_path"], field="models.target")
         self._info: dict | None = None
+        self.metrics = RequestMetrics(settings["model_name"])
+        api.openapi_schema = None
+        api.openapi = self._openapi
+
+    def _openapi(self) -> dict:
+        """FastAPI's schema plus this server's own limits (``max_tokens``)."""
+        from fastapi.openapi.utils import get_openapi
+
+        if api.openapi_schema is None:
+            schema = get_openapi(title=api.title, version="1", description=api.description,
+                                 routes=api.routes)
+            for model in schema.get("components", {}).get("schemas", {}).values():
+                prop = model.get("properties", {})
+                for name in ("max_tokens", "max_completion_tokens"):
+                    if name in prop:
+                        for option in [prop[name], *prop[name].get("anyOf", [])]:
+                            if option.get("type") == "integer":
+                                option["maximum"] = self.s["max_tokens"]
+            api.openapi_schema = schema
+        return api.openapi_schema
+
+    def _auth(self, request: Request) -> None:
+        """401 unless the request carries the API key as a Bearer token (when set)."""
+        key = self.s.get("api_key")
+        if not key:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+            self.metrics.error(401)
+            raise HTTPError(401, "missing or invalid API key: send 'Authorization: Bearer "
+                                 "<key>'", None, "authentication_error", "invalid_api_key")
 
     async def _infos(self) -> dict:
         if self._info is None:
@@ -127,73 +188,64 @@ class Ingress:
                           "features": d["features"], "rule": d["rule"]}
         return self._info
 
-    # ------------------------------------------------------------------ the SD loop
-    async def _decode(self, rid: str, dec: Decoding) -> AsyncIterator[list[int]]:
-        """Run request ``rid`` through the engine's round loop, awaiting the deployments
-        as its sides; yields the tokens committed by each round (cut at EOS or
-        ``max_tokens``); fills ``dec.stats``. Both states are freed at the end."""
+    # ------------------------------------------------------------------ decoding
+    async def _decode(self, rid: str, dec: Decoding, stream: bool) -> AsyncIterator[list[int]]:
+        """Request ``rid`` on the deployment that drives it; yields the tokens of each
+        round (``stream``) or all at once; fills ``dec.stats``. On failure or an early
+        close (a stop string, a gone client) both deployments free its state."""
         info = await self._infos()
-        eos = eos_set(info["eos"])
         drafting = info["drafting"]
-        loop = rounds(dec.prompt_ids, dec.max_tokens, eos, dec.stats, drafting)
-        reply = None
+        key = target_key(rid, self.s["target_buckets"])
+        req = DecodeRequest(dec.prompt_ids, dec.max_tokens, dec.sampling, dec.rule.to_dict(),
+                            dec.seed, sorted(eos_set(info["eos"])), drafting).__dict__
+        t0 = time.perf_counter()
+        finished, response = False, None
         try:
-            while True:
-                try:
-                    msg = loop.send(reply)
-                except StopIteration:
-                    return
-                reply = None
-                if isinstance(msg, Committed):
-                    dec.tokens += msg.tokens
-                    if msg.done and dec.tokens and dec.tokens[-1] in eos:
-                        dec.finish_reason = "stop"
-                    yield msg.tokens
-                    continue
-                try:
-                    reply = await self._side_call(rid, dec, msg, drafting, info)
-                except Exception as exc:
-                    where = ("start" if isinstance(msg, Start) else
-                             f"round {len(dec.stats.accepted_lengths) + 1}")
-                    raise _replica_error(exc, f"request {rid}: {where}") from None
+            if stream:
+                if drafting:
+                    response = self.draft.options(stream=True).generate.remote(rid, req)
+                else:
+                    response = self.target.options(stream=True).generate.remote(key, rid, req)
+                async for chunk in response:
+                    if "stats" in chunk:
+                        dec.stats = chunk["stats"]
+                    elif chunk["tokens"]:
+                        dec.tokens += chunk["tokens"]
+                        yield chunk["tokens"]
+            else:
+                reply = await (self.draft.complete.remote(rid, req) if drafting
+                               else self.target.complete.remote(key, rid, req))
+                dec.tokens, dec.stats = list(reply["tokens"]), reply["stats"]
+                if dec.tokens:
+                    yield dec.tokens
+            finished = True
+        except Exception as exc:
+            raise _replica_error(exc, f"request {rid}") from None
         finally:
-            loop.close()
-            await self._end(rid, drafting)
+            if not finished:
+                if response is not None:
+                    response.cancel()
+                await self._end(rid, key, drafting)
+        if dec.tokens and dec.tokens[-1] in eos_set(info["eos"]):
+            dec.finish_reason = "stop"
+        dec.stats.setdefault("timing", {})["ingress_s"] = time.perf_counter() - t0
 
-    async def _side_call(self, rid: str, dec: Decoding, msg, drafting: bool, info: dict):
-        """One request of the loop to a side (a deployment handle call)."""
-        if isinstance(msg, Start):
-            pre = await self.target.start.remote(rid, dec.prompt_ids, dec.sampling,
-                                                 dec.rule.to_dict(), dec.seed,
-                                                 info["prefill_top_k"] if drafting else 0,
-                                                 drafting and info["features"])
-            if drafting:
-                await self.draft.start.remote(rid, dec.prompt_ids, pre["top"], dec.sampling,
-                                              dec.seed, pre["features"])
-            return None
-        if isinstance(msg, Propose):
-            r = await self.draft.propose.remote(rid, msg.path, msg.new, msg.budget,
-                                                pack_tensor(msg.features))
-            return Proposal(r["tree"], r["draft_calls"])
-        if isinstance(msg, Verify):
-            return VerifyResult.from_dict(await self.target.verify.remote(rid, msg.tree))
-        raise TypeError(f"unknown loop message {msg!r}")
-
-    async def _end(self, rid: str, uses_draft: bool) -> None:
-        for handle in ([self.target, self.draft] if uses_draft else [self.target]):
+    async def _end(self, rid: str, key: str, uses_draft: bool) -> None:
+        calls = [(self.target, (key, rid))] + ([(self.draft, (rid,))] if uses_draft else [])
+        for handle, args in calls:
             try:
-                await handle.end.remote(rid)
+                await handle.end.remote(*args)
             except Exception:  # a dead replica took the state with it
                 pass
 
     # ------------------------------------------------------------------ helpers
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, param: str = "prompt") -> list[int]:
         if self.tokenizer is None:
-            raise HTTPError(400, "prompt: the target has no tokenizer; send prompt_ids to "
-                                 "/generate", "prompt")
+            raise HTTPError(400, f"{param}: the target has no tokenizer; send prompt_ids to "
+                                 "/generate", param)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
-            raise HTTPError(400, "prompt: encodes to no tokens", "prompt")
+            raise HTTPError(400, f"{param}: encodes to no tokens", param)
         return ids
 
     def _text(self, ids: list[int]) -> str:
@@ -203,15 +255,19 @@ class Ingress:
 
     async def _decoding(self, ids: list[int], max_tokens: int, temperature: float,
                         top_p: float, top_k: int, seed: int, stops: list[str],
-                        rule: str | None) -> Decoding:
+                        rule: str | None, max_param: str = "max_tokens") -> Decoding:
         if max_tokens > self.s["max_tokens"]:
-            raise HTTPError(400, f"max_tokens: must be <= {self.s['max_tokens']} on this "
-                                 f"server, got {max_tokens}", "max_tokens")
+            raise HTTPError(400, f"{max_param}: must be <= {self.s['max_tokens']} on this "
+                                 f"server, got {max_tokens}", max_param)
+        info = await self._infos()
+        bad = [t for t in ids if t >= info["vocab_size"]]
+        if bad:
+            raise HTTPError(400, f"prompt_ids: token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {info['vocab_size']})", "prompt_ids")
         try:
             sampling = SamplingParams(temperature, top_k, top_p)
         except ValueError as exc:
             raise HTTPError(400, str(exc), str(exc).split(":")[0]) from None
-        info = await self._infos()
         needed = RuleSpec.from_dict(info["rule"]) if info["rule"] else None
         try:
             spec = request_rule(rule, None, sampling, needed)
@@ -220,12 +276,12 @@ class Ingress:
         return Decoding(ids, max_tokens, {"temperature": temperature, "top_k": top_k,
                                           "top_p": top_p}, spec, seed, stops)
 
-    async def _run_text(self, rid: str, dec: Decoding) -> AsyncIterator[str]:
+    async def _run_text(self, rid: str, dec: Decoding, stream: bool) -> AsyncIterator[str]:
         """Text deltas per round; stops at a stop string (not included). Text that may
         still become a stop string or an incomplete character is held back."""
         out, sent = [], 0
         hold = max((len(s) for s in dec.stops), default=1) - 1
-        rounds = self._decode(rid, dec)
+        rounds = self._decode(rid, dec, stream or bool(dec.stops))
         try:
             async for new in rounds:
                 out += new
@@ -234,6 +290,7 @@ class Ingress:
                           default=-1)
                 if cut >= 0:
                     dec.finish_reason = "stop"
+                    dec.tokens = list(out)
                     if cut > sent:
                         yield text[sent:cut]
                     return
@@ -249,6 +306,59 @@ class Ingress:
         if len(text) > sent:
             yield text[sent:]
 
+    async def _complete_text(self, route: str, rid: str, dec: Decoding) -> str:
+        """The whole text of a non-streamed request (metrics recorded)."""
+        t0 = time.perf_counter()
+        try:
+            text = "".join([d async for d in self._run_text(rid, dec, False)])
+        except HTTPError as exc:
+            self.metrics.error(exc.status)
+            raise
+        self.metrics.request(route, time.perf_counter() - t0, dec.stats)
+        return text
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.s["model_name"]:
+            raise HTTPError(404, f"model: {model!r} is not served here (serving "
+                                 f"{self.s['model_name']!r}, see /v1/models)", "model",
+                            "not_found_error", "model_not_found")
+
+    def _usage(self, dec: Decoding) -> dict:
+        n_prompt, n_new = len(dec.prompt_ids), len(dec.tokens)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_new,
+                "total_tokens": n_prompt + n_new}
+
+    def _sd(self, dec: Decoding) -> dict:
+        """The ``speclab`` extension field: the request's SD statistics."""
+        st = dec.stats
+        return {"method": self.s["method"], "tau": st.get("tau", 0.0),
+                "target_calls": st.get("target_calls", 0),
+                "draft_calls": st.get("draft_calls", 0),
+                "accepted_lengths": st.get("accepted_lengths", []),
+                "acceptance_rate": st.get("acceptance_rate", 0.0)}
+
+    def _events(self, route: str, rid: str, dec: Decoding, head: dict,
+                choice: callable) -> StreamingResponse:
+        """Server-sent events: ``choice(delta, finish_reason)`` per round, a last chunk
+        with the finish reason, ``usage`` and the SD stats, then ``[DONE]``."""
+
+        async def events() -> AsyncIterator[str]:
+            t0 = time.perf_counter()
+            try:
+                async for delta in self._run_text(rid, dec, True):
+                    yield "data: " + json.dumps({**head, "choices": [choice(delta, None)]}) + \
+                        "\n\n"
+                yield "data: " + json.dumps({**head, "choices": [choice("", dec.finish_reason)],
+                                             "usage": self._usage(dec),
+                                             "speclab": self._sd(dec)}) + "\n\n"
+                self.metrics.request(route, time.perf_counter() - t0, dec.stats)
+            except HTTPError as exc:  # headers are sent: report in the stream
+                self.metrics.error(exc.status)
+                yield "data: " + json.dumps(exc.body()) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     # ------------------------------------------------------------------ routes
     async def _replicas(self, handle, count: int) -> list[dict]:
         """Stats of every replica of a deployment: probes with 8 ids per replica are
@@ -259,7 +369,7 @@ class Ingress:
             seen[st["pid"]] = st
         return list(seen.values())
 
-    @api.get("/health")
+    @api.get("/health", responses=_errors(503))
     async def health(self) -> dict:
         """Liveness plus every target and draft replica's live request states."""
         try:
@@ -269,69 +379,89 @@ class Ingress:
             raise _replica_error(exc, "health") from None
         return {"status": "ok", "method": self.s["method"], "target": t, "draft": d}
 
-    @api.get("/v1/models")
-    async def models(self) -> dict:
+    @api.get("/v1/models", responses=_errors(401))
+    async def models(self, request: Request) -> dict:
         """The one model this app serves (its name is ``serve.model_name``)."""
+        self._auth(request)
         return {"object": "list", "data": [{
             "id": self.s["model_name"], "object": "model", "created": self.s["created"],
             "owned_by": "speclab", "method": self.s["method"]}]}
 
-    @api.post("/generate")
-    async def generate(self, body: GenerateRequest) -> dict:
+    @api.post("/generate", responses=_errors(400, 401, 503))
+    async def generate(self, body: GenerateRequest, request: Request) -> dict:
         """Native decoding: text or token ids in; tokens, text and SD stats out."""
+        self._auth(request)
         if (body.prompt is None) == (body.prompt_ids is None):
             raise HTTPError(400, "prompt: give exactly one of prompt or prompt_ids", "prompt")
         ids = self._encode(body.prompt) if body.prompt is not None else body.prompt_ids
-        dec = await self._decoding(ids, body.max_tokens, body.temperature, body.top_p, body.top_k,
-                             body.seed, body.stop, body.verify)
+        dec = await self._decoding(ids, body.max_tokens, body.temperature, body.top_p,
+                                   body.top_k, body.seed, body.stop, body.verify)
         rid = uuid.uuid4().hex
-        text = "".join([d async for d in self._run_text(rid, dec)])
+        text = await self._complete_text("generate", rid, dec)
         return {"id": rid, "text": text, "token_ids": dec.tokens,
                 "finish_reason": dec.finish_reason, "method": self.s["method"],
-                "stats": dec.stats.to_dict()}
+                "stats": dec.stats}
 
-    @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
+    @api.post("/v1/completions", responses=_errors(400, 401, 404, 503))
+    async def completions(self, body: CompletionRequest, request: Request):
         """OpenAI-compatible completion (``stream``: server-sent events per round)."""
-        if body.model is not None and body.model != self.s["model_name"]:
-            raise HTTPError(404, f"model: {body.model!r} is not served here (serving "
-                                 f"{self.s['model_name']!r}, see /v1/models)", "model",
-                            "not_found_error")
-        dec = await self._decoding(self._encode(body.prompt), body.max_tokens, body.temperature,
-                             body.top_p, 0, body.seed if body.seed is not None else 0,
-                             body.stop, None)
+        self._auth(request)
+        self._check_model(body.model)
+        dec = await self._decoding(self._encode(body.prompt), body.max_tokens,
+                                   body.temperature, body.top_p, 0,
+                                   body.seed if body.seed is not None else 0, body.stop, None)
         rid = uuid.uuid4().hex
         head = {"id": f"cmpl-{rid}", "object": "text_completion",
                 "created": int(time.time()), "model": self.s["model_name"]}
-        if not body.stream:
-            text = "".join([d async for d in self._run_text(rid, dec)])
-            n_prompt = len(dec.prompt_ids)
-            return {**head, "choices": [{"text": text, "index": 0, "logprobs": None,
-                                         "finish_reason": dec.finish_reason}],
-                    "usage": {"prompt_tokens": n_prompt,
-                              "completion_tokens": dec.stats.new_tokens,
-                              "total_tokens": n_prompt + dec.stats.new_tokens}}
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for delta in self._run_text(rid, dec):
-                    yield "data: " + json.dumps({**head, "choices": [{
-                        "text": delta, "index": 0, "logprobs": None,
-                        "finish_reason": None}]}) + "\n\n"
-                yield "data: " + json.dumps({**head, "choices": [{
-                    "text": "", "index": 0, "logprobs": None,
-                    "finish_reason": dec.finish_reason}]}) + "\n\n"
-            except HTTPError as exc:  # headers are sent: report in the stream
-                yield "data: " + json.dumps({"error": {"message": exc.message,
-                                                       "type": exc.kind}}) + "\n\n"
-            yield "data: [DONE]\n\n"
+        def choice(text: str, finish: str | None) -> dict:
+            return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        if body.stream:
+            return self._events("completions", rid, dec, head, choice)
+        text = await self._complete_text("completions", rid, dec)
+        return {**head, "choices": [choice(text, dec.finish_reason)],
+                "usage": self._usage(dec), "speclab": self._sd(dec)}
 
-    @api.post("/recommend")
-    async def recommend(self, body: RecommendRequest) -> dict:
+    @api.post("/v1/chat/completions", responses=_errors(400, 401, 404, 503))
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
+        """OpenAI-compatible chat completion: the messages through the target tokenizer's
+        chat template (see :mod:`serve_apps.chat`); ``stream``: server-sent events."""
+        self._auth(request)
+        self._check_model(body.model)
+        if self.tokenizer is None:
+            raise HTTPError(400, "messages: the target has no tokenizer", "messages")
+        prompt = chat_prompt(self.tokenizer, [m.model_dump() for m in body.messages])
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        dec = await self._decoding(self._encode(prompt, "messages"), body.limit,
+                                   body.temperature, body.top_p, 0,
+                                   body.seed if body.seed is not None else 0, body.stop, None,
+                                   param)
+        rid = uuid.uuid4().hex
+        head = {"id": f"chatcmpl-{rid}", "created": int(time.time()),
+                "model": self.s["model_name"]}
+        if body.stream:
+            first = [True]
+
+            def delta(text: str, finish: str | None) -> dict:
+                d = {"content": text} if finish is None else {}
+                if first[0]:
+                    d, first[0] = {"role": "assistant", **d}, False
+                return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+
+            return self._events("chat", rid, dec, {**head, "object": "chat.completion.chunk"},
+                                delta)
+        text = await self._complete_text("chat", rid, dec)
+        return {**head, "object": "chat.completion", "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": dec.finish_reason}],
+            "usage": self._usage(dec), "speclab": self._sd(dec)}
+
+    @api.post("/recommend", responses=_errors(400, 401, 404, 503))
+    async def recommend(self, body: RecommendRequest, request: Request) -> dict:
         """AtSpeed beam SD between the deployments (the engine's beam loop): the target's
         top-``k`` items (``verify: strict``) or ``k`` items by relaxed sampling."""
+        self._auth(request)
         info = await self._infos()
         if not info["rec_items"]:
             raise HTTPError(404, "recommend: this app serves no recommender (set "
@@ -367,7 +497,8 @@ class Ingress:
                 raise _replica_error(exc, f"request {rid}: recommend") from None
         finally:
             loop.close()
-            await self._end(rid, True)
+            await self._end(rid, rid, True)  # recommend state is routed by the request id
+        self.metrics.request("recommend", time.perf_counter() - t0, None)
         return {"id": rid, "items": res["items"], "scores": res["scores"],
                 "stats": {"target_calls": stats.target_calls,
                           "accepted_steps": stats.accepted_steps, "n": n, "gamma": gamma,

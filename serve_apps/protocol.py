@@ -1,10 +1,12 @@
-"""HTTP request bodies (pydantic): OpenAI-compatible completions, the native
-``/generate`` and ``/recommend``. Unknown fields are errors, so a typo is reported
-with its name instead of being ignored."""
+"""HTTP request bodies (pydantic): OpenAI-compatible completions and chat completions,
+the native ``/generate`` and ``/recommend``, and the error body every route answers
+with. Unknown fields are errors, so a typo is reported with its name instead of being
+ignored; the constraints here (non-empty prompts, ranges) are the ones the server
+enforces, and ``/openapi.json`` shows them."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -20,13 +22,31 @@ def _stops(value: str | list[str] | None) -> list[str]:
     return stops
 
 
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, authentication_error, "
+                                  "not_found_error, service_unavailable or internal_error")
+    param: str | None = Field(None, description="the request field at fault")
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
 class CompletionRequest(_Body):
     """``POST /v1/completions`` (the fields of OpenAI's legacy completions API that a
     single-sequence decoder can honour)."""
 
     model: str | None = None
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
+    prompt: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)] = Field(
+        description="one non-empty prompt (a string or a list of one string)")
+    max_tokens: int = Field(16, ge=1, description="at most serve.max_tokens")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = Field(None, validate_default=True)
@@ -40,13 +60,7 @@ class CompletionRequest(_Body):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v: str | list[str]) -> str:
-        if isinstance(v, list):
-            if len(v) != 1:
-                raise ValueError("give one prompt (a string or a list of one string)")
-            v = v[0]
-        if not v:
-            raise ValueError("must not be empty")
-        return v
+        return v[0] if isinstance(v, list) else v
 
     @field_validator("stop")
     @classmethod
@@ -54,12 +68,46 @@ class CompletionRequest(_Body):
         return _stops(v)
 
 
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletionRequest(_Body):
+    """``POST /v1/chat/completions``: the messages go through the target tokenizer's chat
+    template (or, for a tokenizer without one, :data:`serve_apps.chat.PLAIN_CHAT_TEMPLATE`)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="at most serve.max_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="alias of max_tokens")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: Literal[1] = 1
+    logprobs: Literal[False] | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        return _stops(v)
+
+    @property
+    def limit(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+
 class GenerateRequest(_Body):
     """``POST /generate``: text or token ids in, tokens + text + SD stats out."""
 
-    prompt: str | None = None
-    prompt_ids: list[int] | None = None
-    max_tokens: int = Field(64, ge=1)
+    prompt: NonEmpty | None = Field(None, description="give prompt or prompt_ids")
+    prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, min_length=1, description="token ids below the vocabulary size")
+    max_tokens: int = Field(64, ge=1, description="at most serve.max_tokens")
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="top-k filter of the sampler (0: off)")
@@ -71,13 +119,6 @@ class GenerateRequest(_Body):
     @classmethod
     def _stop(cls, v):
         return _stops(v)
-
-    @field_validator("prompt_ids")
-    @classmethod
-    def _ids(cls, v):
-        if v is not None and not v:
-            raise ValueError("must contain at least one token id")
-        return v
 
 
 class RecommendRequest(_Body):

@@ -12,8 +12,15 @@ error) while the others keep their replica. Calls without a request id (``info``
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+
+def target_key(rid: str, buckets: int) -> str:
+    """The target routing key of request ``rid``: one of ``buckets`` keys, so a draft
+    replica verifies the requests of one key (all on one target replica) in one call."""
+    return f"t{zlib.crc32(rid.encode()) % max(buckets, 1)}"
 
 
 def _score(rid: str, replica: RunningReplica) -> int:

@@ -103,6 +103,20 @@ class SessionStore:
             self.expired += 1
 
 
+class PoolRow:
+    """A request's row in a replica's batched pool (:mod:`speclab.decoding.row_pool`), as
+    the store sees it: releasing it takes the row out of the batch."""
+
+    def __init__(self, pool, rid: str) -> None:
+        self.pool, self.rid = pool, rid
+
+    def cached_tokens(self) -> int:
+        return self.pool.length(self.rid) if self.rid in self.pool else 0
+
+    def release(self) -> None:
+        self.pool.end(self.rid)
+
+
 def rss_mb() -> float:
     """Resident memory of this process in MiB (reported by the replicas' ``stats``)."""
     import psutil

@@ -1,38 +1,84 @@
-"""``TargetDeployment``: the target model, its per-request KV caches and the
-verification rules (one target forward per round over the whole draft tree).
+"""``TargetDeployment``: the target model over ONE batched cache holding every live
+request of the replica (:class:`~speclab.decoding.row_pool.TargetPool`), and the
+verification rules.
 
-Calls of one request (first argument: the request id; routed to one replica by
-:mod:`serve_apps.router`): ``start`` (prefill, optionally the top tokens per prompt
-position for AASD), ``verify`` (a draft tree in wire form -> accepted path, new
-tokens), ``end``; ``rec_start`` / ``rec_verify`` are the target's half of AtSpeed
-beam SD for ``POST /recommend`` (:mod:`serve_apps.beams`). State is bounded by
+Calls (first argument: the routing key, see :func:`serve_apps.router.target_key`):
+
+* ``start_rows`` / ``verify_rows``: a draft replica's half of a round for several of its
+  requests at once (prefill; one forward over every tree). Calls from several draft
+  replicas that arrive together are merged into one batch by the replica's
+  :class:`~serve_apps.batcher.StepBatcher`.
+* ``generate`` / ``complete``: plain decoding (no draft), driven here: the rounds of all
+  concurrent requests share one forward.
+* ``end``, ``stats``, ``info``; ``rec_start`` / ``rec_verify`` are the target's half of
+  AtSpeed beam SD for ``POST /recommend`` (:mod:`serve_apps.beams`).
+
+Results are per request: a request the replica no longer holds (ended, expired,
+evicted) gets an error entry, the others their verdicts. State is bounded by
 :class:`serve_apps.sessions.SessionStore`.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
 import torch
 
-from serve_apps.sessions import RequestStates
+from serve_apps.batcher import StepBatcher
+from serve_apps.decode import DecodeRequest, Timing, collect, drive
+from serve_apps.metrics import ServeMetrics
+from serve_apps.sessions import PoolRow, RequestStates, SessionGone
+from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.loop import Start, Verify
+from speclab.decoding.row_pool import NewRow, TargetPool
 from speclab.decoding.rules import RuleSpec
-from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import TargetSide, pack_tensor
+from speclab.decoding.sides import VerifyResult, check_prompt, pack_tensor
 from speclab.models.loading import load_model
 
 
+@dataclass
+class _Starts:
+    source: str
+    rows: list[dict]
+    prefill_top_k: int
+    features: bool
+
+
+@dataclass
+class _Verifies:
+    source: str
+    items: list[tuple[str, dict | None]]
+
+
+def row_error(exc: Exception) -> dict:
+    """A per-request error entry: ``gone`` (no state here) or ``invalid`` (bad input)."""
+    kind = "gone" if isinstance(exc, SessionGone | KeyError) else "invalid"
+    return {"error": {"kind": kind, "message": str(exc)}}
+
+
 class TargetDeployment(RequestStates):
-    """Holds the target; every method that touches a request takes its id first."""
+    """Holds the target; see the module docstring."""
 
     def __init__(self, target: str, dtype: str = "float32", device: str = "cpu",
                  max_sessions: int = 64, max_cached_tokens: int = 65536,
-                 idle_timeout_s: float = 60.0, rec_target: str | None = None) -> None:
-        torch.set_num_threads(1)  # replicas get fractional CPUs; no oversubscription
+                 idle_timeout_s: float = 60.0, rec_target: str | None = None,
+                 max_batch: int = 64, batch_wait_ms: float = 5.0,
+                 torch_threads: int = 1) -> None:
+        torch.set_num_threads(torch_threads)
         self.model = load_model(target, dtype, device, field="models.target")
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos = eos if eos is not None else self.model.config.eos_token_id
+        self.vocab = int(self.model.config.vocab_size)
         super().__init__(max_sessions, max_cached_tokens, idle_timeout_s)
+        self.pool = TargetPool(BatchRunner(self.model))
+        self.sources: dict[str, str] = {}  # request id -> who drives it
+        self.metrics = ServeMetrics()
+        self.batcher = StepBatcher(self._run, self._expected, max_batch, batch_wait_ms / 1e3,
+                                   self.metrics.batch)
         self.rec = None
         if rec_target:
             from serve_apps.beams import RecTargetSide
@@ -41,32 +87,118 @@ class TargetDeployment(RequestStates):
 
     def info(self) -> dict:
         """Vocabulary size, EOS id(s), the recommender's items and id length (if any)."""
-        return {"vocab_size": int(self.model.config.vocab_size), "eos": self.eos,
+        return {"vocab_size": self.vocab, "eos": self.eos,
                 "rec_items": len(self.rec.meta.items) if self.rec else 0,
                 "rec_levels": self.rec.trie.length if self.rec else 0}
 
-    def start(self, rid: str, prompt_ids: list[int], sampling: dict, rule: dict, seed: int,
-              prefill_top_k: int = 0, features: bool = False) -> dict:
-        """The target side of request ``rid``: prefill ``prompt_ids[:-1]``. Returns
-        ``top``: the target's ``prefill_top_k`` best tokens per prompt position when asked
-        (AASD), and ``features``: the prefill's last-layer features (packed) when asked (a
-        feature drafter such as EAGLE; its verdicts then carry the accepted path's too).
-        ``rule``: the resolved verification rule (:class:`RuleSpec` dict)."""
-        side = TargetSide(ModelRunner(self.model), SamplingParams(**sampling),
-                          RuleSpec.from_dict(rule), torch.Generator().manual_seed(seed),
-                          features)
-        with self.lock:
-            top = side.start(prompt_ids, prefill_top_k)
-            self.sessions.put(rid, side)
-        return {"top": top, "features": pack_tensor(side.prefill_features)}
+    # ------------------------------------------------------------------ batched work
+    def _expected(self) -> int:
+        return len(set(self.sources.values()))
 
-    def verify(self, rid: str, tree: dict | None) -> dict:
-        """One round: the tree (wire form, root = the last committed token; None: the
-        root alone) in ONE forward, the request's rule, the cache pruned to the accepted
-        path. Returns a :class:`~speclab.decoding.sides.VerifyResult` dict."""
-        with self.lock:
-            return self.sessions.get(rid).verify(tree).to_dict()
+    async def _run(self, steps: list) -> list:
+        """One batch: every joining row in one prefill, then every tree in one forward."""
+        out: list = [None] * len(steps)
+        starts = [i for i, s in enumerate(steps) if isinstance(s, _Starts)]
+        verifies = [i for i, s in enumerate(steps) if isinstance(s, _Verifies)]
+        for i in starts:
+            out[i] = self._start(steps[i])
+        if verifies:
+            t0 = time.perf_counter()
+            flat: list[tuple[int, int, str, dict | None]] = []
+            for i in verifies:
+                out[i] = [None] * len(steps[i].items)
+                for j, (rid, tree) in enumerate(steps[i].items):
+                    try:
+                        self.sessions.get(rid)  # marks it used; SessionGone if not here
+                        flat.append((i, j, rid, tree))
+                    except SessionGone as exc:
+                        out[i][j] = row_error(exc)
+            results = self.pool.verify([(rid, tree) for *_, rid, tree in flat]) if flat else []
+            model_s = time.perf_counter() - t0
+            for (i, j, _rid, _tree), res in zip(flat, results, strict=True):
+                out[i][j] = {"verdict": res.to_dict(), "target_model_s": model_s,
+                             "rows": len(flat)}
+        return out
 
+    def _start(self, step: _Starts) -> list[dict]:
+        rows, replies = [], [None] * len(step.rows)
+        for j, r in enumerate(step.rows):
+            try:
+                check_prompt(r["prompt_ids"], self.vocab)
+                rows.append((j, NewRow(r["rid"], list(r["prompt_ids"]),
+                                       SamplingParams(**r["sampling"]),
+                                       RuleSpec.from_dict(r["rule"]), int(r["seed"]))))
+            except (ValueError, TypeError, KeyError) as exc:
+                replies[j] = row_error(ValueError(str(exc)))
+        if step.features and not self.pool.batch.features:
+            self.pool.track_features()
+        started = self.pool.start([r for _, r in rows], step.prefill_top_k) if rows else []
+        for (j, row), (top, feats) in zip(rows, started, strict=True):
+            self.sources[row.rid] = step.source
+            self.sessions.put(row.rid, PoolRow(self.pool, row.rid))
+            replies[j] = {"top": top, "features": pack_tensor(feats) if step.features else None}
+        return replies
+
+    def _forget(self, rid: str) -> bool:
+        self.sources.pop(rid, None)
+        return self.sessions.end(rid)
+
+    # ------------------------------------------------------------------ a draft replica's calls
+    async def start_rows(self, key: str, source: str, rows: list[dict], prefill_top_k: int = 0,
+                         features: bool = False) -> list[dict]:
+        """Prefill new requests (``rows``: ``rid``, ``prompt_ids``, ``sampling``, ``rule``,
+        ``seed``) of ``source`` (the calling draft replica). Per row ``top``: the
+        ``prefill_top_k`` best tokens per prompt position (AASD) and ``features``: the
+        prefill's packed ``[P-1, H]`` last-layer features (feature drafters), or an
+        ``error`` entry."""
+        return await self.batcher.submit(_Starts(source, rows, prefill_top_k, features), source)
+
+    async def verify_rows(self, key: str, source: str, items: list) -> list[dict]:
+        """One round of several requests: per ``(rid, tree)`` (wire form; None: the root
+        alone) ``{"verdict"}`` (a :class:`VerifyResult` dict) with ``target_model_s`` (the
+        forward's seconds) and ``rows`` (the requests in it), or an ``error`` entry."""
+        return await self.batcher.submit(_Verifies(source, [tuple(i) for i in items]), source)
+
+    async def end(self, key: str, rid: str) -> bool:
+        """Free request ``rid``'s row (False if it was already gone)."""
+        return self._forget(rid)
+
+    # ------------------------------------------------------------------ plain decoding
+    async def generate(self, key: str, rid: str, request: dict) -> AsyncIterator[dict]:
+        """Plain decoding driven here, streamed: ``{"tokens"}`` per round, then
+        ``{"stats"}``."""
+        req = DecodeRequest.from_dict(request)
+        timing = Timing()
+
+        async def step(msg):
+            if isinstance(msg, Start):
+                row = {"rid": rid, "prompt_ids": msg.prompt_ids, "sampling": req.sampling,
+                       "rule": req.rule, "seed": req.seed}
+                reply = (await self.batcher.submit(_Starts(rid, [row], 0, False), rid))[0]
+            else:
+                assert isinstance(msg, Verify)
+                t0 = time.perf_counter()
+                reply = (await self.batcher.submit(_Verifies(rid, [(rid, None)]), rid))[0]
+                step_s = time.perf_counter() - t0
+                if "error" not in reply:
+                    model_s = reply["target_model_s"]
+                    timing.add({"queue_s": step_s - model_s, "target_call_s": model_s,
+                                "target_model_s": model_s, "rows": reply["rows"]})
+            if "error" in reply:
+                raise _error(rid, reply["error"])
+            return VerifyResult.from_dict(reply["verdict"]) if isinstance(msg, Verify) else None
+
+        try:
+            async for chunk in drive(req, step, timing):
+                yield chunk
+        finally:
+            self._forget(rid)
+
+    async def complete(self, key: str, rid: str, request: dict) -> dict:
+        """:meth:`generate` as one reply: ``{"tokens", "stats"}``."""
+        return await collect(self.generate(key, rid, request))
+
+    # ------------------------------------------------------------------ recommend
     def rec_start(self, rid: str, history: list[int], k: int, mode: str = "strict",
                   seed: int = 0) -> list[int]:
         """``POST /recommend``: prefill the history's prompt; returns its tokens."""
@@ -81,3 +213,10 @@ class TargetDeployment(RequestStates):
         """Verification (strict top-K or relaxed sampling) of one round of drafted levels."""
         with self.lock:
             return self.rec.verify(self.sessions.get(rid), proposal, committed)
+
+
+def _error(rid: str, error: dict) -> Exception:
+    """A per-request error entry as the exception the ingress maps to 400 / 503."""
+    if error["kind"] == "invalid":
+        return ValueError(error["message"])
+    return SessionGone(f"request {rid}: {error['message']}")

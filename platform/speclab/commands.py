@@ -157,6 +157,7 @@ def _add_job_parsers(sub) -> None:
     p = sub.add_parser("serve", help="serve target + draft deployments over HTTP (Ray Serve)")
     p.add_argument("--config", required=True, help="experiment config with a serve group")
     p.add_argument("--address", help="Ray cluster (default: $RAY_ADDRESS or embedded)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (serve.api_key)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     HANDLERS["serve"] = cmd_serve
 
@@ -182,19 +183,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from speclab.raylib import init_ray
 
     cfg = ServeJob.from_yaml(args.config, args.overrides)
+    if args.api_key is not None:
+        cfg = ServeJob.model_validate({**cfg.model_dump(), "serve": {
+            **cfg.serve.model_dump(), "api_key": args.api_key}})
     sys.path.insert(0, str(repo_root()))  # serve_apps lives next to the package
     from serve_apps.app import app_from_config
 
     app = app_from_config(cfg)  # resolves the models and checks them before Ray starts
-    where = init_ray(args.address, cfg.ray.num_cpus)
+    sv = cfg.serve
+    where = init_ray(args.address, cfg.ray.num_cpus, sv.metrics_port)
     from ray import serve
 
-    sv = cfg.serve
     serve.start(http_options={"host": sv.host, "port": sv.port})
     serve.run(app, name=sv.app_name, route_prefix="/")
+    metrics = f"; Prometheus metrics on :{sv.metrics_port}/metrics" if sv.metrics_port else ""
     print(f"[serve] {cfg.method.name} on {where}: http://{sv.host}:{sv.port} "
-          f"(/v1/completions, /v1/models, /generate, /recommend, /health); "
-          f"stop with Ctrl-C", flush=True)
+          f"(/v1/completions, /v1/chat/completions, /v1/models, /generate, /recommend, "
+          f"/health, /openapi.json){metrics}; stop with Ctrl-C", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -24,12 +24,14 @@ def quiet_ray_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
+def init_ray(address: str | None = None, num_cpus: int | None = None,
+             metrics_port: int | None = None) -> str:
     """Join ``address`` (or ``$RAY_ADDRESS``), else start an embedded local Ray.
 
     The embedded Ray is always a fresh instance owned by this process (``address="local"``):
     a bare ``ray.init()`` would join whatever cluster ``ray start --head`` last recorded
-    in /tmp/ray/ray_current_cluster. It stops when this process exits.
+    in /tmp/ray/ray_current_cluster. It stops when this process exits. ``metrics_port``:
+    where the embedded Ray serves its Prometheus metrics (default: a free port).
     Returns a short description of where the job runs.
     """
     quiet_ray_env()
@@ -41,8 +43,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if address:
         ray.init(address=address, log_to_driver=True)
         return f"cluster at {address}"
+    extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             log_to_driver=True)
+             log_to_driver=True, **extra)
     return "embedded local Ray"
 
 

@@ -521,13 +521,38 @@ class SweepConfig(StrictModel):
         return self
 
 
+class AutoscalingSettings(StrictModel):
+    """Ray Serve autoscaling of one deployment (replaces its fixed ``replicas``)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(2, gt=0)
+    target_ongoing_requests: float = Field(
+        2.0, gt=0.0, description="ongoing calls per replica the autoscaler aims at")
+    upscale_delay_s: float = Field(30.0, ge=0.0)
+    downscale_delay_s: float = Field(600.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas: must not exceed max_replicas")
+        return self
+
+
 class ReplicaConfig(StrictModel):
     """One Ray Serve deployment's replicas and the resources of each."""
 
     replicas: int = Field(1, gt=0)
     num_cpus: float = Field(0.5, gt=0.0, description="fractional CPUs per replica")
     num_gpus: float = Field(0.0, ge=0.0, description="1 puts each replica on its own GPU")
-    max_ongoing_requests: int = Field(16, gt=0)
+    max_ongoing_requests: int = Field(64, gt=0)
+    torch_threads: int = Field(1, gt=0, description="torch CPU threads per replica")
+    autoscaling: AutoscalingSettings | None = Field(
+        None, description="scale between min and max replicas on ongoing requests")
+
+    @property
+    def max_count(self) -> int:
+        """The most replicas this deployment can have."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.replicas
 
 
 class ServeConfig(StrictModel):
@@ -546,6 +571,12 @@ class ServeConfig(StrictModel):
     max_cached_tokens: int = Field(
         65536, gt=0, description="KV positions per replica over all its requests")
     idle_timeout_s: float = Field(60.0, gt=0.0, description="state of a silent request freed")
+    max_batch: int = Field(64, gt=0, description="requests per batched model step")
+    batch_wait_ms: float = Field(
+        5.0, ge=0.0, description="longest wait for the other live requests to join a batch")
+    api_key: str | None = Field(None, description="required as 'Authorization: Bearer <key>'")
+    metrics_port: int | None = Field(
+        None, gt=0, lt=65536, description="Prometheus port of the embedded Ray (/metrics)")
     rec_target: str | None = Field(None, description="recommender for POST /recommend")
     rec_draft: str | None = Field(None, description="its drafter (beam SD)")
     rec_n: int = Field(10, gt=0, description="/recommend default draft beam size N")
@@ -555,4 +586,9 @@ class ServeConfig(StrictModel):
     def _rec_pair(self):
         if (self.rec_target is None) != (self.rec_draft is None):
             raise ValueError("rec_target and rec_draft: give both (or neither)")
+        if self.api_key == "":
+            raise ValueError("api_key: must not be empty (leave it out to turn keys off)")
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_key:
+            raise ValueError(f"api_key: required when serving on {self.host!r} (not only "
+                             f"this machine); set serve.api_key or --api-key")
         return self

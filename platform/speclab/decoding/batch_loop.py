@@ -102,28 +102,38 @@ class BatchTarget:
             feats.append(self.runner.hidden[r, :n].clone() if self.features else None)
         return tops, feats
 
-    def verify(self, trees: list[TokenTree | None], generators: list[torch.Generator | None]
-               ) -> list[VerifyResult]:
-        """ONE forward over every row's tree (None: the root alone); per row the rule, the
-        pruned cache and a :class:`VerifyResult`."""
-        trees = [t if t is not None else TokenTree(root) for t, root in zip(trees, self.roots,
-                                                                            strict=True)]
-        tokens, positions, allowed, prefix = [], [], [], []
-        for b, tree in enumerate(trees):
+    def verify(self, trees: list[TokenTree | None], generators: list[torch.Generator | None],
+               rows: list[int] | None = None, rules: list[RuleSpec] | None = None,
+               samplings: list[SamplingParams] | None = None) -> list[VerifyResult]:
+        """ONE forward over the trees of rows ``rows`` (default: every row, in order;
+        ``trees[i]`` None: the root alone); the other rows feed nothing and keep their
+        state. Per verified row: the rule (``rules[i]`` / ``samplings[i]`` when given, else
+        the batch's), the pruned cache and a :class:`VerifyResult`."""
+        rows = list(range(self.runner.rows)) if rows is None else list(rows)
+        if len(set(rows)) != len(rows) or len(rows) != len(trees):
+            raise ValueError(f"rows: {len(trees)} trees for rows {rows}")
+        trees = [t if t is not None else TokenTree(self.roots[b]) for t, b in zip(trees, rows)]
+        tokens = [torch.zeros(0, dtype=torch.long) for _ in range(self.runner.rows)]
+        positions: list[torch.Tensor | None] = [None] * self.runner.rows
+        allowed: list[torch.Tensor | None] = [None] * self.runner.rows
+        prefix = []
+        for b, tree in zip(rows, trees, strict=True):
             if tree.tokens[0] != self.roots[b]:
                 raise ValueError(f"tree: row {b}'s root token {tree.tokens[0]} is not its last "
                                  f"committed token {self.roots[b]}")
             n = self.runner.length(b)
             prefix.append(n)
-            tokens.append(tree.token_tensor())
-            chain = tree.is_chain()
-            positions.append(None if chain else tree.position_ids(n))
-            allowed.append(None if chain else tree.ancestor_matrix())  # + the whole prefix
+            tokens[b] = tree.token_tensor()
+            if not tree.is_chain():
+                positions[b] = tree.position_ids(n)
+                allowed[b] = tree.ancestor_matrix()  # + the whole prefix
         logits = self.runner.forward(tokens, positions, allowed)
         out = []
-        for b, (tree, gen) in enumerate(zip(trees, generators, strict=True)):
-            verdict = apply_rule(self.rule, tree, logits[b, :len(tree)], self.sampling, gen)
-            self.runner.keep(b, list(range(prefix[b])) + [prefix[b] + i for i in verdict.path])
+        for i, (b, tree, gen) in enumerate(zip(rows, trees, generators, strict=True)):
+            rule = rules[i] if rules is not None else self.rule
+            sampling = samplings[i] if samplings is not None else self.sampling
+            verdict = apply_rule(rule, tree, logits[b, :len(tree)], sampling, gen)
+            self.runner.keep(b, list(range(prefix[i])) + [prefix[i] + j for j in verdict.path])
             new = committed_tokens(tree, verdict)
             self.roots[b] = new[-1]
             feats = self.runner.hidden[b, verdict.path].clone() if self.features else None

@@ -63,6 +63,10 @@ class BatchDrafter(ABC):
         """Free every row's draft state now (the run is over)."""
         self.drop(list(range(self.rows)))
 
+    @abstractmethod
+    def cached_tokens(self, row: int) -> int:
+        """Positions of draft state row ``row`` holds (Serve's memory bound)."""
+
     @property
     @abstractmethod
     def rows(self) -> int:
@@ -109,6 +113,9 @@ class PerRowDrafters(BatchDrafter):
     def calls(self) -> int:
         return self._done_calls + sum(s.drafter.calls for s in self.sides)
 
+    def cached_tokens(self, row: int) -> int:
+        return self.sides[row].cached_tokens()
+
     @property
     def rows(self) -> int:
         return len(self.sides)
@@ -134,6 +141,9 @@ class BatchModelDrafter(BatchDrafter):
     @property
     def calls(self) -> int:
         return self.runner.calls
+
+    def cached_tokens(self, row: int) -> int:
+        return self.runner.length(row)
 
     @property
     def rows(self) -> int:

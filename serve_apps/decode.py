@@ -1,0 +1,107 @@
+"""One request's round loop on the replica that drives it.
+
+The engine's loop (:func:`speclab.decoding.loop.rounds`) runs INSIDE a model replica:
+in the draft replica for a drafting method (its proposals are local, the target is one
+handle call per round for all the replica's requests), in the target replica for plain
+decoding (no hop at all). :func:`drive` runs it with an async ``step`` that answers the
+loop's Start / Propose / Verify messages; the replica's :class:`~serve_apps.batcher.
+StepBatcher` turns the steps of concurrent requests into batched forwards.
+
+:class:`DecodeRequest` is what the ingress sends; the replica streams back
+``{"tokens": [...]}`` per round and ends with ``{"stats": {...}}`` (the loop's
+statistics plus where the time went, :class:`Timing`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+
+from speclab.decoding.loop import Committed, GenerationStats, eos_set, rounds
+
+
+@dataclass
+class DecodeRequest:
+    """A request as the ingress hands it to the replica that drives it."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: dict  # SamplingParams fields
+    rule: dict  # RuleSpec.to_dict()
+    seed: int
+    eos: list[int]
+    drafting: bool = True
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DecodeRequest:
+        return cls(**data)
+
+
+@dataclass
+class Timing:
+    """Seconds of one request's rounds, as the driving replica saw them: waiting for a
+    batch to close (``queue_s``), its share of draft model time (``draft_model_s``: the
+    batch's propose time), the target call (``target_call_s``: hop + the target's batch)
+    and the target's forward inside it (``target_model_s``)."""
+
+    rounds: int = 0
+    queue_s: float = 0.0
+    draft_model_s: float = 0.0
+    target_call_s: float = 0.0
+    target_model_s: float = 0.0
+    replica_s: float = 0.0  # the whole request on the driving replica
+    batch_rows: list[int] = field(default_factory=list)  # rows verified with it, per round
+
+    def add(self, step: dict) -> None:
+        """Add one round's figures (a step result's ``timing``)."""
+        self.rounds += 1
+        for key in ("queue_s", "draft_model_s", "target_call_s", "target_model_s"):
+            setattr(self, key, getattr(self, key) + float(step.get(key, 0.0)))
+        self.batch_rows.append(int(step.get("rows", 1)))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+Step = Callable[[object], Awaitable[object]]
+
+
+async def drive(req: DecodeRequest, step: Step, timing: Timing) -> AsyncIterator[dict]:
+    """Run ``req`` through the loop; ``step(msg)`` answers each Start / Propose / Verify.
+    Yields ``{"tokens": [...]}`` per round (cut at EOS / ``max_tokens``), then
+    ``{"stats": ...}`` once the loop ended."""
+    t0 = time.perf_counter()
+    stats = GenerationStats()
+    loop = rounds(req.prompt_ids, req.max_tokens, eos_set(req.eos), stats, req.drafting)
+    reply: object = None
+    try:
+        while True:
+            try:
+                msg = loop.send(reply)
+            except StopIteration:
+                break
+            reply = None
+            if isinstance(msg, Committed):
+                yield {"tokens": msg.tokens}
+                continue
+            reply = await step(msg)
+    finally:
+        loop.close()
+    timing.replica_s = time.perf_counter() - t0
+    out = stats.to_dict()
+    # the loop's own draft/verify timers see a batched round as one step: report the
+    # model and call times instead
+    out["draft_s"], out["verify_s"] = timing.draft_model_s, timing.target_call_s
+    out["timing"] = timing.to_dict()
+    yield {"stats": out}
+
+
+async def collect(chunks: AsyncIterator[dict]) -> dict:
+    """A streamed request as one reply: ``{"tokens": all tokens, "stats": ...}``."""
+    tokens: list[int] = []
+    stats: dict = {}
+    async for chunk in chunks:
+        tokens += chunk.get("tokens", [])
+        stats = chunk.get("stats", stats)
+    return {"tokens": tokens, "stats": stats}

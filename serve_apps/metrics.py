@@ -1,0 +1,95 @@
+"""Prometheus metrics of the Serve app, through Ray Serve's metrics support
+(:mod:`ray.serve.metrics`): Ray exports them on every node's metrics port
+(``ray start --metrics-export-port``; ``speclab serve`` sets ``serve.metrics_port``), with
+Ray's ``ray_`` prefix, as it does for vLLM under Ray Serve LLM.
+
+The speculative-decoding counters carry vLLM's names as vLLM's own Ray metrics backend
+exports them (``vllm:`` sanitised to ``vllm_``: Ray refuses ``:`` in metric names), so
+dashboards built for vLLM under Ray Serve work unchanged:
+``ray_vllm_spec_decode_num_drafts`` (rounds of drafting requests),
+``ray_vllm_spec_decode_num_draft_tokens``, ``ray_vllm_spec_decode_num_accepted_tokens``
+and ``ray_vllm_spec_decode_num_accepted_tokens_per_pos`` (label ``position``: rounds whose
+accepted path reached draft position ``position``, from 0). Besides them: request
+latency (``speclab_request_latency_seconds``), tokens, errors by status, and per model
+deployment the rows per batched step (``speclab_batch_size``) and the wait for a batch
+to close (``speclab_batch_wait_seconds``).
+"""
+
+from __future__ import annotations
+
+from ray.serve import metrics
+
+LATENCY_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+WAIT_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05]
+
+
+class ServeMetrics:
+    """A model deployment's batch metrics (Ray Serve tags them with the deployment and
+    replica)."""
+
+    def __init__(self) -> None:
+        self.size = metrics.Histogram(
+            "speclab_batch_size", description="Requests per batched model step.",
+            boundaries=BATCH_BUCKETS)
+        self.wait = metrics.Histogram(
+            "speclab_batch_wait_seconds", description="Wait for a batch to close.",
+            boundaries=WAIT_BUCKETS)
+
+    def batch(self, size: int, wait_s: float) -> None:
+        """Record one batch of ``size`` steps that waited ``wait_s`` to close."""
+        self.size.observe(size)
+        self.wait.observe(wait_s)
+
+
+class RequestMetrics:
+    """The ingress's per-request metrics: vLLM's SD counters, latency, tokens, errors."""
+
+    def __init__(self, model_name: str) -> None:
+        tags = {"model_name": model_name}
+
+        def counter(name: str, description: str, keys: tuple[str, ...] = ()):
+            c = metrics.Counter(name, description=description, tag_keys=("model_name", *keys))
+            c.set_default_tags(dict(tags))  # Serve adds its tags to the dict given
+            return c
+
+        self.drafts = counter("vllm_spec_decode_num_drafts", "Rounds that verified a draft.")
+        self.draft_tokens = counter("vllm_spec_decode_num_draft_tokens", "Draft tokens.")
+        self.accepted = counter("vllm_spec_decode_num_accepted_tokens",
+                                "Accepted draft tokens.")
+        self.per_pos = counter("vllm_spec_decode_num_accepted_tokens_per_pos",
+                               "Rounds accepting a draft token at each position.",
+                               ("position",))
+        self.tokens = counter("speclab_generation_tokens", "Tokens generated.")
+        self.errors = counter("speclab_request_errors", "Requests answered with an error.",
+                              ("status",))
+        self.latency = metrics.Histogram(
+            "speclab_request_latency_seconds", description="End-to-end request latency.",
+            boundaries=LATENCY_BUCKETS, tag_keys=("model_name", "route"))
+        self.latency.set_default_tags(dict(tags))
+
+    def request(self, route: str, latency_s: float, stats: dict | None) -> None:
+        """Record a finished request (``stats``: its SD stats, None without decoding)."""
+        self.latency.observe(latency_s, tags={"route": route})
+        if not stats:
+            return
+        _inc(self.tokens, int(stats.get("new_tokens", 0)))
+        drafted = int(stats.get("drafted_tokens", 0))
+        if drafted:
+            self.draft_tokens.inc(drafted)
+            _inc(self.accepted, int(stats.get("accepted_tokens", 0)))
+        rounds = [n - 1 for n in stats.get("accepted_lengths", [])]  # accepted drafts
+        drafting_rounds = len(rounds) if drafted else 0
+        if drafting_rounds:
+            self.drafts.inc(drafting_rounds)
+            for pos in range(max(rounds, default=0)):
+                _inc(self.per_pos, sum(1 for a in rounds if a > pos), {"position": str(pos)})
+
+    def error(self, status: int) -> None:
+        """Count a request answered with HTTP ``status``."""
+        self.errors.inc(tags={"status": str(status)})
+
+
+def _inc(counter, value: float, tags: dict | None = None) -> None:
+    if value > 0:  # Ray counters take positive increments only
+        counter.inc(value, tags=tags)
