@@ -1,0 +1,203 @@
+"""Serve benchmark: each method through Serve at several client counts, next to the
+in-process engine on the same prompts.
+
+    .venv/bin/python -m serve_apps.bench --config experiments/serve_reference.yaml \\
+        [--methods ar,chain] [--clients 1,4,16] [--requests 3] [--max-tokens 48] \\
+        [--out bench_out/serve_bench.json]
+
+For each method, one after another (nothing else runs meanwhile): the in-process
+:class:`speclab.api.Decoder` decodes the load test's prompts one at a time (greedy);
+then ``speclab serve`` starts the app on a free 127.0.0.1 port in its own process
+group, a warm-up request runs, and :func:`serve_apps.loadtest.run_load` runs at each
+client count; the server is stopped (its process group) before the next method.
+Prints a table (tokens/s, share of the in-process figure, p50 latency, tau, target
+calls per token, every served output equal to the in-process one) and where a round's
+time went (ingress, draft model, target call and model, batch wait), and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from serve_apps.loadtest import PROMPTS, run_load
+from speclab.paths import repo_root
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_process(cfg, method: dict, prompts: list[str], max_tokens: int) -> dict:
+    """The engine in this process, prompts one after another: tokens/s and outputs."""
+    from speclab.api import Decoder
+    from speclab.models.registry import resolve_models
+
+    target, draft = resolve_models(cfg.models.target, cfg.models.draft)
+    dec = Decoder.from_pretrained(target, draft)
+    params = {k: v for k, v in method.items() if k != "name"}
+    dec.generate(prompts[0], method=method["name"], max_new_tokens=8, **params)  # warm-up
+    outs, tokens, t0 = {}, 0, time.perf_counter()
+    taus = []
+    for p in prompts:
+        res = dec.generate(p, method=method["name"], max_new_tokens=max_tokens, **params)
+        outs[p] = res.token_ids
+        tokens += len(res.token_ids)
+        taus.append(res.stats.tau)
+    wall = time.perf_counter() - t0
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall,
+            "tau": statistics.mean(taus), "outputs": outs}
+
+
+def start_server(config: str, overrides: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """``speclab serve`` in its own process group on a free port; waits until ready."""
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "speclab.cli", "serve", "--config",
+                                 config, f"serve.port={port}", *overrides],
+                                cwd=repo_root(), env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited: " + log.read_text()[-3000:])
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    stop_server(proc)
+    raise RuntimeError("server not ready: " + log.read_text()[-3000:])
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the CLI (it shuts Serve and its Ray down), then its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this bench started, nothing else
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def breakdown(results: list[dict]) -> dict:
+    """Mean seconds per round: where the time of a request's rounds went."""
+    ok = [r for r in results if r["status"] == 200]
+    rounds = sum(r["stats"]["timing"]["rounds"] for r in ok) or 1
+    t = {k: sum(r["stats"]["timing"][k] for r in ok) / rounds
+         for k in ("queue_s", "draft_model_s", "target_call_s", "target_model_s")}
+    per_req = {"http_and_proxy_s": statistics.mean(
+        r["latency_s"] - r["stats"]["timing"]["ingress_s"] for r in ok),
+        "ingress_to_replica_s": statistics.mean(
+        r["stats"]["timing"]["ingress_s"] - r["stats"]["timing"]["replica_s"] for r in ok),
+        "prefill_s": statistics.mean(r["stats"]["prefill_s"] for r in ok)}
+    t["hop_s"] = t["target_call_s"] - t["target_model_s"]
+    t["rows_per_target_forward"] = statistics.mean(
+        x for r in ok for x in r["stats"]["timing"]["batch_rows"])
+    return {"per_round": t, "per_request": per_req}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="experiments/serve_reference.yaml")
+    p.add_argument("--methods", default="ar,chain",
+                   help="comma-separated; 'chain' takes the config's method params")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--requests", type=int, default=3, help="requests per client")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--out", default="bench_out/serve_bench.json")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    a = p.parse_args(argv)
+    from speclab.config import ServeJob
+
+    try:
+        cfg = ServeJob.from_yaml(a.config, a.overrides)
+        clients = [int(c) for c in a.clients.split(",")]
+        if min(clients) < 1 or a.requests < 1 or a.max_tokens < 1:
+            raise ValueError("clients, requests and max-tokens must be >= 1")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows, report = [], {"config": a.config, "max_tokens": a.max_tokens, "methods": {}}
+    for name in a.methods.split(","):
+        method = cfg.method.model_dump(mode="json") if name == cfg.method.name else {"name": name}
+        local = in_process(cfg, method, PROMPTS, a.max_tokens)
+        print(f"[{name}] in process: {local['tokens_per_s']:.1f} tok/s, tau "
+              f"{local['tau']:.2f}", flush=True)
+        proc, url = start_server(a.config, [*a.overrides, "method=" + json.dumps(method)],
+                                 out.parent / f"serve_{name}.log")
+        entry = {"in_process": {k: v for k, v in local.items() if k != "outputs"}, "serve": {}}
+        try:
+            requests.post(url + "/generate", json={"prompt": PROMPTS[0], "max_tokens": 8},
+                          timeout=120)
+            for n in clients:
+                results, s = run_load(url, n, a.requests, a.max_tokens)
+                same = all(r["token_ids"] == local["outputs"][r["prompt"]]
+                           for r in results if r["status"] == 200)
+                s.update(breakdown(results), identical_to_in_process=same,
+                         share_of_in_process=s["tokens_per_s"] / local["tokens_per_s"])
+                entry["serve"][n] = s
+                rows.append((name, n, s, local))
+                print(f"[{name}] {n} clients: {s['tokens_per_s']:.1f} tok/s, p50 "
+                      f"{s['p50_s']:.2f}s, identical {same}", flush=True)
+        finally:
+            stop_server(proc)
+        report["methods"][name] = entry
+    one = {name: e["serve"][clients[0]] for name, e in report["methods"].items()}
+    print(f"\n{'method':<8} {'clients':>7} {'tok/s':>8} {'/in-proc':>8} {'/1 client':>9} "
+          f"{'p50 s':>6} {'p50/1c':>6} {'tau':>5} {'calls/tok':>9} {'errors':>6} {'same':>5}")
+    for name, n, s, _ in rows:
+        base = one[name]
+        print(f"{name:<8} {n:>7} {s['tokens_per_s']:>8.1f} {s['share_of_in_process']:>8.2f} "
+              f"{s['tokens_per_s'] / base['tokens_per_s']:>9.2f} {s['p50_s']:>6.2f} "
+              f"{s['p50_s'] / base['p50_s']:>6.2f} {s['tau']:>5.2f} "
+              f"{s['target_calls_per_token']:>9.3f} {s['errors']:>6} "
+              f"{str(s['identical_to_in_process']):>5}")
+    print("\nper round (ms): queue, draft model, target call (hop + target model), target model, "
+          "rows per target forward")
+    for name, n, s, _ in rows:
+        r = s["per_round"]
+        q = s["per_request"]
+        print(f"{name:<8} {n:>3} clients: queue {1e3 * r['queue_s']:.2f}, draft "
+              f"{1e3 * r['draft_model_s']:.2f}, call {1e3 * r['target_call_s']:.2f} (hop "
+              f"{1e3 * r['hop_s']:.2f}), target {1e3 * r['target_model_s']:.2f}, rows "
+              f"{r['rows_per_target_forward']:.1f}; per request: http+proxy "
+              f"{1e3 * q['http_and_proxy_s']:.1f}, ingress->replica "
+              f"{1e3 * q['ingress_to_replica_s']:.1f}, prefill {1e3 * q['prefill_s']:.1f}")
+    names = list(report["methods"])
+    if "ar" in names and len(names) > 1:
+        for name in names[1:]:
+            ratio = one[name]["tokens_per_s"] / one["ar"]["tokens_per_s"]
+            report["methods"][name]["one_client_over_ar"] = ratio
+            print(f"{name} over ar, one client through Serve: {ratio:.2f}x")
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print(f"written {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
