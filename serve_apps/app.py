@@ -123,7 +123,8 @@ def app_from_config(cfg: ServeJob):
                         torch_threads=sv.target.torch_threads, **common)
     draft_app = d.bind(target_app, draft, cfg.method.model_dump(mode="json"), vocab, m.dtype,
                        m.device, rec_draft=rec_draft, plugins=plugin_modules(cfg.method),
-                       torch_threads=sv.draft.torch_threads, buckets=buckets, **common)
+                       torch_threads=sv.draft.torch_threads, buckets=buckets,
+                       direct_rounds=sv.direct_rounds, **common)
     return i.bind(target_app, draft_app, settings)
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_apps.batcher import StepBatcher
+from serve_apps.channel import ChannelClient, ChannelError
 from serve_apps.decode import DecodeRequest, Timing, collect, drive
 from serve_apps.metrics import ServeMetrics
 from serve_apps.router import target_key
@@ -69,7 +70,7 @@ class DraftDeployment(RequestStates):
                  max_cached_tokens: int = 65536, idle_timeout_s: float = 60.0,
                  rec_draft: str | None = None, plugins: list[str] | None = None,
                  max_batch: int = 64, batch_wait_ms: float = 5.0, torch_threads: int = 1,
-                 buckets: int = 1) -> None:
+                 buckets: int = 1, direct_rounds: bool = True) -> None:
         torch.set_num_threads(torch_threads)
         for module in plugins or []:
             importlib.import_module(module)
@@ -101,6 +102,8 @@ class DraftDeployment(RequestStates):
         self.batcher = StepBatcher(self._run, lambda: self.active, max_batch,
                                    batch_wait_ms / 1e3, self.metrics.batch)
         self._ending: set[asyncio.Task] = set()
+        self.direct_rounds = direct_rounds
+        self._channels: dict[str, ChannelClient | None] = {}  # target key -> its channel
         self.rec = None
         if rec_draft:
             from serve_apps.beams import RecDraftSide
@@ -152,15 +155,15 @@ class DraftDeployment(RequestStates):
             mine = [(i, s) for i, s in joins if s.key == key]
             rows = [{"rid": s.rid, "prompt_ids": s.req.prompt_ids, "sampling": s.req.sampling,
                      "rule": s.req.rule, "seed": s.req.seed} for _, s in mine]
-            calls.append(self.target.start_rows.remote(key, self.source, rows,
-                                                       self.prefill_top_k, self.features))
+            calls.append(self._call(key, "start_rows", self.source, rows, self.prefill_top_k,
+                                    self.features))
             parts.append(("start", mine))
         for key in sorted({s.key for _, s in ready}):
             mine = [(i, s, p) for (i, s), p in zip(ready, proposals, strict=True)
                     if s.key == key]
             items = [(s.rid, p.tree.to_wire() if p.tree is not None else None)
                      for _, s, p in mine]
-            calls.append(self.target.verify_rows.remote(key, self.source, items))
+            calls.append(self._call(key, "verify_rows", self.source, items))
             parts.append(("verify", mine))
         t1 = time.perf_counter()
         replies = await asyncio.gather(*calls, return_exceptions=True)
@@ -235,9 +238,28 @@ class DraftDeployment(RequestStates):
         """:meth:`generate` as one reply: ``{"tokens", "stats"}``."""
         return await collect(self.generate(rid, request))
 
+    async def _call(self, key: str, op: str, *args) -> object:
+        """``op(key, *args)`` on the target replica of ``key``: over its loopback channel
+        when it runs on this node (and ``direct_rounds``), else a Serve handle call."""
+        if self.direct_rounds and key not in self._channels:
+            import ray
+
+            where = await self.target.channel.remote(key)
+            here = where["node"] == ray.get_runtime_context().get_node_id()
+            self._channels[key] = ChannelClient(where["port"], where["secret"]) if here \
+                else None
+        client = self._channels.get(key)
+        if client is None:
+            return await getattr(self.target, op).remote(key, *args)
+        try:
+            return await client.call(op, key, *args)
+        except ChannelError:
+            self._channels.pop(key, None).close()  # ask Serve for a live replica next time
+            raise
+
     async def _end_target(self, key: str, rid: str) -> None:
         try:
-            await self.target.end.remote(key, rid)
+            await self._call(key, "end", rid)
         except Exception:  # a dead target replica took the row with it
             pass
 

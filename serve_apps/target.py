@@ -7,7 +7,8 @@ Calls (first argument: the routing key, see :func:`serve_apps.router.target_key`
 * ``start_rows`` / ``verify_rows``: a draft replica's half of a round for several of its
   requests at once (prefill; one forward over every tree). Calls from several draft
   replicas that arrive together are merged into one batch by the replica's
-  :class:`~serve_apps.batcher.StepBatcher`.
+  :class:`~serve_apps.batcher.StepBatcher`. A draft replica on the same node makes these
+  calls (and ``end``) over a loopback socket (``channel``, :mod:`serve_apps.channel`).
 * ``generate`` / ``complete``: plain decoding (no draft), driven here: the rounds of all
   concurrent requests share one forward.
 * ``end``, ``stats``, ``info``; ``rec_start`` / ``rec_verify`` are the target's half of
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_apps.batcher import StepBatcher
+from serve_apps.channel import ChannelServer
 from serve_apps.decode import DecodeRequest, Timing, collect, drive
 from serve_apps.metrics import ServeMetrics
 from serve_apps.sessions import PoolRow, RequestStates, SessionGone
@@ -79,6 +81,7 @@ class TargetDeployment(RequestStates):
         self.metrics = ServeMetrics()
         self.batcher = StepBatcher(self._run, self._expected, max_batch, batch_wait_ms / 1e3,
                                    self.metrics.batch)
+        self.channel_server = ChannelServer(self._channel_op)
         self.rec = None
         if rec_target:
             from serve_apps.beams import RecTargetSide
@@ -162,6 +165,19 @@ class TargetDeployment(RequestStates):
     async def end(self, key: str, rid: str) -> bool:
         """Free request ``rid``'s row (False if it was already gone)."""
         return self._forget(rid)
+
+    async def channel(self, key: str) -> dict:
+        """Where this replica answers the three calls above directly
+        (:mod:`serve_apps.channel`): ``port`` on 127.0.0.1, ``secret`` and ``node``."""
+        import ray
+
+        return {**await self.channel_server.address(),
+                "node": ray.get_runtime_context().get_node_id()}
+
+    async def _channel_op(self, op: str, args: tuple) -> object:
+        if op not in ("start_rows", "verify_rows", "end"):
+            raise ValueError(f"channel: unknown call {op!r}")
+        return await getattr(self, op)(*args)
 
     # ------------------------------------------------------------------ plain decoding
     async def generate(self, key: str, rid: str, request: dict) -> AsyncIterator[dict]:

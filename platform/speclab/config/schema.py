@@ -574,6 +574,9 @@ class ServeConfig(StrictModel):
     max_batch: int = Field(64, gt=0, description="requests per batched model step")
     batch_wait_ms: float = Field(
         5.0, ge=0.0, description="longest wait for the other live requests to join a batch")
+    direct_rounds: bool = Field(
+        True, description="draft -> target round calls over a loopback socket when both "
+                          "replicas share a node (else Serve handle calls)")
     api_key: str | None = Field(None, description="required as 'Authorization: Bearer <key>'")
     metrics_port: int | None = Field(
         None, gt=0, lt=65536, description="Prometheus port of the embedded Ray (/metrics)")
