@@ -2,11 +2,12 @@
 in-process engine on the same prompts.
 
     .venv/bin/python -m serve_apps.bench --config experiments/serve_reference.yaml \\
-        [--methods ar,chain] [--clients 1,4,16] [--requests 3] [--max-tokens 48] \\
+        [--methods ar,chain] [--clients 1,4,16] [--requests 8] [--max-tokens 48] \\
         [--out bench_out/serve_bench.json]
 
 For each method, one after another (nothing else runs meanwhile): the in-process
-:class:`speclab.api.Decoder` decodes the load test's prompts one at a time (greedy);
+:class:`speclab.api.Decoder` decodes the load test's 8 prompts one at a time (greedy;
+with 8 requests per client, one client sends exactly these);
 then ``speclab serve`` starts the app on a free 127.0.0.1 port in its own process
 group, a warm-up request runs, and :func:`serve_apps.loadtest.run_load` runs at each
 client count; the server is stopped (its process group) before the next method.
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="ar,chain",
                    help="comma-separated; 'chain' takes the config's method params")
     p.add_argument("--clients", default="1,4,16")
-    p.add_argument("--requests", type=int, default=3, help="requests per client")
+    p.add_argument("--requests", type=int, default=8, help="requests per client")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default="bench_out/serve_bench.json")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")

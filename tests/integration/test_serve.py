@@ -1,6 +1,8 @@
 """The Serve app end to end, started the way a user starts it (``speclab serve``) on
-127.0.0.1: the openai client, streaming, the native routes, bad requests, a load of
-16 concurrent clients checked against the offline engine, and a killed target replica.
+127.0.0.1: the openai client (completions and chat), streaming, the native routes, bad
+requests, the documented API, Prometheus metrics, an API key, a load of 16 concurrent
+clients checked against the offline engine and batched, and killed target and draft
+replicas.
 
 The module's app has TWO target replicas, so every request also exercises the
 session-affinity router (a call reaching the wrong replica would find no state).
@@ -94,13 +96,15 @@ def server(tmp_path_factory, tiny):
     root = tmp_path_factory.mktemp("serve")
     target, draft = tiny
     rec_target, rec_draft = _rec_models(root)
+    metrics_port = free_port()
     proc, url = _start(root, [
         f"models.target={target}", f"models.draft={draft}", "serve.target.replicas=2",
+        f"serve.metrics_port={metrics_port}",
         "serve.target.num_cpus=0.4", "serve.draft.num_cpus=0.4",
         f"serve.rec_target={rec_target}", f"serve.rec_draft={rec_draft}", "serve.rec_n=6",
         "serve.rec_gamma=2"])
     yield {"url": url, "target": target, "draft": draft, "rec_target": rec_target,
-           "rec_draft": rec_draft}
+           "rec_draft": rec_draft, "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     _stop(proc)
 
 
@@ -132,6 +136,96 @@ def test_openai_client_completion_equals_the_offline_engine(server, offline):
             model="smoke-serve", prompt=p, max_tokens=24, temperature=0, stream=True)]
         assert "".join(chunks) == offline[p][1]
         assert sum(1 for c in chunks if c) > 1  # really streamed, round by round
+
+
+def test_chat_completions_through_the_openai_client(server):
+    """Messages go through the chat template (the tiny tokenizer has none: the documented
+    plain template); the reply equals the offline engine on that prompt, with usage and
+    the SD stats in the ``speclab`` extension, streamed or not."""
+    import openai
+
+    from serve_apps.chat import chat_prompt
+    from speclab.api import Decoder
+
+    msgs = [{"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "def add(a, b):"}]
+    dec = Decoder.from_pretrained(server["target"], server["draft"])
+    prompt = chat_prompt(dec.tokenizer, msgs)
+    assert prompt.endswith("<|user|>\ndef add(a, b):\n<|assistant|>\n")
+    want = dec.generate(prompt, method="salf", max_new_tokens=16, **METHOD)
+    text = dec.tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    res = client.chat.completions.create(model="smoke-serve", messages=msgs, max_tokens=16,
+                                         temperature=0)
+    assert res.object == "chat.completion" and res.choices[0].message.role == "assistant"
+    assert res.choices[0].message.content == text
+    assert res.usage.prompt_tokens == len(dec.encode(prompt))
+    assert res.usage.completion_tokens == len(want.token_ids)
+    assert res.model_extra["speclab"]["accepted_lengths"] == want.stats.accepted_lengths
+    chunks = list(client.chat.completions.create(model="smoke-serve", messages=msgs,
+                                                 max_tokens=16, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="smoke-serve", messages=[], max_tokens=4)
+
+
+def test_unknown_routes_and_methods_answer_in_openai_error_shape(server):
+    r = requests.get(server["url"] + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert "/v1/nothing" in r.json()["error"]["message"]
+    r = requests.get(server["url"] + "/generate")
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param",
+                                                              "code"}
+
+
+def test_openapi_documents_every_error_response_and_the_constraints(server):
+    spec = requests.get(server["url"] + "/openapi.json").json()
+    want = {"/v1/completions": {"400", "401", "404", "503"},
+            "/v1/chat/completions": {"400", "401", "404", "503"},
+            "/generate": {"400", "401", "503"}, "/recommend": {"400", "401", "404", "503"}}
+    for path, codes in want.items():
+        responses = spec["paths"][path]["post"]["responses"]
+        assert codes <= set(responses), (path, set(responses))
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ErrorResponse")
+    schemas = spec["components"]["schemas"]
+    assert schemas["CompletionRequest"]["properties"]["max_tokens"]["maximum"] == 256
+    assert schemas["CompletionRequest"]["properties"]["max_tokens"]["minimum"] == 1
+    prompt = json.dumps(schemas["CompletionRequest"]["properties"]["prompt"])
+    assert '"minLength": 1' in prompt
+    assert schemas["ChatCompletionRequest"]["properties"]["messages"]["minItems"] == 1
+    assert schemas["RecommendRequest"]["properties"]["history"]["minItems"] == 1
+
+
+def test_sd_counters_reach_prometheus_under_vllm_names(server):
+    """After some requests (those of the tests above), Ray's metrics port serves the
+    SD counters under vLLM's names, the request latency and the batch sizes."""
+    for p in PROMPTS[:2]:
+        assert requests.post(server["url"] + "/generate",
+                             json={"prompt": p, "max_tokens": 16}).status_code == 200
+    deadline, text = time.time() + 90, ""
+    names = ["ray_vllm_spec_decode_num_drafts_total",
+             "ray_vllm_spec_decode_num_draft_tokens_total",
+             "ray_vllm_spec_decode_num_accepted_tokens_total",
+             "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total",
+             "ray_speclab_request_latency_seconds_count", "ray_speclab_batch_size_count"]
+    while time.time() < deadline:
+        text = requests.get(server["metrics"], timeout=10).text
+        if all(n in text for n in names):
+            break
+        time.sleep(3)
+
+    def value(name: str, needle: str = "") -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and needle in line)
+
+    assert value(names[0]) > 0 and value(names[1]) >= value(names[2]) > 0, text[-2000:]
+    assert value(names[3], 'position="0"') >= value(names[3], 'position="1"')
+    assert value(names[4], 'route="generate"') >= 2
+    assert value(names[5], 'deployment="target"') > 0
+    assert value(names[5], 'deployment="draft"') > 0
 
 
 def test_generate_returns_tokens_and_the_sd_stats(server, offline):
@@ -236,6 +330,9 @@ def test_load_of_16_concurrent_clients_is_answered_correctly_without_leaks(serve
     assert s["requests"] == 48 and s["errors"] == 0
     for body in results:  # greedy: exactly the offline output
         assert body["token_ids"] == offline[body["prompt"]][0]
+    # and batched: rounds of concurrent requests shared target forwards
+    rows = [n for body in results for n in body["stats"]["timing"]["batch_rows"]]
+    assert max(rows) > 1, rows
     after = _replica_stats(url)
     print(f"\n[load] {s['requests']} requests from 16 clients in {s['wall_s']:.1f}s: p50 "
           f"{s['p50_s']:.2f}s p95 {s['p95_s']:.2f}s, {s['tokens_per_s']:.1f} tokens/s, tau "
@@ -247,9 +344,14 @@ def test_load_of_16_concurrent_clients_is_answered_correctly_without_leaks(serve
         assert st["evicted"] == 0 and st["expired"] == 0, st
 
 
-def test_killed_target_replica_is_replaced_and_later_requests_succeed(server, offline):
+@pytest.mark.parametrize("side", ["target", "draft"])
+def test_killed_replica_is_replaced_and_later_requests_succeed(server, offline, side):
+    """A target replica (it holds the rows of its key's requests) or the draft replica
+    (it drives every request's rounds) is SIGKILLed mid-load: requests in flight on it
+    get a 503, the others their exact output; Serve replaces it, later requests
+    succeed and no state is left behind."""
     url = server["url"]
-    victim = next(pid for pid, st in _replica_stats(url).items() if st["side"] == "target")
+    victim = next(pid for pid, st in _replica_stats(url).items() if st["side"] == side)
     jobs = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_one, url, p) for p in jobs]
@@ -270,16 +372,52 @@ def test_killed_target_replica_is_replaced_and_later_requests_succeed(server, of
         if body["status"] != 200:
             time.sleep(1)
     assert ok == 8, json.dumps(body)[:500]
-    while time.time() < deadline:  # Serve starts a new target replica in its place
+    while time.time() < deadline:  # Serve starts a new replica in its place
         stats = _replica_stats(url)
-        if len(stats) == 3:
+        if len(stats) == 3 and all(st["sessions"] == 0 for st in stats.values()):
             break
         time.sleep(2)
     assert victim not in stats and len(stats) == 3, stats
     for st in stats.values():  # failed requests freed their state on the survivors too
         assert st["sessions"] == 0, st
-    print(f"\n[fault] {sum(b['status'] == 503 for _, b in results)} of {len(jobs)} requests "
-          f"in flight got 503 after the kill; the rest were answered correctly")
+    print(f"\n[fault] {side}: {sum(b['status'] == 503 for _, b in results)} of {len(jobs)} "
+          f"requests in flight got 503 after the kill; the rest were answered correctly")
+
+
+def test_plain_decoding_app_with_an_api_key(tmp_path, tiny):
+    """``method: ar``: the target deployment drives the requests alone; ``--api-key``
+    makes every API route ask for it as a Bearer token (401 in OpenAI's shape), while
+    /health stays open for probes."""
+    import openai
+
+    from speclab.api import Decoder
+
+    target, _ = tiny
+    want = Decoder.from_pretrained(target).generate(PROMPTS[1], method="ar", max_new_tokens=20)
+    proc, url = _start(tmp_path, [f"models.target={target}", "method={name: ar}",
+                                  "--api-key=s3cret"])
+    try:
+        r = requests.get(url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer"
+        r = requests.post(url + "/generate", json={"prompt": PROMPTS[1], "max_tokens": 20},
+                          headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = requests.post(url + "/generate", json={"prompt": PROMPTS[1], "max_tokens": 20},
+                          headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == want.token_ids and r.json()["method"] == "ar"
+        assert r.json()["stats"]["target_calls"] == len(want.token_ids)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        res = client.completions.create(model="smoke-serve", prompt=PROMPTS[1], max_tokens=20,
+                                        temperature=0)
+        assert res.usage.completion_tokens == len(want.token_ids)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0
+                          ).completions.create(model="smoke-serve", prompt="x", max_tokens=2)
+        assert requests.get(url + "/health").status_code == 200
+    finally:
+        _stop(proc)
 
 
 def test_specdecpp_app_loads_the_head_once_and_stays_lossless(tmp_path, tiny):

@@ -1,0 +1,186 @@
+"""The Serve replicas' engine (no Ray): requests as rows of one batched target and
+batched drafters, joining and leaving at any round, verified in subsets; and the
+batching clock and loopback channel the deployments use."""
+
+import asyncio
+
+import pytest
+import torch
+
+from serve_apps.batcher import StepBatcher
+from serve_apps.channel import ChannelClient, ChannelError, ChannelServer
+from speclab.api import Decoder
+from speclab.config.method import parse_method
+from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.loop import commit_tokens, eos_set
+from speclab.decoding.row_pool import DraftPool, NewRow, TargetPool
+from speclab.decoding.rules import RuleSpec
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
+from speclab.drafters.registry import BuildContext, build_drafter, make_batch_drafter
+
+from .test_engine_greedy import prompts
+
+CASES = [("chain", {"gamma": 3}), ("salf", {"nodes": 12, "batch": 3, "salf_threshold": 0.2}),
+         ("tree", {"tree_top_k": 2, "depth": 3, "nodes": 6}), ("pld", {})]
+
+
+def _pools(dec: Decoder, method: dict) -> tuple[TargetPool, DraftPool]:
+    cfg = parse_method(method)
+    draft = dec.draft.model if dec.draft is not None else None
+
+    def ctx(sampling, g):
+        return BuildContext(ModelRunner(draft) if draft is not None else None, sampling, g, {})
+
+    def make(sampling):
+        return make_batch_drafter(cfg, ctx(sampling, None),
+                                  lambda g: build_drafter(cfg, ctx(sampling, g)))
+
+    return TargetPool(BatchRunner(dec.target.model)), DraftPool(make)
+
+
+@pytest.mark.parametrize("name,params", CASES)
+def test_requests_joining_and_leaving_at_any_round_equal_decoding_alone(tiny_pair, name,
+                                                                        params):
+    """Six requests join at rounds 0, 0, 1, 3, 3, 5 and each round only every other
+    ready request is verified (the rest wait, as on a replica whose batch closed
+    without them); every request still gets exactly its tokens and accepted lengths."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    method = {"name": name, **params}
+    want = {}
+    ps = prompts(6)
+    for i, p in enumerate(ps):
+        res = dec.generate(p, method=name, max_new_tokens=20, **params)
+        want[f"r{i}"] = (res.token_ids, res.stats.accepted_lengths)
+    target, drafts = _pools(dec, method)
+    joins = {0: ["r0", "r1"], 1: ["r2"], 3: ["r3", "r4"], 5: ["r5"]}
+    live: dict[str, dict] = {}
+    got: dict[str, tuple[list[int], list[int]]] = {}
+    greedy = SamplingParams()
+    for rnd in range(200):
+        new = [NewRow(rid, ps[int(rid[1:])], greedy, RuleSpec("greedy"), 0)
+               for rid in joins.get(rnd, [])]
+        if new:
+            tops = target.start(new, 0)
+            drafts.join([NewRow(r.rid, r.prompt_ids, greedy, None, 1, top, feats)
+                         for r, (top, feats) in zip(new, tops, strict=True)])
+            for r in new:
+                live[r.rid] = {"path": None, "new": [], "out": [], "lengths": []}
+        ready = sorted(live)[rnd % 2::2] or sorted(live)
+        if not ready:
+            if rnd > 5:
+                break
+            continue
+        items = [(rid, live[rid]["path"], live[rid]["new"], 20 - len(live[rid]["out"]) - 1,
+                  None) for rid in ready]
+        proposals = drafts.propose(items)
+        verdicts = target.verify([(rid, p.tree.to_wire() if p.tree is not None else None)
+                                  for rid, p in zip(ready, proposals, strict=True)])
+        for rid, v in zip(ready, verdicts, strict=True):
+            st = live[rid]
+            st["path"], st["new"] = v.path, v.new
+            n0 = len(st["out"])
+            done = commit_tokens(st["out"], v.new, 20, eos_set(dec.eos_token_id))
+            st["lengths"].append(len(st["out"]) - n0)
+            if done:
+                got[rid] = (st.pop("out"), st.pop("lengths"))
+                del live[rid]
+                assert target.end(rid) and drafts.end(rid)
+    assert got == want
+    assert len(target) == 0 and len(drafts) == 0 and not drafts.groups
+
+
+def test_pools_group_drafters_by_sampling_and_name_unknown_requests(tiny_pair):
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    target, drafts = _pools(dec, {"name": "chain", "gamma": 2})
+    hot = SamplingParams(temperature=0.8)
+    rows = [NewRow("a", [1, 2, 3], SamplingParams(), RuleSpec("greedy"), 0),
+            NewRow("b", [4, 5], hot, RuleSpec("sample"), 0)]
+    target.start(rows)
+    drafts.join(rows)
+    assert len(drafts.groups) == 2 and target.length("a") == 2 and drafts.length("b") == 1
+    with pytest.raises(KeyError):
+        target.verify([("nope", None)])
+    with pytest.raises(KeyError):
+        drafts.propose([("nope", None, [], 2, None)])
+    target.start([NewRow("a", [7, 7, 7, 7], SamplingParams(), RuleSpec("greedy"), 0)])
+    assert len(target) == 2 and target.length("a") == 3  # the same id starts over
+    assert drafts.end("b") and not drafts.end("b") and len(drafts.groups) == 1
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_batcher_closes_a_batch_when_every_live_source_is_in_it():
+    batches = []
+
+    async def run(steps):
+        batches.append(list(steps))
+        return [s * 10 for s in steps]
+
+    async def main():
+        live = {"n": 1}
+        b = StepBatcher(run, lambda: live["n"], max_batch=8, max_wait_s=5.0)
+        t0 = asyncio.get_running_loop().time()
+        assert await b.submit(1, "a") == 10  # one live source: no wait at all
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        live["n"] = 3
+        res = await asyncio.gather(*(b.submit(i, f"s{i}") for i in range(3)))
+        assert res == [0, 10, 20] and batches[-1] == [0, 1, 2]
+        live["n"] = 4  # a straggler that never comes: the batch closes after max_wait_s
+        b.max_wait_s = 0.05
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.gather(*(b.submit(i, f"s{i}") for i in range(3)))
+        assert asyncio.get_running_loop().time() - t0 >= 0.05 and batches[-1] == [0, 1, 2]
+
+    _run(main())
+
+
+def test_batcher_fails_only_the_steps_that_failed():
+    async def run(steps):
+        if 99 in steps:
+            raise RuntimeError("model broke")
+        return [ValueError(f"bad {s}") if s < 0 else s for s in steps]
+
+    async def main():
+        b = StepBatcher(run, lambda: 2, max_batch=8, max_wait_s=1.0)
+        ok, bad = await asyncio.gather(b.submit(1, "a"), b.submit(-1, "b"),
+                                       return_exceptions=True)
+        assert ok == 1 and isinstance(bad, ValueError)
+        res = await asyncio.gather(b.submit(99, "a"), b.submit(2, "b"), return_exceptions=True)
+        assert all(isinstance(r, RuntimeError) for r in res)
+        assert b.batches == 2 and b.steps == 4
+
+    _run(main())
+
+
+def test_channel_answers_only_callers_with_the_secret():
+    async def handler(op, args):
+        if op == "bad":
+            raise ValueError("prompt_ids: out of range")
+        if op == "boom":
+            raise RuntimeError("replica broke")
+        return {"op": op, "args": args, "tensor": torch.ones(2)}
+
+    async def main():
+        server = ChannelServer(handler)
+        where = await server.address()
+        client = ChannelClient(where["port"], where["secret"])
+        reply = await client.call("verify_rows", "t0", [("a", None)])
+        assert reply["args"] == ("t0", [("a", None)]) and reply["tensor"].sum() == 2
+        with pytest.raises(ValueError, match="prompt_ids"):
+            await client.call("bad")
+        with pytest.raises(ChannelError, match="replica broke"):
+            await client.call("boom")
+        assert (await client.call("again"))["op"] == "again"  # the connection is reused
+        intruder = ChannelClient(where["port"], b"x" * 32)
+        with pytest.raises(ChannelError, match="went away"):
+            await intruder.call("verify_rows")  # dropped before anything is unpickled
+        client.close()
+        server._server.close()
+        await server._server.wait_closed()
+        with pytest.raises(ChannelError):
+            await ChannelClient(where["port"], where["secret"]).call("verify_rows")
+
+    _run(main())
