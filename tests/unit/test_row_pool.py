@@ -50,7 +50,7 @@ def test_requests_joining_and_leaving_at_any_round_equal_decoding_alone(tiny_pai
     want = {}
     ps = prompts(6)
     for i, p in enumerate(ps):
-        res = dec.generate(p, method=name, max_new_tokens=20, **params)
+        res = dec.generate(prompt_ids=p, method=name, max_new_tokens=20, **params)
         want[f"r{i}"] = (res.token_ids, res.stats.accepted_lengths)
     target, drafts = _pools(dec, method)
     joins = {0: ["r0", "r1"], 1: ["r2"], 3: ["r3", "r4"], 5: ["r5"]}

@@ -4,8 +4,9 @@
 what it needs from the sides (:class:`Start`, :class:`Propose`, :class:`Verify`) and
 receives their answers, and yields :class:`Committed` after each round. It records every
 statistic (one definition of tau). A driver feeds it: :func:`drive` calls in-process
-sides (:mod:`speclab.decoding.sides`); the Serve ingress awaits deployment handles the
-same way (``serve_apps/ingress.py``). Plain decoding is the loop without a draft side.
+sides (:mod:`speclab.decoding.sides`); a Serve replica runs it per request with async
+steps that batch concurrent requests (``serve_apps/decode.py``). Plain decoding is the
+loop without a draft side.
 
 Convention: the target's cache holds every committed token but the last one (the
 root); each target call processes the root (plus the draft tree) and yields the next

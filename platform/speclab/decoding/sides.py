@@ -14,9 +14,10 @@ features: a target side built with ``features=True`` keeps the prefill's
 (``prefill_features``) and returns those of the accepted path with every verdict
 (``VerifyResult.features``); the draft side hands both to its drafter's ``observe``.
 
-Offline decoding calls these objects directly; the Serve deployments hold one of each per
-request and the ingress awaits them through deployment handles, so both run the same
-loop. Plain decoding (``ar``) is the empty draft side: no drafter, root-only rounds.
+Offline decoding calls these objects directly (the batched engine and the Serve
+replicas hold many requests as rows instead: :mod:`speclab.decoding.batch_loop`,
+:mod:`speclab.decoding.row_pool`); every driver runs the same loop. Plain decoding
+(``ar``) is the empty draft side: no drafter, root-only rounds.
 """
 
 from __future__ import annotations

@@ -214,7 +214,9 @@ class BatchModelDrafter(BatchDrafter):
             for b, tree in zip(rows, drafted, strict=True):
                 trees[b] = tree
         self.runner.maybe_compact()
-        self.last = trees
+        for b, tree in enumerate(trees):  # rows left out of this call keep their last tree
+            if tree is not None or paths[b] is not None or news[b] or budgets[b] > 0:
+                self.last[b] = tree
         return trees
 
     @abstractmethod
