@@ -77,9 +77,10 @@ def plugin_modules(method) -> list[str]:
     return [] if module.startswith("speclab.") else [module]
 
 
-def _options(rc, name: str, routed: bool) -> dict:
+def _options(rc, name: str, routed: bool, access_log: bool) -> dict:
     opts = {"name": name, "max_ongoing_requests": rc.max_ongoing_requests,
-            "ray_actor_options": {"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus}}
+            "ray_actor_options": {"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus},
+            "logging_config": {"enable_access_log": access_log}}
     if rc.autoscaling is not None:
         a = rc.autoscaling
         opts["autoscaling_config"] = {
@@ -110,9 +111,10 @@ def app_from_config(cfg: ServeJob):
     common = {"max_sessions": sv.max_sessions, "max_cached_tokens": sv.max_cached_tokens,
               "idle_timeout_s": sv.idle_timeout_s, "max_batch": sv.max_batch,
               "batch_wait_ms": sv.batch_wait_ms}
-    t = serve.deployment(TargetDeployment).options(**_options(sv.target, "target", True))
-    d = serve.deployment(DraftDeployment).options(**_options(sv.draft, "draft", True))
-    i = serve.deployment(Ingress).options(**_options(sv.ingress, "ingress", False))
+    log = sv.access_log
+    t = serve.deployment(TargetDeployment).options(**_options(sv.target, "target", True, log))
+    d = serve.deployment(DraftDeployment).options(**_options(sv.draft, "draft", True, log))
+    i = serve.deployment(Ingress).options(**_options(sv.ingress, "ingress", False, log))
     buckets = sv.target.max_count  # target routing keys: one batched call per key
     settings = {"method": cfg.method.name, "model_name": sv.model_name or cfg.name,
                 "max_tokens": sv.max_tokens, "target_path": target, "created": int(time.time()),

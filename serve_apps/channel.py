@@ -1,13 +1,14 @@
-"""A direct loopback channel for the per-round calls of a draft replica to a target
+"""A direct same-node channel for the per-round calls of a draft replica to a target
 replica on the SAME node.
 
 A Serve handle call costs a few milliseconds of CPU on both ends (routing, the
 replica's request bookkeeping, metrics), about as much as the target's forward for one
 request on a small CPU model. The round exchange is the hot path, so a target replica
-also answers its round calls (``start_rows``, ``verify_rows``, ``end``) on a TCP socket
-bound to 127.0.0.1. The draft replica learns the port and a per-replica secret through an
-ordinary, routed Serve call (``channel``) and uses the socket only when both replicas
-share a node; otherwise (another node) it keeps the Serve handle calls. Routing,
+also answers its round calls (``start_rows``, ``verify_rows``, ``end``) on a Unix socket
+in a private folder (mode 0700, so only processes of the same user can connect). The
+draft replica learns its path and a per-replica secret through an ordinary, routed
+Serve call (``channel``) and uses the socket only when both replicas share a node;
+otherwise (another node) it keeps the Serve handle calls. Routing,
 batching and failures are unchanged: a dead target replica closes its sockets, so the
 requests it held fail with a connection error (503) and the next request asks Serve
 again and reaches a live replica.
@@ -20,9 +21,12 @@ reaches :mod:`pickle` from a process that did not get the secret from Serve.
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import secrets
+import shutil
 import struct
+import tempfile
 from collections.abc import Awaitable, Callable
 
 _LEN = struct.Struct("!I")
@@ -44,15 +48,29 @@ class ChannelServer:
     def __init__(self, handler: Callable[[str, tuple], Awaitable[object]]) -> None:
         self.handler = handler
         self.secret = secrets.token_bytes(32)
-        self.port: int | None = None
+        self.path: str | None = None
         self._server: asyncio.base_events.Server | None = None
 
     async def address(self) -> dict:
-        """Start listening on 127.0.0.1 (once); ``{"port", "secret"}``."""
+        """Start listening (once); ``{"path", "secret"}``."""
         if self._server is None:
-            self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-            self.port = self._server.sockets[0].getsockname()[1]
-        return {"port": self.port, "secret": self.secret}
+            folder = tempfile.mkdtemp(prefix="speclab-channel-")  # mode 0700
+            self.path = os.path.join(folder, "target.sock")
+            self._server = await asyncio.start_unix_server(self._serve, self.path)
+        return {"path": self.path, "secret": self.secret}
+
+    async def close(self) -> None:
+        """Stop listening and remove the socket's folder."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove the socket's folder (the replica is going away)."""
+        if self.path is not None:
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -79,8 +97,8 @@ class ChannelError(ConnectionError):
 class ChannelClient:
     """The draft side: connections to one target replica, one per concurrent call."""
 
-    def __init__(self, port: int, secret: bytes) -> None:
-        self.port, self.secret = port, secret
+    def __init__(self, path: str, secret: bytes) -> None:
+        self.path, self.secret = path, secret
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     async def call(self, op: str, *args) -> object:
@@ -90,7 +108,7 @@ class ChannelClient:
             reader, writer = self._idle.pop()
         else:
             try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                reader, writer = await asyncio.open_unix_connection(self.path)
             except OSError as exc:
                 raise ChannelError(f"target replica unreachable: {exc}") from None
             writer.write(_frame(self.secret))

@@ -239,14 +239,14 @@ class DraftDeployment(RequestStates):
         return await collect(self.generate(rid, request))
 
     async def _call(self, key: str, op: str, *args) -> object:
-        """``op(key, *args)`` on the target replica of ``key``: over its loopback channel
+        """``op(key, *args)`` on the target replica of ``key``: over its same-node channel
         when it runs on this node (and ``direct_rounds``), else a Serve handle call."""
         if self.direct_rounds and key not in self._channels:
             import ray
 
             where = await self.target.channel.remote(key)
             here = where["node"] == ray.get_runtime_context().get_node_id()
-            self._channels[key] = ChannelClient(where["port"], where["secret"]) if here \
+            self._channels[key] = ChannelClient(where["path"], where["secret"]) if here \
                 else None
         client = self._channels.get(key)
         if client is None:

@@ -8,7 +8,7 @@ Calls (first argument: the routing key, see :func:`serve_apps.router.target_key`
   requests at once (prefill; one forward over every tree). Calls from several draft
   replicas that arrive together are merged into one batch by the replica's
   :class:`~serve_apps.batcher.StepBatcher`. A draft replica on the same node makes these
-  calls (and ``end``) over a loopback socket (``channel``, :mod:`serve_apps.channel`).
+  calls (and ``end``) over a Unix socket (``channel``, :mod:`serve_apps.channel`).
 * ``generate`` / ``complete``: plain decoding (no draft), driven here: the rounds of all
   concurrent requests share one forward.
 * ``end``, ``stats``, ``info``; ``rec_start`` / ``rec_verify`` are the target's half of
@@ -168,11 +168,15 @@ class TargetDeployment(RequestStates):
 
     async def channel(self, key: str) -> dict:
         """Where this replica answers the three calls above directly
-        (:mod:`serve_apps.channel`): ``port`` on 127.0.0.1, ``secret`` and ``node``."""
+        (:mod:`serve_apps.channel`): a Unix socket ``path``, ``secret`` and ``node``."""
         import ray
 
         return {**await self.channel_server.address(),
                 "node": ray.get_runtime_context().get_node_id()}
+
+    def __del__(self) -> None:  # Serve calls it when the replica shuts down
+        if getattr(self, "channel_server", None) is not None:
+            self.channel_server.remove()
 
     async def _channel_op(self, op: str, args: tuple) -> object:
         if op not in ("start_rows", "verify_rows", "end"):

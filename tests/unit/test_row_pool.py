@@ -3,6 +3,7 @@ batched drafters, joining and leaving at any round, verified in subsets; and the
 batching clock and loopback channel the deployments use."""
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -166,7 +167,7 @@ def test_channel_answers_only_callers_with_the_secret():
     async def main():
         server = ChannelServer(handler)
         where = await server.address()
-        client = ChannelClient(where["port"], where["secret"])
+        client = ChannelClient(where["path"], where["secret"])
         reply = await client.call("verify_rows", "t0", [("a", None)])
         assert reply["args"] == ("t0", [("a", None)]) and reply["tensor"].sum() == 2
         with pytest.raises(ValueError, match="prompt_ids"):
@@ -174,13 +175,14 @@ def test_channel_answers_only_callers_with_the_secret():
         with pytest.raises(ChannelError, match="replica broke"):
             await client.call("boom")
         assert (await client.call("again"))["op"] == "again"  # the connection is reused
-        intruder = ChannelClient(where["port"], b"x" * 32)
+        assert os.stat(os.path.dirname(where["path"])).st_mode & 0o077 == 0  # owner only
+        intruder = ChannelClient(where["path"], b"x" * 32)
         with pytest.raises(ChannelError, match="went away"):
             await intruder.call("verify_rows")  # dropped before anything is unpickled
         client.close()
-        server._server.close()
-        await server._server.wait_closed()
+        await server.close()
+        assert not os.path.exists(where["path"])
         with pytest.raises(ChannelError):
-            await ChannelClient(where["port"], where["secret"]).call("verify_rows")
+            await ChannelClient(where["path"], where["secret"]).call("verify_rows")
 
     _run(main())

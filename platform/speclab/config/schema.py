@@ -575,9 +575,12 @@ class ServeConfig(StrictModel):
     batch_wait_ms: float = Field(
         5.0, ge=0.0, description="longest wait for the other live requests to join a batch")
     direct_rounds: bool = Field(
-        True, description="draft -> target round calls over a loopback socket when both "
+        True, description="draft -> target round calls over a Unix socket when both "
                           "replicas share a node (else Serve handle calls)")
     api_key: str | None = Field(None, description="required as 'Authorization: Bearer <key>'")
+    access_log: bool = Field(
+        False, description="Serve's per-call access log lines (each costs CPU in the "
+                            "replica and in the driver that prints it)")
     metrics_port: int | None = Field(
         None, gt=0, lt=65536, description="Prometheus port of the embedded Ray (/metrics)")
     rec_target: str | None = Field(None, description="recommender for POST /recommend")
