@@ -119,6 +119,7 @@ def app_from_config(cfg: ServeJob):
     settings = {"method": cfg.method.name, "model_name": sv.model_name or cfg.name,
                 "max_tokens": sv.max_tokens, "target_path": target, "created": int(time.time()),
                 "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma, "api_key": sv.api_key,
+                "max_cached_tokens": sv.max_cached_tokens,
                 "target_buckets": buckets,
                 "replicas": {"target": sv.target.max_count, "draft": sv.draft.max_count}}
     target_app = t.bind(target, m.dtype, m.device, rec_target=rec_target,

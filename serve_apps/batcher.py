@@ -72,10 +72,12 @@ class StepBatcher:
                 continue
             self.batches += 1
             self.steps += len(live)
-            if self.on_batch is not None:
-                self.on_batch(len(live), time.perf_counter() - t_open)
             try:
+                if self.on_batch is not None:
+                    self.on_batch(len(live), time.perf_counter() - t_open)
                 results = await self.run([s for s, _ in live])
+                if len(results) != len(live):
+                    raise RuntimeError(f"batch: {len(results)} results for {len(live)} steps")
             except Exception as exc:  # the whole batch failed: every step hears why
                 results = [exc] * len(live)
             for (_, fut), res in zip(live, results, strict=True):

@@ -30,10 +30,13 @@ import tempfile
 from collections.abc import Awaitable, Callable
 
 _LEN = struct.Struct("!I")
+SECRET_BYTES = 32
 
 
-async def _read(reader: asyncio.StreamReader) -> bytes:
+async def _read(reader: asyncio.StreamReader, limit: int | None = None) -> bytes:
     (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+    if limit is not None and n > limit:
+        raise ConnectionError(f"frame of {n} bytes, at most {limit} expected")
     return await reader.readexactly(n)
 
 
@@ -47,16 +50,20 @@ class ChannelServer:
 
     def __init__(self, handler: Callable[[str, tuple], Awaitable[object]]) -> None:
         self.handler = handler
-        self.secret = secrets.token_bytes(32)
+        self.secret = secrets.token_bytes(SECRET_BYTES)
         self.path: str | None = None
         self._server: asyncio.base_events.Server | None = None
+        self._starting: asyncio.Lock | None = None
 
     async def address(self) -> dict:
-        """Start listening (once); ``{"path", "secret"}``."""
-        if self._server is None:
-            folder = tempfile.mkdtemp(prefix="speclab-channel-")  # mode 0700
-            self.path = os.path.join(folder, "target.sock")
-            self._server = await asyncio.start_unix_server(self._serve, self.path)
+        """Start listening (once, even for concurrent callers); ``{"path", "secret"}``."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._server is None:
+                folder = tempfile.mkdtemp(prefix="speclab-channel-")  # mode 0700
+                self.path = os.path.join(folder, "target.sock")
+                self._server = await asyncio.start_unix_server(self._serve, self.path)
         return {"path": self.path, "secret": self.secret}
 
     async def close(self) -> None:
@@ -74,7 +81,7 @@ class ChannelServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            if not secrets.compare_digest(await _read(reader), self.secret):
+            if not secrets.compare_digest(await _read(reader, SECRET_BYTES), self.secret):
                 return
             while True:
                 op, args = pickle.loads(await _read(reader))

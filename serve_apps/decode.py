@@ -2,10 +2,11 @@
 
 The engine's loop (:func:`speclab.decoding.loop.rounds`) runs INSIDE a model replica:
 in the draft replica for a drafting method (its proposals are local, the target is one
-handle call per round for all the replica's requests), in the target replica for plain
-decoding (no hop at all). :func:`drive` runs it with an async ``step`` that answers the
-loop's Start / Propose / Verify messages; the replica's :class:`~serve_apps.batcher.
-StepBatcher` turns the steps of concurrent requests into batched forwards.
+call per round and target key for all the replica's ready requests), in the target
+replica for plain decoding (no hop at all). :func:`drive` runs it with an async ``step``
+that answers the loop's Start / Propose / Verify messages; the replica's
+:class:`~serve_apps.batcher.StepBatcher` turns the steps of concurrent requests into
+batched forwards.
 
 :class:`DecodeRequest` is what the ingress sends; the replica streams back
 ``{"tokens": [...]}`` per round and ends with ``{"stats": {...}}`` (the loop's

@@ -4,7 +4,8 @@ DRIVES each drafting request's rounds.
 A request reaches this replica once (``generate``: streamed rounds, or ``complete``:
 one reply), routed by its id (:mod:`serve_apps.router`). Its round loop
 (:func:`serve_apps.decode.drive`) runs here: the proposal is local, and the target is
-ONE handle call per round for every request of this replica that is ready (its
+ONE call per round and target routing key for every request of this replica that is
+ready (its
 :class:`~serve_apps.batcher.StepBatcher` collects them): one batched draft pass
 (:class:`~speclab.decoding.row_pool.DraftPool`: batched chain / EAGLE-2 / optimal / SALF
 drafting, else one drafter per row), then ``verify_rows`` on the target with every tree.
@@ -122,7 +123,7 @@ class DraftDeployment(RequestStates):
             raise ValueError(f"method: {self.method!r} does not draft")
         return drafter
 
-    def info(self) -> dict:
+    async def info(self) -> dict:
         """The method, whether it drafts at all, how many prefill top tokens its drafter
         reads (AASD), whether it reads the target's features (EAGLE) and the verification
         rule its drafts need (None: the request's)."""
@@ -188,7 +189,7 @@ class DraftDeployment(RequestStates):
                                    None, s.req.seed + 1, res["top"],
                                    unpack_tensor(res["features"])) for _, s, res in joined])
             for i, s, _ in joined:
-                self.sessions.put(s.rid, PoolRow(self.pool, s.rid))
+                self.sessions.put(s.rid, PoolRow(self.pool, s.rid), release_old=False)
                 out[i] = True
         return out
 
@@ -254,7 +255,8 @@ class DraftDeployment(RequestStates):
         try:
             return await client.call(op, key, *args)
         except ChannelError:
-            self._channels.pop(key, None).close()  # ask Serve for a live replica next time
+            if self._channels.get(key) is client:  # ask Serve for a live replica next time
+                self._channels.pop(key).close()
             raise
 
     async def _end_target(self, key: str, rid: str) -> None:
@@ -263,22 +265,16 @@ class DraftDeployment(RequestStates):
         except Exception:  # a dead target replica took the row with it
             pass
 
-    async def end(self, rid: str) -> bool:
-        """Free the request's draft state (False if it was already gone)."""
-        return self.sessions.end(rid)
-
     # ------------------------------------------------------------------ recommend
-    def rec_start(self, rid: str, prompt: list[int], mode: str = "strict", n: int = 10,
-                  seed: int = 0) -> None:
+    async def rec_start(self, rid: str, prompt: list[int], mode: str = "strict", n: int = 10,
+                        seed: int = 0) -> None:
         """``POST /recommend``: prefill the history prompt on the drafter recommender."""
         if self.rec is None:
             raise ValueError("recommend: this app serves no recommender (serve.rec_draft)")
-        with self.lock:
-            self.sessions.put(rid, self.rec.start(prompt, mode, n, seed))
+        self.sessions.put(rid, self.rec.start(prompt, mode, n, seed))
 
-    def rec_draft(self, rid: str, committed: list, g: int) -> dict:
+    async def rec_draft(self, rid: str, committed: list, g: int) -> dict:
         """``g`` levels from the committed beams (strict: beam search with beam ``n``;
         relaxed: ``n`` samples per level and each level's ``q``)."""
-        with self.lock:
-            return self.rec.draft(self.sessions.get(rid), committed, g)
+        return self.rec.draft(self.sessions.get(rid), committed, g)
 

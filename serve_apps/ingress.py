@@ -259,6 +259,11 @@ class Ingress:
         if max_tokens > self.s["max_tokens"]:
             raise HTTPError(400, f"{max_param}: must be <= {self.s['max_tokens']} on this "
                                  f"server, got {max_tokens}", max_param)
+        if len(ids) + max_tokens > self.s["max_cached_tokens"]:
+            raise HTTPError(400, f"{max_param}: the prompt's {len(ids)} tokens plus "
+                                 f"{max_param}={max_tokens} exceed the "
+                                 f"{self.s['max_cached_tokens']} positions a replica holds "
+                                 f"(serve.max_cached_tokens)", max_param)
         info = await self._infos()
         bad = [t for t in ids if t >= info["vocab_size"]]
         if bad:
@@ -431,7 +436,11 @@ class Ingress:
         self._check_model(body.model)
         if self.tokenizer is None:
             raise HTTPError(400, "messages: the target has no tokenizer", "messages")
-        prompt = chat_prompt(self.tokenizer, [m.model_dump() for m in body.messages])
+        try:
+            prompt = chat_prompt(self.tokenizer, [m.model_dump() for m in body.messages])
+        except Exception as exc:  # the template refused the messages (e.g. role order)
+            raise HTTPError(400, f"messages: the chat template refused them: {exc}",
+                            "messages") from None
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         dec = await self._decoding(self._encode(prompt, "messages"), body.limit,
                                    body.temperature, body.top_p, 0,

@@ -2,11 +2,13 @@
 
 Each request keeps KV state on ONE replica of each deployment, so every call of a
 request must reach the replica that holds it. This Ray Serve request router picks, for
-the request id passed as the first argument, the replica with the highest
-rendezvous hash of (request id, replica id): stable while the replica set is stable,
-and when a replica dies only ITS requests move (and fail with a clear "no state"
-error) while the others keep their replica. Calls without a request id (``info``,
-``stats``) go to any replica.
+the routing key passed as the first argument (a request id for the draft deployment
+and ``/recommend``; a target key, :func:`target_key`, that groups requests for the
+target), the replica with the highest rendezvous hash of (key, replica id): stable
+while the replica set is stable. When a replica dies only ITS keys move (their
+requests fail with a clear "no state" error) while the others keep their replica; a
+replica added by scaling up takes over some keys, whose requests in flight fail the
+same way. Calls without a key (``info``) go to any replica.
 """
 
 from __future__ import annotations

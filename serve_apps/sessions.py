@@ -1,15 +1,15 @@
 """Per-request state of a replica (a KV cache, a drafter), bounded in time and memory.
 
-A request's state lives on one replica from its ``start`` call to its ``end`` call
-(:mod:`serve_apps.router` routes every call of a request to the same replica). A
-client that disconnects may never send ``end``, so the store also frees:
+A request's state lives on one replica from its start to its end (:mod:`serve_apps.
+router` routes every call of a request, or of its routing key, to the same replica). A
+client that disconnects may never end it, so the store also frees:
 
 * states idle longer than ``idle_timeout_s`` (checked on every store access), and
 * the least recently used states when a new one would exceed ``max_sessions`` or the
   cached KV positions of all states would exceed ``max_cached_tokens``.
 
-A call for a freed state raises :class:`SessionGone`, which the ingress turns into a
-503 naming the request. Nothing here imports Ray.
+A step for a freed state fails with :class:`SessionGone` (only that request's step),
+which the ingress turns into a 503 naming the request. Nothing here imports Ray.
 """
 
 from __future__ import annotations
@@ -57,11 +57,15 @@ class SessionStore:
         """KV positions held by every live state."""
         return sum(s.cached_tokens() for s, _ in self._states.values())
 
-    def put(self, rid: str, state: State) -> None:
-        """Store a new request's state (replacing one with the same id), then enforce
-        the bounds, evicting least recently used OTHER states first."""
+    def put(self, rid: str, state: State, release_old: bool = True) -> None:
+        """Store a new request's state (replacing one with the same id; ``release_old``
+        False: the old one was already released, e.g. a pool row restarted in place),
+        then enforce the bounds, evicting least recently used OTHER states first."""
         with self._lock:
-            self._drop(rid)
+            if release_old:
+                self._drop(rid)
+            else:
+                self._states.pop(rid, None)
             self._states[rid] = (state, self.clock())
             self._expire()
             while len(self._states) > 1 and (
@@ -125,21 +129,21 @@ def rss_mb() -> float:
 
 
 class RequestStates:
-    """Base of the model deployments: a :class:`SessionStore` from the ``serve`` bounds,
-    the lock that serialises the replica's model work, and the two calls every
-    deployment answers the same way (``end``, ``stats``)."""
+    """Base of the model deployments: a :class:`SessionStore` from the ``serve`` bounds
+    and the two calls every deployment answers the same way (``end``, ``stats``). Every
+    method of a deployment is ``async``: they all run on the replica's event loop, one at
+    a time between awaits, so the store and the batched pools need no lock (Serve may
+    run plain ``def`` methods in a thread pool)."""
 
     def __init__(self, max_sessions: int, max_cached_tokens: int,
                  idle_timeout_s: float) -> None:
         self.sessions = SessionStore(max_sessions, max_cached_tokens, idle_timeout_s)
-        self.lock = threading.Lock()  # one forward at a time: the models are shared
 
-    def end(self, rid: str) -> bool:
+    async def end(self, rid: str) -> bool:
         """Free the request's state (False if it was already gone)."""
-        with self.lock:
-            return self.sessions.end(rid)
+        return self.sessions.end(rid)
 
-    def stats(self, probe: str = "") -> dict:
+    async def stats(self, probe: str = "") -> dict:
         """Live requests, cached KV positions, frees so far, resident memory. ``probe``
         is routed like a request id, so different probes reach different replicas."""
         return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),

@@ -88,7 +88,7 @@ class TargetDeployment(RequestStates):
 
             self.rec = RecTargetSide(rec_target, dtype, device)
 
-    def info(self) -> dict:
+    async def info(self) -> dict:
         """Vocabulary size, EOS id(s), the recommender's items and id length (if any)."""
         return {"vocab_size": self.vocab, "eos": self.eos,
                 "rec_items": len(self.rec.meta.items) if self.rec else 0,
@@ -99,7 +99,8 @@ class TargetDeployment(RequestStates):
         return len(set(self.sources.values()))
 
     async def _run(self, steps: list) -> list:
-        """One batch: every joining row in one prefill, then every tree in one forward."""
+        """One batch: the joining rows of each start call in one prefill, then every
+        tree of every verify call in ONE forward."""
         out: list = [None] * len(steps)
         starts = [i for i, s in enumerate(steps) if isinstance(s, _Starts)]
         verifies = [i for i, s in enumerate(steps) if isinstance(s, _Verifies)]
@@ -138,7 +139,7 @@ class TargetDeployment(RequestStates):
         started = self.pool.start([r for _, r in rows], step.prefill_top_k) if rows else []
         for (j, row), (top, feats) in zip(rows, started, strict=True):
             self.sources[row.rid] = step.source
-            self.sessions.put(row.rid, PoolRow(self.pool, row.rid))
+            self.sessions.put(row.rid, PoolRow(self.pool, row.rid), release_old=False)
             replies[j] = {"top": top, "features": pack_tensor(feats) if step.features else None}
         return replies
 
@@ -219,20 +220,18 @@ class TargetDeployment(RequestStates):
         return await collect(self.generate(key, rid, request))
 
     # ------------------------------------------------------------------ recommend
-    def rec_start(self, rid: str, history: list[int], k: int, mode: str = "strict",
-                  seed: int = 0) -> list[int]:
+    async def rec_start(self, rid: str, history: list[int], k: int, mode: str = "strict",
+                        seed: int = 0) -> list[int]:
         """``POST /recommend``: prefill the history's prompt; returns its tokens."""
         if self.rec is None:
             raise ValueError("recommend: this app serves no recommender (serve.rec_target)")
-        with self.lock:
-            side, prompt = self.rec.start(history, k, mode, seed)
-            self.sessions.put(rid, side)
+        side, prompt = self.rec.start(history, k, mode, seed)
+        self.sessions.put(rid, side)
         return prompt
 
-    def rec_verify(self, rid: str, proposal: dict, committed: list) -> dict:
+    async def rec_verify(self, rid: str, proposal: dict, committed: list) -> dict:
         """Verification (strict top-K or relaxed sampling) of one round of drafted levels."""
-        with self.lock:
-            return self.rec.verify(self.sessions.get(rid), proposal, committed)
+        return self.rec.verify(self.sessions.get(rid), proposal, committed)
 
 
 def _error(rid: str, error: dict) -> Exception:

@@ -175,6 +175,7 @@ def _validate_job_config(job: str, config: str, overrides: list[str]) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Deploy ``serve_apps`` on local (or ``--address``) Ray; block until SIGINT/SIGTERM."""
+    import json
     import signal
     import threading
 
@@ -182,10 +183,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from speclab.paths import repo_root
     from speclab.raylib import init_ray
 
-    cfg = ServeJob.from_yaml(args.config, args.overrides)
-    if args.api_key is not None:
-        cfg = ServeJob.model_validate({**cfg.model_dump(), "serve": {
-            **cfg.serve.model_dump(), "api_key": args.api_key}})
+    key = [f"serve.api_key={json.dumps(args.api_key)}"] if args.api_key is not None else []
+    cfg = ServeJob.from_yaml(args.config, [*args.overrides, *key])  # validated with the key
     sys.path.insert(0, str(repo_root()))  # serve_apps lives next to the package
     from serve_apps.app import app_from_config
 
@@ -196,7 +195,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve.start(http_options={"host": sv.host, "port": sv.port})
     serve.run(app, name=sv.app_name, route_prefix="/")
-    metrics = f"; Prometheus metrics on :{sv.metrics_port}/metrics" if sv.metrics_port else ""
+    metrics = (f"; Prometheus metrics on :{sv.metrics_port}/metrics"
+               if sv.metrics_port and where == "embedded local Ray" else "")
     print(f"[serve] {cfg.method.name} on {where}: http://{sv.host}:{sv.port} "
           f"(/v1/completions, /v1/chat/completions, /v1/models, /generate, /recommend, "
           f"/health, /openapi.json){metrics}; stop with Ctrl-C", flush=True)

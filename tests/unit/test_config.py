@@ -141,3 +141,19 @@ def test_an_evaluate_config_with_a_head_group_exits_2_naming_head(tmp_path, comm
     assert res.returncode == 2, res.stderr
     assert "head: the evaluate job does not use a 'head' group" in res.stderr
     assert "running on" not in res.stdout  # no work started
+
+
+def test_serve_refuses_a_non_loopback_host_without_an_api_key():
+    """``speclab serve --api-key K`` adds ``serve.api_key`` as a JSON-quoted override, so
+    any key (colons, braces) survives YAML and the host check sees it."""
+    import json
+    from pathlib import Path
+
+    from speclab.config import ServeJob
+
+    cfg = Path(__file__).resolve().parents[2] / "experiments" / "smoke" / "serve.yaml"
+    with pytest.raises(ValueError, match="api_key: required when serving on '0.0.0.0'"):
+        ServeJob.from_yaml(cfg, ["serve.host=0.0.0.0"])
+    key = "k: {1} #x"
+    job = ServeJob.from_yaml(cfg, ["serve.host=0.0.0.0", f"serve.api_key={json.dumps(key)}"])
+    assert job.serve.api_key == key

@@ -571,7 +571,8 @@ class ServeConfig(StrictModel):
     max_cached_tokens: int = Field(
         65536, gt=0, description="KV positions per replica over all its requests")
     idle_timeout_s: float = Field(60.0, gt=0.0, description="state of a silent request freed")
-    max_batch: int = Field(64, gt=0, description="requests per batched model step")
+    max_batch: int = Field(64, gt=0, description="steps per batch: requests on a draft "
+                                                   "replica, calls on a target replica")
     batch_wait_ms: float = Field(
         5.0, ge=0.0, description="longest wait for the other live requests to join a batch")
     direct_rounds: bool = Field(
