@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -44,12 +45,17 @@ def run_cmd(args: list[str], env: dict, timeout: float = 600) -> subprocess.Comp
     timeout or an interrupt, stop everything it started, not only the direct child."""
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    tree = _Tree(proc)
+    watcher = threading.Thread(target=tree.watch, daemon=True)
+    watcher.start()  # learns Ray's workers while their parents live (they leave the group)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
-        stop_process_tree(proc, grace=10)
+        tree.stop_watching(watcher)
+        stop_process_tree(proc, grace=10, tree=tree)
         raise
-    stop_process_tree(proc, grace=10)  # a no-op unless it left something in its group
+    tree.stop_watching(watcher)
+    stop_process_tree(proc, grace=10, tree=tree)  # a no-op unless something outlived it
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
@@ -91,6 +97,7 @@ class _Tree:
         self.proc, self.pgid = proc, proc.pid
         self.known: dict[int, int] = {}
         self.group_seen_empty = False
+        self._watching = True
 
     def scan(self) -> dict[int, int]:
         """The live processes of the tree now (pid -> start time), zombies excluded."""
@@ -110,6 +117,17 @@ class _Tree:
             self.group_seen_empty = True  # its pgid may be reused from now on
         self.known.update(live)
         return live
+
+    def watch(self, every: float = 0.5) -> None:
+        """Scan until the leader exits or :meth:`stop_watching` (run in a thread), so
+        descendants are known even if their parents are gone by the time we stop them."""
+        while self._watching and self.proc.poll() is None:
+            self.scan()
+            time.sleep(every)
+
+    def stop_watching(self, thread: threading.Thread) -> None:
+        self._watching = False
+        thread.join()
 
     def signal(self, sig: int) -> None:
         live = self.scan()
@@ -136,13 +154,14 @@ class _Tree:
 
 
 def stop_process_tree(proc: subprocess.Popen, grace: float = 30,
-                      leader_grace: float = 0) -> None:
+                      leader_grace: float = 0, tree: _Tree | None = None) -> None:
     """Stop ``proc`` (started with ``start_new_session=True``) and everything it started.
 
     With ``leader_grace``, first SIGTERM only ``proc`` and give it that long to shut down
     its own children; then SIGTERM the whole tree, wait ``grace`` s, SIGKILL what is left.
+    ``tree``: a :class:`_Tree` that has been watching ``proc`` (knows orphaned workers).
     Raises AssertionError if anything survives that."""
-    tree = _Tree(proc)
+    tree = tree or _Tree(proc)
     if not tree.scan():
         return
     if leader_grace and proc.poll() is None:
