@@ -59,3 +59,29 @@ def micro_pair(tmp_path_factory) -> dict[str, str]:
         m.lm_head.weight.mul_(0.1)
         m.save_pretrained(draft)
     return {"target": target, "draft": draft}
+
+
+def build_rec_pair(root) -> tuple[str, str]:
+    """A tiny random recommender pair (target, draft) with rec_meta.json and id tokenizer:
+    40 items with dataset ids 100..139, semantic ids of 3 levels x 4 codes."""
+    from speclab.data import recsys
+    from speclab.data.rec_dataset import RecMeta, save_rec_tokenizer
+    from speclab.models.tiny import build_tiny_llama
+
+    feats = recsys.item_features(recsys.SyntheticSpec(items=40, seed=3))
+    codes = recsys.semantic_ids(feats, levels=3, codebook=4)
+    meta = RecMeta(list(range(100, 140)), [list(c) for c in codes], 3, 4, history=4)
+    out = []
+    for name, seed, hidden in (("rec_target", 1, 32), ("rec_draft", 2, 16)):
+        folder = build_tiny_llama(root / name, seed=seed, vocab_size=meta.vocab_size,
+                                  hidden_size=hidden, num_layers=1)
+        meta.save(folder)
+        save_rec_tokenizer(meta, folder)
+        out.append(str(folder))
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="session")
+def rec_pair(tmp_path_factory) -> tuple[str, str]:
+    """:func:`build_rec_pair` in a session temp dir."""
+    return build_rec_pair(tmp_path_factory.mktemp("rec"))

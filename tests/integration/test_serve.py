@@ -23,29 +23,11 @@ import pytest
 import requests
 
 from serve_apps.loadtest import PROMPTS, one_request, run_load
+from tests.conftest import build_rec_pair
 from tests.integration.conftest import ROOT, free_port, stop_process_tree
 
 pytestmark = pytest.mark.integration
 METHOD = {"nodes": 8, "batch": 2, "salf_threshold": 0.3, "depth": 4}  # as in the smoke config
-
-
-def _rec_models(root: Path) -> tuple[str, str]:
-    """A tiny random recommender pair with a rec_meta.json and id tokenizer."""
-    from speclab.data import recsys
-    from speclab.data.rec_dataset import RecMeta, save_rec_tokenizer
-    from speclab.models.tiny import build_tiny_llama
-
-    feats = recsys.item_features(recsys.SyntheticSpec(items=40, seed=3))
-    codes = recsys.semantic_ids(feats, levels=3, codebook=4)
-    meta = RecMeta(list(range(100, 140)), [list(c) for c in codes], 3, 4, history=4)
-    out = []
-    for name, seed, hidden in (("rec_target", 1, 32), ("rec_draft", 2, 16)):
-        folder = build_tiny_llama(root / name, seed=seed, vocab_size=meta.vocab_size,
-                                  hidden_size=hidden, num_layers=1)
-        meta.save(folder)
-        save_rec_tokenizer(meta, folder)
-        out.append(str(folder))
-    return out[0], out[1]
 
 
 def _start(root: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
@@ -95,7 +77,7 @@ def server(tmp_path_factory, tiny):
     """The smoke app (SALF) with two target replicas and a recommender pair."""
     root = tmp_path_factory.mktemp("serve")
     target, draft = tiny
-    rec_target, rec_draft = _rec_models(root)
+    rec_target, rec_draft = build_rec_pair(root)
     metrics_port = free_port()
     proc, url = _start(root, [
         f"models.target={target}", f"models.draft={draft}", "serve.target.replicas=2",
@@ -309,6 +291,98 @@ def test_malformed_json_is_a_400(server):
     r = requests.post(server["url"] + "/generate", data="{not json",
                       headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+# ---- fuzzing every route's JSON body (Hypothesis) ----
+
+FUZZ_BASE = {  # a valid body per route; examples mutate, drop or add fields
+    "/generate": {"prompt": "def f(x):", "max_tokens": 6},
+    "/v1/completions": {"prompt": "def f", "max_tokens": 6},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6},
+    "/recommend": {"history": [101, 102], "k": 3},
+}
+FUZZ_FIELDS = ["prompt", "prompt_ids", "max_tokens", "max_completion_tokens", "temperature",
+               "top_p", "top_k", "stop", "seed", "stream", "n", "verify", "model", "messages",
+               "history", "k", "gamma", "echo", "logprobs", "user", "stream_options", "bogus"]
+RAW_BODIES = [b"", b"{", b"null", b"[]", b'"x"', b"1e999", b'{"max_tokens": NaN}',
+              b'{"prompt": "x", "temperature": Infinity}', b"\xff\xfe", b'{"prompt": "\\ud800"}',
+              b'{"prompt": "x", "prompt": 3}', b'{"history": [1e400]}', b"[" * 2000]
+
+
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+
+    leaf = (st.none() | st.booleans() | st.integers() | st.integers(-2, 30)
+            | st.floats(allow_nan=False, allow_infinity=False) | st.floats(-1, 3)
+            | st.text(max_size=20) | st.sampled_from(["greedy", "sample", "relaxed", "user",
+                                                      "speclab", "\x00", "\n\n"]))
+    value = st.recursive(leaf, lambda c: st.lists(c, max_size=3)
+                         | st.dictionaries(st.sampled_from(["role", "content", "x"]) | st.text(
+                             max_size=6), c, max_size=3), max_leaves=8)
+    return st, value
+
+
+def _check_answer(r: requests.Response, what) -> None:
+    """A 2xx, or a 4xx in OpenAI's error shape that names the field; never a 5xx."""
+    assert r.status_code < 500, (what, r.status_code, r.text[:500])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, err
+        assert err["message"] and err["type"].endswith("_error"), err
+        if err["param"]:
+            assert err["param"].split(".")[0] in err["message"], err
+
+
+def test_fuzzed_bodies_of_every_route_get_2xx_or_a_named_4xx(server):
+    """Hypothesis: JSON bodies derived from a valid one (fields replaced by any JSON value,
+    dropped, added; streamed or not) and raw non-JSON bodies, on every POST route. The
+    server answers each within 60 s, never 5xx, and frees every request's state."""
+    from hypothesis import HealthCheck, given, settings
+
+    st, value = _fuzz_strategies()
+    url = server["url"]
+    n = int(os.environ.get("SPECLAB_FUZZ_EXAMPLES", 60))
+    tried = {"json": 0, "raw": 0}
+
+    @settings(max_examples=n, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(route=st.sampled_from(sorted(FUZZ_BASE)), data=st.data())
+    def one(route, data):
+        if data.draw(st.integers(0, 9), label="raw?") == 0:
+            raw = data.draw(st.sampled_from(RAW_BODIES) | st.binary(max_size=40), label="raw")
+            r = requests.post(url + route, data=raw, timeout=60,
+                              headers={"content-type": "application/json"})
+            tried["raw"] += 1
+            _check_answer(r, raw)
+            return
+        body = dict(FUZZ_BASE[route])
+        if data.draw(st.integers(0, 4), label="whole?") == 0:
+            body = data.draw(value, label="body")  # anything at all, not even a mapping
+        else:
+            for _ in range(data.draw(st.integers(1, 3), label="edits")):
+                field = data.draw(st.sampled_from(FUZZ_FIELDS), label="field")
+                if data.draw(st.integers(0, 5), label="drop?") == 0:
+                    body.pop(field, None)
+                else:
+                    body[field] = data.draw(value, label=field)
+        tried["json"] += 1
+        streamed = isinstance(body, dict) and body.get("stream") is True
+        with requests.post(url + route, json=body, timeout=60, stream=streamed) as r:
+            _check_answer(r, body)
+            if streamed and r.status_code == 200:
+                text = r.content.decode()  # the whole event stream, within the timeout
+                assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+
+    one()
+    print(f"\n[fuzz] {tried['json']} JSON bodies and {tried['raw']} raw bodies")
+    assert requests.get(url + "/health", timeout=30).json()["status"] == "ok"
+    deadline = time.time() + 30
+    while True:  # every request's state is freed on both sides
+        left = [st for st in _replica_stats(url).values() if st["sessions"]]
+        if not left or time.time() > deadline:
+            break
+        time.sleep(1)
+    assert not left, left
 
 
 def _replica_stats(url: str) -> dict[int, dict]:

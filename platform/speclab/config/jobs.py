@@ -39,6 +39,7 @@ import copy
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 from speclab.config.base import (
@@ -132,6 +133,17 @@ class ExperimentConfig(StrictModel):
     @classmethod
     def precheck(cls, data: dict) -> None:
         """Checks of the raw config that must come before field validation (none here)."""
+
+    def dump(self) -> dict:
+        """The resolved config as JSON-able data, only the groups this job accepts (a
+        sweep leaves out the groups of other sweep kinds), so it loads back as is."""
+        data = self.model_dump(mode="json")
+        allowed = self.groups(data)
+        return {k: v for k, v in data.items() if k in allowed}
+
+    def to_yaml(self) -> str:
+        """:meth:`dump` as YAML (what a run logs as ``config.yaml``)."""
+        return yaml.safe_dump(self.dump(), sort_keys=False)
 
     @classmethod
     def from_dict(cls, data: dict, overrides: list[str] | None = None) -> ExperimentConfig:

@@ -96,7 +96,7 @@ def methods() -> dict[str, type[MethodSpec]]:
 def method_class(name: str) -> type[MethodSpec]:
     """The config class of method ``name``; ValueError naming ``method`` if unknown."""
     known = methods()
-    if name not in known:
+    if not isinstance(name, str) or name not in known:
         raise ValueError(f"method: must be one of {list(known)}, got {name!r}")
     return known[name]
 
@@ -110,7 +110,7 @@ def _validate(data: Any) -> MethodSpec:
     data = dict(data)
     name = data.setdefault("name", "chain")
     known = methods()
-    if name not in known:
+    if not isinstance(name, str) or name not in known:  # a list or mapping is not hashable
         raise PydanticCustomError("nested", "unknown method {got!r}; known: {known}", {
             "got": name, "known": list(known),
             "errors": [(["name"], f"unknown method {name!r}; known: {list(known)}")]})

@@ -24,9 +24,18 @@ def resolve_device(device: str) -> torch.device:
     """``"auto"`` -> CUDA when present else CPU; anything else is used as given."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"device: must be cpu, cuda, cuda:N or auto, got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device: {device!r} requested but CUDA is not available")
-    return torch.device(device)
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise ModelLoadError(f"device: {device!r} requested but this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device: must be cpu, cuda, cuda:N or auto, got {device!r}")
+    return dev
 
 
 def resolve_source(source: str, field: str = "model") -> str:

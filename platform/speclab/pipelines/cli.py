@@ -69,7 +69,7 @@ def start_job(job: str, description: str | None, argv: list[str] | None,
     cfg = load_or_exit(JOB_CONFIGS[job], args.config, args.overrides)
     try:  # a remote tracking server is checked before any expensive work
         tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, cfg.model_dump(mode="json"))
+                               cfg.tracking.run_name or cfg.name, cfg.dump())
         inputs = prepare(cfg) if prepare is not None else None
     except (TrackingUnavailable, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
