@@ -104,7 +104,7 @@ def app_from_config(cfg: ServeJob):
 
     sv, m = cfg.serve, cfg.models
     target, draft = resolved_models(cfg)
-    vocab = int(AutoConfig.from_pretrained(target).vocab_size)
+    vocab = int(AutoConfig.from_pretrained(target, trust_remote_code=False).vocab_size)
     rec_target = str(resolve_source(sv.rec_target, "serve.rec_target")) if sv.rec_target \
         else None
     rec_draft = str(resolve_source(sv.rec_draft, "serve.rec_draft")) if sv.rec_draft else None

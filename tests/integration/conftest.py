@@ -23,6 +23,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses on which some process listens on TCP ``port``."""
+    import psutil
+
+    return {c.laddr.ip for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
 @pytest.fixture
 def job_env(tmp_path) -> dict[str, str]:
     """Environment for a job subprocess: its own SPECLAB_HOME and SQLite MLflow store."""

@@ -8,7 +8,13 @@ import time
 import pytest
 import requests
 
-from tests.integration.conftest import ROOT, free_port, python, stop_process_tree
+from tests.integration.conftest import (
+    ROOT,
+    free_port,
+    listening_addresses,
+    python,
+    stop_process_tree,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +45,7 @@ def test_ui_serves_the_embedded_store(job_env, monkeypatch):
                 time.sleep(0.5)
         else:
             pytest.fail("MLflow UI did not come up")
+        assert listening_addresses(port) == {"127.0.0.1"}  # never on other interfaces
         exps = requests.post(f"{base}/api/2.0/mlflow/experiments/search",
                              json={"max_results": 50}, timeout=10).json()["experiments"]
         exp = next(e for e in exps if e["name"] == "ui-check")

@@ -24,7 +24,7 @@ import requests
 
 from serve_apps.loadtest import PROMPTS, one_request, run_load
 from tests.conftest import build_rec_pair
-from tests.integration.conftest import ROOT, free_port, stop_process_tree
+from tests.integration.conftest import ROOT, free_port, listening_addresses, stop_process_tree
 
 pytestmark = pytest.mark.integration
 METHOD = {"nodes": 8, "batch": 2, "salf_threshold": 0.3, "depth": 4}  # as in the smoke config
@@ -151,6 +151,12 @@ def test_chat_completions_through_the_openai_client(server):
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="smoke-serve", messages=[], max_tokens=4)
+
+
+def test_the_http_port_listens_on_the_loopback_only(server):
+    """serve.host defaults to 127.0.0.1: nothing else can reach the app."""
+    port = int(server["url"].rsplit(":", 1)[1])
+    assert listening_addresses(port) == {"127.0.0.1"}
 
 
 def test_unknown_routes_and_methods_answer_in_openai_error_shape(server):
@@ -383,6 +389,19 @@ def test_fuzzed_bodies_of_every_route_get_2xx_or_a_named_4xx(server):
             break
         time.sleep(1)
     assert not left, left
+
+
+def test_short_soak_of_mixed_traffic_returns_every_replica_to_its_baseline(server):
+    """The soak command's loop for 20 s: greedy, sampled, streamed, dropped streams, stop
+    strings, chat and bad requests from 4 clients; nothing fails, every replica frees
+    every request's state and stays within the memory bound (serve_apps.soak)."""
+    from serve_apps.soak import MIX, print_report, soak, verdict
+
+    report = soak(server["url"], duration_s=20, clients=4, max_tokens=8)
+    print_report(report)
+    assert verdict(report) == [], verdict(report)
+    assert set(report["by_kind"]) == set(MIX), report["by_kind"]
+    assert report["requests"] >= 40
 
 
 def _replica_stats(url: str) -> dict[int, dict]:

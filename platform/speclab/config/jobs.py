@@ -267,7 +267,8 @@ class DistillEagleJob(_Trains, _Evaluates):
     @classmethod
     def precheck(cls, data: dict) -> None:
         """``eagle`` methods without ``eagle_model`` evaluate the trained drafter."""
-        entries = [data.get("method")] + list(data.get("methods") or [])
+        methods = data.get("methods")  # anything but a list is refused by validation
+        entries = [data.get("method")] + (methods if isinstance(methods, list) else [])
         for m in entries:
             if isinstance(m, dict) and m.get("name") == "eagle":
                 m.setdefault("eagle_model", TRAINED)
@@ -315,7 +316,8 @@ class TrainMedusaJob(_Trains, _Evaluates):
     @classmethod
     def precheck(cls, data: dict) -> None:
         """``medusa`` methods without ``medusa_model`` evaluate the trained heads."""
-        entries = [data.get("method")] + list(data.get("methods") or [])
+        methods = data.get("methods")  # anything but a list is refused by validation
+        entries = [data.get("method")] + (methods if isinstance(methods, list) else [])
         for m in entries:
             if isinstance(m, dict) and m.get("name") == "medusa":
                 m.setdefault("medusa_model", TRAINED)

@@ -8,6 +8,7 @@ URIs (``models:/name/version``, ``runs:/id/model``) are downloaded through
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -49,11 +50,31 @@ def registry_or_folder(source: str, field: str) -> str:
     return resolve_source(source, field) if source.startswith("models:/") else source
 
 
+#: ``models:/<name>/<version|stage|latest>``, ``models:/<name>@<alias>``,
+#: ``runs:/<run id>/<artifact path>``: names never hold ``..`` or empty path parts
+_NAME = r"[A-Za-z0-9][A-Za-z0-9_.\- ]{0,255}"
+_URI_SHAPES = (re.compile(rf"models:/{_NAME}/[A-Za-z0-9_.\-]{{1,64}}"),
+               re.compile(rf"models:/{_NAME}@[A-Za-z0-9_\-]{{1,64}}"),
+               re.compile(r"runs:/[0-9a-f]{32}(/[A-Za-z0-9_.\-]{1,255})+"))
+
+
+def check_registry_uri(source: str, field: str = "model") -> str:
+    """``source`` if it is a well-formed MLflow model URI whose parts cannot name another
+    directory (no ``..``, no empty parts, no absolute paths); ModelLoadError otherwise."""
+    parts = source.split(":/", 1)[1].replace("@", "/").split("/")
+    if (not any(p.fullmatch(source) for p in _URI_SHAPES)
+            or any(part in ("", ".", "..") or part.startswith(".") for part in parts)):
+        raise ModelLoadError(
+            f"{field}: {source!r} is not a model URI (models:/NAME/VERSION, models:/NAME@ALIAS "
+            "or runs:/RUN_ID/PATH; names may not contain '..' or empty parts)")
+    return source
+
+
 def _check_source(source: str, field: str) -> str:
     if source.startswith(("models:/", "runs:/")):  # MLflow registry: download, then a folder
         from speclab.tracking import resolve_model_uri
 
-        return resolve_model_uri(source)
+        return resolve_model_uri(check_registry_uri(source, field))
     path = Path(source).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
@@ -81,9 +102,16 @@ def load_model(
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
     src = _check_source(source, field)
-    model = AutoModelForCausalLM.from_pretrained(
-        src, dtype=DTYPES[dtype], attn_implementation="sdpa"
-    )
+    try:  # code shipped with a model (config auto_map) is never run
+        model = AutoModelForCausalLM.from_pretrained(
+            src, dtype=DTYPES[dtype], attn_implementation="sdpa", trust_remote_code=False
+        )
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise ModelLoadError(
+            f"{field}: {source!r} needs custom code shipped with the model; speclab never "
+            "runs it (trust_remote_code is always off)") from None
     return model.to(resolve_device(device)).eval()
 
 
@@ -91,7 +119,7 @@ def load_tokenizer(source: str, field: str = "tokenizer"):
     """Load the tokenizer saved next to a model (or from the hub); ``None`` if absent."""
     src = _check_source(source, field)
     try:
-        return AutoTokenizer.from_pretrained(src)
+        return AutoTokenizer.from_pretrained(src, trust_remote_code=False)
     except (OSError, ValueError):
         return None
 

@@ -37,7 +37,7 @@ def ensure_tiny_pair(
                               tmp / "tokenizer")
     build_tiny_llama(tmp / "target", seed=seed, vocab_size=len(tok), hidden_size=64,
                      num_layers=2, eos_token_id=tok.eos_token_id)
-    model = AutoModelForCausalLM.from_pretrained(tmp / "target")
+    model = AutoModelForCausalLM.from_pretrained(tmp / "target", trust_remote_code=False)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in model.parameters():

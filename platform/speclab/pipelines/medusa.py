@@ -34,7 +34,7 @@ def save_final_medusa(result, variant: str, target: str, heads: int, run_dir: Pa
     joint.load_state_dict(state["model"])
     folder = Path(run_dir) / "target"
     joint.backbone.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(target).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(target, trust_remote_code=False).save_pretrained(folder)
     joint.heads.meta = MedusaMeta.for_target(joint.backbone, str(folder), heads)
     return joint.backbone.eval(), joint.heads, folder
 
@@ -80,7 +80,8 @@ def quality_change(cfg: Any, original: str, tuned_model, prompts: list[list[int]
 
     _, val_text = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
                               cfg.corpus.val_chars, cfg.corpus.text_field)
-    ids = torch.tensor(AutoTokenizer.from_pretrained(original).encode(val_text))
+    tok = AutoTokenizer.from_pretrained(original, trust_remote_code=False)
+    ids = torch.tensor(tok.encode(val_text))
     length = cfg.distill.seq_len + 1
     n = min(64, ids.numel() // length)
     if n == 0:

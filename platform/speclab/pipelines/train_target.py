@@ -31,14 +31,14 @@ def prepare_data(cfg: TrainTargetJob, run_dir: Path) -> tuple[Path, int, int]:
 
     data = run_dir / "data"
     if (data / "train.pt").exists():  # resumed run: reuse what the first attempt wrote
-        tok = AutoTokenizer.from_pretrained(data / "tokenizer")
+        tok = AutoTokenizer.from_pretrained(data / "tokenizer", trust_remote_code=False)
         return data, len(tok), tok.eos_token_id
     train_text, val_text = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
                                        cfg.corpus.val_chars, cfg.corpus.text_field)
     if cfg.tokenizer.path:
         if not Path(cfg.tokenizer.path).exists():
             raise ValueError(f"tokenizer.path: {cfg.tokenizer.path!r} does not exist")
-        tok = AutoTokenizer.from_pretrained(cfg.tokenizer.path)
+        tok = AutoTokenizer.from_pretrained(cfg.tokenizer.path, trust_remote_code=False)
         tok.save_pretrained(data / "tokenizer")
     else:
         tok = train_bpe_tokenizer([train_text[: cfg.tokenizer.train_chars]],
