@@ -24,6 +24,8 @@ def test_target_then_drafter_both_registered_and_loadable(job_env, tmp_path, mon
     client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "d")
     m = run.data.metrics
     assert m["final_step"] == 20 and m["shards.kd"] == 2 and m["shards.tree"] == 2
+    assert m["generate_shards_written"] == 6 and m["generate_shards_kept"] == 0
+    assert m["generate_actors_lost"] == 0 and m["generate_shards_redispatched"] == 0
     assert m["generate_actor_peak_rss_mb"] > 0 and m["peak_rss_mb"] > 0
     assert any(k.startswith("eval/salf_") and k.endswith(".tau") for k in m), sorted(m)
     assert [h.step for h in client.get_metric_history(run.info.run_id, "loss")] == [10, 20]
@@ -43,7 +45,8 @@ def test_target_then_drafter_both_registered_and_loadable(job_env, tmp_path, mon
 
 
 def test_generation_keeps_finished_shards(tiny_pair, tmp_path):
-    """A rerun regenerates only missing shards (resume without redoing finished work)."""
+    """A rerun regenerates only missing shards (resume without redoing finished work) and
+    removes what a writer killed mid-write left behind."""
     import ray
     import torch
 
@@ -65,11 +68,14 @@ def test_generation_keeps_finished_shards(tiny_pair, tmp_path):
         assert len(shards) == 3
         before = {p.name: p.stat().st_mtime_ns for p in shards}
         shards[1].unlink()
-        generate(cfg, tiny_pair["target"], data, {"kd"}, tokens)
+        (data / "kd" / "shard-00001.parquet.0123abcd.tmp").write_bytes(b"PAR1 cut short")
+        stats: dict = {}
+        generate(cfg, tiny_pair["target"], data, {"kd"}, tokens, stats=stats)
         after = {p.name: p.stat().st_mtime_ns for p in (data / "kd").glob("shard-*.parquet")}
     finally:
         ray.shutdown()
     assert set(after) == set(before)
+    assert stats["shards_kept"] == 2 and stats["shards_written"] == 1
     assert after[shards[0].name] == before[shards[0].name]  # untouched
     assert after[shards[2].name] == before[shards[2].name]
     assert not list((data / "kd").glob("*.tmp"))

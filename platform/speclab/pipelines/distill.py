@@ -8,22 +8,40 @@ deterministic windows; target replicas on Ray actors turn them into what the los
 need (``distill.loss``; see :mod:`speclab.train.distill_data`) and write Parquet shards
 ``<run>/data/<kind>/shard-NNNNN.parquet`` one at a time (written to a temporary name,
 then renamed, so a shard is either whole or absent). Shards already present are not
-regenerated, so a rerun with ``train.resume=true`` resumes generation too.
+regenerated, so a rerun with ``train.resume=true`` resumes generation too; a lost
+generation actor's shards are generated again (see :mod:`speclab.pipelines.signals`).
 Stage 2, train: a LLaMA drafter (``arch``, sharing the target's tokenizer) is trained on
 the shards with Ray Train (same loop, checkpoints and FailureConfig as train_target).
 Then the drafter is saved, registered (``output.register_as``) and evaluated against the
 target (``methods``, ``data``, ``decoding``) in the same MLflow run (metrics ``eval/...``).
+
+Resume: if the driver dies, ``train.resume=true output.run_name=X`` continues run X:
+finished shards are kept, missing ones generated, and training continues from the
+latest committed checkpoint (``[train] resumed from step N``, metric
+``resumed_from_step``). An existing ``output.run_name`` without ``train.resume=true`` is
+refused before any work.
 """
 
 from __future__ import annotations
 
+from speclab.config import DistillJob
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.drafter import train_register_evaluate
-from speclab.pipelines.signals import generate_logged, prepare_target
+from speclab.pipelines.signals import Prepared, generate_logged, prepare_target
+
+
+def prepare(cfg: DistillJob) -> Prepared:
+    """:func:`prepare_target`, after refusing to reuse a named run without
+    ``train.resume=true`` (Ray Train would silently continue its checkpoints)."""
+    storage, run_name = run_dirs(cfg)
+    if cfg.output.run_name and (storage / run_name).exists() and not cfg.train.resume:
+        raise ValueError(f"output.run_name: {run_name!r} exists in {storage}; set "
+                         "train.resume=true to continue it or choose another name")
+    return prepare_target(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    job = start_job("distill", __doc__, argv, prepare_target)  # bad inputs fail here
+    job = start_job("distill", __doc__, argv, prepare)  # bad inputs fail here
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
     from speclab.raylib import init_ray
