@@ -7,6 +7,14 @@ expensive work so an unreachable one is reported at once, naming the URI.
 
 Every run gets: flattened params, metrics (with steps), the resolved config YAML, tags
 ``git_commit`` and ``config_hash``; jobs add tables (CSV/JSON) and plots (PNG).
+
+Outages: the driver's calls retry while the server does not answer, for up to
+``$SPECLAB_TRACKING_FLUSH_TIMEOUT_S`` (default 120 s) each, then raise
+:class:`TrackingUnavailable`; in this process MLflow's own HTTP retries are shortened
+(``MLFLOW_HTTP_REQUEST_*``, unless set) so one attempt fails in seconds. A run ends
+FINISHED only when the job succeeded and every metric reached the server; otherwise it
+is marked FAILED, or stays RUNNING when the server cannot even be told that. Training
+workers buffer their per-step metrics instead (:mod:`speclab.tracking_buffer`).
 """
 
 from __future__ import annotations
@@ -14,12 +22,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from speclab.paths import repo_root, speclab_home
+from speclab.tracking_buffer import FLUSH_TIMEOUT_ENV, flush_timeout_s, is_transient, short_error
 
 
 class TrackingUnavailable(RuntimeError):
@@ -135,28 +148,80 @@ class NullTracker:
 
 
 class MlflowTracker(NullTracker):
-    """One MLflow run: ``with MlflowTracker(uri, experiment, run_name, config) as t: ...``."""
+    """One MLflow run: ``with MlflowTracker(uri, experiment, run_name, config) as t: ...``.
+
+    Every call to the server is retried for up to ``retry_s`` seconds (default
+    ``$SPECLAB_TRACKING_FLUSH_TIMEOUT_S``, 120) while the server does not answer; then
+    :class:`TrackingUnavailable` is raised. Leaving the ``with`` block ends the run
+    FINISHED only if the body succeeded and the server confirms it; otherwise FAILED if
+    the server can be told, else the run stays RUNNING (never FINISHED).
+    """
 
     def __init__(self, uri: str, experiment: str, run_name: str | None, config: dict,
-                 nested: bool = False) -> None:
+                 nested: bool = False, retry_s: float | None = None) -> None:
         import mlflow
 
         self.mlflow = mlflow
         self.uri = uri
         self.experiment = experiment
         self.nested = nested
+        self.retry_s = flush_timeout_s() if retry_s is None else float(retry_s)
+        if uri.startswith(("http://", "https://")):
+            _bounded_mlflow_http()
         mlflow.set_tracking_uri(uri)
-        if mlflow.get_experiment_by_name(experiment) is None:
+        if self._call("looking up the experiment", mlflow.get_experiment_by_name,
+                      experiment) is None:
             embedded = uri.startswith("sqlite:")
-            mlflow.create_experiment(
-                experiment, artifact_location=default_artifact_root() + f"/{experiment}"
-                if embedded else None)
-        mlflow.set_experiment(experiment)
+            try:
+                self._call("creating the experiment", mlflow.create_experiment, experiment,
+                           artifact_location=default_artifact_root() + f"/{experiment}"
+                           if embedded else None)
+            except Exception as exc:  # created meanwhile (another job, a retried request)
+                if self._call("looking up the experiment", mlflow.get_experiment_by_name,
+                              experiment) is None:
+                    raise exc from None
+        self._call("setting the experiment", mlflow.set_experiment, experiment)
         self.run_name = run_name
         self.config = config
 
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any,
+              budget: float | None = None, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, retried with a backoff (1 s doubling to 10 s) for up
+        to ``budget`` s (default ``retry_s``) while the server does not answer; raises
+        :class:`TrackingUnavailable` naming the server and ``what`` when it never does.
+        Other errors (a rejected value, say) are raised at once."""
+        budget = self.retry_s if budget is None else budget
+        start = time.monotonic()
+        delay, failures = 1.0, 0
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                failures += 1
+                waited = time.monotonic() - start
+                if waited >= budget:
+                    raise TrackingUnavailable(
+                        f"MLflow tracking server {self.uri} unreachable for {waited:.0f} s "
+                        f"(budget {budget:.0f} s, ${FLUSH_TIMEOUT_ENV}) while {what}"
+                        + (f" (run {self.run_id})" if self.run_id else "")
+                        + f": {short_error(exc, 200)}") from None
+                if failures == 1:
+                    print(f"[tracking] MLflow server {self.uri} unreachable while {what} "
+                          f"({short_error(exc, 120)}); retrying for up to {budget:.0f} s",
+                          file=sys.stderr, flush=True)
+                time.sleep(max(0.0, min(delay, budget - waited)))
+                delay = min(delay * 2, 10.0)
+                continue
+            if failures:
+                print(f"[tracking] MLflow server {self.uri} answers again after "
+                      f"{time.monotonic() - start:.1f} s ({what})", file=sys.stderr, flush=True)
+            return result
+
     def __enter__(self):
-        run = self.mlflow.start_run(run_name=self.run_name, nested=self.nested)
+        run = self._call("starting the run", self.mlflow.start_run, run_name=self.run_name,
+                         nested=self.nested)
         self.run_id = run.info.run_id
         self.set_tags({"git_commit": git_commit(), "config_hash": config_hash(self.config)})
         self.log_params(flatten(self.config))
@@ -166,24 +231,46 @@ class MlflowTracker(NullTracker):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.mlflow.end_run(status="FAILED" if exc_type else "FINISHED")
+        status = "FAILED" if exc_type else "FINISHED"
+        # after giving up on the server once, do not wait the whole budget again
+        budget = min(self.retry_s, 10.0) if exc_type is not None and issubclass(
+            exc_type, TrackingUnavailable) else self.retry_s
+        try:  # pops the active run first (so MLflow's atexit hook never ends it), then tells
+            self.mlflow.end_run(status=status)  # the server
+            return None
+        except Exception as first:
+            if not is_transient(first):
+                raise
+        from mlflow.tracking import MlflowClient
+
+        try:
+            self._call(f"ending the run as {status}", MlflowClient(self.uri).set_terminated,
+                       self.run_id, status, budget=budget)
+        except TrackingUnavailable as gone:
+            if exc_type is None:
+                raise TrackingUnavailable(f"{gone}; the run stays RUNNING (not FINISHED)") \
+                    from None
+            print(f"[tracking] {gone}; the run stays RUNNING", file=sys.stderr, flush=True)
+        return None
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self.mlflow.set_tags(tags)
+        self._call("setting tags", self.mlflow.set_tags, tags)
 
     def log_params(self, params: dict) -> None:
         clean = {metric_key(k): ("" if v is None else str(v))[:6000] for k, v in params.items()}
         items = list(clean.items())
         for i in range(0, len(items), 100):  # MLflow batches at most 100 params
-            self.mlflow.log_params(dict(items[i : i + 100]))
+            self._call("logging params", self.mlflow.log_params, dict(items[i : i + 100]))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         clean = {metric_key(k): float(v) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self.mlflow.log_metrics(clean, step=step)
+        # one timestamp for all attempts: a retried batch that did arrive is not doubled
+        self._call("logging metrics", self.mlflow.log_metrics, clean, step=step,
+                   timestamp=int(time.time() * 1000))
 
     def log_text(self, text: str, name: str) -> None:
-        self.mlflow.log_text(text, name)
+        self._call(f"logging {name}", self.mlflow.log_text, text, name)
 
     def log_table(self, rows: list[dict], name: str) -> None:
         """Write ``rows`` as ``<name>.csv`` and ``<name>.json`` artifacts."""
@@ -192,18 +279,30 @@ class MlflowTracker(NullTracker):
         with tempfile.TemporaryDirectory() as tmp:
             pd.DataFrame(rows).to_csv(Path(tmp) / f"{name}.csv", index=False)
             (Path(tmp) / f"{name}.json").write_text(json.dumps(rows, indent=2, default=str))
-            self.mlflow.log_artifacts(tmp)
+            self._call(f"logging table {name}", self.mlflow.log_artifacts, tmp)
 
     def log_figure(self, fig, name: str) -> None:
-        self.mlflow.log_figure(fig, name)
+        self._call(f"logging figure {name}", self.mlflow.log_figure, fig, name)
 
     def log_model(self, folder: str | Path, registered_name: str | None) -> str | None:
-        """Log a saved HF folder as this run's model; register it when named."""
-        return log_hf_model(folder, registered_name)
+        """Log a saved HF folder as this run's model; register it when named (retried
+        while the server does not answer; a retry after a partial upload may leave an
+        unfinished logged model beside the complete one)."""
+        return self._call("logging the model", log_hf_model, folder, registered_name)
 
     def child(self, run_name: str, config: dict) -> MlflowTracker:
         """A nested run under the active one (use inside this run's ``with``)."""
-        return MlflowTracker(self.uri, self.experiment, run_name, config, nested=True)
+        return MlflowTracker(self.uri, self.experiment, run_name, config, nested=True,
+                             retry_s=self.retry_s)
+
+
+def _bounded_mlflow_http() -> None:
+    """Make one MLflow HTTP call of this process fail within seconds, not minutes, when
+    the server is down (2 retries, backoff factor 1, 60 s timeout), unless the user set
+    ``MLFLOW_HTTP_REQUEST_*`` already; :meth:`MlflowTracker._call` retries on top."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
 
 
 def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str | None,
@@ -265,11 +364,29 @@ def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
     import mlflow
 
     mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
+    target = Path(tempfile.mkdtemp(prefix="speclab-model-")).resolve()
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri))
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri,
+                                                         dst_path=str(target)))
     except Exception as exc:  # MLflow raises several types for a missing model
+        shutil.rmtree(target, ignore_errors=True)
         raise ValueError(f"model: cannot resolve {uri!r} in the MLflow registry: {exc}") from None
+    try:
+        check_inside(target, local)
+    except ValueError as exc:
+        shutil.rmtree(target, ignore_errors=True)
+        raise ValueError(f"model: {uri!r}: {exc}") from None
     configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))
     if not configs:
         raise ValueError(f"model: {uri!r} holds no saved HF model (no config.json)")
     return str(configs[0].parent)
+
+
+def check_inside(folder: Path, path: Path) -> None:
+    """ValueError unless ``path`` and everything under it (symlinks resolved) lie inside
+    ``folder``: a downloaded artifact may not point or write anywhere else."""
+    root = folder.resolve()
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        real = p.resolve()
+        if real != root and root not in real.parents:
+            raise ValueError(f"{p} resolves to {real}, outside the download folder {root}")

@@ -7,6 +7,17 @@ this module adds what Ray Train needs: DDP via ``prepare_model``, checkpoints
 through ``ray.train.report`` (rank 0 writes, every rank reports), resume from
 ``ray.train.get_checkpoint()``, and MLflow metrics from rank 0 into the run the driver
 opened.
+
+Tracking outages: rank 0 never logs to MLflow directly; its metrics go through a
+:class:`speclab.tracking_buffer.MetricBuffer` (a background thread delivers them, an
+outage only queues them, in order, with their steps and timestamps; see that module for
+the limits and ``$SPECLAB_TRACKING_FLUSH_TIMEOUT_S``). After the last step rank 0 waits
+up to that long for the queue to empty and leaves what it could not deliver in
+``<run dir>/tracking_spool.json``. :func:`fit` then tries once more from the driver and,
+failing that, raises :class:`speclab.tracking.TrackingUnavailable` naming the server and
+the number of undelivered points: the job exits non-zero, its run is never ended
+FINISHED, and its checkpoints are complete, so ``train.resume=true`` (same
+``output.run_name``) delivers the spooled points to the old run and finishes the job.
 """
 
 from __future__ import annotations
@@ -20,6 +31,10 @@ from pathlib import Path
 import torch
 
 from speclab.config.schema import ArchConfig, TrainScalingConfig
+from speclab.tracking_buffer import SPOOL_NAME
+
+#: the driver's last attempt at a spool the workers left (after their own flush budget)
+DRIVER_FLUSH_S = 10.0
 
 
 def _build_model(arch: ArchConfig, vocab: int, eos: int):
@@ -76,15 +91,12 @@ def train_loop(config: dict) -> None:
         model, parallel_strategy_kwargs={"find_unused_parameters": True}
         if getattr(task, "unused_parameters", False) else None)
     core = model.module if hasattr(model, "module") else model
-    mlflow_client = None
-    if rank == 0 and config.get("run_id"):
-        from mlflow.tracking import MlflowClient
-
-        mlflow_client = MlflowClient(config["tracking_uri"])
+    metrics_out = _metric_buffer(config) if rank == 0 else None
+    spool = Path(config["run_dir"]) / SPOOL_NAME
     if rank == 0 and start:
         print(f"[train] resumed from step {start}", flush=True)
-        if mlflow_client is not None:  # the run records each restart, not only the log
-            mlflow_client.log_metric(config["run_id"], "resumed_from_step", start, step=start)
+        if metrics_out is not None:  # the run records each restart, not only the log
+            metrics_out.add(config["run_id"], {"resumed_from_step": start}, step=start)
     t_last, seen, losses = time.perf_counter(), 0, []
     for step in range(start, tr.steps):
         batch = task.batch(step, rank)  # depends only on (seed, step, rank)
@@ -115,32 +127,70 @@ def train_loop(config: dict) -> None:
                 torch.save({"model": core.state_dict(), "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": done}, Path(tmp) / "state.pt")
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)
-                if mlflow_client is not None:
-                    from mlflow.entities import Metric
-
-                    now = int(time.time() * 1000)
-                    mlflow_client.log_batch(config["run_id"], metrics=[
-                        Metric(k, float(v), now, done) for k, v in metrics.items()])
+                if metrics_out is not None:  # never blocks: a background thread sends it
+                    metrics_out.add(config["run_id"], metrics, step=done)
+                    metrics_out.save(spool)  # only while the server is unreachable
                 print(f"[train] step {done}/{tr.steps} loss {metrics['loss']:.3f} "
                       f"val {val_loss:.3f} {metrics['tokens_per_s_per_worker']:.0f} tok/s/worker",
                       flush=True)
             ray.train.report(metrics, checkpoint=checkpoint)
         t_last, seen, losses = time.perf_counter(), 0, []
+    if metrics_out is not None:  # wait (bounded) for the server; spool what is left
+        _final_flush(metrics_out, config, spool)
+
+
+def _metric_buffer(config: dict):
+    """Rank 0's metric buffer (with what an earlier attempt spooled), or None without a
+    run to log to."""
+    if not config.get("run_id"):
+        return None
+    from speclab.tracking_buffer import MetricBuffer, load_spool, quiet_mlflow_http
+
+    quiet_mlflow_http()  # the buffer retries; one request must not block for minutes
+    buf = MetricBuffer(config["tracking_uri"])
+    spooled, _ = load_spool(Path(config["run_dir"]) / SPOOL_NAME)
+    if spooled:
+        print(f"[tracking] {len(spooled)} metric points spooled by an earlier attempt "
+              "are queued for delivery", flush=True)
+        buf.extend(spooled)
+    return buf.start()
+
+
+def _final_flush(buf, config: dict, spool: Path) -> None:
+    """Wait up to ``flush_timeout_s`` for the buffer to empty; spool the rest."""
+    timeout = float(config.get("flush_timeout_s", 120.0))
+    t0 = time.monotonic()
+    left = buf.close(timeout)
+    buf.save(spool, force=bool(left))
+    if left or buf.dropped or buf.rejected:
+        print(f"[tracking] ERROR: {left} metric points not delivered to MLflow server "
+              f"{buf.uri} within {timeout:.0f} s (dropped {buf.dropped}, rejected "
+              f"{buf.rejected}); kept in {spool}", flush=True)
+    elif buf.outages:
+        print(f"[tracking] all {buf.delivered} metric points delivered to {buf.uri} "
+              f"({buf.outages} outage(s); final flush {time.monotonic() - t0:.1f} s)",
+              flush=True)
 
 
 def fit(task, scaling: TrainScalingConfig, storage: Path, run_name: str, data_dir: Path,
         vocab: int, eos: int, run_id: str | None, tracking_uri: str | None):
     """Run :func:`train_loop` for ``task`` (a :mod:`speclab.train.tasks` task config) on
-    a ``TorchTrainer`` with ``scaling`` workers; returns the Ray result."""
+    a ``TorchTrainer`` with ``scaling`` workers; returns the Ray result.
+
+    Raises :class:`speclab.tracking.TrackingUnavailable` when rank 0's metrics could not
+    all be delivered to ``tracking_uri`` (the checkpoints are complete: resume)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+
+    from speclab.tracking_buffer import flush_timeout_s
 
     sc = scaling
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"task": task.model_dump(mode="json"), "data_dir": str(data_dir),
                            "run_dir": str(storage / run_name), "vocab": vocab, "eos": eos,
-                           "run_id": run_id, "tracking_uri": tracking_uri},
+                           "run_id": run_id, "tracking_uri": tracking_uri,
+                           "flush_timeout_s": flush_timeout_s()},
         scaling_config=ScalingConfig(num_workers=sc.num_workers, use_gpu=sc.use_gpu,
                                      resources_per_worker={"CPU": sc.cpus_per_worker}),
         run_config=RunConfig(
@@ -148,7 +198,42 @@ def fit(task, scaling: TrainScalingConfig, storage: Path, run_name: str, data_di
             failure_config=FailureConfig(max_failures=task.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2)),
     )
-    return trainer.fit()
+    result = trainer.fit()
+    if run_id and tracking_uri:
+        check_metrics_delivered(storage / run_name, tracking_uri, run_name)
+    return result
+
+
+def check_metrics_delivered(run_dir: Path, tracking_uri: str, run_name: str) -> None:
+    """Raise :class:`speclab.tracking.TrackingUnavailable` if the workers left metric
+    points they could not deliver in ``run_dir`` (after one more try of
+    :data:`DRIVER_FLUSH_S` from here), naming the server and the count."""
+    from speclab.tracking import TrackingUnavailable
+    from speclab.tracking_buffer import deliver_spool
+
+    spool = Path(run_dir) / SPOOL_NAME
+    if not spool.exists():
+        return
+    print(f"[tracking] the workers left undelivered metric points in {spool}; trying "
+          f"{tracking_uri} for {DRIVER_FLUSH_S:.0f} s more", flush=True)
+    out = deliver_spool(spool, tracking_uri, DRIVER_FLUSH_S, log=lambda _msg: None)
+    lost = out["undelivered"] + out["dropped"] + out["rejected"]
+    if not lost:
+        print(f"[tracking] delivered {out['delivered']} spooled metric points to "
+              f"{tracking_uri}", flush=True)
+        return
+    error = (out["last_error"] or "")[:120]
+    parts = [f"{out['undelivered']} undelivered (the server did not answer: {error})"
+             if out["undelivered"] else "",
+             f"{out['dropped']} dropped (buffer full)" if out["dropped"] else "",
+             f"{out['rejected']} rejected by the server" if out["rejected"] else ""]
+    raise TrackingUnavailable(
+        f"{lost} metric points of this training did not reach MLflow server {tracking_uri}: "
+        + "; ".join(p for p in parts if p)
+        + (f". The undelivered points are kept in {spool}" if out["undelivered"] else "")
+        + f"; the run is not marked FINISHED. The checkpoints in {run_dir} are complete: "
+        f"once the server is back, rerun with train.resume=true output.run_name={run_name} "
+        "to deliver the kept points and finish the job.")
 
 
 def save_final(result, arch: ArchConfig, run_dir: Path, tokenizer_dir: Path, vocab: int,
@@ -164,5 +249,5 @@ def save_final(result, arch: ArchConfig, run_dir: Path, tokenizer_dir: Path, voc
     model.generation_config.eos_token_id = eos
     final = run_dir / "model"
     model.save_pretrained(final)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(final)
+    AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False).save_pretrained(final)
     return final
