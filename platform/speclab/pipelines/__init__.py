@@ -15,7 +15,8 @@ checkout's ``jobs/<job>.py`` (``python -m jobs.<job>``) only calls it, and ``spe
 <job>`` works from an installed package. A job module imports stages, never another
 job module. A new job: a module here with ``main(argv)``, its name in :data:`JOBS`, a
 config model in :mod:`speclab.config.jobs` and a ``jobs/<job>.py`` shim.
-Only this package (with ``tracking.py`` and the Ray glue) imports ``ray``/``mlflow``.
+Only this package (with ``tracking.py``, ``tracking_buffer.py`` and the Ray glue) imports
+``ray``/``mlflow``.
 """
 
 from __future__ import annotations
