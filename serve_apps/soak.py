@@ -100,9 +100,10 @@ def one(url: str, kind: str, rng: random.Random, max_tokens: int) -> tuple[bool,
                               headers={"content-type": "application/json"})
         else:
             r = requests.post(url + route, json=body, timeout=60)
-        err = r.json().get("error", {}) if r.headers.get("content-type", "").startswith(
-            "application/json") else {}
-        if 400 <= r.status_code < 500 and err.get("message"):
+        body = r.json() if r.headers.get("content-type", "").startswith(
+            "application/json") else None
+        err = body.get("error") if isinstance(body, dict) else None
+        if 400 <= r.status_code < 500 and isinstance(err, dict) and err.get("message"):
             return True, "ok"
         return False, f"bad: status {r.status_code}"
     if r.status_code != 200:
@@ -131,7 +132,7 @@ def soak(url: str, duration_s: float, clients: int = 4, max_tokens: int = 16,
             t0 = time.perf_counter()
             try:
                 ok, what = one(url, kind, rng, max_tokens)
-            except (requests.RequestException, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001  (any failure is counted, never lost)
                 ok, what = False, f"{kind}: {type(exc).__name__}"
             with lock:
                 sent[kind] += 1

@@ -223,11 +223,15 @@ class MlflowTracker(NullTracker):
         run = self._call("starting the run", self.mlflow.start_run, run_name=self.run_name,
                          nested=self.nested)
         self.run_id = run.info.run_id
-        self.set_tags({"git_commit": git_commit(), "config_hash": config_hash(self.config)})
-        self.log_params(flatten(self.config))
-        import yaml
+        try:
+            self.set_tags({"git_commit": git_commit(), "config_hash": config_hash(self.config)})
+            self.log_params(flatten(self.config))
+            import yaml
 
-        self.log_text(yaml.safe_dump(self.config, sort_keys=False), "config.yaml")
+            self.log_text(yaml.safe_dump(self.config, sort_keys=False), "config.yaml")
+        except BaseException as exc:  # end it here: MLflow's exit hook would say FINISHED
+            self.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -235,12 +239,15 @@ class MlflowTracker(NullTracker):
         # after giving up on the server once, do not wait the whole budget again
         budget = min(self.retry_s, 10.0) if exc_type is not None and issubclass(
             exc_type, TrackingUnavailable) else self.retry_s
-        try:  # pops the active run first (so MLflow's atexit hook never ends it), then tells
-            self.mlflow.end_run(status=status)  # the server
-            return None
-        except Exception as first:
-            if not is_transient(first):
-                raise
+        active = self.mlflow.active_run()
+        if active is not None and active.info.run_id == self.run_id:
+            try:  # pops this run (so MLflow's atexit hook never ends it), then tells the
+                self.mlflow.end_run(status=status)  # server
+                return None
+            except Exception as first:
+                if not is_transient(first):
+                    raise
+        # not on top of MLflow's run stack (or the server did not answer): end it by id
         from mlflow.tracking import MlflowClient
 
         try:
@@ -298,11 +305,11 @@ class MlflowTracker(NullTracker):
 
 def _bounded_mlflow_http() -> None:
     """Make one MLflow HTTP call of this process fail within seconds, not minutes, when
-    the server is down (2 retries, backoff factor 1, 60 s timeout), unless the user set
-    ``MLFLOW_HTTP_REQUEST_*`` already; :meth:`MlflowTracker._call` retries on top."""
+    the server is down (2 retries, backoff factor 1), unless the user set
+    ``MLFLOW_HTTP_REQUEST_*`` already; :meth:`MlflowTracker._call` retries on top. The
+    request timeout stays MLflow's own (120 s): a large model upload is one request."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "60")
 
 
 def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str | None,
@@ -378,6 +385,7 @@ def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
         raise ValueError(f"model: {uri!r}: {exc}") from None
     configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))
     if not configs:
+        shutil.rmtree(target, ignore_errors=True)
         raise ValueError(f"model: {uri!r} holds no saved HF model (no config.json)")
     return str(configs[0].parent)
 

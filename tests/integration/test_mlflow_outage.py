@@ -310,3 +310,37 @@ def test_driver_calls_wait_for_the_server_or_fail_clearly(tmp_path, monkeypatch)
     finally:
         server.stop()
         mlflow.set_tracking_uri(None)
+
+
+def test_a_run_that_fails_while_opening_is_failed_not_finished(tmp_path, monkeypatch):
+    """If logging the config fails inside ``with tracker:`` setup, the run (and a child
+    run that fails the same way) ends FAILED at once and leaves MLflow's run stack empty,
+    so MLflow's exit hook cannot mark it FINISHED."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from speclab import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+
+    def refuse(self, text, name):
+        raise ValueError("store refused config.yaml")
+
+    with tracking.MlflowTracker(uri, "opening", "parent", {"a": 1}) as parent:
+        with monkeypatch.context() as m:
+            m.setattr(tracking.MlflowTracker, "log_text", refuse)
+            with pytest.raises(ValueError, match="refused"):
+                with parent.child("child", {"b": 2}):
+                    pass
+        assert mlflow.active_run().info.run_id == parent.run_id  # the child was popped
+    monkeypatch.setattr(tracking.MlflowTracker, "log_text", refuse)
+    with pytest.raises(ValueError, match="refused"):
+        with tracking.MlflowTracker(uri, "opening", "alone", {"a": 1}):
+            pass
+    assert mlflow.active_run() is None
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("opening")
+    status = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
+    assert status == {"parent": "FINISHED", "child": "FAILED", "alone": "FAILED"}
+    mlflow.set_tracking_uri(None)

@@ -87,6 +87,8 @@ def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
         if "=" not in pair:
             raise ConfigError(f"override {pair!r}: expected key=value")
         key, raw = pair.split("=", 1)
+        if any(not part.strip() for part in key.split(".")):
+            raise ConfigError(f"override {pair!r}: the key (before '=') has an empty part")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError:

@@ -148,7 +148,10 @@ def _metric_buffer(config: dict):
 
     quiet_mlflow_http()  # the buffer retries; one request must not block for minutes
     buf = MetricBuffer(config["tracking_uri"])
-    spooled, _ = load_spool(Path(config["run_dir"]) / SPOOL_NAME)
+    spooled, header = load_spool(Path(config["run_dir"]) / SPOOL_NAME)
+    # points an earlier attempt lost stay counted: the job must still fail for them
+    buf.dropped = int(header.get("dropped", 0))
+    buf.rejected = int(header.get("rejected", 0))
     if spooled:
         print(f"[tracking] {len(spooled)} metric points spooled by an earlier attempt "
               "are queued for delivery", flush=True)
