@@ -255,6 +255,28 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 
+#: the UI's query parameter that opens MLflow 3 on its machine-learning pages (runs,
+#: metrics, charts) instead of the GenAI landing page; the choice is remembered
+ML_WORKFLOW = "workflowType=machine_learning"
+
+
+def ui_pages(uri: str, base: str) -> list[str]:
+    """The lines naming the UI pages to open: the experiments list, and each
+    experiment's runs table (newest first), all on MLflow's machine-learning view."""
+    from mlflow.tracking import MlflowClient
+
+    lines = [f"  experiments: {base}/#/experiments?{ML_WORKFLOW}"]
+    try:
+        exps = MlflowClient(uri).search_experiments(order_by=["last_update_time DESC"])
+    except Exception as exc:  # an empty or new store: the list page is still right
+        return lines + [f"  (could not list the experiments: {type(exc).__name__})"]
+    for exp in exps[:10]:
+        if exp.name != "Default":
+            lines.append(f"  {exp.name}: {base}/#/experiments/{exp.experiment_id}/runs"
+                         f"?{ML_WORKFLOW}")
+    return lines
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
     """Run ``mlflow server`` (light mode) on 127.0.0.1 over the store jobs write to."""
     import os
@@ -273,6 +295,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
            "--default-artifact-root", default_artifact_root(), "--host", "127.0.0.1",
            "--port", str(args.port), "--workers", "1"]
     print(f"MLflow UI on http://127.0.0.1:{args.port} over {uri} (Ctrl-C to stop)", flush=True)
+    for line in ui_pages(uri, f"http://127.0.0.1:{args.port}"):
+        print(line, flush=True)
     # `mlflow server` runs uvicorn as a child: give them a process group of their own and
     # stop that group on Ctrl-C or SIGTERM, so nothing outlives this command
     server = subprocess.Popen(cmd, env=env, start_new_session=True)

@@ -57,6 +57,25 @@ MAX_KEY = 160
 ACCEPT_POSITIONS = 6
 
 
+@dataclass(frozen=True)
+class PromptFigures:
+    """One prompt's counters (what the spread over prompts is computed from)."""
+
+    new_tokens: int
+    committed: int
+    target_calls: int
+    accepted: int
+    judged: int
+    wall_s: float
+
+
+def spread(values: list[float]) -> float:
+    """Sample standard deviation of ``values`` (0.0 for fewer than two)."""
+    import statistics
+
+    return statistics.stdev(values) if len(values) >= 2 else 0.0
+
+
 @dataclass
 class Totals:
     """Summed counters over prompts for one method."""
@@ -77,6 +96,10 @@ class Totals:
     #: ``at_least[k - 1]``: rounds that accepted at least ``k`` draft tokens
     at_least: list[int] = field(default_factory=lambda: [0] * ACCEPT_POSITIONS)
     outputs: list[list[int]] = field(default_factory=list)
+    #: one :class:`PromptFigures` per prompt, in prompt order (the spread over prompts)
+    per_prompt: list[PromptFigures] = field(default_factory=list)
+    #: the prompts ran as one batch: per-prompt wall times are the batch's, no spread
+    batched: bool = False
 
     def add(self, res: GenerationResult) -> None:
         s = res.stats
@@ -97,6 +120,9 @@ class Totals:
             for k in range(min(n - 1, ACCEPT_POSITIONS)):
                 self.at_least[k] += 1
         self.outputs.append(res.token_ids)
+        self.per_prompt.append(PromptFigures(
+            s.new_tokens, sum(s.accepted_lengths), s.target_calls, s.accepted_tokens,
+            s.judged_tokens, s.wall_s))
 
     def merge(self, other: Totals) -> None:
         for k in ("prompts", "new_tokens", "committed", "target_calls", "forwards", "draft_calls",
@@ -104,6 +130,8 @@ class Totals:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.at_least = [a + b for a, b in zip(self.at_least, other.at_least)]
         self.outputs += other.outputs
+        self.per_prompt += other.per_prompt
+        self.batched = self.batched or other.batched
 
 
 def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dict) -> Totals:
@@ -121,6 +149,7 @@ def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dic
         b = dec.last_batch
         totals.wall_s, totals.draft_s, totals.verify_s = b.wall_s, b.draft_s, b.verify_s
         totals.forwards, totals.draft_calls = b.target_forwards, b.draft_forwards
+        totals.batched = True
         return totals
     for i, ids in enumerate(prompts):
         res = dec.generate(prompt_ids=ids, method=run.method, seed=seed + i, **gen, **run.params)
@@ -196,9 +225,38 @@ def summarize(
         **{f"accept_at_{k + 1}": c / totals.rounds if totals.rounds else 0.0
            for k, c in enumerate(totals.at_least)},
     }
+    row.update(prompt_spread(totals, ar))
     if reference_outputs is not None:
         row["identical_to_ar"] = totals.outputs == reference_outputs
     return row
+
+
+#: the row columns that get a ``<name>_std`` over prompts (:func:`prompt_spread`)
+SPREAD_COLUMNS = ("tau", "target_calls_per_token", "acceptance_rate", "tokens_per_s",
+                  "speedup")
+
+
+def prompt_spread(totals: Totals, ar: Totals) -> dict[str, float | None]:
+    """``<column>_std`` for :data:`SPREAD_COLUMNS`: the sample standard deviation over
+    prompts of each prompt's own figure (``speedup``: the prompt's tokens/s over the
+    same prompt's tokens/s in the AR block timed before the method). The wall-clock
+    ones are None when either block ran batched (one wall time for the whole batch)."""
+    per = totals.per_prompt
+    out: dict[str, float | None] = {
+        "tau_std": spread([tau(p.committed, p.target_calls) for p in per]),
+        "target_calls_per_token_std": spread([p.target_calls / max(p.new_tokens, 1)
+                                              for p in per]),
+        "acceptance_rate_std": spread([p.accepted / p.judged if p.judged else 0.0
+                                       for p in per]),
+        "tokens_per_s_std": None, "speedup_std": None,
+    }
+    if not totals.batched and not ar.batched:
+        tps = [p.new_tokens / p.wall_s if p.wall_s else 0.0 for p in per]
+        ar_tps = [p.new_tokens / p.wall_s if p.wall_s else 0.0 for p in ar.per_prompt]
+        out["tokens_per_s_std"] = spread(tps)
+        if len(ar_tps) == len(tps):
+            out["speedup_std"] = spread([m / a for m, a in zip(tps, ar_tps) if a])
+    return out
 
 
 COLUMNS = [

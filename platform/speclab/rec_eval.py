@@ -6,6 +6,8 @@ sampling beam search for ``relaxed``) and beam SD run one after the other on the
 process (A B A B), so WS@K = baseline wall time / SD wall time compares like with like.
 AS@K = accepted drafted steps per user; Recall/NDCG score SD's ranked list against the
 example's true next item (identical to the baseline's under strict verification).
+``WS@K_std`` / ``AS@K_std``: the standard deviation over users of each user's own
+figure (wall-time ratio, accepted steps).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from speclab.decoding.beam import (
     constrained_beam_search,
     sampling_beam_search,
 )
+from speclab.evaluation import spread
 from speclab.recommend import Recommender
 
 
@@ -48,6 +51,7 @@ def evaluate(rec: Recommender, drafts: dict[str, object], examples: list[RecExam
                     base_s = sd_s = 0.0
                     accepted = calls = 0
                     rec_sum = ndcg_sum = base_rec = 0.0
+                    ws_users, as_users = [], []  # per user: the spread over users
                     for i, ex in enumerate(examples):
                         g1 = torch.Generator().manual_seed(seed + i)
                         g2 = torch.Generator().manual_seed(seed + i)
@@ -65,6 +69,8 @@ def evaluate(rec: Recommender, drafts: dict[str, object], examples: list[RecExam
                                                                 k, gamma, g2, n=n)
                         t2 = time.perf_counter()
                         base_s, sd_s = base_s + t1 - t0, sd_s + t2 - t1
+                        ws_users.append((t1 - t0) / (t2 - t1) if t2 > t1 else 0.0)
+                        as_users.append(st.accepted_steps)
                         accepted += st.accepted_steps
                         calls += st.target_calls
                         truth = rec.meta.items[ex.target]
@@ -75,6 +81,7 @@ def evaluate(rec: Recommender, drafts: dict[str, object], examples: list[RecExam
                     rows.append({
                         "verify": verify, "method": name, "K": k, "N": n, "gamma": gamma,
                         "WS@K": base_s / sd_s if sd_s else 0.0, "AS@K": accepted / m,
+                        "WS@K_std": spread(ws_users), "AS@K_std": spread(as_users),
                         "target_calls_per_user": calls / m, "Recall@K": rec_sum / m,
                         "NDCG@K": ndcg_sum / m, "baseline_Recall@K": base_rec / m,
                         "users": len(examples), "baseline_s": base_s, "sd_s": sd_s})

@@ -34,6 +34,11 @@ from typing import Any
 from speclab.paths import repo_root, speclab_home
 from speclab.tracking_buffer import FLUSH_TIMEOUT_ENV, flush_timeout_s, is_transient, short_error
 
+#: MLflow 3's experiment tag choosing the experiment page's layout: with
+#: ``custom_model_development`` it opens on the runs table (params, metrics, charts),
+#: not on the GenAI traces view
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
 
 class TrackingUnavailable(RuntimeError):
     """The configured tracking server cannot be reached."""
@@ -131,6 +136,9 @@ class NullTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
 
+    def log_series(self, key: str, values: dict[int, float]) -> None:
+        """Metric ``key`` at each step of ``values`` (``{step: value}``), in one call."""
+
     def log_text(self, text: str, name: str) -> None: ...
 
     def log_table(self, rows: list[dict], name: str) -> None: ...
@@ -180,7 +188,10 @@ class MlflowTracker(NullTracker):
                 if self._call("looking up the experiment", mlflow.get_experiment_by_name,
                               experiment) is None:
                     raise exc from None
-        self._call("setting the experiment", mlflow.set_experiment, experiment)
+        exp = self._call("setting the experiment", mlflow.set_experiment, experiment)
+        if EXPERIMENT_KIND_TAG not in (exp.tags or {}):  # open its page on the runs table
+            self._call("tagging the experiment", mlflow.set_experiment_tag,
+                       EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         self.run_name = run_name
         self.config = config
 
@@ -275,6 +286,16 @@ class MlflowTracker(NullTracker):
         # one timestamp for all attempts: a retried batch that did arrive is not doubled
         self._call("logging metrics", self.mlflow.log_metrics, clean, step=step,
                    timestamp=int(time.time() * 1000))
+
+    def log_series(self, key: str, values: dict[int, float]) -> None:
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        now = int(time.time() * 1000)  # one timestamp: a retried batch is not doubled
+        batch = [Metric(metric_key(key), float(v), now, int(step))
+                 for step, v in values.items()]
+        self._call(f"logging {key}", MlflowClient(self.uri).log_batch, self.run_id,
+                   metrics=batch)
 
     def log_text(self, text: str, name: str) -> None:
         self._call(f"logging {name}", self.mlflow.log_text, text, name)

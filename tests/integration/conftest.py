@@ -199,12 +199,29 @@ def python() -> str:
 
 
 def find_run(tracking_uri: str, experiment: str):
-    """The single finished run of ``experiment`` in the store, via the MLflow client."""
+    """The single top-level run of ``experiment`` in the store (its child runs aside),
+    via the MLflow client."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name(experiment)
     assert exp is not None, f"experiment {experiment!r} not found"
-    runs = client.search_runs([exp.experiment_id])
+    runs = [r for r in client.search_runs([exp.experiment_id])
+            if "mlflow.parentRunId" not in r.data.tags]
     assert len(runs) == 1, [r.info.run_id for r in runs]
     return client, runs[0]
+
+
+def method_children(client, run) -> dict:
+    """``{method label: child run}`` of the per-method child runs under ``run``; checks
+    that they all carry the same metric keys and a ``method.name`` param."""
+    runs = client.search_runs([run.info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{run.info.run_id}' "
+                              "and tags.kind = 'method'", max_results=1000)
+    children = {r.data.tags["method"]: r for r in runs}
+    assert len(children) == len(runs), "two children with one label"
+    keys = {tuple(sorted(r.data.metrics)) for r in runs}
+    assert len(keys) <= 1, [sorted(set(k) ^ set(next(iter(keys)))) for k in keys]
+    assert all(r.data.params.get("method.name") for r in runs)
+    assert all(r.info.status == "FINISHED" for r in runs)
+    return children

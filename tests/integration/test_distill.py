@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import find_run, python, refused_before_work, run_cmd
+from tests.integration.conftest import (
+    find_run,
+    method_children,
+    python,
+    refused_before_work,
+    run_cmd,
+)
 
 pytestmark = pytest.mark.integration
 DISTILL = "experiments/smoke/distill.yaml"
@@ -27,7 +33,9 @@ def test_target_then_drafter_both_registered_and_loadable(job_env, tmp_path, mon
     assert m["generate_shards_written"] == 6 and m["generate_shards_kept"] == 0
     assert m["generate_actors_lost"] == 0 and m["generate_shards_redispatched"] == 0
     assert m["generate_actor_peak_rss_mb"] > 0 and m["peak_rss_mb"] > 0
-    assert any(k.startswith("eval/salf_") and k.endswith(".tau") for k in m), sorted(m)
+    assert m["eval/best_tau"] >= 1.0
+    evals = method_children(client, run)  # the drafter's evaluation: a run per method
+    assert any(k.startswith("salf(") for k in evals) and "ar" in evals, sorted(evals)
     assert [h.step for h in client.get_metric_history(run.info.run_id, "loss")] == [10, 20]
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"eval_results.csv", "eval_tau_per_method.png", "config.yaml"} <= arts, arts

@@ -8,7 +8,13 @@ import json
 
 import pytest
 
-from tests.integration.conftest import find_run, python, refused_before_work, run_cmd
+from tests.integration.conftest import (
+    find_run,
+    method_children,
+    python,
+    refused_before_work,
+    run_cmd,
+)
 
 pytestmark = pytest.mark.integration
 CONFIG = "experiments/smoke/distill_eagle.yaml"
@@ -28,8 +34,9 @@ def test_eagle_drafter_trained_registered_and_served_by_the_cli(job_env, tmp_pat
     for key in ("val_top1", "engine_tau", "engine_accept_at_1"):  # next to the loss curve
         assert [h.step for h in client.get_metric_history(run.info.run_id, key)] == [10, 20]
     assert m["engine_tau"] >= 1.0 and m["final_engine_tau"] == m["engine_tau"]
-    assert any(k.startswith("eval/eagle-salf") and k.endswith(".tau") for k in m), sorted(m)
-    assert all(v == 1.0 for k, v in m.items() if k.endswith("identical_to_ar")), m
+    evals = method_children(client, run)
+    assert "eagle-salf" in evals, sorted(evals)
+    assert all(c.data.metrics["identical_to_ar"] == 1.0 for c in evals.values())
     assert client.get_model_version("speclab-smoke-eagle", "1").run_id == run.info.run_id
 
     from speclab.api import Decoder

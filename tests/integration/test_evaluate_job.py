@@ -2,32 +2,60 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
 import yaml
 
-from tests.integration.conftest import ROOT, find_run, free_port, python, run_cmd
+from tests.integration.conftest import (
+    ROOT,
+    find_run,
+    free_port,
+    method_children,
+    python,
+    run_cmd,
+)
 
 pytestmark = pytest.mark.integration
 SMOKE = "experiments/smoke/evaluate.yaml"
 
 
 def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> None:
+    """One parent run (config, table, plots, best_*) and one child run per method, AR
+    included, with the method's settings as params and identical metric keys."""
     client, run = find_run(tracking_uri, experiment)
     assert run.info.status == "FINISHED"
     m = run.data.metrics
-    for key in ("ar.tau", "chain_gamma2.tau", "chain_gamma2.speedup", "best_speedup"):
-        assert key in m, sorted(m)
-    assert any(k.startswith("salf_") and "nodes8" in k and k.endswith(".tau") for k in m), m
-    assert m["ar.tau"] == 1.0 and m["chain_gamma2.tau"] >= 1.0
+    assert {"best_speedup", "best_tau", "best_tokens_per_s", "prompts"} <= set(m), sorted(m)
+    assert not any("." in k for k in m), sorted(m)  # no more "<method>.<metric>" keys
     assert run.data.params["methods.0.gamma"] == "2"
     assert run.data.tags["git_commit"] and run.data.tags["config_hash"]
-    history = client.get_metric_history(run.info.run_id, "chain.speedup")
-    assert sorted(h.step for h in history) == [2, 4]  # steps = gamma
+    children = method_children(client, run)
+    assert sorted(children) == sorted(["ar", "chain(gamma=2)", "chain(gamma=4)",
+                                       *(k for k in children if k.startswith(("tree(", "salf(")))])
+    assert len(children) == 5, sorted(children)
+    chain = children["chain(gamma=2)"]
+    assert chain.data.params["method.name"] == "chain"
+    assert chain.data.params["method.gamma"] == "2"
+    assert chain.info.run_name == f"{run.info.run_name}/chain(gamma=2)"
+    cm = chain.data.metrics
+    for key in ("tau", "tau_std", "tokens_per_s", "tokens_per_s_std", "speedup",
+                "speedup_std", "target_calls_per_token", "acceptance_rate",
+                "measured_over_predicted", "accept_at_1"):
+        assert key in cm, sorted(cm)
+    assert children["ar"].data.metrics["tau"] == 1.0 and cm["tau"] >= 1.0
+    assert cm["tau_std"] >= 0 and cm["speedup_std"] >= 0
+    assert m["best_tau"] == max(c.data.metrics["tau"] for k, c in children.items() if k != "ar")
+    history = client.get_metric_history(chain.info.run_id, "acceptance_at_least")
+    assert [h.step for h in sorted(history, key=lambda h: h.step)] == [1, 2, 3, 4, 5, 6]
+    assert history[0].value == pytest.approx(cm[f"accept_at_{history[0].step}"])
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.yaml", "results.csv", "results.json", "tau_per_method.png",
-            "tokens_per_s.png", "speedup_vs_gamma.png"} <= arts, arts
+            "tokens_per_s.png", "speedup_per_method.png", "speedup_vs_gamma.png",
+            "acceptance_per_position.png", "acceptance_per_position.csv"} <= arts, arts
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 SMOKE_CONFIGS = sorted(p for p in (ROOT / "experiments" / "smoke").glob("*.yaml")
@@ -59,6 +87,25 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         for task in ("code_completion", "docstring_qa", "docstring_summary"):  # for pld)
             assert any(ln.startswith(task) and " pld(" in ln and ln.rstrip().endswith("True")
                        for ln in res.stdout.splitlines()), res.stdout[-3000:]
+        check_retrieval_runs(job_env["MLFLOW_TRACKING_URI"])
+
+
+def check_retrieval_runs(tracking_uri: str) -> None:
+    """A child run per task x method (AR, pld, aasd, HF prompt lookup) with the same
+    metric keys; ``<task>/best_*`` on the parent."""
+    client, run = find_run(tracking_uri, "speclab-smoke")
+    children = method_children(client, run)
+    tasks = ("code_completion", "docstring_qa", "docstring_summary")
+    assert len(children) == 12, sorted(children)
+    for task in tasks:
+        mine = {k: c for k, c in children.items() if k.startswith(f"{task}/")}
+        assert sorted(c.data.params["method.name"] for c in mine.values()) == [
+            "aasd", "ar", "hf_prompt_lookup", "pld"]
+        assert all(c.data.params["method.task"] == task for c in mine.values())
+        assert run.data.metrics[f"{task}/best_speedup"] > 0
+    pld = next(c for k, c in children.items() if k.startswith("code_completion/pld("))
+    assert pld.data.params["method.ngram"] == "10"
+    assert {"tau", "speedup", "accuracy", "identical_to_ar"} <= set(pld.data.metrics)
 
 
 def check_datastore_serves_rest(job_env: dict) -> None:
@@ -90,8 +137,15 @@ def check_specdecpp_runs(tracking_uri: str, stdout: str) -> None:
     exp = client.get_experiment_by_name("speclab-smoke")
     runs = client.search_runs([exp.experiment_id])
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+                and r.data.tags.get("kind") != "method"]
     assert len(children) == 1 and "heldout_ece" in children[0].data.metrics
+    points = method_children(client, parent)  # AR, 2 fixed gammas, 1 head x 2 thresholds
+    assert sorted(points) == ["D1-w3@h=0.3", "D1-w3@h=0.7", "ar", "gamma=2", "gamma=4"]
+    assert points["D1-w3@h=0.3"].data.params["method.name"] == "specdecpp"
+    assert points["D1-w3@h=0.3"].data.params["method.stop_threshold"] == "0.3"
+    assert points["gamma=4"].data.metrics["eq23_tokens_per_s"] > 0
+    assert math.isnan(points["ar"].data.metrics["eq23_tokens_per_s"])
     m = parent.data.metrics
     assert m["fixed_points"] == 2 and 0 < m["oracle_verification_rate"] <= 1
     assert m["t_draft_s"] > 0 and m["t_target_s"] > 0
@@ -109,9 +163,19 @@ def check_recommend_eval_runs(tracking_uri: str, stdout: str) -> None:
     exp = client.get_experiment_by_name("speclab-smoke")
     runs = client.search_runs([exp.experiment_id])
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+                and r.data.tags.get("kind") != "method"]
     assert sorted(r.data.tags.get("loss", "target") for r in children) == [
         "atspeed_s", "sft", "target"]
+    points = method_children(client, parent)  # verify x drafter x K x N
+    rows = [ln.split() for ln in stdout.splitlines() if ln.startswith(("strict ", "relaxed "))]
+    assert len(points) == len(rows) > 0
+    p = points["strict/sft/K3/N5"]
+    assert (p.data.params["method.verify"], p.data.params["method.K"]) == ("strict", "3")
+    assert {"ws_at_k", "ws_at_k_std", "as_at_k", "as_at_k_std", "recall_at_k"} <= set(
+        p.data.metrics)
+    assert parent.data.metrics["best_as_at_k"] == max(
+        c.data.metrics["as_at_k"] for c in points.values())
     arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"rec_results.csv", "as_vs_k.png", "ws_as_vs_n.png"} <= arts, arts
     for verify in ("strict", "relaxed"):
@@ -132,6 +196,9 @@ def check_comparison_runs(tracking_uri: str) -> None:
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert sorted(r.data.tags["loss"] for r in children) == ["sft", "talf"]
     assert all(r.data.metrics["final_step"] == 10 for r in children)
+    methods = [method_children(client, r) for r in children]  # each loss: its methods
+    assert sorted(methods[0]) == sorted(methods[1]) and "ar" in methods[0]
+    assert len({tuple(sorted(c.data.metrics)) for m in methods for c in m.values()}) == 1
     arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"loss_comparison.csv", "loss_comparison.txt", "tau_by_loss.png"} <= arts, arts
 
@@ -170,9 +237,11 @@ def test_evaluate_job_decodes_in_batches(job_env):
     table = [ln for ln in res.stdout.splitlines()
              if ln.startswith(("ar ", "chain(", "tree(", "salf("))]
     assert len(table) == 5 and all(ln.rstrip().endswith("True") for ln in table), res.stdout
-    _, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
-    m = run.data.metrics
+    client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
+    children = method_children(client, run)
     assert run.data.params["decoding.batch_size"] == "2"
     # two rows per forward: fewer target forwards than per-row rounds
-    assert m["chain_gamma2.target_forwards_per_token"] < m["chain_gamma2.target_calls_per_token"]
-    assert m["ar.target_forwards_per_token"] == pytest.approx(0.5, abs=0.07)
+    m = children["chain(gamma=2)"].data.metrics
+    assert m["target_forwards_per_token"] < m["target_calls_per_token"]
+    assert children["ar"].data.metrics["target_forwards_per_token"] == pytest.approx(0.5, abs=0.07)
+    assert math.isnan(m["speedup_std"])  # one wall time for the whole batch: no spread

@@ -29,3 +29,31 @@ def test_rows_carry_acceptance_per_draft_position(tiny_pair):
         assert row[f"accept_at_{k}"] == want
     assert row["accept_at_5"] == 0.0  # gamma 4 drafts at most 4 tokens
     assert summarize(MethodRun("ar"), ar, ar)["accept_at_1"] == 0.0
+
+
+def test_rows_carry_the_spread_over_prompts(tiny_pair):
+    """``<column>_std`` is the sample standard deviation of each prompt's own figure;
+    the speedup pairs each prompt with the same prompt in the AR block."""
+    import statistics
+
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    totals, ar = Totals(), Totals()
+    per_tau, per_speed = [], []
+    for prompt in ([3, 9, 27], [5, 6, 7, 8], [11, 12]):
+        res = dec.generate(prompt_ids=prompt, method="chain", gamma=3, max_new_tokens=20)
+        base = dec.generate(prompt_ids=prompt, method="ar", max_new_tokens=20)
+        totals.add(res)
+        ar.add(base)
+        s = res.stats
+        per_tau.append(sum(s.accepted_lengths) / s.target_calls)
+        per_speed.append((s.new_tokens / s.wall_s) / (base.stats.new_tokens / base.stats.wall_s))
+    row = summarize(MethodRun("chain", {"gamma": 3}), totals, ar)
+    assert row["tau_std"] == statistics.stdev(per_tau)
+    assert row["speedup_std"] == statistics.stdev(per_speed)
+    assert row["tokens_per_s_std"] > 0
+    one = Totals()
+    one.add(dec.generate(prompt_ids=[3, 9, 27], method="ar", max_new_tokens=8))
+    assert summarize(MethodRun("ar"), one, one)["tau_std"] == 0.0  # one prompt: no spread
+    one.batched = True  # one wall time for a whole batch: no wall-clock spread
+    batched = summarize(MethodRun("ar"), one, one)
+    assert batched["speedup_std"] is None and batched["tokens_per_s_std"] is None

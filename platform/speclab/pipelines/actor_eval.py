@@ -3,8 +3,10 @@ compare_losses, specdecpp_eval).
 
 Prompts are spread over actors that hold the models; each actor runs every method over
 its prompts one after another with the AR baseline re-run before each method (A B A B).
-The driver merges the counters, prints the table and logs metrics (chain metrics also
-with step = gamma), the table (CSV/JSON/TXT) and plots to the active tracker run.
+The driver merges the counters and prints the table; each method (AR included) becomes
+a child run with the same metric keys (:mod:`speclab.pipelines.method_runs`), and the
+active run gets the table (CSV/JSON/TXT), the per-position acceptance table, the plots
+(:mod:`speclab.pipelines.eval_plots`) and ``best_*`` metrics.
 """
 
 from __future__ import annotations
@@ -14,46 +16,16 @@ from typing import Any
 from speclab.config import MethodConfig
 
 
-def _plots(rows: list[dict], runs) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figs = {}
-    names = [r["method"] for r in rows]
-    for metric, fname in (("tau", "tau_per_method.png"), ("tokens_per_s", "tokens_per_s.png")):
-        fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(rows)), 3.5))
-        ax.bar(range(len(rows)), [r[metric] for r in rows])
-        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel(metric)
-        fig.tight_layout()
-        figs[fname] = fig
-    chain = sorted((run.gamma, row) for run, row in zip(runs, rows[1:]) if run.name == "chain")
-    if len(chain) >= 2:
-        fig, ax = plt.subplots(figsize=(4.5, 3.5))
-        ax.plot([g for g, _ in chain], [r["speedup"] for _, r in chain], "o-", label="measured")
-        predicted = [(g, r["predicted_speedup"]) for g, r in chain
-                     if r["predicted_speedup"] is not None]  # None when batched
-        if predicted:
-            ax.plot([g for g, _ in predicted], [p for _, p in predicted], "s--",
-                    label="predicted (Thm 3.8)")
-        ax.set_xlabel("gamma")
-        ax.set_ylabel("speedup over AR")
-        ax.legend()
-        fig.tight_layout()
-        figs["speedup_vs_gamma.png"] = fig
-    return figs
-
-
 def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[int]],
                   tracker, prefix: str = "",
-                  methods: list[MethodConfig] | None = None) -> list[dict]:
+                  methods: list[MethodConfig] | None = None,
+                  children: bool = True) -> list[dict]:
     """Evaluate ``methods`` (default ``cfg.method_list()``) on ``prompts`` (token ids)
     with ``cfg``'s ``models``, ``decoding`` and ``resources`` groups; log to ``tracker``.
 
-    ``prefix`` is prepended to metric keys and artifact names (e.g. ``eval/``).
-    Returns the table rows (AR first).
+    ``prefix`` is prepended to the parent's metric keys and artifact names (e.g.
+    ``eval/``). ``children=False`` leaves the per-method child runs to the caller (who
+    adds columns first: :func:`log_method_children`). Returns the table rows (AR first).
     """
     import ray
 
@@ -105,21 +77,44 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
         rows.append(summarize(run, m["totals"], m["ar"], reference))
     print(format_table(rows), flush=True)
 
-    for run_cfg, run, row in zip([None, *runs], [MethodRun("ar"), *method_runs], rows):
-        tracker.log_metrics({f"{prefix}{run.key}.{k}": v for k, v in row.items()})
-        if run_cfg is not None and run_cfg.name == "chain":
-            tracker.log_metrics({f"{prefix}chain.speedup": row["speedup"],
-                                 f"{prefix}chain.tau": row["tau"]}, step=run_cfg.gamma)
-    best = max(rows[1:], key=lambda r: r["speedup"]) if len(rows) > 1 else rows[0]
-    tracker.log_metrics({f"{prefix}best_speedup": best["speedup"],
-                         f"{prefix}prompts": len(prompts)})
-    tracker.set_tags({f"{prefix}best_method": best["method"]})
+    log_evaluation(tracker, rows, runs, prefix, children)
+    return rows
+
+
+def log_method_children(tracker, rows: list[dict], runs: list[MethodConfig],
+                        skip: tuple[str, ...] = ()) -> None:
+    """One child run per row of :func:`evaluate_pair` (AR first, then ``runs``), with
+    ``method.*`` params and identical metric keys."""
+    from speclab.pipelines.method_runs import log_child_runs, method_params
+
+    params = [method_params("ar", "ar", {})]
+    for m, row in zip(runs, rows[1:]):
+        params.append(method_params(row["method"], m.name, m.params()))
+    log_child_runs(tracker, rows, params, skip=skip)
+
+
+def log_evaluation(tracker, rows: list[dict], runs: list[MethodConfig], prefix: str = "",
+                   children: bool = True) -> None:
+    """Log :func:`evaluate_pair`'s ``rows`` (AR first, then ``runs``): a child run per
+    method (unless ``children`` is False), and on ``tracker``'s run the table, the
+    per-position acceptance table, the plots and ``{prefix}best_*`` metrics."""
+    from speclab.evaluation import format_table
+    from speclab.pipelines.eval_plots import acceptance_table, method_figures
+    from speclab.pipelines.method_runs import log_best
+
+    if children:
+        log_method_children(tracker, rows, runs)
+    log_best(tracker, rows[1:] or rows, prefix)
+    tracker.log_metrics({f"{prefix}prompts": rows[0]["prompts"], f"{prefix}methods": len(runs)})
     name = prefix.replace("/", "_")
     tracker.log_table(rows, f"{name}results")
     tracker.log_text(format_table(rows), f"{name}results.txt")
-    for fname, fig in _plots(rows, runs).items():
+    accept = acceptance_table(rows)
+    if accept:
+        tracker.log_table(accept, f"{name}acceptance_per_position")
+    gammas = [m.gamma if m.name == "chain" else None for m in runs]
+    for fname, fig in method_figures(rows, gammas).items():
         tracker.log_figure(fig, f"{name}{fname}")
-    return rows
 
 
 def evaluate_trained(cfg: Any, target: str, prompts: list[list[int]], tracker, field: str,

@@ -4,12 +4,14 @@ rows, the printed table, and the plots logged to the comparison's parent run."""
 from __future__ import annotations
 
 from speclab.evaluation import ACCEPT_POSITIONS
+from speclab.pipelines.eval_plots import wrap_label
 
 
 def comparison_rows(loss: str, rows: list[dict], key: str = "loss") -> list[dict]:
     """One table row per evaluated method of the drafter trained with ``loss`` (in column
     ``key``; ``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first)."""
-    keep = ("tau", "target_calls_per_token", "speedup", "tokens_per_s",
+    keep = ("tau", "tau_std", "target_calls_per_token", "speedup", "speedup_std",
+            "tokens_per_s",
             *(f"accept_at_{k}" for k in range(1, ACCEPT_POSITIONS + 1)))
     return [{key: loss, "method": row["method"], **{k: row[k] for k in keep}}
             for row in rows[1:]]
@@ -26,12 +28,16 @@ def _tau_by_loss(table: list[dict], key: str):
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(losses)), 3.8))
     width = 0.8 / max(len(methods), 1)
     for j, m in enumerate(methods):
-        vals = [next(r["tau"] for r in table if r[key] == loss and r["method"] == m)
-                for loss in losses]
-        ax.bar([i + j * width for i in range(len(losses))], vals, width, label=m[:28])
+        cells = [next(r for r in table if r[key] == loss and r["method"] == m)
+                 for loss in losses]
+        ax.bar([i + j * width for i in range(len(losses))], [r["tau"] for r in cells], width,
+               yerr=[r.get("tau_std") or 0.0 for r in cells], capsize=2,
+               label=wrap_label(m, 36))
     ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(losses))], losses)
+    ax.set_xlabel(key)
     ax.set_ylabel("tau (tokens per target call)")
-    ax.legend(fontsize=6)
+    ax.set_title(f"tau per {key} and method (±1 sd over prompts)", fontsize=9)
+    ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -51,10 +57,12 @@ def _acceptance_per_position(table: list[dict], key: str):
     for ax, m in zip(axes[0], methods):
         for r in (r for r in table if r["method"] == m):
             ax.plot(ks, [r[f"accept_at_{k}"] for k in ks], "o-", label=r[key])
-        ax.set_title(m[:32], fontsize=8)
+        ax.set_title(wrap_label(m, 40), fontsize=7)
         ax.set_xlabel("draft position k")
+        ax.set_ylim(0, 1.02)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("rounds accepting >= k")
+    axes[0][0].set_ylabel("fraction of rounds accepting ≥ k")
+    fig.suptitle(f"Per-position acceptance per {key}", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -40,9 +40,11 @@ def _plots(rows: list[dict]) -> dict:
                          key=lambda r: r["N"])
             axes[0].plot([r["N"] for r in sel], [r["WS@K"] for r in sel], "o-", label=name)
             axes[1].plot([r["N"] for r in sel], [r["AS@K"] for r in sel], "o-", label=name)
-        axes[0].set(xlabel="draft beam size N", ylabel=f"WS@{k}")
-        axes[1].set(xlabel="draft beam size N", ylabel=f"AS@{k}")
+        axes[0].set(xlabel="draft beam size N", ylabel=f"WS@{k} (x the target's search)")
+        axes[1].set(xlabel="draft beam size N", ylabel=f"AS@{k} (accepted steps per user)")
         axes[0].legend(fontsize=7)
+        fig.suptitle(f"Strict verification: speedup and acceptance against N (K={k})",
+                     fontsize=9)
         fig.tight_layout()
         figs["ws_as_vs_n.png"] = fig
     tuned = [r for r in rows if "@" in r["method"] and r["N"] == max(x["N"] for x in rows)]
@@ -56,17 +58,23 @@ def _plots(rows: list[dict]) -> dict:
             alphas = [float(r["method"].split("@")[1]) for r in sel]
             axes[0].plot(alphas, [r["WS@K"] for r in sel], "o-", label=f"{verify}/{loss}")
             axes[1].plot(alphas, [r["AS@K"] for r in sel], "o-", label=f"{verify}/{loss}")
-        axes[0].set(xlabel="alpha", ylabel=f"WS@{k}")
-        axes[1].set(xlabel="alpha", ylabel=f"AS@{k}")
+        axes[0].set(xlabel="alignment strength alpha", ylabel=f"WS@{k} (x the target's search)")
+        axes[1].set(xlabel="alignment strength alpha", ylabel=f"AS@{k} (accepted steps/user)")
         axes[0].legend(fontsize=7)
+        fig.suptitle(f"AtSpeed losses: speedup and acceptance against alpha (K={k})",
+                     fontsize=9)
         fig.tight_layout()
         figs["ws_as_vs_alpha.png"] = fig
     fig, ax = plt.subplots(figsize=(5, 3.3))
     for (verify, name) in sorted({(r["verify"], r["method"]) for r in rows}):
         sel = sorted((r for r in rows if r["verify"] == verify and r["method"] == name
                       and r["N"] == max(x["N"] for x in rows)), key=lambda r: r["K"])
-        ax.plot([r["K"] for r in sel], [r["AS@K"] for r in sel], "o-", label=f"{verify}/{name}")
-    ax.set(xlabel="K", ylabel="AS@K (accepted steps per user)")
+        ax.errorbar([r["K"] for r in sel], [r["AS@K"] for r in sel],
+                    yerr=[r.get("AS@K_std", 0.0) for r in sel], fmt="o-", capsize=3,
+                    label=f"{verify}/{name}")
+    ax.set(xlabel="K (items recommended)", ylabel="AS@K (accepted steps per user)")
+    ax.set_title(f"Accepted steps against K, N={max(x['N'] for x in rows)} "
+                 f"(±1 sd over {rows[0]['users'] if rows else 0} users)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     figs["as_vs_k.png"] = fig
@@ -111,9 +119,25 @@ def main(argv: list[str] | None = None) -> int:
         t.log_text(text, "rec_results.txt")
         for fname, fig in _plots(rows).items():
             t.log_figure(fig, fname)
-        for r in rows:
-            key = f"{r['verify']}.{r['method']}.N{r['N']}"
-            t.log_metrics({f"{key}.WS": r["WS@K"], f"{key}.AS": r["AS@K"],
-                           f"{key}.Recall": r["Recall@K"], f"{key}.NDCG": r["NDCG@K"]},
-                          step=r["K"])
+        log_points(rows, t)
     return 0
+
+
+#: table column -> metric key of the child runs (MLflow keys have no '@')
+METRIC_NAMES = {"WS@K": "ws_at_k", "WS@K_std": "ws_at_k_std", "AS@K": "as_at_k",
+                "AS@K_std": "as_at_k_std", "Recall@K": "recall_at_k", "NDCG@K": "ndcg_at_k",
+                "baseline_Recall@K": "baseline_recall_at_k"}
+
+
+def log_points(rows: list[dict], tracker) -> None:
+    """One child run per (verification, drafter, K, N) point with ``method.*`` params and
+    the same metric keys (:data:`METRIC_NAMES`); ``best_*`` on the job's run."""
+    from speclab.pipelines.method_runs import log_best, log_child_runs
+
+    named = [{METRIC_NAMES.get(k, k): v for k, v in r.items()} for r in rows]
+    params = [{"name": "atspeed", "label": f"{r['verify']}/{r['method']}/K{r['K']}/N{r['N']}",
+               "verify": r["verify"], "drafter": r["method"], "K": r["K"], "N": r["N"],
+               "gamma": r["gamma"]} for r in rows]
+    log_child_runs(tracker, named, params, skip=("K", "N", "gamma"))
+    log_best(tracker, [{**n, "method": p["label"]} for n, p in zip(named, params)], "",
+             ("ws_at_k", "as_at_k", "recall_at_k"))

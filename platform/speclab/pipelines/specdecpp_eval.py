@@ -11,7 +11,9 @@ drafter for every head x ``adaptive.thresholds``. Per method: discard rate
 N_discarded/N, verification rate N_target/N, measured tokens/s and speedup, and
 tokens/s from eq. 2.3 with t_draft / t_target measured in this run. The greedy oracle
 of Lemma 2.1 is computed on the same prompts. Artifacts: the table, the Pareto plot of
-the two rates, and how many fixed-gamma points some SpecDec++ point dominates.
+the two rates, and how many fixed-gamma points some SpecDec++ point dominates. Each
+evaluated method (each fixed gamma, each head x threshold, and AR) is a child run with
+``method.*`` params and the same metric keys, the eq. 2.3 figures among them.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def compare(cfg: SpecdecppEvalJob, target: str, draft: str, heads: dict[str, str
     from speclab.api import Decoder
     from speclab.config.method import parse_method
     from speclab.evaluation import format_table, greedy_oracle, pareto_dominated
-    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+    from speclab.pipelines.actor_eval import evaluate_pair, log_method_children, tokenized_prompts
     from speclab.theory import specdecpp_latency
 
     a = cfg.adaptive
@@ -80,7 +82,8 @@ def compare(cfg: SpecdecppEvalJob, target: str, draft: str, heads: dict[str, str
                                         "label": f"{name}@h={h:g}"}))
             families.append(f"SpecDec++ {name}")
     prompts = tokenized_prompts(cfg, target)
-    rows = evaluate_pair(cfg, target, draft, prompts, tracker, "eval/", methods)
+    rows = evaluate_pair(cfg, target, draft, prompts, tracker, "eval/", methods,
+                         children=False)
     ar = rows[0]
     t_target = 1.0 / ar["tokens_per_s"]  # one target forward per AR token
     t_draft = t_target * sum(r["c"] for r in rows[1:len(a.gammas) + 1]) / len(a.gammas)
@@ -98,6 +101,9 @@ def compare(cfg: SpecdecppEvalJob, target: str, draft: str, heads: dict[str, str
                       "tokens_per_s": r["tokens_per_s"], "speedup": r["speedup"],
                       "eq23_tokens_per_s": 1.0 / lat,
                       "identical_to_ar": r.get("identical_to_ar")})
+    # one child run per method, with the cost model's figures beside the measured ones
+    log_method_children(tracker, [rows[0], *({**r, **x} for r, x in zip(rows[1:], table))],
+                        methods, skip=("family",))
     oracle_tps = 1.0 / specdecpp_latency(t_draft, t_target, *oracle)
     table.append({"method": "oracle", "family": "oracle", "discard_rate": oracle[0],
                   "verification_rate": oracle[1], "eq23_tokens_per_s": oracle_tps})

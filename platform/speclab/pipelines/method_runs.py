@@ -1,0 +1,86 @@
+"""Stage: one MLflow child run per evaluated method (or per point of a grid) under the
+job's run, with the method's settings as ``method.*`` params and the SAME metric keys
+in every child, so MLflow's run comparison, parallel-coordinates and chart views put
+methods side by side (the layout of a sweep's trials).
+
+The parent keeps the summary table, the config, the plots and ``best_*`` metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from speclab.evaluation import ACCEPT_POSITIONS
+
+
+def uniform_metrics(rows: list[dict], skip: Iterable[str] = ()) -> list[dict[str, float]]:
+    """The numeric columns of ``rows`` as metrics with one key set for every row: the
+    union of the columns holding a number (or bool, as 0/1) or None in any row; a row
+    missing one, or holding None there, gets NaN (a figure that does not apply, e.g. a
+    spread of batched wall times, stays a column). Columns in ``skip`` are left out."""
+    skip = set(skip)
+
+    def numeric(v: Any) -> bool:
+        return isinstance(v, (int, float, bool)) and not isinstance(v, str)
+
+    keys = list(dict.fromkeys(k for r in rows for k, v in r.items()
+                              if k not in skip and (v is None or numeric(v))))
+    out = []
+    for r in rows:
+        vals = {}
+        for k in keys:
+            v = r.get(k)
+            vals[k] = float(v) if numeric(v) else math.nan
+        out.append(vals)
+    return out
+
+
+def child_run_name(tracker, label: str) -> str:
+    """``<parent run name>/<label>``: children of different parents stay apart in a
+    comparison of runs from several jobs."""
+    parent = getattr(tracker, "run_name", None)
+    return f"{parent}/{label}" if parent else label
+
+
+def log_child_runs(tracker, rows: list[dict], params: list[dict], tags: dict | None = None,
+                   skip: Iterable[str] = ()) -> None:
+    """One child run of ``tracker``'s run per row: ``params[i]`` logged as
+    ``method.<key>`` params (``params[i]["name"]`` names the run), every numeric
+    column of the rows as a metric under the same keys in every child
+    (:func:`uniform_metrics`); the run is named after ``params[i]["label"]`` (else
+    ``["name"]``, else the row's ``method``). Rows with ``accept_at_k`` columns also get the metric
+    ``acceptance_at_least`` at step ``k`` (one line per method in MLflow's charts)."""
+    if len(rows) != len(params):
+        raise ValueError(f"{len(rows)} rows but {len(params)} parameter sets")
+    for row, p, metrics in zip(rows, params, uniform_metrics(rows, skip)):
+        label = str(p.get("label") or p.get("name") or row.get("method"))
+        with tracker.child(child_run_name(tracker, label), {"method": p}) as child:
+            child.set_tags({"kind": "method", "method": label, **(tags or {})})
+            child.log_metrics(metrics)
+            steps = {k: metrics[f"accept_at_{k}"] for k in range(1, ACCEPT_POSITIONS + 1)
+                     if f"accept_at_{k}" in metrics}
+            if steps:
+                child.log_series("acceptance_at_least", steps)
+
+
+def method_params(label: str, name: str, params: dict) -> dict:
+    """The ``method.*`` params of one evaluated method: its registered ``name``
+    (``chain``, ``salf``, ...), its table ``label`` and its settings (paths and all)."""
+    return {"name": name, "label": label, **params}
+
+
+def log_best(tracker, rows: list[dict], prefix: str = "",
+             metrics: tuple[str, ...] = ("speedup", "tau", "tokens_per_s")) -> None:
+    """``{prefix}best_<metric>`` (the largest over ``rows``) for each of ``metrics``
+    present, and tags ``{prefix}best_<metric>_method`` naming the row that holds it."""
+    values, tags = {}, {}
+    for m in metrics:
+        have = [r for r in rows if isinstance(r.get(m), (int, float))]
+        if have:
+            best = max(have, key=lambda r: r[m])
+            values[f"{prefix}best_{m}"] = best[m]
+            tags[f"{prefix}best_{m}_method"] = str(best.get("method"))
+    tracker.log_metrics(values)
+    tracker.set_tags(tags)
