@@ -13,7 +13,8 @@ generation actor's shards are generated again (see :mod:`speclab.pipelines.signa
 Stage 2, train: a LLaMA drafter (``arch``, sharing the target's tokenizer) is trained on
 the shards with Ray Train (same loop, checkpoints and FailureConfig as train_target).
 Then the drafter is saved, registered (``output.register_as``) and evaluated against the
-target (``methods``, ``data``, ``decoding``) in the same MLflow run (metrics ``eval/...``).
+target (``methods``, ``data``, ``decoding``) in the same MLflow run (``eval/best_*``,
+``eval_results.*``, the plots), each method a child run of it.
 
 Resume: if the driver dies, ``train.resume=true output.run_name=X`` continues run X:
 finished shards are kept, missing ones generated, and training continues from the
