@@ -57,14 +57,18 @@ def test_one_child_per_row_with_method_params_and_acceptance_steps():
     params = [{"name": "ar", "label": "ar"},
               {"name": "chain", "label": "chain(gamma=2)", "gamma": 2}]
     log_child_runs(parent, ROWS, params, tags={"loss": "talf"})
-    assert [c.run_name for c in parent.children] == ["smoke-evaluate/ar",
-                                                     "smoke-evaluate/chain(gamma=2)"]
+    assert [c.run_name for c in parent.children] == ["ar", "chain(gamma=2)"]
     chain = parent.children[1]
     assert chain.config == {"method": params[1]}  # logged as method.name, method.gamma
     assert chain.tags == {"kind": "method", "method": "chain(gamma=2)", "loss": "talf"}
     [(flat, step)] = chain.metrics
     assert flat["tau"] == 1.5 and step is None
     assert chain.series == ("acceptance_at_least", {k: 0.5 / k for k in range(1, 7)})
+    loss = parent.child("compare-talf", {})
+    loss.nested = True  # a child run itself: its methods carry its name
+    log_child_runs(loss, ROWS, params)
+    assert [c.run_name for c in loss.children] == ["compare-talf/ar",
+                                                   "compare-talf/chain(gamma=2)"]
     with pytest.raises(ValueError, match="2 rows but 1"):
         log_child_runs(parent, ROWS, params[:1])
 
@@ -100,6 +104,6 @@ def test_evaluation_figures_have_titles_units_and_error_bars():
     speed = figs["speedup_per_method.png"].axes[0]
     bars = next(c for c in speed.containers if hasattr(c, "errorbar"))
     assert bars.errorbar is not None  # whiskers: ±1 sd over prompts
-    assert "sd over prompts" in speed.get_xlabel() and "x AR" in speed.get_xlabel()
+    assert "sd of the per-prompt figure" in speed.get_xlabel() and "x AR" in speed.get_xlabel()
     assert [r["method"] for r in acceptance_table(rows)] == ["chain(gamma=2)",
                                                            "chain(gamma=4)"]

@@ -51,12 +51,13 @@ def bar_figure(rows: list[dict], metric: str, title: str, xlabel: str,
             capsize=3, color="tab:blue", alpha=0.85)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
-    for i, v in enumerate(values):
-        ax.annotate(f"{v:.2f}", (v, i), xytext=(4, -3), textcoords="offset points",
-                    fontsize=6)
+    for i, v in enumerate(values):  # the value inside the bar's base, clear of whiskers
+        ax.annotate(f"{v:.2f}", (0, i), xytext=(3, -3), textcoords="offset points",
+                    fontsize=7, color="white", fontweight="bold")
     if reference is not None:
         ax.axvline(reference, color="gray", ls="--", lw=1)
-    ax.set_xlabel(xlabel + (" (bars: mean; whiskers: ±1 sd over prompts)" if has_err else ""))
+    ax.set_xlabel(xlabel + ("\nbars: all prompts together; whiskers: ±1 sd of the "
+                            "per-prompt figure over prompts" if has_err else ""))
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
@@ -126,6 +127,7 @@ def method_figures(rows: list[dict], chain_gammas: list[int | None]) -> dict:
             ax.plot([g for g, _ in predicted], [p for _, p in predicted], "s--",
                     label="predicted (Leviathan Thm 3.8)")
         ax.axhline(1.0, color="gray", ls=":", lw=1)
+        ax.set_xticks([g for g, _ in chain])
         ax.set_xlabel("draft length gamma (tokens)")
         ax.set_ylabel("speedup (x AR tokens/s)")
         ax.set_title(f"Chain speculative sampling: speedup against gamma, over {over}",

@@ -38,10 +38,12 @@ def uniform_metrics(rows: list[dict], skip: Iterable[str] = ()) -> list[dict[str
 
 
 def child_run_name(tracker, label: str) -> str:
-    """``<parent run name>/<label>``: children of different parents stay apart in a
-    comparison of runs from several jobs."""
+    """``label`` under a job's top-level run (the UI nests it under its parent); under a
+    run that is itself a child (a loss of ``compare_losses``, a Medusa variant),
+    ``<that run's name>/<label>``, so the methods of different losses stay apart when
+    compared side by side."""
     parent = getattr(tracker, "run_name", None)
-    return f"{parent}/{label}" if parent else label
+    return f"{parent}/{label}" if parent and getattr(tracker, "nested", False) else label
 
 
 def log_child_runs(tracker, rows: list[dict], params: list[dict], tags: dict | None = None,
