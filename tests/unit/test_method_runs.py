@@ -104,6 +104,6 @@ def test_evaluation_figures_have_titles_units_and_error_bars():
     speed = figs["speedup_per_method.png"].axes[0]
     bars = next(c for c in speed.containers if hasattr(c, "errorbar"))
     assert bars.errorbar is not None  # whiskers: ±1 sd over prompts
-    assert "sd of the per-prompt figure" in speed.get_xlabel() and "x AR" in speed.get_xlabel()
+    assert "sd of per-prompt values" in speed.get_xlabel() and "x AR" in speed.get_xlabel()
     assert [r["method"] for r in acceptance_table(rows)] == ["chain(gamma=2)",
                                                            "chain(gamma=4)"]

@@ -56,8 +56,8 @@ def bar_figure(rows: list[dict], metric: str, title: str, xlabel: str,
                     fontsize=7, color="white", fontweight="bold")
     if reference is not None:
         ax.axvline(reference, color="gray", ls="--", lw=1)
-    ax.set_xlabel(xlabel + ("\nbars: all prompts together; whiskers: ±1 sd of the "
-                            "per-prompt figure over prompts" if has_err else ""))
+    ax.set_xlabel(xlabel + ("\nbars: all prompts pooled; whiskers: ±1 sd of per-prompt values"
+                            if has_err else ""))
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
