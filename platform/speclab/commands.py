@@ -256,7 +256,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 #: the UI's query parameter that opens MLflow 3 on its machine-learning pages (runs,
-#: metrics, charts) instead of the GenAI landing page; the choice is remembered
+#: metrics, charts) instead of the GenAI landing page (for that page only: the UI does
+#: not keep it when a link drops it)
 ML_WORKFLOW = "workflowType=machine_learning"
 
 

@@ -231,16 +231,12 @@ def summarize(
     return row
 
 
-#: the row columns that get a ``<name>_std`` over prompts (:func:`prompt_spread`)
-SPREAD_COLUMNS = ("tau", "target_calls_per_token", "acceptance_rate", "tokens_per_s",
-                  "speedup")
-
-
 def prompt_spread(totals: Totals, ar: Totals) -> dict[str, float | None]:
-    """``<column>_std`` for :data:`SPREAD_COLUMNS`: the sample standard deviation over
-    prompts of each prompt's own figure (``speedup``: the prompt's tokens/s over the
-    same prompt's tokens/s in the AR block timed before the method). The wall-clock
-    ones are None when either block ran batched (one wall time for the whole batch)."""
+    """``<column>_std`` for tau, target_calls_per_token, acceptance_rate, tokens_per_s
+    and speedup: the sample standard deviation over prompts of each prompt's own figure
+    (``speedup``: the prompt's tokens/s over the same prompt's tokens/s in the AR block
+    timed before the method). The wall-clock ones are None when either block ran
+    batched (one wall time for the whole batch)."""
     per = totals.per_prompt
     out: dict[str, float | None] = {
         "tau_std": spread([tau(p.committed, p.target_calls) for p in per]),
@@ -251,8 +247,10 @@ def prompt_spread(totals: Totals, ar: Totals) -> dict[str, float | None]:
         "tokens_per_s_std": None, "speedup_std": None,
     }
     if not totals.batched and not ar.batched:
-        tps = [p.new_tokens / p.wall_s if p.wall_s else 0.0 for p in per]
-        ar_tps = [p.new_tokens / p.wall_s if p.wall_s else 0.0 for p in ar.per_prompt]
+        def rates(prompts: list[PromptFigures]) -> list[float]:
+            return [p.new_tokens / p.wall_s if p.wall_s else 0.0 for p in prompts]
+
+        tps, ar_tps = rates(per), rates(ar.per_prompt)
         out["tokens_per_s_std"] = spread(tps)
         if len(ar_tps) == len(tps):
             out["speedup_std"] = spread([m / a for m, a in zip(tps, ar_tps) if a])

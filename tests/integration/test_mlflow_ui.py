@@ -20,6 +20,17 @@ from tests.integration.conftest import (
 pytestmark = pytest.mark.integration
 
 
+def _wait_up(base: str) -> None:
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            if requests.get(base, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            time.sleep(0.5)
+    pytest.fail("MLflow UI did not come up")
+
+
 def test_ui_serves_the_embedded_store(job_env, monkeypatch):
     import mlflow
 
@@ -37,15 +48,7 @@ def test_ui_serves_the_embedded_store(job_env, monkeypatch):
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 90
-        while time.time() < deadline:
-            try:
-                if requests.get(base, timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                time.sleep(0.5)
-        else:
-            pytest.fail("MLflow UI did not come up")
+        _wait_up(base)
         assert listening_addresses(port) == {"127.0.0.1"}  # never on other interfaces
         exps = requests.post(f"{base}/api/2.0/mlflow/experiments/search",
                              json={"max_results": 50}, timeout=10).json()["experiments"]
@@ -60,17 +63,6 @@ def test_ui_serves_the_embedded_store(job_env, monkeypatch):
         assert params["a.b"] == "1"
     finally:  # `speclab ui` and the mlflow server it runs: its whole process group
         stop_process_tree(proc, grace=30)
-
-
-def _wait_up(base: str) -> None:
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            if requests.get(base, timeout=2).status_code == 200:
-                return
-        except requests.RequestException:
-            time.sleep(0.5)
-    pytest.fail("MLflow UI did not come up")
 
 
 def test_ui_lists_one_child_run_per_method_with_identical_metric_keys(job_env):

@@ -23,7 +23,7 @@ def uniform_metrics(rows: list[dict], skip: Iterable[str] = ()) -> list[dict[str
     skip = set(skip)
 
     def numeric(v: Any) -> bool:
-        return isinstance(v, (int, float, bool)) and not isinstance(v, str)
+        return isinstance(v, (int, float))  # bool is an int: logged as 0/1
 
     keys = list(dict.fromkeys(k for r in rows for k, v in r.items()
                               if k not in skip and (v is None or numeric(v))))
@@ -49,11 +49,12 @@ def child_run_name(tracker, label: str) -> str:
 def log_child_runs(tracker, rows: list[dict], params: list[dict], tags: dict | None = None,
                    skip: Iterable[str] = ()) -> None:
     """One child run of ``tracker``'s run per row: ``params[i]`` logged as
-    ``method.<key>`` params (``params[i]["name"]`` names the run), every numeric
-    column of the rows as a metric under the same keys in every child
-    (:func:`uniform_metrics`); the run is named after ``params[i]["label"]`` (else
-    ``["name"]``, else the row's ``method``). Rows with ``accept_at_k`` columns also get the metric
-    ``acceptance_at_least`` at step ``k`` (one line per method in MLflow's charts)."""
+    ``method.<key>`` params, every numeric column of the rows as a metric under the
+    same keys in every child (:func:`uniform_metrics`), ``tags`` beside ``kind`` and
+    ``method``. The run is named after ``params[i]["label"]`` (else ``["name"]``, else
+    the row's ``method``; see :func:`child_run_name`). Rows with ``accept_at_k`` columns
+    also get the metric ``acceptance_at_least`` at step ``k`` (one line per method in
+    MLflow's charts)."""
     if len(rows) != len(params):
         raise ValueError(f"{len(rows)} rows but {len(params)} parameter sets")
     for row, p, metrics in zip(rows, params, uniform_metrics(rows, skip)):
