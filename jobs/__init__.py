@@ -1,10 +1,10 @@
 """Ray job entry points: ``python -m jobs.<name> --config experiments/<x>.yaml [k=v ...]``.
 
-Each ``jobs/<name>.py`` is a thin shim over ``speclab.pipelines.<name>.main``: the jobs
-themselves and the stages they share live in the library (:mod:`speclab.pipelines`),
-and no job module imports another. The package makes ``speclab`` importable from a
-plain checkout (e.g. a Ray Jobs working_dir) by putting ``platform/`` on ``sys.path``
-when it is not installed.
+Each ``jobs/<name>.py`` is a thin shim over ``speclab.jobs.<name>.main``: the jobs
+themselves (:mod:`speclab.jobs`) and the stages they share (:mod:`speclab.pipelines`)
+live in the library, and no job module imports another. The package makes ``speclab``
+importable from a plain checkout (e.g. a Ray Jobs working_dir) by putting ``platform/``
+on ``sys.path`` when it is not installed.
 """
 
 import sys

@@ -2,13 +2,13 @@
 
     python -m jobs.compare_losses --config experiments/distill_compare.yaml [key=value ...]
 
-Runs ``speclab.pipelines.compare_losses.main`` (also ``speclab run compare_losses``).
+Runs ``speclab.jobs.compare_losses.main`` (also ``speclab run compare_losses``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.compare_losses import main
+from speclab.jobs.compare_losses import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,13 +2,13 @@
 
     python -m jobs.distill --config experiments/smoke/distill.yaml [key=value ...]
 
-Runs ``speclab.pipelines.distill.main`` (also ``speclab run distill``).
+Runs ``speclab.jobs.distill.main`` (also ``speclab run distill``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.distill import main
+from speclab.jobs.distill import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,13 +2,13 @@
 
     python -m jobs.distill_eagle --config experiments/smoke/distill_eagle.yaml [key=value ...]
 
-Runs ``speclab.pipelines.distill_eagle.main`` (also ``speclab run distill_eagle``).
+Runs ``speclab.jobs.distill_eagle.main`` (also ``speclab run distill_eagle``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.distill_eagle import main
+from speclab.jobs.distill_eagle import main
 
 if __name__ == "__main__":
     sys.exit(main())

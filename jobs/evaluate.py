@@ -2,13 +2,13 @@
 
     python -m jobs.evaluate --config experiments/smoke/evaluate.yaml [key=value ...]
 
-Runs ``speclab.pipelines.evaluate.main`` (also ``speclab run evaluate``).
+Runs ``speclab.jobs.evaluate.main`` (also ``speclab run evaluate``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.evaluate import main
+from speclab.jobs.evaluate import main
 
 if __name__ == "__main__":
     sys.exit(main())

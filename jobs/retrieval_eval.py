@@ -2,13 +2,13 @@
 
     python -m jobs.retrieval_eval --config experiments/retrieval.yaml [key=value ...]
 
-Runs ``speclab.pipelines.retrieval_eval.main`` (also ``speclab run retrieval_eval``).
+Runs ``speclab.jobs.retrieval_eval.main`` (also ``speclab run retrieval_eval``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.retrieval_eval import main
+from speclab.jobs.retrieval_eval import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,13 +2,13 @@
 
     python -m jobs.specdecpp_eval --config experiments/specdecpp.yaml [key=value ...]
 
-Runs ``speclab.pipelines.specdecpp_eval.main`` (also ``speclab run specdecpp_eval``).
+Runs ``speclab.jobs.specdecpp_eval.main`` (also ``speclab run specdecpp_eval``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.specdecpp_eval import main
+from speclab.jobs.specdecpp_eval import main
 
 if __name__ == "__main__":
     sys.exit(main())

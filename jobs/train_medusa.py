@@ -2,13 +2,13 @@
 
     python -m jobs.train_medusa --config experiments/smoke/train_medusa.yaml [key=value ...]
 
-Runs ``speclab.pipelines.train_medusa.main`` (also ``speclab run train_medusa``).
+Runs ``speclab.jobs.train_medusa.main`` (also ``speclab run train_medusa``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.train_medusa import main
+from speclab.jobs.train_medusa import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,13 +2,13 @@
 
     python -m jobs.train_recommender --config experiments/smoke/train_recommender.yaml
 
-Runs ``speclab.pipelines.train_recommender.main`` (also ``speclab run train_recommender``).
+Runs ``speclab.jobs.train_recommender.main`` (also ``speclab run train_recommender``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.train_recommender import main
+from speclab.jobs.train_recommender import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,13 +2,13 @@
 
     python -m jobs.tune --config experiments/smoke/tune.yaml [key=value ...]
 
-Runs ``speclab.pipelines.tune.main`` (also ``speclab run tune``).
+Runs ``speclab.jobs.tune.main`` (also ``speclab run tune``).
 """
 
 import sys
 
 import jobs  # noqa: F401  (makes speclab importable from a plain checkout)
-from speclab.pipelines.tune import main
+from speclab.jobs.tune import main
 
 if __name__ == "__main__":
     sys.exit(main())

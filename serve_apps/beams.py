@@ -1,23 +1,35 @@
-"""The two halves of AtSpeed beam SD (``POST /recommend``) for the serve deployments.
+"""AtSpeed beam SD (``POST /recommend``) on the Serve deployments, one hop per round.
 
 ``RecTargetSide`` (inside :class:`serve_apps.target.TargetDeployment`) holds the target
 recommender, turns a history into its prompt and keeps a
 :class:`~speclab.decoding.beam_loop.BeamTargetSide` per request (strict top-K
 verification, Algorithm 1: the same top-K as the target's beam search; or relaxed
 sampling verification, Algorithm 2). ``RecDraftSide`` (inside
-:class:`serve_apps.draft.DraftDeployment`) keeps a
-:class:`~speclab.decoding.beam_loop.BeamDraftSide` per request. The ingress runs the
-engine's beam loop (:func:`speclab.decoding.beam_loop.beam_rounds`) between them; what
-travels is plain beams ``[[token ids], score]`` and, for relaxed rounds, each level's
-``q`` as ``[[token ids], probability]`` pairs.
+:class:`serve_apps.draft.DraftDeployment`) holds the drafter recommender and DRIVES a
+request, like the draft replica drives every other decoding request:
+:meth:`RecDraftSide.recommend` runs the engine's beam loop
+(:func:`speclab.decoding.beam_loop.beam_rounds`, the one offline search runs too) next
+to the drafter, so a proposal is local and each round is ONE call to the target
+(``rec_verify``); the ingress makes one call per request. What travels is plain beams
+``[[token ids], score]`` and, for relaxed rounds, each level's ``q`` as
+``[[token ids], probability]`` pairs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import torch
 
 from speclab.data.rec_dataset import RecMeta
-from speclab.decoding.beam_loop import BeamDraftSide, BeamTargetSide, check_beam_args
+from speclab.decoding.beam import BeamSDStats
+from speclab.decoding.beam_loop import (
+    BeamDraftSide,
+    BeamPropose,
+    BeamTargetSide,
+    beam_rounds,
+    check_beam_args,
+)
 from speclab.decoding.runner import ModelRunner
 from speclab.models.loading import load_model
 
@@ -89,6 +101,32 @@ class RecDraftSide:
         side.start(prompt)
         return side
 
-    def draft(self, side: BeamDraftSide, committed: list[list], g: int) -> dict:
-        """``g`` levels from ``committed`` (wire form)."""
-        return _proposal_to_wire(side.propose(beams_from_wire(committed), g))
+    async def recommend(self, side: Callable[[], BeamDraftSide],
+                        verify: Callable[[dict, list[list]], Awaitable[dict]], length: int,
+                        gamma: int) -> tuple[dict, BeamSDStats]:
+        """Run one request's beam SD rounds until its beams are ``length`` tokens long.
+
+        ``side()``: the request's draft side (looked up every round, so a state freed by
+        the replica's bounds fails the request); ``verify(proposal, committed)``: the
+        target's verdict on one round (wire forms; ONE call). Returns the last verdict
+        (``items`` and ``scores`` of the final beams, ranked by the target) and the
+        search's stats."""
+        stats = BeamSDStats()
+        loop = beam_rounds(length, gamma, stats)
+        reply: object = None
+        verdict: dict = {}
+        try:
+            while True:
+                try:
+                    msg = loop.send(reply)
+                except StopIteration:
+                    break
+                if isinstance(msg, BeamPropose):
+                    reply = side().propose(msg.committed, msg.g)
+                else:
+                    verdict = await verify(_proposal_to_wire(msg.proposal),
+                                           beams_to_wire(msg.committed))
+                    reply = (beams_from_wire(verdict["committed"]), verdict["accepted"])
+        finally:
+            loop.close()
+        return verdict, stats

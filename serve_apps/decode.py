@@ -3,8 +3,8 @@
 The engine's loop (:func:`speclab.decoding.loop.rounds`) runs INSIDE a model replica:
 in the draft replica for a drafting method (its proposals are local, the target is one
 call per round and target key for all the replica's ready requests), in the target
-replica for plain decoding (no hop at all). :func:`drive` runs it with an async ``step``
-that answers the loop's Start / Propose / Verify messages; the replica's
+replica for plain decoding (no hop at all). :func:`stream_rounds` runs it with an async
+``step`` that answers the loop's Start / Propose / Verify messages; the replica's
 :class:`~serve_apps.batcher.StepBatcher` turns the steps of concurrent requests into
 batched forwards.
 
@@ -68,7 +68,8 @@ class Timing:
 Step = Callable[[object], Awaitable[object]]
 
 
-async def drive(req: DecodeRequest, step: Step, timing: Timing) -> AsyncIterator[dict]:
+async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing
+                        ) -> AsyncIterator[dict]:
     """Run ``req`` through the loop; ``step(msg)`` answers each Start / Propose / Verify.
     Yields ``{"tokens": [...]}`` per round (cut at EOS / ``max_tokens``), then
     ``{"stats": ...}`` once the loop ended."""

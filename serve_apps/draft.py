@@ -3,16 +3,16 @@ DRIVES each drafting request's rounds.
 
 A request reaches this replica once (``generate``: streamed rounds, or ``complete``:
 one reply), routed by its id (:mod:`serve_apps.router`). Its round loop
-(:func:`serve_apps.decode.drive`) runs here: the proposal is local, and the target is
-ONE call per round and target routing key for every request of this replica that is
-ready (its
-:class:`~serve_apps.batcher.StepBatcher` collects them): one batched draft pass
+(:func:`serve_apps.decode.stream_rounds`) runs here: the proposal is local, and the
+target is ONE call per round and target routing key for every request of this replica
+that is ready (its :class:`~serve_apps.batcher.StepBatcher` collects them): one batched draft pass
 (:class:`~speclab.decoding.row_pool.DraftPool`: batched chain / EAGLE-2 / optimal / SALF
 drafting, else one drafter per row), then ``verify_rows`` on the target with every tree.
 Requests go to target replicas in ``buckets`` routing keys (:func:`serve_apps.router.
 target_key`). The draft model and the method's resources (an acceptance head, a
-datastore) are loaded once per replica. AtSpeed beams for ``POST /recommend`` keep their
-per-request calls (``rec_start``, ``rec_draft``).
+datastore) are loaded once per replica. ``POST /recommend`` is driven here too
+(``rec_run``): AtSpeed beam SD rounds next to the drafter recommender, one target call
+per round (:mod:`serve_apps.beams`).
 """
 
 from __future__ import annotations
@@ -28,18 +28,25 @@ import torch
 
 from serve_apps.batcher import StepBatcher
 from serve_apps.channel import ChannelClient, ChannelError
-from serve_apps.decode import DecodeRequest, Timing, collect, drive
+from serve_apps.decode import DecodeRequest, Timing, collect, stream_rounds
+from serve_apps.errors import request_error
 from serve_apps.metrics import ServeMetrics
 from serve_apps.router import target_key
 from serve_apps.sessions import PoolRow, RequestStates, SessionGone
-from serve_apps.target import _error
 from speclab.config.method import parse_method
+from speclab.decoding.drafting import BatchDrafter
 from speclab.decoding.loop import Propose, Start, Verify
-from speclab.decoding.row_pool import DraftPool, NewRow
+from speclab.decoding.row_pool import (
+    DraftPool,
+    NewRow,
+    generator_state,
+    seeded,
+    set_generator_state,
+)
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import DraftSide, Proposal, VerifyResult, unpack_tensor
-from speclab.drafters.batched import BatchDrafter
+from speclab.decoding.sides import DraftSide, Proposal, VerifyResult
+from speclab.decoding.wire import unpack_tensor
 from speclab.drafters.registry import BuildContext, build_drafter, make_batch_drafter
 from speclab.models.loading import load_model
 
@@ -89,15 +96,15 @@ class DraftDeployment(RequestStates):
             if vocab != target_vocab:
                 raise ValueError(f"models.draft: vocab_size {vocab} != target's {target_vocab}")
         self.resources: dict = {}  # the method's head / datastore, loaded once here
-        check = build_drafter(self.cfg, self._context(SamplingParams(), None))
-        self.drafting = check is not None  # False: plain decoding (the empty drafter)
-        self.prefill_top_k = check.prefill_top_k if check else 0
-        self.features = bool(check and check.needs_features)
-        self.rule = check.rule.to_dict() if check and check.rule else None
-        if check is not None:
-            DraftSide(check).release()  # e.g. SpecDec++'s hidden-state hook on the model
+        traits = self.cfg.traits()  # declared by the method's config
+        self.drafting = traits.drafting  # False: plain decoding (the empty drafter)
+        self.prefill_top_k = traits.prefill_top_k
+        self.features = traits.needs_features
+        self.rule = traits.rule.to_dict() if traits.rule else None
         super().__init__(max_sessions, max_cached_tokens, idle_timeout_s)
         self.pool = DraftPool(self._make)
+        if self.drafting:  # a drafter it cannot build (heads, datastore) fails the deploy
+            DraftSide(build_drafter(self.cfg, self._context(SamplingParams(), None))).release()
         self.active = 0  # requests decoding here
         self.metrics = ServeMetrics()
         self.batcher = StepBatcher(self._run, lambda: self.active, max_batch,
@@ -162,8 +169,10 @@ class DraftDeployment(RequestStates):
         for key in sorted({s.key for _, s in ready}):
             mine = [(i, s, p) for (i, s), p in zip(ready, proposals, strict=True)
                     if s.key == key]
-            items = [(s.rid, p.tree.to_wire() if p.tree is not None else None)
-                     for _, s, p in mine]
+            # a sampled request's one rng travels with its round: the target's rule
+            # continues it and sends it back (so a seed reproduces the offline sample)
+            items = [(s.rid, p.tree.to_wire() if p.tree is not None else None,
+                      self._rng_state(s.rid)) for _, s, p in mine]
             calls.append(self._call(key, "verify_rows", self.source, items))
             parts.append(("verify", mine))
         t1 = time.perf_counter()
@@ -176,22 +185,30 @@ class DraftDeployment(RequestStates):
                 i, s = entry[0], entry[1]
                 res = reply if isinstance(reply, BaseException) else reply[j]
                 if isinstance(res, BaseException) or "error" in res:
-                    out[i] = res if isinstance(res, BaseException) else _error(s.rid,
-                                                                              res["error"])
+                    out[i] = res if isinstance(res, BaseException) else request_error(
+                        s.rid, res["error"])
                 elif kind == "start":
                     joined.append((i, s, res))
                 else:
+                    if res.get("rng") is not None and s.rid in self.pool:
+                        set_generator_state(self.pool.generator(s.rid), res["rng"])
                     out[i] = (entry[2], VerifyResult.from_dict(res["verdict"]), {
                         "draft_model_s": draft_s, "target_call_s": call_s,
                         "target_model_s": res["target_model_s"], "rows": res["rows"]})
         if joined:
             self.pool.join([NewRow(s.rid, s.req.prompt_ids, SamplingParams(**s.req.sampling),
-                                   None, s.req.seed + 1, res["top"],
+                                   None, seeded(s.req.seed), res["top"],
                                    unpack_tensor(res["features"])) for _, s, res in joined])
             for i, s, _ in joined:
                 self.sessions.put(s.rid, PoolRow(self.pool, s.rid), release_old=False)
                 out[i] = True
         return out
+
+    def _rng_state(self, rid: str) -> bytes | None:
+        """Request ``rid``'s rng state when it samples (None at temperature 0: no draws)."""
+        if rid not in self.pool or self.pool.sampling(rid).greedy:
+            return None
+        return generator_state(self.pool.generator(rid))
 
     # ------------------------------------------------------------------ a request
     async def generate(self, rid: str, request: dict) -> AsyncIterator[dict]:
@@ -226,7 +243,7 @@ class DraftDeployment(RequestStates):
 
         self.active += 1
         try:
-            async for chunk in drive(req, step, timing):
+            async for chunk in stream_rounds(req, step, timing):
                 yield chunk
         finally:
             self.active -= 1
@@ -266,15 +283,34 @@ class DraftDeployment(RequestStates):
             pass
 
     # ------------------------------------------------------------------ recommend
-    async def rec_start(self, rid: str, prompt: list[int], mode: str = "strict", n: int = 10,
-                        seed: int = 0) -> None:
-        """``POST /recommend``: prefill the history prompt on the drafter recommender."""
+    async def rec_run(self, rid: str, history: list[int], k: int, mode: str = "strict",
+                      n: int = 10, gamma: int = 2, seed: int = 0) -> dict:
+        """``POST /recommend``, driven here like every decoding request (one call from the
+        ingress): the target prefills the history's prompt (``rec_start``), the drafter
+        recommender prefills it too, then the beam SD rounds run next to the drafter with
+        ONE ``rec_verify`` call on the target per round
+        (:meth:`serve_apps.beams.RecDraftSide.recommend`; strict: beam search with beam
+        ``n``; relaxed: ``n`` samples per level). Both sides' states are freed when it
+        ends or fails. Returns ``items``, ``scores``, ``target_calls``, ``accepted_steps``."""
         if self.rec is None:
             raise ValueError("recommend: this app serves no recommender (serve.rec_draft)")
-        self.sessions.put(rid, self.rec.start(prompt, mode, n, seed))
-
-    async def rec_draft(self, rid: str, committed: list, g: int) -> dict:
-        """``g`` levels from the committed beams (strict: beam search with beam ``n``;
-        relaxed: ``n`` samples per level and each level's ``q``)."""
-        return self.rec.draft(self.sessions.get(rid), committed, g)
+        done = False
+        try:
+            start = await self.target.rec_start.remote(rid, history, k, mode, seed)
+            self.sessions.put(rid, self.rec.start(start["prompt"], mode, n, seed))
+            verdict, stats = await self.rec.recommend(
+                lambda: self.sessions.get(rid),
+                lambda proposal, committed: self.target.rec_verify.remote(rid, proposal,
+                                                                          committed),
+                start["levels"], gamma)
+            done = True
+        finally:
+            self.sessions.end(rid)
+            if not done:  # the target frees a finished request's state itself
+                try:
+                    await self.target.end.remote(rid, rid)  # routed by the request id
+                except Exception:  # a dead target replica took the state with it
+                    pass
+        return {"items": verdict["items"], "scores": verdict["scores"],
+                "target_calls": stats.target_calls, "accepted_steps": stats.accepted_steps}
 

@@ -7,13 +7,18 @@ the ``speclab`` extension field), ``GET /v1/models``, ``POST /generate`` (tokens
 and the SD stats: tau, target and draft calls, accepted lengths, where the time went),
 ``POST /recommend`` (AtSpeed beam SD), ``GET /health`` (live request states and memory
 of every target and draft replica), ``GET /openapi.json`` (every route's body
-constraints and error responses).
+constraints and error responses, the registered verification rules and their
+parameters: :mod:`serve_apps.openapi`). Every decoding route takes ``verify`` and
+``verify_params`` (a rule of the rule registry and its parameters).
 
 A decoding request is ONE handle call from here: to the draft deployment, which drives
 the request's rounds next to its drafter and verifies on the target in batched calls
 (:mod:`serve_apps.draft`), or, for plain decoding, to the target deployment, which
-drives it alone (:mod:`serve_apps.target`). Streams and stop strings get the rounds'
-tokens as they come (a streamed call); other requests get one reply.
+drives it alone (:mod:`serve_apps.target`); ``/recommend`` too goes to the draft
+deployment, which runs its beam SD rounds (:mod:`serve_apps.beams`). Streams and stop
+strings get the rounds' tokens as they come (a streamed call) and are cut at a stop
+string by :mod:`serve_apps.stops`; other requests get one reply. This module keeps the
+routes and the mapping of errors to HTTP statuses.
 
 Every error answers OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``:
 400 naming the field, 401 without the API key (``serve.api_key``), 404 for an unknown
@@ -35,10 +40,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_apps.beams import beams_from_wire, beams_to_wire
 from serve_apps.chat import chat_prompt
 from serve_apps.decode import DecodeRequest
 from serve_apps.metrics import RequestMetrics
+from serve_apps.openapi import server_schema
 from serve_apps.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,8 +52,8 @@ from serve_apps.protocol import (
     RecommendRequest,
 )
 from serve_apps.router import target_key
-from speclab.decoding.beam import BeamSDStats
-from speclab.decoding.beam_loop import BeamPropose, beam_rounds
+from serve_apps.stops import StopText
+from speclab.config.base import ConfigError
 from speclab.decoding.loop import eos_set
 from speclab.decoding.rules import RuleSpec, request_rule
 from speclab.decoding.sampling import SamplingParams
@@ -88,7 +93,8 @@ async def _invalid(_request: Request, exc: RequestValidationError) -> JSONRespon
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    msg = f"{param}: {first['msg']}" if param else str(first["msg"])
+    text = str(first["msg"]).removeprefix("Value error, ")
+    msg = f"{param}: {text}" if param else text
     return HTTPError(400, msg, param).response()
 
 
@@ -150,22 +156,17 @@ class Ingress:
         self.metrics = RequestMetrics(settings["model_name"])
         api.openapi_schema = None
         api.openapi = self._openapi
+        self._openapi()  # now: the rules registered when the app is built (plugins too)
 
     def _openapi(self) -> dict:
-        """FastAPI's schema plus this server's own limits (``max_tokens``)."""
+        """FastAPI's schema plus this server's own limits (``max_tokens``) and the
+        registered verification rules (:func:`serve_apps.openapi.server_schema`)."""
         from fastapi.openapi.utils import get_openapi
 
         if api.openapi_schema is None:
             schema = get_openapi(title=api.title, version="1", description=api.description,
                                  routes=api.routes)
-            for model in schema.get("components", {}).get("schemas", {}).values():
-                prop = model.get("properties", {})
-                for name in ("max_tokens", "max_completion_tokens"):
-                    if name in prop:
-                        for option in [prop[name], *prop[name].get("anyOf", [])]:
-                            if option.get("type") == "integer":
-                                option["maximum"] = self.s["max_tokens"]
-            api.openapi_schema = schema
+            api.openapi_schema = server_schema(schema, self.s["max_tokens"])
         return api.openapi_schema
 
     def _auth(self, request: Request) -> None:
@@ -255,7 +256,11 @@ class Ingress:
 
     async def _decoding(self, ids: list[int], max_tokens: int, temperature: float,
                         top_p: float, top_k: int, seed: int, stops: list[str],
-                        rule: str | None, max_param: str = "max_tokens") -> Decoding:
+                        rule: str | None, rule_params: dict | None,
+                        max_param: str = "max_tokens") -> Decoding:
+        """A request's decoding parameters, checked against this server's bounds, the
+        vocabulary and the rule registry (``rule`` / ``rule_params``: the request's
+        ``verify`` / ``verify_params``); HTTPError 400 names the field."""
         if max_tokens > self.s["max_tokens"]:
             raise HTTPError(400, f"{max_param}: must be <= {self.s['max_tokens']} on this "
                                  f"server, got {max_tokens}", max_param)
@@ -274,42 +279,28 @@ class Ingress:
         except ValueError as exc:
             raise HTTPError(400, str(exc), str(exc).split(":")[0]) from None
         needed = RuleSpec.from_dict(info["rule"]) if info["rule"] else None
+        if needed is not None and rule_params:
+            raise HTTPError(400, f"verify_params: this method's drafts are verified with the "
+                                 f"{needed.name!r} rule and the method's own parameters; "
+                                 "leave verify_params unset", "verify_params")
         try:
-            spec = request_rule(rule, None, sampling, needed)
+            spec = request_rule(rule, rule_params, sampling, needed)
+        except ConfigError as exc:  # the rule's parameter model refused verify_params
+            raise HTTPError(400, str(exc), "verify_params") from None
         except ValueError as exc:
             raise HTTPError(400, str(exc), "verify") from None
         return Decoding(ids, max_tokens, {"temperature": temperature, "top_k": top_k,
                                           "top_p": top_p}, spec, seed, stops)
 
     async def _run_text(self, rid: str, dec: Decoding, stream: bool) -> AsyncIterator[str]:
-        """Text deltas per round; stops at a stop string (not included). Text that may
-        still become a stop string or an incomplete character is held back."""
-        out, sent = [], 0
-        hold = max((len(s) for s in dec.stops), default=1) - 1
-        rounds = self._decode(rid, dec, stream or bool(dec.stops))
-        try:
-            async for new in rounds:
-                out += new
-                text = self._text(out)
-                cut = min((i for i in (text.find(s) for s in dec.stops) if i >= 0),
-                          default=-1)
-                if cut >= 0:
-                    dec.finish_reason = "stop"
-                    dec.tokens = list(out)
-                    if cut > sent:
-                        yield text[sent:cut]
-                    return
-                safe = len(text) - hold
-                while safe > sent and text[safe - 1] == "\ufffd":
-                    safe -= 1
-                if safe > sent:
-                    yield text[sent:safe]
-                    sent = safe
-        finally:  # a stop string or a gone client ends the loop early: free the states now
-            await rounds.aclose()
-        text = self._text(out)
-        if len(text) > sent:
-            yield text[sent:]
+        """Text deltas per round, cut at a stop string (not included; see
+        :class:`serve_apps.stops.StopText`); a stop string or a gone client ends the
+        request's rounds early and frees its states at once."""
+        text = StopText(self._text, dec.stops)
+        async for delta in text.deltas(self._decode(rid, dec, stream or bool(dec.stops))):
+            yield delta
+        if text.stopped:
+            dec.finish_reason, dec.tokens = "stop", list(text.tokens)
 
     async def _complete_text(self, route: str, rid: str, dec: Decoding) -> str:
         """The whole text of a non-streamed request (metrics recorded)."""
@@ -400,7 +391,8 @@ class Ingress:
             raise HTTPError(400, "prompt: give exactly one of prompt or prompt_ids", "prompt")
         ids = self._encode(body.prompt) if body.prompt is not None else body.prompt_ids
         dec = await self._decoding(ids, body.max_tokens, body.temperature, body.top_p,
-                                   body.top_k, body.seed, body.stop, body.verify)
+                                   body.top_k, body.seed, body.stop, body.verify,
+                                   body.verify_params)
         rid = uuid.uuid4().hex
         text = await self._complete_text("generate", rid, dec)
         return {"id": rid, "text": text, "token_ids": dec.tokens,
@@ -414,7 +406,8 @@ class Ingress:
         self._check_model(body.model)
         dec = await self._decoding(self._encode(body.prompt), body.max_tokens,
                                    body.temperature, body.top_p, 0,
-                                   body.seed if body.seed is not None else 0, body.stop, None)
+                                   body.seed if body.seed is not None else 0, body.stop,
+                                   body.verify, body.verify_params)
         rid = uuid.uuid4().hex
         head = {"id": f"cmpl-{rid}", "object": "text_completion",
                 "created": int(time.time()), "model": self.s["model_name"]}
@@ -444,8 +437,8 @@ class Ingress:
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         dec = await self._decoding(self._encode(prompt, "messages"), body.limit,
                                    body.temperature, body.top_p, 0,
-                                   body.seed if body.seed is not None else 0, body.stop, None,
-                                   param)
+                                   body.seed if body.seed is not None else 0, body.stop,
+                                   body.verify, body.verify_params, param)
         rid = uuid.uuid4().hex
         head = {"id": f"chatcmpl-{rid}", "created": int(time.time()),
                 "model": self.s["model_name"]}
@@ -468,8 +461,9 @@ class Ingress:
 
     @api.post("/recommend", responses=_errors(400, 401, 404, 503))
     async def recommend(self, body: RecommendRequest, request: Request) -> dict:
-        """AtSpeed beam SD between the deployments (the engine's beam loop): the target's
-        top-``k`` items (``verify: strict``) or ``k`` items by relaxed sampling."""
+        """AtSpeed beam SD, driven by the draft replica (one call from here, one target
+        call per round there): the target's top-``k`` items (``verify: strict``) or
+        ``k`` items by relaxed sampling."""
         self._auth(request)
         info = await self._infos()
         if not info["rec_items"]:
@@ -482,33 +476,16 @@ class Ingress:
             raise HTTPError(400, f"k: must not exceed the draft beam size n={n}", "k")
         rid = uuid.uuid4().hex
         t0 = time.perf_counter()
-        stats = BeamSDStats()
-        loop = beam_rounds(info["rec_levels"], gamma, stats)
-        res: dict = {}
         try:
-            try:
-                prompt = await self.target.rec_start.remote(rid, body.history, body.k,
-                                                            body.verify, body.seed)
-                await self.draft.rec_start.remote(rid, prompt, body.verify, n, body.seed)
-                reply = None
-                while True:
-                    try:
-                        msg = loop.send(reply)
-                    except StopIteration:
-                        break
-                    committed = beams_to_wire(msg.committed)
-                    if isinstance(msg, BeamPropose):
-                        reply = await self.draft.rec_draft.remote(rid, committed, msg.g)
-                    else:
-                        res = await self.target.rec_verify.remote(rid, msg.proposal, committed)
-                        reply = (beams_from_wire(res["committed"]), res["accepted"])
-            except Exception as exc:
-                raise _replica_error(exc, f"request {rid}: recommend") from None
-        finally:
-            loop.close()
-            await self._end(rid, rid, True)  # recommend state is routed by the request id
+            res = await self.draft.rec_run.remote(rid, body.history, body.k, body.verify, n,
+                                                  gamma, body.seed)
+        except Exception as exc:
+            err = _replica_error(exc, f"request {rid}: recommend")
+            self.metrics.error(err.status)
+            await self._end(rid, rid, True)  # a replica died mid-request: free the other
+            raise err from None
         self.metrics.request("recommend", time.perf_counter() - t0, None)
         return {"id": rid, "items": res["items"], "scores": res["scores"],
-                "stats": {"target_calls": stats.target_calls,
-                          "accepted_steps": stats.accepted_steps, "n": n, "gamma": gamma,
+                "stats": {"target_calls": res["target_calls"],
+                          "accepted_steps": res["accepted_steps"], "n": n, "gamma": gamma,
                           "verify": body.verify, "wall_s": time.perf_counter() - t0}}

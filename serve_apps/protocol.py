@@ -2,13 +2,21 @@
 the native ``/generate`` and ``/recommend``, and the error body every route answers
 with. Unknown fields are errors, so a typo is reported with its name instead of being
 ignored; the constraints here (non-empty prompts, ranges) are the ones the server
-enforces, and ``/openapi.json`` shows them."""
+enforces, and ``/openapi.json`` shows them.
+
+Every decoding route takes ``verify`` and ``verify_params``: a rule of the rule registry
+(:mod:`speclab.decoding.rules.registry`, rules registered by plugin modules included)
+and its parameters. The name is checked here against the registry; the parameters by
+the rule's own parameter model when the ingress resolves the rule with the sampling
+settings (:meth:`serve_apps.ingress.Ingress._decoding`). ``/openapi.json`` lists the
+registered names as an enum and each rule's parameters (:mod:`serve_apps.openapi`).
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 
 class _Body(BaseModel):
@@ -23,6 +31,30 @@ def _stops(value: str | list[str] | None) -> list[str]:
 
 
 NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+def _registered_rule(name: str | None) -> str | None:
+    """A name of the rule registry (checked when the request arrives, so a rule a plugin
+    module registered is as good as a built-in one)."""
+    if name is not None:
+        from speclab.decoding.rules.registry import get_rule
+
+        try:
+            get_rule(name)
+        except ValueError as err:
+            raise ValueError(str(err).removeprefix("verify: ")) from None
+    return name
+
+
+#: ``verify``: a registered rule (``/openapi.json`` lists them as an enum)
+RuleName = Annotated[str | None, AfterValidator(_registered_rule), Field(
+    description="the verification rule, a name of the rule registry (default: greedy at "
+                "temperature 0, sample otherwise; a method whose drafts need their own "
+                "rule, e.g. aasd, uses it)")]
+#: ``verify_params``: checked by the rule's parameter model
+RuleParams = Annotated[dict[str, Any] | None, Field(
+    description="the parameters of the rule named in verify (its parameter model), e.g. "
+                "typical: {epsilon, delta}")]
 
 
 class ErrorDetail(BaseModel):
@@ -51,6 +83,8 @@ class CompletionRequest(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = None
+    verify: RuleName = None
+    verify_params: RuleParams = None
     stream: bool = False
     n: Literal[1] = 1
     echo: Literal[False] = False
@@ -85,6 +119,8 @@ class ChatCompletionRequest(_Body):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = None
+    verify: RuleName = None
+    verify_params: RuleParams = None
     stream: bool = False
     stream_options: dict | None = None
     n: Literal[1] = 1
@@ -113,7 +149,8 @@ class GenerateRequest(_Body):
     top_k: int = Field(0, ge=0, description="top-k filter of the sampler (0: off)")
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int = 0
-    verify: Literal["greedy", "sample", "typical"] | None = None
+    verify: RuleName = None
+    verify_params: RuleParams = None
 
     @field_validator("stop")
     @classmethod

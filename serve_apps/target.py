@@ -12,7 +12,8 @@ Calls (first argument: the routing key, see :func:`serve_apps.router.target_key`
 * ``generate`` / ``complete``: plain decoding (no draft), driven here: the rounds of all
   concurrent requests share one forward.
 * ``end``, ``stats``, ``info``; ``rec_start`` / ``rec_verify`` are the target's half of
-  AtSpeed beam SD for ``POST /recommend`` (:mod:`serve_apps.beams`).
+  AtSpeed beam SD for ``POST /recommend``, called by the draft replica that drives the
+  request (:mod:`serve_apps.beams`).
 
 Results are per request: a request the replica no longer holds (ended, expired,
 evicted) gets an error entry, the others their verdicts. State is bounded by
@@ -29,15 +30,23 @@ import torch
 
 from serve_apps.batcher import StepBatcher
 from serve_apps.channel import ChannelServer
-from serve_apps.decode import DecodeRequest, Timing, collect, drive
+from serve_apps.decode import DecodeRequest, Timing, collect, stream_rounds
+from serve_apps.errors import request_error
 from serve_apps.metrics import ServeMetrics
 from serve_apps.sessions import PoolRow, RequestStates, SessionGone
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.loop import Start, Verify
-from speclab.decoding.row_pool import NewRow, TargetPool
+from speclab.decoding.row_pool import (
+    NewRow,
+    TargetPool,
+    generator_state,
+    seeded,
+    set_generator_state,
+)
 from speclab.decoding.rules import RuleSpec
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import VerifyResult, check_prompt, pack_tensor
+from speclab.decoding.sides import VerifyResult, check_prompt
+from speclab.decoding.wire import pack_tensor
 from speclab.models.loading import load_model
 
 
@@ -52,7 +61,7 @@ class _Starts:
 @dataclass
 class _Verifies:
     source: str
-    items: list[tuple[str, dict | None]]
+    items: list[tuple]  # (rid, wire tree or None[, rng state bytes or None])
 
 
 def row_error(exc: Exception) -> dict:
@@ -108,20 +117,25 @@ class TargetDeployment(RequestStates):
             out[i] = self._start(steps[i])
         if verifies:
             t0 = time.perf_counter()
-            flat: list[tuple[int, int, str, dict | None]] = []
+            flat: list[tuple[int, int, str, dict | None, bytes | None]] = []
             for i in verifies:
                 out[i] = [None] * len(steps[i].items)
-                for j, (rid, tree) in enumerate(steps[i].items):
+                for j, (rid, tree, rng, *_) in enumerate(
+                        (*item, None) for item in steps[i].items):
                     try:
                         self.sessions.get(rid)  # marks it used; SessionGone if not here
-                        flat.append((i, j, rid, tree))
-                    except SessionGone as exc:
+                        # a sampled request's rng arrives from the replica driving it
+                        set_generator_state(self.pool.generator(rid), rng)
+                        flat.append((i, j, rid, tree, rng))
+                    except (SessionGone, KeyError) as exc:
                         out[i][j] = row_error(exc)
-            results = self.pool.verify([(rid, tree) for *_, rid, tree in flat]) if flat else []
+            results = self.pool.verify([(rid, tree) for _, _, rid, tree, _ in flat]) \
+                if flat else []
             model_s = time.perf_counter() - t0
-            for (i, j, _rid, _tree), res in zip(flat, results, strict=True):
+            for (i, j, rid, _tree, rng), res in zip(flat, results, strict=True):
                 out[i][j] = {"verdict": res.to_dict(), "target_model_s": model_s,
-                             "rows": len(flat)}
+                             "rows": len(flat), "rng": None if rng is None else
+                             generator_state(self.pool.generator(rid))}
         return out
 
     def _start(self, step: _Starts) -> list[dict]:
@@ -131,10 +145,10 @@ class TargetDeployment(RequestStates):
                 check_prompt(r["prompt_ids"], self.vocab)
                 rows.append((j, NewRow(r["rid"], list(r["prompt_ids"]),
                                        SamplingParams(**r["sampling"]),
-                                       RuleSpec.from_dict(r["rule"]), int(r["seed"]))))
+                                       RuleSpec.from_dict(r["rule"]), seeded(r["seed"]))))
             except (ValueError, TypeError, KeyError) as exc:
                 replies[j] = row_error(ValueError(str(exc)))
-        if step.features and not self.pool.batch.features:
+        if step.features and not self.pool.features:
             self.pool.track_features()
         started = self.pool.start([r for _, r in rows], step.prefill_top_k) if rows else []
         for (j, row), (top, feats) in zip(rows, started, strict=True):
@@ -206,11 +220,11 @@ class TargetDeployment(RequestStates):
                     timing.add({"queue_s": step_s - model_s, "target_call_s": model_s,
                                 "target_model_s": model_s, "rows": reply["rows"]})
             if "error" in reply:
-                raise _error(rid, reply["error"])
+                raise request_error(rid, reply["error"])
             return VerifyResult.from_dict(reply["verdict"]) if isinstance(msg, Verify) else None
 
         try:
-            async for chunk in drive(req, step, timing):
+            async for chunk in stream_rounds(req, step, timing):
                 yield chunk
         finally:
             self._forget(rid)
@@ -221,21 +235,20 @@ class TargetDeployment(RequestStates):
 
     # ------------------------------------------------------------------ recommend
     async def rec_start(self, rid: str, history: list[int], k: int, mode: str = "strict",
-                        seed: int = 0) -> list[int]:
-        """``POST /recommend``: prefill the history's prompt; returns its tokens."""
+                        seed: int = 0) -> dict:
+        """``POST /recommend`` (called by the draft replica that drives it): prefill the
+        history's prompt; returns its tokens (``prompt``) and the item ids' length
+        (``levels``: the rounds end once the beams are that long)."""
         if self.rec is None:
             raise ValueError("recommend: this app serves no recommender (serve.rec_target)")
         side, prompt = self.rec.start(history, k, mode, seed)
         self.sessions.put(rid, side)
-        return prompt
+        return {"prompt": prompt, "levels": self.rec.trie.length}
 
     async def rec_verify(self, rid: str, proposal: dict, committed: list) -> dict:
-        """Verification (strict top-K or relaxed sampling) of one round of drafted levels."""
-        return self.rec.verify(self.sessions.get(rid), proposal, committed)
-
-
-def _error(rid: str, error: dict) -> Exception:
-    """A per-request error entry as the exception the ingress maps to 400 / 503."""
-    if error["kind"] == "invalid":
-        return ValueError(error["message"])
-    return SessionGone(f"request {rid}: {error['message']}")
+        """Verification (strict top-K or relaxed sampling) of one round of drafted levels;
+        the request's state is freed with its last round (``done``)."""
+        out = self.rec.verify(self.sessions.get(rid), proposal, committed)
+        if out["done"]:
+            self.sessions.end(rid)
+        return out

@@ -27,9 +27,10 @@ import torch
 from transformers import PreTrainedModel
 
 from speclab.config.method import MethodSpec, method_class, parse_method
-from speclab.decoding.batch_loop import BatchStats, BatchTarget, generate_batch
+from speclab.decoding.batch_loop import BatchStats, generate_batch, new_rows
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.loop import GenerationStats, generate_tokens
+from speclab.decoding.row_pool import DraftPool, TargetPool, seeded
 from speclab.decoding.rules import request_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
@@ -156,11 +157,12 @@ class Decoder:
         if self.compile:  # the fast path is the batched engine's: one row
             return self._generate_batch([ids], cfg, params, 1, max_new_tokens, verify,
                                         verify_params, seed)[0]
-        generator = torch.Generator().manual_seed(seed)
+        traits = cfg.traits()
+        rule = request_rule(verify, verify_params, params, traits.rule)
+        generator = seeded(seed)  # the sequence's one rng: its drafter's and its rule's
         drafter = build_drafter(cfg, self._context(self.draft, params, generator))
-        rule = request_rule(verify, verify_params, params, drafter.rule if drafter else None)
         tokens, stats = generate_tokens(self.target, drafter, ids, max_new_tokens, params, rule,
-                                        self.eos_token_id, generator)
+                                        self.eos_token_id, generator, traits)
         return GenerationResult(tokens, self.decode(tokens), stats)
 
     def method_config(self, method: str | MethodSpec, knobs: dict) -> MethodSpec:
@@ -223,22 +225,26 @@ class Decoder:
             raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
         rows = min(batch_size, len(prompts))
         capacity = self.capacity or -(-(max(map(len, prompts)) + max_new_tokens + 64) // 64) * 64
-        drafter = make_batch_drafter(cfg, self._context(self.draft, params, None, rows, capacity),
-                                     lambda g: build_drafter(cfg, self._context(
-                                         ModelRunner(self.draft.model) if self.draft else None,
-                                         params, g)))
-        rule = request_rule(verify, verify_params, params, drafter.rule if drafter else None)
-        features = drafter is not None and drafter.needs_features
-        target = BatchTarget(self.batch_runner(self.target.model, rows, capacity), params, rule,
-                             features)
-        generators = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+        traits = cfg.traits()
+        rule = request_rule(verify, verify_params, params, traits.rule)
+
+        def make(sampling: SamplingParams):
+            return make_batch_drafter(
+                cfg, self._context(self.draft, sampling, None, rows, capacity),
+                lambda g: build_drafter(cfg, self._context(
+                    ModelRunner(self.draft.model) if self.draft else None, sampling, g)))
+
+        target = TargetPool(self.batch_runner(self.target.model, rows, capacity),
+                            traits.drafting and traits.needs_features)
+        draft = DraftPool(make) if traits.drafting else None
         try:
-            outs, stats, batch = generate_batch(target, drafter, prompts, max_new_tokens,
-                                                batch_size, generators, self.eos_token_id)
+            outs, stats, batch = generate_batch(
+                target, draft, new_rows(prompts, params, rule, seed), max_new_tokens,
+                batch_size, self.eos_token_id, traits.prefill_top_k)
         finally:
             target.runner.release()
-            if drafter is not None:
-                drafter.release()
+            if draft is not None:
+                draft.release()
         self.last_batch = batch
         return [GenerationResult(o, self.decode(o), s) for o, s in zip(outs, stats, strict=True)]
 

@@ -71,10 +71,12 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     for old in _renamed_flags():  # old knob names: refused, naming the new flag
         p.add_argument("--" + old.replace("_", "-"), dest=f"renamed_{old}", default=None,
                        help=argparse.SUPPRESS)
-    p.add_argument("--verify", help="greedy | sample | typical (default: greedy at "
-                                    "temperature 0, sample otherwise)")
+    p.add_argument("--verify", metavar="RULE",
+                   help=f"the verification rule, from the rule registry: {_rule_help()} "
+                        "(default: greedy at temperature 0, sample otherwise)")
     p.add_argument("--verify-param", action="append", default=[], metavar="KEY=VALUE",
-                   help="a parameter of the rule, e.g. --verify-param epsilon=0.2 (typical)")
+                   help="a parameter of the rule (see --verify for each rule's parameters "
+                        "and defaults), e.g. --verify-param epsilon=0.2 (typical)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the sampler")
@@ -82,17 +84,36 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
 
 
+def _rule_help() -> str:
+    """Every registered rule (plugin modules included) with its parameters' defaults."""
+    from speclab.decoding.rules.registry import rules
+
+    try:
+        known = rules()
+    except ImportError as err:  # a plugin module that does not import: reported when used
+        return f"(the rule registry failed to load: {err})"
+    out = []
+    for name, rule in known.items():
+        params = ", ".join(f"{k}={f.default}" for k, f in rule.params.model_fields.items())
+        detail = "; ".join(filter(None, [rule.doc, params]))
+        out.append(f"{name} ({detail})" if detail else name)
+    return " | ".join(out).replace("%", "%%")  # argparse formats help with %
+
+
 def verify_params_from_args(args: argparse.Namespace) -> dict | None:
-    """``--verify-param KEY=VALUE`` flags as ``{key: float}`` (None when none given)."""
-    out = {}
+    """``--verify-param KEY=VALUE`` flags as ``{key: value}`` (None when none given); the
+    values (numbers, else strings) are validated by the rule's own parameter model."""
+    out: dict = {}
     for item in args.verify_param:
         key, sep, value = item.partition("=")
-        try:
-            if not sep or not key:
-                raise ValueError
-            out[key.strip()] = float(value)
-        except ValueError:
-            raise ValueError(f"verify_params: expected KEY=NUMBER, got {item!r}") from None
+        if not sep or not key.strip():
+            raise ValueError(f"verify_params: expected KEY=NUMBER (or KEY=TEXT), got {item!r}")
+        for kind in (int, float, str):
+            try:
+                out[key.strip()] = kind(value)
+                break
+            except ValueError:
+                continue
     return out or None
 
 

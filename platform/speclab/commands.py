@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speclab.pipelines import JOBS  # job names only: imports no job module, no Ray
+from speclab.jobs import JOBS  # job names only: imports no job module, no Ray
 
 HANDLERS: dict = {}
 
@@ -210,9 +210,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run the job in this process: ``speclab.pipelines.<job>.main`` (works from an
+    """Run the job in this process: ``speclab.jobs.<job>.main`` (works from an
     installed package; no checkout needed)."""
-    from speclab.pipelines import job_main
+    from speclab.jobs import job_main
 
     argv = ["--config", args.config, *(["--address", args.address] if args.address else []),
             *args.overrides]

@@ -22,11 +22,22 @@ Every loss takes ``mask [B, L]`` (1 = position counts) and optional per-sequence
 * ``talf``: cross-entropy summed over every node of target-built draft trees (the
   caller runs one drafter forward per tree with tree attention and passes the node
   logits here as ``[B, T, V]`` with ``mask`` over real nodes).
+
+A loss the ``distill`` job can use is ONE registry entry, :class:`Loss`: its function,
+the data kind (target signal) it needs and how its batches are built and fed to it.
+Every consumer (config validation of ``distill.loss`` / ``compare.losses``, signal
+generation, the training task) looks the entry up by name. The built-in entries are
+listed in ``BUILTIN`` of :mod:`speclab.train.distill_batches`; :func:`register_loss`
+adds one from outside the package, in a module named in ``$SPECLAB_PLUGINS`` so that
+Ray workers register it too (:mod:`speclab.plugins`; see
+``tests/integration/test_loss_registry.py``).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -131,21 +142,103 @@ def talf(node_logits: torch.Tensor, node_ids: torch.Tensor, node_probs: torch.Te
     return soft_ce(node_logits, node_ids, node_probs, node_mask, weights)
 
 
-LOSSES: dict[str, LossFn] = {
-    "sft": cross_entropy,
-    "seq_kd": cross_entropy,
-    "word_kd": word_kd,
-    "tvd_kd": tvd_kd,
-    "hass_topk": hass_topk,
-    "talf": talf,
-}
+# --- the registry of distillation losses (what ``distill.loss`` names) ---
+
+
+@dataclass(frozen=True)
+class Loss:
+    """One distillation loss as the ``distill`` job uses it: everything a consumer needs,
+    so none of them dispatches on the loss's name.
+
+    ``fn``: the loss function (above); ``data``: the kind of signal the target must
+    generate for it (a data kind of :mod:`speclab.train.distill_data`: ``kd``, ``seq``,
+    ``tree``, ... or one registered with ``register_data_kind``); ``collate``: rows of
+    that kind -> a batch of tensors (:mod:`speclab.train.distill_batches`); ``apply``:
+    ``(model, batch, fn, knobs) -> scalar``, the drafter's forward on the batch and the
+    call of ``fn`` (``knobs``: the distill settings a loss may read, ``{"hass_k": ..}``).
+    Losses of one data kind draw the same rows each step; each collates them its way. A
+    collated batch holds ``inputs`` (the drafter's input ids: the tokens a step counts).
+    """
+
+    name: str
+    fn: LossFn
+    data: str
+    collate: Callable[[list[dict]], dict]
+    apply: Callable[[torch.nn.Module, dict, LossFn, dict], torch.Tensor]
+    doc: str = ""
+
+
+_LOSSES: dict[str, Loss] = {}
+_BUILTIN_LOADED = False
+
+
+def register_loss(loss: Loss) -> Loss:
+    """Add ``loss`` to the registry (a name may be registered once). A module outside the
+    package calls this when imported; name it in ``$SPECLAB_PLUGINS`` so that the job's
+    Ray workers import it too (:mod:`speclab.plugins`)."""
+    old = _LOSSES.get(loss.name)
+    if old is not None and _where(old.fn) != _where(loss.fn):  # the same module re-imported
+        raise ValueError(f"loss: a loss named {loss.name!r} is already registered")
+    _LOSSES[loss.name] = loss
+    return loss
+
+
+def _where(fn) -> tuple[str, str]:
+    return getattr(fn, "__module__", ""), getattr(fn, "__qualname__", repr(fn))
+
+
+def _ensure_builtin() -> None:
+    """The built-in entries (registered by :mod:`speclab.train.distill_batches`, which
+    knows their batches)."""
+    global _BUILTIN_LOADED
+    if not _BUILTIN_LOADED:
+        _BUILTIN_LOADED = True
+        importlib.import_module("speclab.train.distill_batches")
+
+
+def _ensure_loaded() -> None:
+    """The built-in entries and the plugin modules of ``$SPECLAB_PLUGINS``."""
+    _ensure_builtin()
+    from speclab.plugins import load_plugins
+
+    load_plugins()
+
+
+def unknown_losses(names) -> list[str]:
+    """The names in ``names`` that no loss is registered under. Plugins are imported
+    only when a name is missing, so validating built-in names (config defaults are
+    validated while ``speclab.config`` is being imported) never imports a plugin module,
+    which may itself import the config or the engine."""
+    _ensure_builtin()
+    missing = [n for n in names if n not in _LOSSES]
+    if missing:
+        _ensure_loaded()
+        missing = [n for n in names if n not in _LOSSES]
+    return missing
+
+
+def registered_losses() -> dict[str, Loss]:
+    """Every registered loss: name -> entry (built-ins and plugins)."""
+    _ensure_loaded()
+    return dict(_LOSSES)
+
+
+def loss_entry(name: str) -> Loss:
+    """The registry entry of loss ``name``; ``ValueError`` listing the known ones."""
+    known = registered_losses()
+    if not isinstance(name, str) or name not in known:
+        raise ValueError(f"loss: unknown loss {name!r}; known: {sorted(known)}")
+    return known[name]
 
 
 def get_loss(name: str) -> LossFn:
-    """Look a loss up by name; unknown names list the known ones."""
-    if name not in LOSSES:
-        raise ValueError(f"loss: unknown loss {name!r}; known: {sorted(LOSSES)}")
-    return LOSSES[name]
+    """Look a loss function up by name; unknown names list the known ones."""
+    return loss_entry(name).fn
+
+
+def loss_data_kinds(names) -> set[str]:
+    """The data kinds (target signals) the losses ``names`` need, one per kind."""
+    return {loss_entry(n).data for n in names}
 
 
 # --- AtSpeed alignment losses (recommendation; item ids are constrained token sequences) ---

@@ -13,7 +13,9 @@ from speclab.paths import repo_root
 # never uploaded with the working_dir (the virtualenv alone is ~2 GB)
 EXCLUDES = [".venv", ".git", "**/__pycache__", ".speclab", "mlruns", "mlartifacts",
             "bench_out", ".pytest_cache", ".ruff_cache", "*.egg-info"]
-FORWARDED_ENV = ("SPECLAB_HOME", "MLFLOW_TRACKING_URI", "HF_HOME", "HF_HUB_OFFLINE")
+# SPECLAB_PLUGINS: plugin modules (losses, data kinds) every worker imports (speclab.plugins)
+FORWARDED_ENV = ("SPECLAB_HOME", "MLFLOW_TRACKING_URI", "HF_HOME", "HF_HUB_OFFLINE",
+                 "SPECLAB_PLUGINS")
 
 
 def quiet_ray_env() -> None:

@@ -1,4 +1,4 @@
-"""Ray Tune glue for SD hyperparameter sweeps (used by :mod:`speclab.pipelines.tune`).
+"""Ray Tune glue for SD hyperparameter sweeps (used by :mod:`speclab.jobs.tune`).
 
 * :func:`param_space` turns the ``sweep.space`` of a ``tune`` config (dotted paths ->
   grid / choice / uniform / loguniform / randint) into a Tune ``param_space``;

@@ -513,6 +513,48 @@ def test_plain_decoding_app_with_an_api_key(tmp_path, tiny):
         _stop(proc)
 
 
+def seeded_samples_equal_offline(url: str, dec, method: str, knobs: dict,
+                                 seeds=range(6), prompt: str = PROMPTS[1]) -> None:
+    """A served request with a seed at T>0 returns exactly the tokens (and acceptance)
+    of ``Decoder.generate(..., seed=...)``: one rng per sampled request, shared by its
+    drafter and its rule, whose state travels between the deployments with each round.
+    Different seeds give different samples (the check can fail)."""
+    outs = set()
+    for seed in seeds:
+        want = dec.generate(prompt, method=method, max_new_tokens=20, temperature=1.0,
+                            seed=seed, **knobs)
+        r = requests.post(url + "/generate", json={"prompt": prompt, "max_tokens": 20,
+                                                   "temperature": 1.0, "seed": seed})
+        assert r.status_code == 200, r.text
+        assert r.json()["token_ids"] == want.token_ids, seed
+        assert r.json()["stats"]["accepted_lengths"] == want.stats.accepted_lengths, seed
+        outs.add(tuple(want.token_ids))
+    assert len(outs) > 1
+
+
+def test_seeded_sampling_through_serve_reproduces_the_offline_engine(server):
+    """A tree method (the module's SALF app)."""
+    from speclab.api import Decoder
+
+    dec = Decoder.from_pretrained(server["target"], server["draft"])
+    seeded_samples_equal_offline(server["url"], dec, "salf", METHOD)
+
+
+def test_seeded_chain_sampling_through_serve_reproduces_the_offline_engine(tmp_path, tiny):
+    """A chain drafts by sampling from q with the request's rng, then the rule draws
+    from the same rng: both halves of each round continue one generator."""
+    from speclab.api import Decoder
+
+    target, draft = tiny
+    dec = Decoder.from_pretrained(target, draft)
+    proc, url = _start(tmp_path, [f"models.target={target}", f"models.draft={draft}",
+                                  "method={name: chain, gamma: 4}"])
+    try:
+        seeded_samples_equal_offline(url, dec, "chain", {"gamma": 4})
+    finally:
+        _stop(proc)
+
+
 def test_specdecpp_app_loads_the_head_once_and_stays_lossless(tmp_path, tiny):
     """SpecDec++ served: the draft deployment holds the drafter AND its acceptance head
     (a random head here); greedy output equals the offline engine's (lossless)."""

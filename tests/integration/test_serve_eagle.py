@@ -11,7 +11,13 @@ import pytest
 import requests
 
 from serve_apps.loadtest import PROMPTS
-from tests.integration.test_serve import _replica_stats, _start, _stop, tiny  # noqa: F401
+from tests.integration.test_serve import (  # noqa: F401
+    _replica_stats,
+    _start,
+    _stop,
+    seeded_samples_equal_offline,
+    tiny,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -44,6 +50,7 @@ def test_eagle_served_with_features_crossing_deployments(tmp_path, tiny):  # noq
         assert c.status_code == 200, c.text
         assert c.json()["choices"][0]["text"] == dec.tokenizer.decode(
             want.token_ids, skip_special_tokens=True)
+        seeded_samples_equal_offline(url, dec, "eagle", {"eagle_model": str(folder), **knobs})
         for st in _replica_stats(url).values():  # feature state freed with the request
             assert st["sessions"] == 0, st
     finally:

@@ -12,9 +12,10 @@ import torch
 
 from speclab.api import Decoder
 from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.drafting import PerRowDrafters
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.drafters.batched import BatchModelDrafter, PerRowDrafters
+from speclab.drafters.batched import BatchModelDrafter
 from speclab.drafters.registry import BuildContext, make_batch_drafter, parse_method
 
 from .test_engine_greedy import SETTINGS, prompts

@@ -48,6 +48,9 @@ def test_defaults_and_override_precedence(tmp_path):
         ({}, ["decoding.temperature=0.7", "decoding.verify=typical",
               "decoding.verify_params={epsilon: 0}"], "verify_params (typical): epsilon"),
         ({}, ["decoding.verify_params={epsilon: 0.2}"], "verify_params (greedy): epsilon"),
+        ({}, ["decoding.verify=nope"], "decoding.verify: must be one of"),
+        ({}, ["decoding.verify=greedy", "decoding.temperature=0.5"],
+         "verify: 'greedy' needs temperature 0"),
         ({}, ["method={name: medusa}"], "method 'medusa' needs heads"),
         ({}, ["method={name: medusa, medusa_model: x, tree: dense}"], "method.tree"),
     ],
@@ -55,6 +58,27 @@ def test_defaults_and_override_precedence(tmp_path):
 def test_errors_name_the_field(data, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ExperimentConfig.from_dict(data, overrides)
+
+
+def test_decoding_verify_takes_any_rule_of_the_registry(monkeypatch):
+    """No list of rule names in the schema: a rule registered at run time validates, with
+    its parameters checked by its own parameter model."""
+    from pydantic import Field
+
+    from speclab.config.base import StrictModel
+    from speclab.decoding.rules import RULES, Rule
+
+    class ToyParams(StrictModel):
+        k: int = Field(1, ge=1)
+
+    monkeypatch.setitem(RULES, "toy", Rule("toy", lambda *args: None, ToyParams))
+    cfg = ExperimentConfig.from_dict({}, ["decoding.verify=toy", "decoding.verify_params={k: 3}"])
+    assert cfg.decoding.verify == "toy" and cfg.decoding.verify_params == {"k": 3}
+    with pytest.raises(ConfigError, match=r"verify_params \(toy\): k: Input should be greater"):
+        ExperimentConfig.from_dict({}, ["decoding.verify=toy", "decoding.verify_params={k: 0}"])
+    cfg = ExperimentConfig.from_dict({}, ["decoding.verify=conditional",
+                                          "decoding.verify_params={alpha: 0.2}"])
+    assert cfg.decoding.verify_params == {"alpha": 0.2}
 
 
 def test_missing_and_broken_files(tmp_path):

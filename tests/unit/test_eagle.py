@@ -83,12 +83,14 @@ def test_the_drafter_sees_the_targets_features_of_every_committed_position(tiny_
 
     dec = Decoder.from_pretrained(tiny_pair["target"])
     drafter = Recording(trained[0], top_k=3, depth=3, nodes=8)
+    from speclab.decoding.drafting import DraftTraits
     from speclab.decoding.loop import generate_tokens
     from speclab.decoding.rules import resolve_rule
 
     params = SamplingParams(0.0)
     out, stats = generate_tokens(dec.target, drafter, PROMPT, 20, params,
-                                 resolve_rule(None, None, params))
+                                 resolve_rule(None, None, params),
+                    traits=DraftTraits(needs_features=True))
     assert stats.accepted_tokens > 0
     committed = PROMPT + out
     ref = ModelRunner(load_model(tiny_pair["target"]))
@@ -185,7 +187,8 @@ def test_sampling_with_eagle_matches_the_target(micro_pair, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_features_travel_packed_and_exact(dtype):
-    from speclab.decoding.sides import VerifyResult, pack_tensor, unpack_tensor
+    from speclab.decoding.sides import VerifyResult
+    from speclab.decoding.wire import pack_tensor, unpack_tensor
 
     x = torch.randn(3, 5).to(dtype)
     packed = pack_tensor(x)

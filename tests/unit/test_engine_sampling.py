@@ -39,8 +39,10 @@ def chi_square_p(counts: dict, exact: dict, n: int) -> float:
     big = [k for k in exact if exact[k] * n >= 5]
     obs = [counts.get(k, 0) for k in big]
     exp = [exact[k] * n for k in big]
-    obs.append(n - sum(obs))
-    exp.append(n - sum(exp))
+    rest_obs, rest_exp = n - sum(obs), n - sum(exp)
+    if rest_obs or rest_exp > 1e-9:  # the pooled small cells (0/0 when there are none)
+        obs.append(rest_obs)
+        exp.append(rest_exp)
     return float(chisquare(obs, exp).pvalue)
 
 

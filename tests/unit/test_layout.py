@@ -42,27 +42,92 @@ def test_every_experiment_config_validates_and_opens_with_its_command(path):
     assert cfg.job in first  # jobs.<job> / speclab serve
 
 
-def test_jobs_are_thin_and_never_import_each_other():
-    """``jobs/<name>.py`` only calls ``speclab.pipelines.<name>.main``; every job and the
-    stages they share live in the library, so ``speclab run`` needs no checkout."""
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports (``import x`` and ``from x import y``: ``x``)."""
     import ast
 
-    from speclab.pipelines import JOBS
+    tree = ast.parse(path.read_text())
+    mods = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    return mods | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
+
+def test_jobs_are_thin_and_never_import_each_other():
+    """``jobs/<name>.py`` only calls ``speclab.jobs.<name>.main``; every job lives in
+    ``speclab/jobs/`` (a module with ``main``) and the stages they share in
+    ``speclab/pipelines/`` (no ``main``), so ``speclab run`` needs no checkout and where a
+    module lives tells a job from a stage."""
+    import ast
+
+    from speclab.jobs import JOBS
+
+    lib = ROOT / "platform" / "speclab"
     shims = sorted(p.stem for p in (ROOT / "jobs").glob("*.py") if p.stem != "__init__")
     assert shims == sorted(JOBS)
+    entries = sorted(p.stem for p in (lib / "jobs").glob("*.py") if p.stem != "__init__")
+    assert entries == sorted(JOBS)
     for name in shims:
-        tree = ast.parse((ROOT / "jobs" / f"{name}.py").read_text())
-        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert imported == {"sys", "jobs", f"speclab.pipelines.{name}"}, (name, imported)
-    for path in (ROOT / "platform" / "speclab" / "pipelines").glob("*.py"):
-        tree = ast.parse(path.read_text())
-        mods = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert _imports(ROOT / "jobs" / f"{name}.py") == {"sys", "jobs", f"speclab.jobs.{name}"}
+    for path in [*(lib / "jobs").glob("*.py"), *(lib / "pipelines").glob("*.py")]:
+        mods = _imports(path)
         assert not any(m == "jobs" or m.startswith("jobs.") for m in mods), path
-        jobs_used = {m.rsplit(".", 1)[1] for m in mods if m.startswith("speclab.pipelines.")}
-        assert not jobs_used & set(JOBS), (path.name, jobs_used & set(JOBS))
+        jobs_used = {m for m in mods if m.startswith("speclab.jobs")}
+        assert not jobs_used, (path.relative_to(lib), jobs_used)  # not even JOBS: no cycles
+        tree = ast.parse(path.read_text())
+        has_main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+        assert has_main == (path.parent.name == "jobs" and path.stem != "__init__"), path
+
+
+def _readme_layout() -> dict[Path, str]:
+    """Every path the README's Layout block names -> the line naming it.
+
+    An entry (a name at the start of a line, indented 2 per level under its parent
+    directory) is a path relative to its parent entry (the root for the first level). A
+    name in an entry's description (``x.py``, ``x.yaml``, ``dir/``; code in backticks
+    aside) is relative to the entry's directory or, failing that, one of its ancestors
+    (``platform/`` in the description of ``platform/speclab/``)."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```\w*\n(.*?)```", section, re.S).group(1)
+    mention = re.compile(r"(?<![\w./$<>-])([\w-]+(?:/[\w.-]+)*(?:\.py|\.yaml|/))(?=[\s,):;+]|$)")
+    named: dict[Path, str] = {}
+    stack: list[tuple[int, Path]] = []  # (indent, path) of the open entries
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        m = re.match(r"( *)(\S+)(?: {2,}(.*))?$", line)
+        indent, desc = len(line) - len(line.lstrip(" ")), line
+        if indent <= 8:  # an entry (its name, then 2+ spaces); descriptions start further right
+            assert m, f"README Layout: an entry line without its name first: {line!r}"
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            path = (stack[-1][1] if stack else ROOT) / m.group(2).rstrip("/")
+            named[path] = line
+            stack.append((indent, path))
+            desc = m.group(3) or ""
+        assert stack, f"README Layout: a description before any entry: {line!r}"
+        entry = stack[-1][1]
+        base = entry if entry.is_dir() else entry.parent
+        for name in mention.findall(re.sub(r"`[^`]*`", "", desc)):
+            here = [d / name.rstrip("/") for d in (base, *base.parents) if d.is_relative_to(ROOT)]
+            named[next((c for c in here if c.exists()), here[0])] = line
+    return named
+
+
+def test_readme_layout_names_only_paths_that_exist():
+    """The README's Layout block cannot drift from the tree: every path it names exists,
+    and every package directory of ``platform/speclab`` is in it."""
+    named = _readme_layout()
+    assert ROOT / "platform" / "speclab" / "decoding" / "rules" in named  # parsed deep
+    missing = {str(p.relative_to(ROOT)): line.strip() for p, line in named.items()
+               if not p.exists()}
+    assert not missing, f"README Layout names paths that do not exist: {missing}"
+    lib = ROOT / "platform" / "speclab"
+    packages = {p.parent for p in lib.rglob("__init__.py") if "__pycache__" not in p.parts}
+    absent = sorted(str(p.relative_to(ROOT)) for p in packages - set(named) - {lib})
+    assert not absent, f"README Layout omits these packages: {absent}"
+    assert lib in named
 
 
 def test_cluster_yaml_passes_ray_schema_validation():

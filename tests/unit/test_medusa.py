@@ -155,12 +155,14 @@ def test_heads_read_the_feature_that_produced_the_root(tiny_pair):
         return tree
 
     drafter.propose = spy
+    from speclab.decoding.drafting import DraftTraits
     from speclab.decoding.loop import generate_tokens
     from speclab.decoding.rules import resolve_rule
 
     params = SamplingParams(0.0)
     generate_tokens(ModelRunner(target), drafter, PROMPT, 20, params,
-                    resolve_rule(None, None, params))
+                    resolve_rule(None, None, params),
+                    traits=DraftTraits(needs_features=True))
     assert len(roots) > 5 and roots[1:] == firsts[1:]  # the first root is the prompt's
 
 

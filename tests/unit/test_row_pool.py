@@ -14,7 +14,7 @@ from speclab.api import Decoder
 from speclab.config.method import parse_method
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.loop import commit_tokens, eos_set
-from speclab.decoding.row_pool import DraftPool, NewRow, TargetPool
+from speclab.decoding.row_pool import DraftPool, NewRow, TargetPool, seeded
 from speclab.decoding.rules import RuleSpec
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
@@ -59,11 +59,11 @@ def test_requests_joining_and_leaving_at_any_round_equal_decoding_alone(tiny_pai
     got: dict[str, tuple[list[int], list[int]]] = {}
     greedy = SamplingParams()
     for rnd in range(200):
-        new = [NewRow(rid, ps[int(rid[1:])], greedy, RuleSpec("greedy"), 0)
+        new = [NewRow(rid, ps[int(rid[1:])], greedy, RuleSpec("greedy"), seeded(0))
                for rid in joins.get(rnd, [])]
         if new:
             tops = target.start(new, 0)
-            drafts.join([NewRow(r.rid, r.prompt_ids, greedy, None, 1, top, feats)
+            drafts.join([NewRow(r.rid, r.prompt_ids, greedy, None, seeded(1), top, feats)
                          for r, (top, feats) in zip(new, tops, strict=True)])
             for r in new:
                 live[r.rid] = {"path": None, "new": [], "out": [], "lengths": []}
@@ -95,8 +95,8 @@ def test_pools_group_drafters_by_sampling_and_name_unknown_requests(tiny_pair):
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
     target, drafts = _pools(dec, {"name": "chain", "gamma": 2})
     hot = SamplingParams(temperature=0.8)
-    rows = [NewRow("a", [1, 2, 3], SamplingParams(), RuleSpec("greedy"), 0),
-            NewRow("b", [4, 5], hot, RuleSpec("sample"), 0)]
+    rows = [NewRow("a", [1, 2, 3], SamplingParams(), RuleSpec("greedy"), seeded(0)),
+            NewRow("b", [4, 5], hot, RuleSpec("sample"), seeded(0))]
     target.start(rows)
     drafts.join(rows)
     assert len(drafts.groups) == 2 and target.length("a") == 2 and drafts.length("b") == 1
@@ -104,7 +104,7 @@ def test_pools_group_drafters_by_sampling_and_name_unknown_requests(tiny_pair):
         target.verify([("nope", None)])
     with pytest.raises(KeyError):
         drafts.propose([("nope", None, [], 2, None)])
-    target.start([NewRow("a", [7, 7, 7, 7], SamplingParams(), RuleSpec("greedy"), 0)])
+    target.start([NewRow("a", [7, 7, 7, 7], SamplingParams(), RuleSpec("greedy"), seeded(0))])
     assert len(target) == 2 and target.length("a") == 3  # the same id starts over
     assert drafts.end("b") and not drafts.end("b") and len(drafts.groups) == 1
 

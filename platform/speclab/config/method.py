@@ -29,14 +29,28 @@ _LOADED = False
 
 class MethodSpec(StrictModel):
     """Base of a method's config: ``name`` selects the method, ``label`` names it in
-    tables; subclasses add their knobs. ``needs_draft_model``: the method drafts with a
-    separate draft LM (``models.draft`` / ``--draft``)."""
+    tables; subclasses add their knobs. The method's traits are declared here, on the
+    class, so nobody builds a drafter to learn them: ``needs_draft_model`` (it drafts with
+    a separate draft LM, ``models.draft`` / ``--draft``), ``drafting`` (False: plain
+    decoding), ``needs_features`` (its drafter reads the target's features), and
+    :meth:`traits` (override it for knob-dependent traits, as AASD does)."""
 
     model_config = {"arbitrary_types_allowed": True}
 
     name: str
     label: str | None = None
     needs_draft_model: ClassVar[bool] = True
+    drafting: ClassVar[bool] = True
+    needs_features: ClassVar[bool] = False
+
+    def traits(self):
+        """What the method's drafts need from a round
+        (:class:`speclab.decoding.drafting.DraftTraits`); ``batched`` is True when the
+        class overrides :meth:`build_batch`."""
+        from speclab.decoding.drafting import DraftTraits
+
+        return DraftTraits(self.drafting, self.needs_features,
+                           batched=type(self).build_batch is not MethodSpec.build_batch)
 
     def params(self) -> dict:
         """The method's knobs (every field but ``name`` and ``label``)."""
@@ -50,7 +64,7 @@ class MethodSpec(StrictModel):
 
     def build_batch(self, ctx: Any):
         """A drafter that drafts for MANY rows in batched draft forwards
-        (:class:`speclab.drafters.batched.BatchDrafter`), or None: the batched engine then
+        (:class:`speclab.decoding.drafting.BatchDrafter`), or None: the batched engine then
         drafts row by row with :meth:`build`'s drafter and still verifies every row in one
         target forward. ``ctx`` as for :meth:`build` (its ``generator`` is unused: each
         row brings its own)."""

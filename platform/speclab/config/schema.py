@@ -11,9 +11,9 @@ Which job uses which groups: :mod:`speclab.config.jobs`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from speclab.config.base import StrictModel
 from speclab.config.method import MethodConfig  # noqa: F401  (the method registry's type)
@@ -59,14 +59,30 @@ class DecodingConfig(StrictModel):
     batch_size: int = Field(1, gt=0, description="prompts decoded together by the batched "
                                                  "engine (1: one at a time); AR is timed at "
                                                  "the same batch size")
-    verify: Literal["greedy", "sample", "typical"] | None = None
-    verify_params: dict[str, float] | None = Field(
-        None, description="the rule's parameters, e.g. typical: {epsilon, delta}")
+    verify: str | None = Field(None, description="a rule of the rule registry "
+                                                 "(speclab.decoding.rules; default: greedy "
+                                                 "at temperature 0, sample otherwise)")
+    verify_params: dict[str, Any] | None = Field(
+        None, description="the rule's parameters (its params model), e.g. typical: "
+                          "{epsilon, delta}")
+
+    @field_validator("verify")
+    @classmethod
+    def _registered_rule(cls, v: str | None) -> str | None:
+        """A name of the rule registry (plugin rules included), not a fixed list."""
+        if v is not None:
+            from speclab.decoding.rules.registry import get_rule
+
+            try:
+                get_rule(v)
+            except ValueError as err:  # "verify: must be one of ..." -> the field's own path
+                raise ValueError(str(err).removeprefix("verify: ")) from None
+        return v
 
     @model_validator(mode="after")
     def _rule_params(self):
-        """``verify_params`` checked against the rule now, not at the first prompt."""
-        if self.verify_params is not None:
+        """The rule and its ``verify_params`` checked now, not at the first prompt."""
+        if self.verify is not None or self.verify_params is not None:
             from speclab.decoding.rules import resolve_rule
             from speclab.decoding.sampling import SamplingParams
 
@@ -174,8 +190,9 @@ class OutputConfig(StrictModel):
 class DistillConfig(StrictModel):
     """Drafter distillation: what the target generates and which loss trains the drafter.
 
-    ``loss`` is a name (``sft``, ``word_kd``, ``seq_kd``, ``tvd_kd``, ``hass_topk``,
-    ``talf``) or a weighted mix ``{name: weight}``.
+    ``loss`` is a name from the loss registry (built-ins ``sft``, ``word_kd``, ``seq_kd``,
+    ``tvd_kd``, ``hass_topk``, ``talf``; more with :func:`speclab.losses.register_loss`)
+    or a weighted mix ``{name: weight}``.
     """
 
     loss: str | dict[str, float] = "word_kd"
@@ -194,16 +211,21 @@ class DistillConfig(StrictModel):
     gen_cpus_per_actor: float = Field(0.5, gt=0)
     gen_gpus_per_actor: float = Field(0.0, ge=0)
 
-    @model_validator(mode="after")
-    def _known_losses(self):
-        from speclab.losses import LOSSES
+    @field_validator("loss")
+    @classmethod
+    def _known_losses(cls, loss: str | dict[str, float]) -> str | dict[str, float]:
+        from speclab.losses import registered_losses, unknown_losses
 
-        names = [self.loss] if isinstance(self.loss, str) else list(self.loss)
-        unknown = [n for n in names if n not in LOSSES]
+        names = [loss] if isinstance(loss, str) else list(loss)
+        unknown = unknown_losses(names)  # built-ins, then plugins ($SPECLAB_PLUGINS)
         if unknown:
-            raise ValueError(f"unknown loss {unknown}; known: {sorted(LOSSES)}")
-        if isinstance(self.loss, dict) and not any(w > 0 for w in self.loss.values()):
+            raise ValueError(f"unknown loss {unknown}; known: {sorted(registered_losses())}")
+        if isinstance(loss, dict) and not any(w > 0 for w in loss.values()):
             raise ValueError("a loss mix needs at least one positive weight")
+        return loss
+
+    @model_validator(mode="after")
+    def _hass_k_fits(self):
         if self.hass_k is not None and self.hass_k > self.top_k:
             raise ValueError(f"hass_k ({self.hass_k}) must not exceed top_k ({self.top_k})")
         return self
@@ -291,12 +313,12 @@ class CompareConfig(StrictModel):
 
     @model_validator(mode="after")
     def _known(self):
-        from speclab.losses import LOSSES
+        from speclab.losses import registered_losses, unknown_losses
 
-        unknown = [n for n in self.losses if n not in LOSSES]
+        unknown = unknown_losses(self.losses)
         if unknown or not self.losses:
-            raise ValueError(f"losses must be non-empty names from {sorted(LOSSES)}; "
-                             f"unknown: {unknown}")
+            raise ValueError(f"losses must be non-empty names from "
+                             f"{sorted(registered_losses())}; unknown: {unknown}")
         return self
 
 

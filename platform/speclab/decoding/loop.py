@@ -5,8 +5,9 @@ what it needs from the sides (:class:`Start`, :class:`Propose`, :class:`Verify`)
 receives their answers, and yields :class:`Committed` after each round. It records every
 statistic (one definition of tau). A driver feeds it: :func:`drive` calls in-process
 sides (:mod:`speclab.decoding.sides`); a Serve replica runs it per request with async
-steps that batch concurrent requests (``serve_apps/decode.py``). Plain decoding is the
-loop without a draft side.
+steps that batch concurrent requests (``serve_apps/decode.py``), and the batched engine
+runs one generator per row in lockstep (:mod:`speclab.decoding.batch_loop`). Plain
+decoding is the loop without a draft side.
 
 Convention: the target's cache holds every committed token but the last one (the
 root); each target call processes the root (plus the draft tree) and yields the next
@@ -19,10 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Generator, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from speclab.decoding.drafting import Drafter, DraftTraits
 from speclab.decoding.rules import RuleSpec, resolve_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
@@ -34,9 +35,6 @@ from speclab.decoding.sides import (
     prefill,
     verify_round,
 )
-
-if TYPE_CHECKING:
-    from speclab.drafters.base import Drafter
 
 __all__ = ["Committed", "DraftSide", "GenerationStats", "Propose", "Proposal", "Start",
            "TargetSide", "Verify", "VerifyResult", "autoregressive_generate", "commit_tokens",
@@ -210,8 +208,9 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
 
 
 def drive(loop: Generator[Message, object, list[int]], draft: DraftSide | None,
-          target: TargetSide) -> list[int]:
-    """Run ``loop`` against in-process sides; returns the new tokens."""
+          target: TargetSide, prefill_top_k: int = 0) -> list[int]:
+    """Run ``loop`` against in-process sides (one sequence); returns the new tokens.
+    ``prefill_top_k``: top prefill tokens per prompt position the drafter reads."""
     reply: object = None
     while True:
         try:
@@ -220,7 +219,7 @@ def drive(loop: Generator[Message, object, list[int]], draft: DraftSide | None,
             return stop.value
         reply = None
         if isinstance(msg, Start):
-            top = target.start(msg.prompt_ids, draft.prefill_top_k if draft else 0)
+            top = target.start(msg.prompt_ids, prefill_top_k if draft else 0)
             if draft is not None:
                 draft.start(msg.prompt_ids, top, target.prefill_features)
         elif isinstance(msg, Propose):
@@ -238,14 +237,19 @@ def generate_tokens(
     rule: RuleSpec,
     eos_token_id: int | Iterable[int] | None = None,
     generator: torch.Generator | None = None,
+    traits: DraftTraits | None = None,
 ) -> tuple[list[int], GenerationStats]:
-    """Decode one sequence in process (``drafter`` None: plain decoding). Returns the new
-    tokens and the stats."""
+    """Decode one sequence in process (``drafter`` None: plain decoding; ``traits``: what
+    its method reads from the target, ``MethodSpec.traits()``; ``generator``: the
+    sequence's rng, shared by the drafter and the rule). Returns the new tokens and the
+    stats."""
+    traits = traits or DraftTraits()
     stats = GenerationStats()
     loop = rounds(prompt_ids, max_new_tokens, eos_set(eos_token_id), stats, drafter is not None)
     draft = DraftSide(drafter) if drafter is not None else None
-    features = draft is not None and draft.needs_features
-    out = drive(loop, draft, TargetSide(target, params, rule, generator, features))
+    features = draft is not None and traits.needs_features
+    out = drive(loop, draft, TargetSide(target, params, rule, generator, features),
+                traits.prefill_top_k)
     return out, stats
 
 

@@ -1,19 +1,26 @@
-"""Many independent requests in the batched engine, addressed by request id.
+"""The two batched sides of a round, over many rows addressed by request id.
 
-The Serve replicas hold every live request as a ROW of one batched engine, so the
-rounds of concurrent requests share forwards. Requests arrive and leave at any time and
-each round only some of them are ready, so both pools here take a subset of their rows
-per call; the rows of the other requests feed nothing and keep their state.
+Every batched driver holds its live sequences as ROWS of one batched engine, so the
+rounds of many sequences share forwards: the offline batched engine
+(:mod:`speclab.decoding.batch_loop`, one :func:`~speclab.decoding.loop.rounds` generator
+per row in lockstep) and the Serve replicas (``serve_apps``: requests arrive and leave
+at any time). Each round only some rows may be ready, so both pools take a subset of
+their rows per call; the other rows feed nothing and keep their state.
 
-* :class:`TargetPool`: ONE :class:`~speclab.decoding.batch_loop.BatchTarget` over every
-  request, each row with its own sampling settings, verification rule and rng.
-* :class:`DraftPool`: a :class:`~speclab.drafters.batched.BatchDrafter` per distinct
+* :class:`TargetPool`: the target over one batched cache
+  (:class:`~speclab.decoding.batch_runner.BatchRunner`), each row with its own sampling
+  settings, verification rule and rng: prefill of joining rows in ONE forward, and ONE
+  forward per round that verifies every ready row's tree (padded, with a per-row tree
+  mask and position ids), each row judged by its own rule and pruned to its own path.
+* :class:`DraftPool`: a :class:`~speclab.decoding.drafting.BatchDrafter` per distinct
   sampling setting (a drafter samples with its request's settings), built by the
   method's registry entry (batched chain / tree / SALF drafting, else one drafter per
   row).
 
-At temperature 0 every request's tokens equal that request decoded alone. Pure torch:
-the deployments in ``serve_apps`` add the transport, the bounds and the batching clock.
+A sampled row has ONE random generator (:class:`NewRow` ``generator``), shared by its
+drafter and its rule: offline the two pools hold the same object; between Serve
+deployments its state travels with the round (:func:`generator_state`). At temperature 0
+every row's tokens equal that sequence decoded alone.
 """
 
 from __future__ import annotations
@@ -24,18 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
-from speclab.decoding.batch_loop import BatchTarget
 from speclab.decoding.batch_runner import BatchRunner
-from speclab.decoding.rules import RuleSpec
+from speclab.decoding.drafting import BatchDrafter
+from speclab.decoding.rules import RuleSpec, apply_rule
 from speclab.decoding.sampling import SamplingParams
-from speclab.decoding.sides import Proposal, VerifyResult
+from speclab.decoding.sides import Proposal, VerifyResult, check_prompt, committed_tokens
 from speclab.decoding.tree import TokenTree
-from speclab.drafters.batched import BatchDrafter
 
 
 @dataclass
 class NewRow:
-    """A request joining a pool: its prompt, sampling settings, rule and seed; for the
+    """A sequence joining a pool: its id, prompt, sampling settings, rule and rng; for the
     draft pool also what the target's prefill returned (top tokens per prompt position,
     ``[P-1, H]`` features) when the method reads them."""
 
@@ -43,9 +49,25 @@ class NewRow:
     prompt_ids: list[int]
     sampling: SamplingParams
     rule: RuleSpec | None = None
-    seed: int = 0
+    generator: torch.Generator | None = None
     prefill_top: list[list[int]] | None = None
     features: torch.Tensor | None = None
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A row's random generator from its request's seed (the same everywhere)."""
+    return torch.Generator().manual_seed(int(seed))
+
+
+def generator_state(generator: torch.Generator | None) -> bytes | None:
+    """A generator's state as bytes (what travels between deployments with a round)."""
+    return None if generator is None else generator.get_state().numpy().tobytes()
+
+
+def set_generator_state(generator: torch.Generator, state: bytes | None) -> None:
+    """Continue ``generator`` from :func:`generator_state`'s bytes (None: unchanged)."""
+    if state is not None:
+        generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
 
 
 def _index(rids: list[str], rid: str) -> int:
@@ -56,13 +78,17 @@ def _index(rids: list[str], rid: str) -> int:
 
 
 class TargetPool:
-    """The target side of every live request: one batched cache, a row per request."""
+    """The target side of every live row: one batched cache, a row per sequence."""
 
     def __init__(self, runner: BatchRunner, features: bool = False) -> None:
         """``features``: return the last-layer features with prefills and verdicts (the
         method's drafter reads them)."""
-        self.batch = BatchTarget(runner, SamplingParams(), RuleSpec("greedy"), features)
+        self.runner = runner
+        self.features = False
+        if features:
+            self.track_features()
         self.rids: list[str] = []
+        self.roots: list[int] = []
         self.samplings: list[SamplingParams] = []
         self.rules: list[RuleSpec] = []
         self.generators: list[torch.Generator] = []
@@ -74,51 +100,93 @@ class TargetPool:
         return len(self.rids)
 
     def track_features(self) -> None:
-        """From now on return features (a feature drafter's requests arrived)."""
-        self.batch.features = True
-        self.batch.runner.track_hidden()
+        """From now on return features (a feature drafter's rows arrived)."""
+        self.features = True
+        self.runner.track_hidden()
 
     def start(self, rows: list[NewRow], prefill_top_k: int = 0
               ) -> list[tuple[list[list[int]] | None, torch.Tensor | None]]:
-        """Prefill ``prompt_ids[:-1]`` of every new row in ONE forward (a request id that
-        is already here starts over). Returns per row the target's ``prefill_top_k`` best
+        """Prefill ``prompt_ids[:-1]`` of every new row in ONE forward (a row id that is
+        already here starts over). Returns per row the target's ``prefill_top_k`` best
         tokens per prompt position (or None) and its ``[P-1, H]`` features (or None)."""
-        for r in rows:
-            self.end(r.rid)
         if len({r.rid for r in rows}) != len(rows):
             raise ValueError("rows: a request id appears twice")
-        tops, feats = self.batch.join([r.prompt_ids for r in rows], prefill_top_k)
         for r in rows:
+            check_prompt(r.prompt_ids, self.runner.vocab_size)
+        for r in rows:
+            self.end(r.rid)
+        logits = self.runner.add_rows([list(r.prompt_ids[:-1]) for r in rows])
+        out = []
+        for j, r in enumerate(rows):
+            n = len(r.prompt_ids) - 1
+            top = None
+            if prefill_top_k and n:
+                top = logits[j, :n].topk(min(prefill_top_k, logits.shape[-1]), -1).indices.tolist()
+            feats = self.runner.hidden[j, :n].clone() if self.features else None
+            out.append((top, feats))
             self.rids.append(r.rid)
+            self.roots.append(int(r.prompt_ids[-1]))
             self.samplings.append(r.sampling)
             self.rules.append(r.rule or RuleSpec("greedy"))
-            self.generators.append(torch.Generator().manual_seed(r.seed))
-        return list(zip(tops, feats, strict=True))
+            self.generators.append(r.generator if r.generator is not None else seeded(0))
+        return out
 
     def verify(self, items: list[tuple[str, TokenTree | dict | None]]) -> list[VerifyResult]:
-        """ONE target forward over the trees of the requests in ``items`` (request id,
-        tree or its wire dict; None: the root alone), each judged by its own rule.
-        KeyError for a request id that is not here."""
+        """ONE target forward over the trees of the rows in ``items`` (row id, tree or its
+        wire dict; None: the root alone), each judged by its own rule with its own rng
+        and pruned to its accepted path. KeyError for a row id that is not here."""
         rows = [_index(self.rids, rid) for rid, _ in items]
-        trees = [TokenTree.from_wire(t) if isinstance(t, dict) else t for _, t in items]
-        return self.batch.verify(trees, [self.generators[b] for b in rows], rows,
-                                 [self.rules[b] for b in rows],
-                                 [self.samplings[b] for b in rows])
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"rows: a request id appears twice in {[rid for rid, _ in items]}")
+        trees = [TokenTree.from_wire(t) if isinstance(t, dict)
+                 else t if t is not None else TokenTree(self.roots[b])
+                 for (_, t), b in zip(items, rows, strict=True)]
+        tokens = [torch.zeros(0, dtype=torch.long) for _ in range(self.runner.rows)]
+        positions: list[torch.Tensor | None] = [None] * self.runner.rows
+        allowed: list[torch.Tensor | None] = [None] * self.runner.rows
+        prefix = []
+        for b, tree in zip(rows, trees, strict=True):
+            if tree.tokens[0] != self.roots[b]:
+                raise ValueError(f"tree: row {b}'s root token {tree.tokens[0]} is not its last "
+                                 f"committed token {self.roots[b]}")
+            n = self.runner.length(b)
+            prefix.append(n)
+            tokens[b] = tree.token_tensor()
+            if not tree.is_chain():
+                positions[b] = tree.position_ids(n)
+                allowed[b] = tree.ancestor_matrix()  # + the whole prefix
+        logits = self.runner.forward(tokens, positions, allowed)
+        out = []
+        for i, (b, tree) in enumerate(zip(rows, trees, strict=True)):
+            verdict = apply_rule(self.rules[b], tree, logits[b, :len(tree)], self.samplings[b],
+                                 self.generators[b])
+            self.runner.keep(b, list(range(prefix[i])) + [prefix[i] + j for j in verdict.path])
+            new = committed_tokens(tree, verdict)
+            self.roots[b] = new[-1]
+            feats = self.runner.hidden[b, verdict.path].clone() if self.features else None
+            out.append(VerifyResult(verdict.path, new, verdict.accepted, verdict.evaluated,
+                                    tree.num_drafted, feats))
+        self.runner.maybe_compact()
+        return out
+
+    def generator(self, rid: str) -> torch.Generator:
+        """Row ``rid``'s random generator (KeyError if it is not here)."""
+        return self.generators[_index(self.rids, rid)]
 
     def length(self, rid: str) -> int:
-        """KV positions request ``rid`` holds."""
-        return self.batch.runner.length(_index(self.rids, rid))
+        """KV positions row ``rid`` holds."""
+        return self.runner.length(_index(self.rids, rid))
 
     def end(self, rid: str) -> bool:
-        """Request ``rid`` leaves (False if it was not here)."""
+        """Row ``rid`` leaves (False if it was not here)."""
         if rid not in self.rids:
             return False
         b = self.rids.index(rid)
-        self.batch.drop([b])
-        for state in (self.rids, self.samplings, self.rules, self.generators):
+        self.runner.drop([b])
+        for state in (self.rids, self.roots, self.samplings, self.rules, self.generators):
             state.pop(b)
         if not self.rids:
-            self.batch.runner.release_rows()  # an idle replica holds no cache
+            self.runner.release_rows()  # an idle pool holds no cache
         return True
 
 
@@ -128,9 +196,10 @@ def sampling_key(sampling: SamplingParams) -> str:
 
 
 class _DraftGroup:
-    def __init__(self, drafter: BatchDrafter) -> None:
-        self.drafter = drafter
+    def __init__(self, drafter: BatchDrafter, sampling: SamplingParams) -> None:
+        self.drafter, self.sampling = drafter, sampling
         self.rids: list[str] = []
+        self.generators: list[torch.Generator] = []
         self.calls0: list[int] = []  # the drafter's forwards when each row joined
 
 
@@ -143,6 +212,7 @@ class DraftPool:
         self.make = make
         self.groups: dict[str, _DraftGroup] = {}
         self.where: dict[str, str] = {}  # request id -> its group
+        self._done_calls = 0  # forwards of groups that are gone
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.where
@@ -160,14 +230,17 @@ class DraftPool:
             by_group.setdefault(sampling_key(r.sampling), []).append(r)
         for key, group_rows in by_group.items():
             if key not in self.groups:
-                self.groups[key] = _DraftGroup(self.make(group_rows[0].sampling))
+                sampling = group_rows[0].sampling
+                self.groups[key] = _DraftGroup(self.make(sampling), sampling)
             g = self.groups[key]
-            g.drafter.join([r.prompt_ids for r in group_rows],
-                           [torch.Generator().manual_seed(r.seed) for r in group_rows],
+            generators = [r.generator if r.generator is not None else seeded(0)
+                          for r in group_rows]
+            g.drafter.join([r.prompt_ids for r in group_rows], generators,
                            [r.prefill_top for r in group_rows],
                            [r.features for r in group_rows])
-            for r in group_rows:
+            for r, gen in zip(group_rows, generators, strict=True):
                 g.rids.append(r.rid)
+                g.generators.append(gen)
                 g.calls0.append(g.drafter.calls)
                 self.where[r.rid] = key
 
@@ -212,9 +285,29 @@ class DraftPool:
         g = self.groups[key]
         b = g.rids.index(rid)
         g.drafter.drop([b])
-        g.rids.pop(b)
-        g.calls0.pop(b)
+        for state in (g.rids, g.generators, g.calls0):
+            state.pop(b)
         if not g.rids:
+            self._done_calls += g.drafter.calls
             g.drafter.release()
             del self.groups[key]
         return True
+
+    def release(self) -> None:
+        """Every row leaves (the run is over, or failed)."""
+        for rid in list(self.where):
+            self.end(rid)
+
+    def generator(self, rid: str) -> torch.Generator:
+        """Request ``rid``'s random generator (KeyError if it is not here)."""
+        g = self.groups[self.where[rid]]
+        return g.generators[g.rids.index(rid)]
+
+    def sampling(self, rid: str) -> SamplingParams:
+        """Request ``rid``'s sampling settings (KeyError if it is not here)."""
+        return self.groups[self.where[rid]].sampling
+
+    @property
+    def calls(self) -> int:
+        """Draft model forwards of every group so far (a batched forward counts once)."""
+        return self._done_calls + sum(g.drafter.calls for g in self.groups.values())

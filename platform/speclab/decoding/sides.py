@@ -9,7 +9,7 @@
   tree (``None``: the root alone, i.e. plain decoding), the request's verification rule,
   and the target cache pruned to the accepted path.
 
-Feature drafters (EAGLE; ``Drafter.needs_features``) also read the target's last-layer
+Feature drafters (EAGLE, Medusa; ``DraftTraits.needs_features``) also read the target's last-layer
 features: a target side built with ``features=True`` keeps the prefill's
 (``prefill_features``) and returns those of the accepted path with every verdict
 (``VerifyResult.features``); the draft side hands both to its drafter's ``observe``.
@@ -31,6 +31,7 @@ from speclab.decoding.rules import RuleSpec, Verdict, apply_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.tree import TokenTree
+from speclab.decoding.wire import pack_tensor, unpack_tensor
 
 
 @dataclass
@@ -65,27 +66,6 @@ class VerifyResult:
     @classmethod
     def from_dict(cls, data: dict) -> VerifyResult:
         return cls(**{**data, "features": unpack_tensor(data.get("features"))})
-
-
-def pack_tensor(t: torch.Tensor | None) -> dict | None:
-    """A tensor as ``{dtype, shape, data: raw bytes}`` for deployment handle calls (compact
-    and exact; never JSON lists of floats). None stays None."""
-    if t is None:
-        return None
-    t = t.detach().contiguous().cpu()
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-            "data": t.view(torch.uint8).numpy().tobytes() if t.numel() else b""}
-
-
-def unpack_tensor(data: dict | torch.Tensor | None) -> torch.Tensor | None:
-    """Inverse of :func:`pack_tensor` (a tensor or None is returned as is)."""
-    if data is None or isinstance(data, torch.Tensor):
-        return data
-    dtype = getattr(torch, data["dtype"])
-    if not data["data"]:
-        return torch.zeros(data["shape"], dtype=dtype)
-    raw = torch.frombuffer(bytearray(data["data"]), dtype=torch.uint8)
-    return raw.view(dtype).reshape(data["shape"]).clone()
 
 
 def check_prompt(prompt_ids: list[int], vocab: int) -> None:
@@ -128,7 +108,7 @@ def committed_tokens(tree: TokenTree, verdict: Verdict) -> list[int]:
     return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
 
 if TYPE_CHECKING:
-    from speclab.drafters.base import Drafter
+    from speclab.decoding.drafting import Drafter
 
 
 class TargetSide:
@@ -192,16 +172,6 @@ class DraftSide:
         self.committed: list[int] = []
         self.last_tree: TokenTree | None = None
         self.calls0 = drafter.calls
-
-    @property
-    def prefill_top_k(self) -> int:
-        """Top tokens per prompt position the drafter reads from the target's prefill."""
-        return self.drafter.prefill_top_k
-
-    @property
-    def needs_features(self) -> bool:
-        """Whether the drafter reads the target's features (EAGLE)."""
-        return self.drafter.needs_features
 
     def start(self, prompt_ids: list[int], prefill_top: list[list[int]] | None = None,
               features: torch.Tensor | None = None) -> None:

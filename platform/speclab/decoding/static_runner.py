@@ -141,8 +141,9 @@ class StaticBatchRunner(BatchRunner):
         raise ValueError("compile: the fast path does not run drafters that read the "
                          "target's features (eagle, medusa); run them without compile")
 
-    def release(self) -> None:
-        super().release()
+    def release_rows(self) -> None:
+        """Every row leaves; the static cache stays allocated for the next ones."""
+        super().release_rows()
         self.phys = []
         self.live = torch.zeros(self.fast.rows, self.fast.capacity, dtype=torch.bool)
 

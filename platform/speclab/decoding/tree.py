@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from speclab.decoding.wire import pack_tensor, unpack_tensor
+
 SAMPLED = "sampled"
 DETERMINISTIC = "deterministic"
 
@@ -112,14 +114,18 @@ class TokenTree:
     # ------------------------------------------------------------------ queries
     # ------------------------------------------------------------------ transport
     def to_wire(self) -> dict:
-        """The tree as plain lists (what a draft deployment sends a target deployment):
-        ``tokens``/``parents``/``q_prob``/``relaxed`` per node, ``child_kind`` and the
-        ``[V]`` proposal ``q_dist`` of expanded nodes whose children were sampled.
-        :meth:`from_wire` rebuilds an equal tree."""
+        """The tree in plain form (what a draft deployment sends a target deployment):
+        ``tokens``/``parents``/``q_prob``/``relaxed`` per node, ``child_kind``, and the
+        ``[V]`` proposal distributions of the expanded nodes whose children were sampled
+        as ONE packed ``[n, V]`` tensor (``q_dist``, :func:`~speclab.decoding.wire.
+        pack_tensor`) with their node ids (``q_nodes``). :meth:`from_wire` rebuilds an
+        equal tree."""
+        nodes = sorted(self.q_dist)
+        q = torch.stack([self.q_dist[k].float().cpu() for k in nodes]) if nodes else None
         return {"tokens": list(self.tokens), "parents": list(self.parents),
                 "q_prob": list(self.q_prob), "relaxed": list(self.relaxed),
                 "child_kind": {str(k): v for k, v in self.child_kind.items()},
-                "q_dist": {str(k): v.float().cpu().tolist() for k, v in self.q_dist.items()}}
+                "q_nodes": nodes, "q_dist": pack_tensor(q)}
 
     @classmethod
     def from_wire(cls, data: dict) -> TokenTree:
@@ -130,9 +136,14 @@ class TokenTree:
         tree = cls(tokens[0])
         for i in range(1, len(tokens)):
             tree.add(tokens[i], parents[i], data["q_prob"][i], data["relaxed"][i])
+        q = unpack_tensor(data["q_dist"])
+        nodes = [int(k) for k in data["q_nodes"]]
+        if (q is None) != (not nodes) or (q is not None and q.shape[0] != len(nodes)):
+            raise ValueError(f"tree: {len(nodes)} q_nodes for a q_dist of shape "
+                             f"{None if q is None else tuple(q.shape)}")
+        dists = dict(zip(nodes, q if q is not None else [], strict=True))
         for k, kind in data["child_kind"].items():
-            q = data["q_dist"].get(k)
-            tree.set_children_kind(int(k), kind, None if q is None else torch.tensor(q))
+            tree.set_children_kind(int(k), kind, dists.get(int(k)))
         return tree
 
     def __len__(self) -> int:

@@ -1,11 +1,15 @@
 """Drafters propose a TokenTree from the committed context; one module per method, each
 with its typed config (see :mod:`speclab.drafters.registry`).
 
-Methods: ``ar`` (the empty drafter), ``chain`` (Leviathan, fixed gamma), ``tree``
-(EAGLE-2 dynamic beam tree), ``optimal`` (optimal tree search, SALF Algorithm 2 without
-stopping), ``salf`` (Algorithm 2 with stopping at low further gains), ``specdecpp``
-(adaptive chain length from an acceptance head), ``pld`` (prompt lookup), ``aasd``
-(PLD + alignment sampling + conditional verification), ``rest`` (datastore retrieval).
+Methods (the 11 built-ins of ``BUILTIN`` in :mod:`speclab.drafters.registry`): ``ar``
+(the empty drafter), ``chain`` (Leviathan, fixed gamma), ``tree`` (EAGLE-2 dynamic beam
+tree), ``optimal`` (optimal tree search, SALF Algorithm 2 without stopping), ``salf``
+(Algorithm 2 with stopping at low further gains), ``specdecpp`` (adaptive chain length
+from an acceptance head), ``pld`` (prompt lookup), ``rest`` (datastore retrieval),
+``aasd`` (PLD + alignment sampling + conditional verification), ``eagle`` (EAGLE feature
+drafter over the target's features, EAGLE-2 or optimal / SALF trees), ``medusa`` (Medusa
+heads on the target's last feature filling a tree template). More can be registered at
+run time (:func:`speclab.config.method.register`).
 """
 
 from speclab.drafters.base import Drafter, ModelDrafter

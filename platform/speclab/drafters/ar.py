@@ -12,6 +12,7 @@ class ArConfig(MethodSpec):
 
     name: Literal["ar"] = "ar"
     needs_draft_model: ClassVar[bool] = False
+    drafting: ClassVar[bool] = False
 
     def build(self, ctx) -> None:
         return None

@@ -1,60 +1,19 @@
-"""Drafter interface and the shared machinery of drafters backed by a draft LM.
+"""The shared machinery of drafters backed by a draft LM (:class:`ModelDrafter`).
 
-A drafter has two duties (as in transformers' candidate generators): ``propose`` a
-tree for the current committed context, and ``accept`` the verified path so its own
-state (KV cache) keeps only what was committed.
+The drafter interface itself (:class:`~speclab.decoding.drafting.Drafter`: ``propose`` a
+tree for the committed context, ``accept`` the verified path) belongs to the engine,
+:mod:`speclab.decoding.drafting`; it is re-exported here for method modules.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import torch
 
-from speclab.decoding.rules import RuleSpec
+from speclab.decoding.drafting import Drafter, accepted_positions
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
 from speclab.decoding.tree import TokenTree
 
-
-class Drafter(ABC):
-    """Proposes draft trees; ``calls`` / ``seconds`` count its model forwards."""
-
-    name = "drafter"
-    prefill_top_k = 0  # top tokens per prefill position it reads (0: ignores the prefill)
-    rule: RuleSpec | None = None  # the verification rule its trees need (None: the request's)
-    needs_features = False  # reads the target's last-layer features (EAGLE): see observe()
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Start a new sequence."""
-
-    @abstractmethod
-    def propose(self, committed: list[int], budget: int) -> TokenTree:
-        """Draft a tree rooted at ``committed[-1]`` with at most ``budget`` levels."""
-
-    @abstractmethod
-    def accept(self, tree: TokenTree, path: list[int]) -> None:
-        """The target accepted ``path`` (root first) of the last proposed tree."""
-
-    def start(self, prompt_ids: list[int], prefill_top: list[list[int]] | None = None) -> None:
-        """Start a sequence. ``prefill_top[i]``: the target's ``prefill_top_k`` best tokens
-        after ``prompt[:i+1]``, best first, sent only to drafters that declare
-        ``prefill_top_k > 0`` (AASD's alignment sampling). Default: :meth:`reset`."""
-        self.reset()
-
-    def observe(self, features: torch.Tensor) -> None:
-        """The target's features ``[n, H]`` at the next ``n`` committed positions: after
-        :meth:`start` those of ``prompt[:-1]``, then each round those of the accepted path
-        (root first). Called only for drafters with ``needs_features``; others ignore it."""
-        del features
-
-    @property
-    def calls(self) -> int:
-        return 0
-
-    @property
-    def seconds(self) -> float:
-        return 0.0
+__all__ = ["Drafter", "ModelDrafter", "accepted_positions"]
 
 
 class ModelDrafter(Drafter):
@@ -111,15 +70,3 @@ class ModelDrafter(Drafter):
 
     def accept(self, tree: TokenTree, path: list[int]) -> None:
         self.runner.keep(accepted_positions(self.base, self.slot, path))
-
-
-def accepted_positions(base: int, slot: dict[int, int], path: list[int]) -> list[int]:
-    """Cache positions a draft keeps after a round: the ``base`` committed ones, then those
-    of the accepted ``path``'s nodes (root first) it processed (``slot``: node -> position),
-    up to the first it did not."""
-    keep = list(range(base))
-    for node in path[1:]:
-        if node not in slot:
-            break
-        keep.append(slot[node])
-    return keep

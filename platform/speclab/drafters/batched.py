@@ -1,11 +1,8 @@
-"""Drafting for a batch of rows: the batched engine's draft side.
+"""Batched drafting over a draft LM: the shared machinery of methods that draft many
+rows in shared forwards (the interface, :class:`~speclab.decoding.drafting.BatchDrafter`,
+and the per-row fallback, :class:`~speclab.decoding.drafting.PerRowDrafters`, belong to
+the engine).
 
-A :class:`BatchDrafter` drafts one tree per row each round. Rows join (with their
-prompt, the target's prefill tops and features, and their own rng) and leave between
-rounds, in the order the engine keeps them.
-
-* :class:`PerRowDrafters` works for EVERY method: one ordinary :class:`Drafter` per row,
-  each drafting alone (its draft forwards are not batched; the target's are).
 * :class:`BatchModelDrafter` is the base of drafters whose draft LM runs over all rows
   in ONE forward per step (:class:`~speclab.decoding.batch_runner.BatchRunner`): chain
   and, through :class:`BatchTreeDrafter`, the EAGLE-2 and optimal/SALF trees
@@ -14,111 +11,15 @@ rounds, in the order the engine keeps them.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator
+from abc import abstractmethod
+from collections.abc import Callable
 
 import torch
 
 from speclab.decoding.batch_runner import BatchRunner
-from speclab.decoding.rules import RuleSpec
+from speclab.decoding.drafting import BatchDrafter, TreeSteps, accepted_positions
 from speclab.decoding.runner import tree_node_inputs
-from speclab.decoding.sides import DraftSide
 from speclab.decoding.tree import TokenTree
-from speclab.drafters.base import Drafter, accepted_positions
-
-
-class BatchDrafter(ABC):
-    """Drafts a tree per row; rows are numbered in join order, gaps closed on :meth:`drop`."""
-
-    prefill_top_k = 0
-    needs_features = False
-    rule: RuleSpec | None = None
-    batched = True  # draft forwards run over all rows at once
-
-    @abstractmethod
-    def join(self, prompts: list[list[int]], generators: list[torch.Generator | None],
-             prefill_tops: list[list[list[int]] | None], features: list[torch.Tensor | None]
-             ) -> None:
-        """New rows at the end of the batch (per row: its prompt, rng, the target's prefill
-        top tokens when ``prefill_top_k`` and its prefill features ``[P-1, H]`` when
-        ``needs_features``)."""
-
-    @abstractmethod
-    def propose(self, paths: list[list[int] | None], news: list[list[int]],
-                budgets: list[int], features: list[torch.Tensor | None]) -> list[TokenTree | None]:
-        """Per row: commit last round's accepted ``paths[b]`` / tokens ``news[b]`` (and the
-        target's features on that path), then draft a tree of at most ``budgets[b]``
-        levels (None when the budget is 0: the root alone)."""
-
-    @abstractmethod
-    def drop(self, rows: list[int]) -> None:
-        """Rows ``rows`` leave the batch."""
-
-    @property
-    @abstractmethod
-    def calls(self) -> int:
-        """Draft model forwards so far (a batched forward counts once)."""
-
-    def release(self) -> None:
-        """Free every row's draft state now (the run is over)."""
-        self.drop(list(range(self.rows)))
-
-    @abstractmethod
-    def cached_tokens(self, row: int) -> int:
-        """Positions of draft state row ``row`` holds (Serve's memory bound)."""
-
-    @property
-    @abstractmethod
-    def rows(self) -> int:
-        """Rows in the batch."""
-
-
-class PerRowDrafters(BatchDrafter):
-    """One drafter per row, built by ``make(generator)``: any registered method, batched
-    verification, unbatched drafting."""
-
-    batched = False
-
-    def __init__(self, make: Callable[[torch.Generator | None], Drafter],
-                 probe: Drafter | None = None) -> None:
-        """``probe``: a drafter ``make`` already built (read for the method's traits)."""
-        self.make = make
-        self.sides: list[DraftSide] = []
-        probe = probe if probe is not None else make(None)
-        self.prefill_top_k = probe.prefill_top_k
-        self.needs_features = probe.needs_features
-        self.rule = probe.rule
-        self._done_calls = 0
-
-    def join(self, prompts, generators, prefill_tops, features) -> None:
-        for ids, g, top, feats in zip(prompts, generators, prefill_tops, features, strict=True):
-            side = DraftSide(self.make(g))
-            side.start(ids, top, feats)
-            self.sides.append(side)
-
-    def propose(self, paths, news, budgets, features):
-        out: list[TokenTree | None] = []
-        for side, path, new, budget, feats in zip(self.sides, paths, news, budgets, features,
-                                                  strict=True):
-            out.append(side.propose(path, new, budget, feats).tree if budget > 0 else None)
-        return out
-
-    def drop(self, rows: list[int]) -> None:
-        for b in sorted(rows, reverse=True):
-            side = self.sides.pop(b)
-            self._done_calls += side.drafter.calls
-            side.release()
-
-    @property
-    def calls(self) -> int:
-        return self._done_calls + sum(s.drafter.calls for s in self.sides)
-
-    def cached_tokens(self, row: int) -> int:
-        return self.sides[row].cached_tokens()
-
-    @property
-    def rows(self) -> int:
-        return len(self.sides)
 
 
 class BatchModelDrafter(BatchDrafter):
@@ -224,23 +125,6 @@ class BatchModelDrafter(BatchDrafter):
               ) -> list[TokenTree]:
         """Trees for rows ``rows`` (``root_logits`` ``[len(rows), V]``, their budgets), with
         batched :meth:`expand` calls; ``slots`` must map each tree's processed nodes."""
-
-
-#: A tree builder as a generator: yields ``(work_tree, node_ids)`` to expand, receives
-#: their ``[len(node_ids), V]`` draft probabilities, returns ``(tree, work -> tree index)``.
-TreeSteps = Generator[tuple[TokenTree, list[int]], torch.Tensor, tuple[TokenTree, dict[int, int]]]
-
-
-def run_steps(steps: TreeSteps, expand: Callable[[TokenTree, list[int]], torch.Tensor]
-              ) -> tuple[TokenTree, dict[int, int]]:
-    """Drive one tree builder with an ``expand`` function (the single-row way)."""
-    probs = None
-    while True:
-        try:
-            request = steps.send(probs)
-        except StopIteration as stop:
-            return stop.value
-        probs = expand(*request)
 
 
 class BatchTreeDrafter(BatchModelDrafter):

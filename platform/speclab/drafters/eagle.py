@@ -39,7 +39,6 @@ class EagleDrafter(Drafter):
     """Tree drafting with an EAGLE feature drafter (see the module docstring)."""
 
     name = "eagle"
-    needs_features = True
 
     def __init__(self, model: EagleModel, top_k: int, depth: int, nodes: int,
                  score_temperature: float = 1.0, builder: Builder = "eagle2", batch: int = 4,
@@ -128,6 +127,7 @@ class EagleConfig(TreeKnobs):
     (``builder: eagle2``, ``tree_top_k`` per level) or optimal / SALF trees."""
 
     name: Literal["eagle"] = "eagle"
+    needs_features = True  # the drafter reads the target's last-layer features
     needs_draft_model = False  # the drafter is its own folder, not models.draft
     eagle_model: Any = Field(None, validate_default=True,
                              description="EAGLE drafter folder or models:/ URI")

@@ -15,10 +15,11 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from speclab.decoding.drafting import TreeSteps, run_steps
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 from speclab.drafters.base import ModelDrafter
-from speclab.drafters.batched import BatchTreeDrafter, TreeSteps, run_steps
+from speclab.drafters.batched import BatchTreeDrafter
 from speclab.drafters.knobs import TreeKnobs
 
 ExpandFn = Callable[[TokenTree, list[int]], torch.Tensor]
@@ -55,7 +56,7 @@ def build_eagle2_tree(
 
 def eagle2_tree_steps(root_token: int, root_probs: torch.Tensor, top_k: int, depth: int,
                       nodes: int) -> TreeSteps:
-    """:func:`build_eagle2_tree` as a generator (see :data:`~speclab.drafters.batched.
+    """:func:`build_eagle2_tree` as a generator (see :data:`~speclab.decoding.drafting.
     TreeSteps`), so many rows' trees grow in lockstep with batched draft forwards."""
     work = TokenTree(root_token)
     frontier = _add_top_children(work, 0, root_probs, top_k)

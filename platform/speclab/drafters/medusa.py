@@ -59,7 +59,6 @@ class MedusaDrafter(Drafter):
     """Tree drafting with Medusa heads (see the module docstring)."""
 
     name = "medusa"
-    needs_features = True
 
     def __init__(self, heads: MedusaHeads, template: Template) -> None:
         if not template:
@@ -124,6 +123,7 @@ class MedusaConfig(MethodSpec):
     calibrated ``sparse`` tree from the target's last feature."""
 
     name: Literal["medusa"] = "medusa"
+    needs_features = True  # the drafter reads the target's last-layer features
     needs_draft_model = False  # the heads are their own folder, not models.draft
     medusa_model: Any = Field(None, validate_default=True,
                               description="Medusa heads folder or models:/ URI")

@@ -21,10 +21,11 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from speclab.decoding.drafting import run_steps
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 from speclab.drafters.base import ModelDrafter
-from speclab.drafters.batched import BatchTreeDrafter, run_steps
+from speclab.drafters.batched import BatchTreeDrafter
 from speclab.drafters.eagle2 import ExpandFn
 from speclab.drafters.knobs import TreeKnobs
 

@@ -21,6 +21,7 @@ With neither, PLD under greedy verification is lossless.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import Field
@@ -72,6 +73,19 @@ class DraftPool:
         return 0, []
 
 
+def aasd_rule(relax: tuple[float, float] | None) -> RuleSpec | None:
+    """AASD's trees need conditional verification with its ``(alpha, beta)``; None (the
+    request's rule) without relaxation."""
+    return (RuleSpec("conditional", {"alpha": relax[0], "beta": relax[1]})
+            if relax is not None else None)
+
+
+def aasd_prefill_top_k(align_k: int) -> int:
+    """Top tokens per prompt position AASD reads from the target's prefill: ``align_k``
+    plus one, since the retrieved token itself may be the top one (0: none)."""
+    return align_k + 1 if align_k else 0
+
+
 class PromptLookupDrafter(Drafter):
     """PLD (``align_k=0``, ``relax=None``) and AASD (``align_k=2``, ``relax=(a, b)``)."""
 
@@ -86,10 +100,8 @@ class PromptLookupDrafter(Drafter):
             raise ValueError(f"aasd_alpha: must be >= 0, got {relax[0]}")
         self.ngram, self.max_key, self.candidates = ngram, max_key, candidates
         self.align_k, self.relax = align_k, relax
-        # AASD's trees need conditional verification with its (alpha, beta)
-        self.rule = (RuleSpec("conditional", {"alpha": relax[0], "beta": relax[1]})
-                     if relax is not None else None)
-        self.prefill_top_k = align_k + 1 if align_k else 0  # the retrieved token may be top
+        self.rule = aasd_rule(relax)
+        self.prefill_top_k = aasd_prefill_top_k(align_k)
         self.pool = DraftPool(max_key)
         self.prompt_len = 0
         self.prefill_top: list[list[int]] = []  # per prompt position: the target's top tokens
@@ -159,7 +171,14 @@ class AasdConfig(RetrievalKnobs):
     aasd_beta: float = Field(0.1, allow_inf_nan=False,
                              description="AASD: threshold base beta (eq. 5)")
 
+    def relax(self) -> tuple[float, float] | None:
+        """Conditional verification's ``(alpha, beta)``, or None when strict."""
+        return (self.aasd_alpha, self.aasd_beta) if self.conditional else None
+
+    def traits(self):
+        return replace(super().traits(), rule=aasd_rule(self.relax()),
+                       prefill_top_k=aasd_prefill_top_k(self.align_k))
+
     def build(self, ctx) -> PromptLookupDrafter:
-        relax = (self.aasd_alpha, self.aasd_beta) if self.conditional else None
         return PromptLookupDrafter(self.ngram, self.max_key, self.candidates, self.align_k,
-                                   relax)
+                                   self.relax())

@@ -26,11 +26,10 @@ from speclab.config.method import (
     register,
 )
 from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.drafting import BatchDrafter, Drafter, PerRowDrafters
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.drafters.ar import ArConfig
-from speclab.drafters.base import Drafter
-from speclab.drafters.batched import BatchDrafter, PerRowDrafters
 from speclab.drafters.chain import ChainConfig
 from speclab.drafters.eagle import EagleConfig
 from speclab.drafters.eagle2 import TreeConfig
@@ -86,14 +85,14 @@ def make_batch_drafter(cfg: MethodSpec, ctx: BuildContext,
                        per_row: Callable[[torch.Generator | None], Drafter | None]
                        ) -> BatchDrafter | None:
     """The batched engine's draft side for ``cfg`` (None: plain decoding): the method's
-    batched drafter when it has one (``MethodSpec.build_batch``), else one ``per_row(rng)``
-    drafter per row."""
+    batched drafter when its traits say it has one (``MethodSpec.build_batch``), else one
+    ``per_row(rng)`` drafter per row."""
     if cfg.needs_draft_model and ctx.draft is None:
         raise ValueError(f"draft: method {cfg.name!r} needs a draft model")
-    probe = per_row(None)
-    if probe is None:
+    traits = cfg.traits()
+    if not traits.drafting:
         return None
-    return cfg.build_batch(ctx) or PerRowDrafters(per_row, probe)
+    return cfg.build_batch(ctx) if traits.batched else PerRowDrafters(per_row)
 
 
 __all__ = ["BUILTIN", "BuildContext", "MethodConfig", "MethodSpec", "build_drafter",

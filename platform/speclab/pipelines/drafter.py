@@ -20,14 +20,14 @@ def train_register_evaluate(cfg: DistillJob, prep: Prepared, storage: Path, run_
     Before training, the shards of every kind the loss mix reads are checked
     (:func:`~speclab.pipelines.signals.check_shards`): exactly shards ``0..n-1`` with
     ``distill.examples`` rows in all, so every example is trained on exactly once."""
+    from speclab.losses import loss_data_kinds
     from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
     from speclab.pipelines.fit import fit, save_final
     from speclab.pipelines.signals import check_shards
-    from speclab.train.distill_data import LOSS_KIND
     from speclab.train.tasks import DistillTaskConfig
 
     weights = weights or cfg.distill.loss_weights()
-    check_shards(data_dir, {LOSS_KIND[name] for name in weights}, cfg.distill)
+    check_shards(data_dir, loss_data_kinds(weights), cfg.distill)
     task = DistillTaskConfig(train=cfg.train, arch=cfg.arch, hass_k=cfg.distill.hass_k,
                              weights=weights)
     t1 = time.perf_counter()

@@ -6,8 +6,9 @@ target replicas on Ray actors turn them into what the losses need (``kd``, ``seq
 ``tree`` examples; ``feat`` windows with the target's features for EAGLE drafters, and
 ``feat_tree`` ones that add a target-built tree at every position for TALF on them;
 ``medusa`` prompts continued by the target, with its features, for Medusa heads;
-``accept`` data for SpecDec++ heads; see :mod:`speclab.train.distill_data`) and write Parquet shards
-``<data>/<kind>/shard-NNNNN.parquet`` one at a time (written to a temporary name, then
+``accept`` data for SpecDec++ heads; each kind is an entry of the data-kind registry of
+:mod:`speclab.train.distill_data`, looked up by name, plugins included) and write Parquet
+shards ``<data>/<kind>/shard-NNNNN.parquet`` one at a time (written to a temporary name, then
 renamed, so a shard is either whole or absent). Shards already present are not
 regenerated, so a rerun resumes generation too.
 
@@ -42,9 +43,9 @@ def plan_starts(d: DistillConfig, seed: int, tokens, kind: str) -> tuple[list[in
     contexts); the inputs themselves are sliced per shard, so memory stays bounded."""
     import torch
 
-    length = {"kd": d.seq_len + 1, "feat": d.seq_len + 1, "feat_tree": d.seq_len + 1,
-              "seq": d.prompt_len, "medusa": d.prompt_len,
-              "tree": d.context_len, "accept": d.prompt_len}[kind]
+    from speclab.train.distill_data import data_kind
+
+    length = data_kind(kind).input_len(d)
     if tokens.numel() <= length + 1:
         raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
     g = torch.Generator().manual_seed(seed + 7919 * len(kind))
@@ -181,13 +182,15 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
     ``actors`` (pid and node of each actor that started), ``actors_lost``,
     ``redispatched`` (``kind/shard`` names, once per new attempt) and ``errors`` (the
     exception class of each failed call)."""
-    if "accept" in kinds and draft is None:
-        raise ValueError("models.draft: acceptance-head data needs a drafter")
+    from speclab.train.distill_data import data_kind
+
+    need_draft = sorted(k for k in kinds if data_kind(k).needs_draft)  # unknown kinds: here
+    if need_draft and draft is None:
+        raise ValueError(f"models.draft: {' and '.join(need_draft)} data needs a drafter")
     import ray
 
     d, seed = cfg.distill, cfg.train.seed
-    if "feat_tree" in kinds:
-        talf_k, talf_depth = cfg.eagle.talf_top_k, cfg.eagle.talf_depth
+    eagle = getattr(cfg, "eagle", None)  # the settings of kinds that read it (feat_tree)
     device = "cuda" if d.gen_gpus_per_actor > 0 else cfg.models.device
     dtype = cfg.models.dtype
 
@@ -217,25 +220,9 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
 
             from speclab.train import distill_data as dd
 
-            runner, eos = self.dec.target, self.dec.eos_token_id
-            if kind == "kd":
-                rows = [dd.kd_example(runner, x, d.top_k) for x in inputs]
-            elif kind == "feat":
-                rows = [dd.feat_example(runner, x, d.top_k) for x in inputs]
-            elif kind == "feat_tree":
-                rows = [dd.feat_forest_example(runner, x, d.top_k, talf_k, talf_depth)
-                        for x in inputs]
-            elif kind == "medusa":
-                rows = dd.medusa_examples(runner, inputs, d.response_len, d.top_k)
-            elif kind == "seq":
-                rows = dd.seq_examples(runner, inputs, d.response_len, eos)
-            elif kind == "accept":
-                rows = [dd.accept_example(runner, self.dec.draft, x, d.response_len,
-                                          head_temperature, seed + first + j,
-                                          eos) for j, x in enumerate(inputs)]
-            else:
-                rows = [dd.tree_example(runner, x, d.tree_top_k, d.tree_depth, d.tree_nodes,
-                                        d.top_k) for x in inputs]
+            ctx = dd.SignalContext(self.dec.target, self.dec.draft, self.dec.eos_token_id, d,
+                                   seed, eagle, head_temperature)
+            rows = dd.data_kind(kind).make(ctx, inputs, first)
             if len(rows) != len(inputs):
                 raise RuntimeError(f"{path}: {len(rows)} rows for {len(inputs)} inputs")
             # a name of its own: a lost writer never shares a temporary file with its heir

@@ -1,6 +1,7 @@
-"""Collate generated examples into training batches and compute a drafter's loss on them.
+"""Collate generated examples into training batches and compute a drafter's loss on them;
+the built-in entries of the loss registry (:class:`speclab.losses.Loss`).
 
-Batch kinds match :data:`speclab.train.distill_data.LOSS_KIND`:
+Collates, one per data kind (:mod:`speclab.train.distill_data`):
 
 * ``kd``: ``inputs [B, L]``, ``labels [B, L]``, ``topk_ids/probs [B, L, K]``, ``mask [B, L]``;
 * ``seq``: ``inputs [B, L]``, ``labels [B, L]``, ``mask [B, L]`` (response positions only);
@@ -8,6 +9,14 @@ Batch kinds match :data:`speclab.train.distill_data.LOSS_KIND`:
   ``positions [B, S]``, additive ``attn [B, 1, S, S]`` (causal context; a node sees the
   context and its ancestors), ``node_index [B, T]`` (sequence index of each node),
   ``topk_ids/probs [B, T, K]``, ``node_mask [B, T]``.
+
+Applies (``(model, batch, fn, knobs) -> scalar``: the drafter's forward and the call of
+the loss function): :func:`on_labels` (CE on ``labels``), :func:`on_topk` (the target's
+kept distribution), :func:`on_topk_hass` (the same, first ``knobs["hass_k"]`` entries),
+:func:`on_tree_nodes` (one forward per tree with tree attention, the node logits).
+A new built-in loss: its function in :mod:`speclab.losses` and one entry in
+:data:`BUILTIN`; a loss from outside the package registers the same kind of entry with
+:func:`speclab.losses.register_loss`.
 """
 
 from __future__ import annotations
@@ -83,22 +92,57 @@ def collate_trees(rows: list[dict], dtype: torch.dtype = torch.float32) -> dict:
             "node_mask": node_mask, "topk_ids": ids, "topk_probs": probs}
 
 
-COLLATE = {"kd": collate_kd, "seq": collate_seq, "tree": collate_trees}
+def on_labels(model: torch.nn.Module, batch: dict, fn, knobs: dict) -> torch.Tensor:
+    """``fn(logits [B, L, V], labels [B, L], mask [B, L])`` (``sft``, ``seq_kd``)."""
+    del knobs
+    logits = model(input_ids=batch["inputs"]).logits  # [B, L, V]
+    return fn(logits, batch["labels"], batch["mask"])
+
+
+def on_topk(model: torch.nn.Module, batch: dict, fn, knobs: dict) -> torch.Tensor:
+    """``fn(logits [B, L, V], topk_ids [B, L, K], topk_probs [B, L, K], mask [B, L])``."""
+    del knobs
+    logits = model(input_ids=batch["inputs"]).logits  # [B, L, V]
+    return fn(logits, batch["topk_ids"], batch["topk_probs"], batch["mask"])
+
+
+def on_topk_hass(model: torch.nn.Module, batch: dict, fn, knobs: dict) -> torch.Tensor:
+    """:func:`on_topk` with ``top_k=knobs["hass_k"]`` (HASS top-K; None: all K)."""
+    logits = model(input_ids=batch["inputs"]).logits  # [B, L, V]
+    return fn(logits, batch["topk_ids"], batch["topk_probs"], batch["mask"],
+              top_k=knobs.get("hass_k"))
+
+
+def on_tree_nodes(model: torch.nn.Module, batch: dict, fn, knobs: dict) -> torch.Tensor:
+    """``fn(node_logits [B, T, V], topk_ids/probs [B, T, K], node_mask [B, T])`` from one
+    forward per (context + tree) row with tree attention (``talf``)."""
+    del knobs
+    logits = model(input_ids=batch["inputs"], position_ids=batch["positions"],
+                   attention_mask=batch["attn"]).logits  # [B, S, V]
+    idx = batch["node_index"][..., None].expand(-1, -1, logits.shape[-1])
+    node_logits = logits.gather(1, idx)  # [B, T, V]
+    return fn(node_logits, batch["topk_ids"], batch["topk_probs"], batch["node_mask"])
+
+
+BUILTIN: tuple[losses.Loss, ...] = (
+    losses.Loss("sft", losses.cross_entropy, "kd", collate_kd, on_labels,
+                "cross-entropy on corpus windows"),
+    losses.Loss("word_kd", losses.word_kd, "kd", collate_kd, on_topk, "forward KL(p || q)"),
+    losses.Loss("seq_kd", losses.cross_entropy, "seq", collate_seq, on_labels,
+                "cross-entropy on the target's greedy continuations"),
+    losses.Loss("tvd_kd", losses.tvd_kd, "kd", collate_kd, on_topk, "total variation"),
+    losses.Loss("hass_topk", losses.hass_topk, "kd", collate_kd, on_topk_hass,
+                "HASS top-K distillation"),
+    losses.Loss("talf", losses.talf, "tree", collate_trees, on_tree_nodes,
+                "cross-entropy over target-built draft trees"),
+)
+for _loss in BUILTIN:
+    losses.register_loss(_loss)
 
 
 def batch_loss(model: torch.nn.Module, loss_name: str, batch: dict,
                hass_k: int | None = None) -> torch.Tensor:
-    """The drafter's loss ``loss_name`` on a collated batch (tensors on the model's device)."""
-    fn = losses.get_loss(loss_name)
-    if loss_name == "talf":
-        logits = model(input_ids=batch["inputs"], position_ids=batch["positions"],
-                       attention_mask=batch["attn"]).logits  # [B, S, V]
-        idx = batch["node_index"][..., None].expand(-1, -1, logits.shape[-1])
-        node_logits = logits.gather(1, idx)  # [B, T, V]
-        return fn(node_logits, batch["topk_ids"], batch["topk_probs"], batch["node_mask"])
-    logits = model(input_ids=batch["inputs"]).logits  # [B, L, V]
-    if loss_name in ("sft", "seq_kd"):
-        return fn(logits, batch["labels"], batch["mask"])
-    if loss_name == "hass_topk":
-        return fn(logits, batch["topk_ids"], batch["topk_probs"], batch["mask"], top_k=hass_k)
-    return fn(logits, batch["topk_ids"], batch["topk_probs"], batch["mask"])
+    """The drafter's loss ``loss_name`` on a batch collated by its entry's ``collate``
+    (tensors on the model's device)."""
+    entry = losses.loss_entry(loss_name)
+    return entry.apply(model, batch, entry.fn, {"hass_k": hass_k})

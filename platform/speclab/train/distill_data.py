@@ -23,18 +23,26 @@ Top-k entries are stored with the target's own probabilities, not renormalised (
 the config bounds disk use instead of storing the full vocabulary): HASS's top-K loss
 weighs by the true ``p``, and the losses that need a distribution renormalise themselves
 (:mod:`speclab.losses`).
+
+Data kinds: each kind of signal is ONE registry entry, :class:`DataKind` (the length of
+its inputs and how a generation actor turns a chunk of inputs into rows), so the
+generation stage (:mod:`speclab.pipelines.signals`) looks kinds up instead of
+dispatching on their names. The built-ins (``kd``, ``seq``, ``tree``, ``accept``,
+``feat``, ``feat_tree``, ``medusa``) are registered at the end of this module;
+:func:`register_data_kind` adds one from a plugin module (``$SPECLAB_PLUGINS``, see
+:mod:`speclab.plugins`), and a loss names the kind it needs (:class:`speclab.losses.Loss`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
 from speclab.drafters.eagle2 import build_eagle2_tree
-
-KINDS = ("kd", "seq", "tree", "accept", "feat", "feat_tree", "medusa")
-LOSS_KIND = {"sft": "kd", "word_kd": "kd", "tvd_kd": "kd", "hass_topk": "kd", "seq_kd": "seq",
-             "talf": "tree"}
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[list, list]:
@@ -140,17 +148,19 @@ def greedy_continuations(target: ModelRunner, prompts: list[list[int]], response
                          eos: int | None, batch: int) -> list[list[int]]:
     """The target's greedy continuations of ``prompts`` (batched engine, plain decoding,
     ``batch`` rows at a time; ``eos`` None: always ``response_len`` tokens)."""
-    from speclab.decoding.batch_loop import BatchTarget, generate_batch
+    from speclab.decoding.batch_loop import generate_batch, new_rows
     from speclab.decoding.batch_runner import BatchRunner
+    from speclab.decoding.row_pool import TargetPool
     from speclab.decoding.rules import resolve_rule
     from speclab.decoding.sampling import SamplingParams
 
     if not prompts:
         return []
     params = SamplingParams(0.0)
-    side = BatchTarget(BatchRunner(target.model), params, resolve_rule(None, None, params))
-    outs, _, _ = generate_batch(side, None, prompts, response_len, batch,
-                                [None] * len(prompts), eos)
+    side = TargetPool(BatchRunner(target.model))
+    outs, _, _ = generate_batch(side, None, new_rows(prompts, params,
+                                                     resolve_rule(None, None, params)),
+                                response_len, batch, eos)
     return outs
 
 
@@ -233,3 +243,125 @@ def accept_example(target: ModelRunner, draft: ModelRunner, prompt: list[int],
         ratio = p.gather(1, y[:, None])[:, 0] / q.gather(1, y[:, None])[:, 0].clamp_min(1e-30)
         acc = ratio.clamp(max=1.0)
     return {"prompt": prompt, "x": x, "y": y.tolist(), "p": acc.tolist()}
+
+
+# --- the registry of data kinds (the signals the target generates) ---
+
+
+@dataclass
+class SignalContext:
+    """What a data kind's ``make`` gets on a generation actor: the target (and drafter)
+    replicas, the job's ``distill`` group and the other settings kinds read."""
+
+    target: ModelRunner
+    draft: ModelRunner | None
+    eos: int | None
+    distill: Any  # speclab.config.schema.DistillConfig
+    seed: int  # train.seed
+    eagle: Any = None  # the job's ``eagle`` group, where it has one (feat_tree trees)
+    head_temperature: float = 0.0  # the temperature an acceptance head is trained for
+
+
+@dataclass(frozen=True)
+class DataKind:
+    """One kind of target signal, written to ``<data>/<name>/shard-NNNNN.parquet``.
+
+    ``input_len(distill)``: tokens of each input (a corpus window, prompt or context cut
+    from the corpus); ``make(ctx, inputs, first)``: the rows (one per input, in order) of
+    a chunk of inputs whose first is example number ``first``; ``needs_draft``: ``make``
+    uses ``ctx.draft`` (the job must pass a drafter)."""
+
+    name: str
+    input_len: Callable[[Any], int]
+    make: Callable[[SignalContext, list[list[int]], int], list[dict]]
+    needs_draft: bool = False
+    doc: str = ""
+
+
+_DATA_KINDS: dict[str, DataKind] = {}
+
+
+def register_data_kind(kind: DataKind) -> DataKind:
+    """Add ``kind`` to the registry (a name may be registered once; the same definition
+    imported again replaces itself)."""
+    old = _DATA_KINDS.get(kind.name)
+    if old is not None and (old.make.__module__, old.make.__qualname__) != (
+            kind.make.__module__, kind.make.__qualname__):
+        raise ValueError(f"data kind: {kind.name!r} is already registered")
+    _DATA_KINDS[kind.name] = kind
+    return kind
+
+
+def data_kind(name: str) -> DataKind:
+    """The registry entry of data kind ``name`` (plugins loaded first); ``ValueError``
+    listing the known kinds."""
+    from speclab.plugins import load_plugins
+
+    load_plugins()
+    if name not in _DATA_KINDS:
+        raise ValueError(f"data kind: unknown kind {name!r}; known: {sorted(_DATA_KINDS)}")
+    return _DATA_KINDS[name]
+
+
+def _window(d) -> int:
+    return d.seq_len + 1
+
+
+def _prompt(d) -> int:
+    return d.prompt_len
+
+
+def _context(d) -> int:
+    return d.context_len
+
+
+def _make_kd(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    return [kd_example(ctx.target, x, ctx.distill.top_k) for x in inputs]
+
+
+def _make_feat(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    return [feat_example(ctx.target, x, ctx.distill.top_k) for x in inputs]
+
+
+def _make_feat_tree(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    e = ctx.eagle
+    return [feat_forest_example(ctx.target, x, ctx.distill.top_k, e.talf_top_k, e.talf_depth)
+            for x in inputs]
+
+
+def _make_medusa(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    d = ctx.distill
+    return medusa_examples(ctx.target, inputs, d.response_len, d.top_k)
+
+
+def _make_seq(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    return seq_examples(ctx.target, inputs, ctx.distill.response_len, ctx.eos)
+
+
+def _make_tree(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    d = ctx.distill
+    return [tree_example(ctx.target, x, d.tree_top_k, d.tree_depth, d.tree_nodes, d.top_k)
+            for x in inputs]
+
+
+def _make_accept(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    return [accept_example(ctx.target, ctx.draft, x, ctx.distill.response_len,
+                           ctx.head_temperature, ctx.seed + first + j, ctx.eos)
+            for j, x in enumerate(inputs)]
+
+
+BUILTIN_KINDS: tuple[DataKind, ...] = (
+    DataKind("kd", _window, _make_kd, doc="corpus windows + the target's top-k"),
+    DataKind("seq", _prompt, _make_seq, doc="prompts + the target's greedy continuation"),
+    DataKind("tree", _context, _make_tree,
+             doc="contexts + a target-built EAGLE-2 tree with top-k at every node"),
+    DataKind("accept", _prompt, _make_accept, needs_draft=True,
+             doc="SpecDec++ acceptance data (needs the drafter)"),
+    DataKind("feat", _window, _make_feat, doc="windows + the target's features and top-k"),
+    DataKind("feat_tree", _window, _make_feat_tree,
+             doc="feat windows + a target-built beam tree at every position (TALF)"),
+    DataKind("medusa", _prompt, _make_medusa,
+             doc="prompts + greedy continuations with the target's features (Medusa)"),
+)
+for _kind in BUILTIN_KINDS:
+    register_data_kind(_kind)

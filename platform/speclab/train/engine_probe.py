@@ -13,12 +13,15 @@ from collections.abc import Callable
 
 import torch
 
-from speclab.drafters.base import Drafter
+from speclab.decoding.drafting import Drafter, DraftTraits
+
+#: the traits of the drafters trained here (EAGLE, Medusa): they read the target's features
+FEATURE_DRAFTER = DraftTraits(needs_features=True)
 
 
 def engine_figures(target: torch.nn.Module, make_drafter: Callable[[], Drafter],
                    prompts: list[list[int]], max_new_tokens: int,
-                   positions: int) -> dict[str, float]:
+                   positions: int, traits: DraftTraits = FEATURE_DRAFTER) -> dict[str, float]:
     """Greedy decoding of ``prompts`` with a fresh ``make_drafter()`` per prompt:
     ``engine_tau`` (tokens per target call), ``engine_accept_at_<k>`` (fraction of rounds
     accepting at least ``k`` draft tokens, ``k = 1..positions``), ``engine_speedup``
@@ -39,7 +42,8 @@ def engine_figures(target: torch.nn.Module, make_drafter: Callable[[], Drafter],
         ar, _ = autoregressive_generate(runner, prompt, max_new_tokens, params)
         t1 = time.perf_counter()
         out_ids, stats = generate_tokens(runner, make_drafter(), prompt, max_new_tokens,
-                                         params, resolve_rule(None, None, params))
+                                         params, resolve_rule(None, None, params),
+                                         traits=traits)
         ar_s, sd_s = ar_s + t1 - t0, sd_s + time.perf_counter() - t1
         same = same and list(out_ids) == list(ar)
         lengths += stats.accepted_lengths

@@ -39,8 +39,7 @@ from speclab.config.schema import (
     MedusaTrainConfig,
     TrainConfig,
 )
-from speclab.train.distill_batches import COLLATE, batch_loss
-from speclab.train.distill_data import LOSS_KIND
+from speclab.losses import loss_entry
 from speclab.train.lm import eval_loss, lm_loss, random_windows
 
 
@@ -147,16 +146,20 @@ class LMTask:
 
 
 class DistillTask:
-    """A drafter loss (``weights``: ``{name: weight}``) on generated shards."""
+    """A drafter loss (``weights``: ``{name: weight}``) on generated shards. Each loss is
+    looked up in the loss registry (:class:`speclab.losses.Loss`): the shards of its data
+    kind, its collate and how it is applied; a step draws rows once per data kind and
+    collates them once per (kind, collate)."""
 
     def __init__(self, cfg: DistillTaskConfig, data_dir: Path, device: torch.device) -> None:
         self.tr = cfg.train
         self.device = device
-        self.hass_k = cfg.hass_k
+        self.knobs = {"hass_k": cfg.hass_k}
         self.weights = {k: float(w) for k, w in cfg.weights.items() if w > 0}
+        self.entries = {name: loss_entry(name) for name in self.weights}
         self.train_rows: dict[str, list[dict]] = {}
         self.val_rows: dict[str, list[dict]] = {}
-        for kind in {LOSS_KIND[name] for name in self.weights}:
+        for kind in {e.data for e in self.entries.values()}:
             shards = sorted((Path(data_dir) / kind).glob("shard-*.parquet"))
             if len(shards) < 2:
                 raise ValueError(f"distill: need >= 2 {kind} shards (one is held out), "
@@ -164,30 +167,36 @@ class DistillTask:
             self.val_rows[kind] = pq.read_table(shards[-1]).to_pylist()
             self.train_rows[kind] = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
 
-    def _collate(self, kind: str, rows: list[dict]) -> dict:
-        return {k: v.to(self.device) for k, v in COLLATE[kind](rows).items()}
-
-    def batch(self, step: int, rank: int) -> dict[str, dict]:
-        """One collated batch per example kind in use."""
-        g = _gen(self.tr.seed, step, rank)
-        out = {}
-        for kind, rows in self.train_rows.items():
-            idx = torch.randint(0, len(rows), (self.tr.batch_size,), generator=g).tolist()
-            out[kind] = self._collate(kind, [rows[i] for i in idx])
+    def _collated(self, rows_of: dict[str, list[dict]]) -> dict[tuple, dict]:
+        """``{(kind, collate): batch}`` for every loss in use, each batch on the device."""
+        out: dict[tuple, dict] = {}
+        for e in self.entries.values():
+            key = (e.data, e.collate)
+            if key not in out:
+                out[key] = {k: v.to(self.device) for k, v in e.collate(rows_of[e.data]).items()}
         return out
 
-    def loss(self, model: torch.nn.Module, batch: dict[str, dict]) -> torch.Tensor:
-        return sum(w * batch_loss(model, name, batch[LOSS_KIND[name]], self.hass_k)
-                   for name, w in self.weights.items())
+    def batch(self, step: int, rank: int) -> dict[tuple, dict]:
+        """One collated batch per (data kind, collate) in use."""
+        g = _gen(self.tr.seed, step, rank)
+        rows_of = {}
+        for kind, rows in self.train_rows.items():
+            idx = torch.randint(0, len(rows), (self.tr.batch_size,), generator=g).tolist()
+            rows_of[kind] = [rows[i] for i in idx]
+        return self._collated(rows_of)
 
-    def tokens_in(self, batch: dict[str, dict]) -> int:
+    def loss(self, model: torch.nn.Module, batch: dict[tuple, dict]) -> torch.Tensor:
+        return sum(w * e.apply(model, batch[(e.data, e.collate)], e.fn, self.knobs)
+                   for e, w in ((self.entries[n], w) for n, w in self.weights.items()))
+
+    def tokens_in(self, batch: dict[tuple, dict]) -> int:
         return sum(int(b["inputs"].numel()) for b in batch.values())
 
     @torch.no_grad()
     def validate(self, model: torch.nn.Module) -> float:
         model.eval()
-        val = {k: self._collate(k, rows[: self.tr.batch_size * 4])
-               for k, rows in self.val_rows.items()}
+        val = self._collated({k: rows[: self.tr.batch_size * 4]
+                              for k, rows in self.val_rows.items()})
         out = float(self.loss(model, val))
         model.train()
         return out

@@ -8,7 +8,22 @@ requested rule for another: a combination a rule cannot honour (e.g. a greedy-on
 rule at temperature > 0) is a ``ValueError`` naming the field.
 
 A new rule: a module in this package with its pure function and its parameter model,
-plus one :func:`register_rule` line in ``rules/__init__.py``.
+plus one :func:`register_rule` line in ``rules/__init__.py``. Every surface reads the
+rule names and parameter models from here: YAML (``decoding.verify`` /
+``decoding.verify_params``), the CLI (``--verify`` / ``--verify-param``), the Python API
+and every decoding route of the Serve app (``verify`` / ``verify_params``, listed in its
+``/openapi.json``).
+
+Plugins: a rule outside the package registers itself with :func:`register_rule` in a
+module named in ``$SPECLAB_PLUGINS`` (:mod:`speclab.plugins`). :func:`rules` imports the
+plugin modules before it answers, and every lookup by name (:func:`get_rule`, used by
+:func:`resolve_rule`, :func:`apply_rule` and :func:`request_rule`) does so when the name
+is not registered yet, so the CLI, jobs, Ray workers and Serve replicas (which inherit
+the variable; :func:`speclab.raylib.project_runtime_env` forwards it to a cluster) all
+know the rule. Decision: the rules reuse the one generic plugin variable that the loss
+and data-kind registries read, rather than a variable of their own or
+``$SPECLAB_METHODS`` (which stays the method registry's): a module that registers a
+method and the rule its drafts need is named in both (Python imports it once).
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from speclab.config.base import ConfigError, StrictModel
 from speclab.decoding.rules.verdict import Verdict
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.tree import TokenTree
+from speclab.plugins import load_plugins
 
 #: ``fn(tree, target_logits [T, V], sampling, generator, params) -> Verdict``
 RuleFn = Callable[[TokenTree, torch.Tensor, SamplingParams, torch.Generator | None, Any], Verdict]
@@ -49,6 +65,21 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {}
+
+def rules() -> dict[str, Rule]:
+    """Every registered rule, name -> :class:`Rule` (plugin modules imported first)."""
+    load_plugins()
+    return dict(RULES)
+
+
+def get_rule(name: str) -> Rule:
+    """The rule called ``name`` (plugin modules imported first when it is not registered
+    yet); ValueError naming ``verify`` if there is none."""
+    if name not in RULES:
+        load_plugins()
+    if name not in RULES:
+        raise ValueError(f"verify: must be one of {sorted(RULES)}, got {name!r}")
+    return RULES[name]
 
 
 def register_rule(rule: Rule) -> Rule:
@@ -84,9 +115,7 @@ def resolve_rule(name: str | None, params: dict | None,
                  sampling: SamplingParams) -> RuleSpec:
     """Validate a rule request (``None``: the default rule) against ``sampling``."""
     name = name or default_rule(sampling)
-    if name not in RULES:
-        raise ValueError(f"verify: must be one of {sorted(RULES)}, got {name!r}")
-    rule = RULES[name]
+    rule = get_rule(name)
     if rule.greedy_only and not sampling.greedy:
         raise ValueError(f"verify: {name!r} needs temperature 0, got temperature "
                          f"{sampling.temperature} (use 'sample' or 'typical')")
@@ -100,7 +129,7 @@ def resolve_rule(name: str | None, params: dict | None,
 def apply_rule(spec: RuleSpec, tree: TokenTree, target_logits: torch.Tensor,
                sampling: SamplingParams, generator: torch.Generator | None) -> Verdict:
     """Run the rule of ``spec`` on ``tree`` (``target_logits``: ``[T, V]``, one row per node)."""
-    rule = RULES[spec.name]
+    rule = get_rule(spec.name)
     return rule.fn(tree, target_logits, sampling, generator, rule.params(**spec.params))
 
 
@@ -111,7 +140,7 @@ def request_rule(requested: str | None, params: dict | None, sampling: SamplingP
     honour is an error naming ``verify``, never a silent swap."""
     if needed is None:
         return resolve_rule(requested, params, sampling)
-    rule = RULES[needed.name]
+    rule = get_rule(needed.name)
     if requested not in (None, needed.name, "greedy", "sample"):
         raise ValueError(f"verify: this method's drafts are verified with the {needed.name!r} "
                          f"rule ({rule.doc}); it cannot honour verify={requested!r} (leave "

@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     job = start_job("compare_losses", __doc__, argv, prepare_target)
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
+    from speclab.losses import loss_data_kinds
     from speclab.raylib import init_ray
-    from speclab.train.distill_data import LOSS_KIND
 
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     with tracker as parent:
         parent.set_tags({"job": "compare_losses", "target": prep.target})
         generate_logged(cfg, prep, data_dir, parent,
-                        {LOSS_KIND[name] for name in cfg.compare.losses}, "compare_losses")
+                        loss_data_kinds(cfg.compare.losses), "compare_losses")
         for loss in cfg.compare.losses:
             sub = cfg.model_copy(update={"distill": cfg.distill.model_copy(update={"loss": loss})})
             register = f"{cfg.output.register_as}-{loss}" if cfg.output.register_as else None

@@ -45,12 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     job = start_job("distill", __doc__, argv, prepare)  # bad inputs fail here
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
+    from speclab.losses import loss_data_kinds
     from speclab.raylib import init_ray
-    from speclab.train.distill_data import LOSS_KIND
 
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"
-    kinds = {LOSS_KIND[name] for name in cfg.distill.loss_weights()}
+    kinds = loss_data_kinds(cfg.distill.loss_weights())
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[distill] running on {where}; run dir {storage / run_name}", flush=True)
     with tracker as t:

@@ -1,0 +1,197 @@
+"""The drafting interfaces the engine drives; the method modules implement them.
+
+* :class:`DraftTraits`: what a method needs from the round (a draft model, the target's
+  features, the target's prefill top tokens, a verification rule of its own) and whether
+  it drafts many rows in shared forwards. Declared by the method's config class
+  (``MethodSpec.traits()``), so nobody builds a drafter to learn them.
+* :class:`Drafter`: one sequence's drafter (``start``/``propose``/``accept``/``observe``).
+* :class:`BatchDrafter`: drafting for many rows (the batched engine's and Serve's draft
+  side); :class:`PerRowDrafters` turns any :class:`Drafter` into one.
+* :data:`TreeSteps` / :func:`run_steps`: a tree builder as a generator of expansion
+  requests, so one builder grows a single tree or many rows' trees in lockstep.
+
+The engine (this package) imports no method module: the layer above depends on it,
+never the other way.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+
+import torch
+
+from speclab.decoding.rules import RuleSpec
+from speclab.decoding.sides import DraftSide
+from speclab.decoding.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class DraftTraits:
+    """What a method's drafts need from the round.
+
+    ``drafting``: False for plain decoding (the empty drafter); ``needs_features``: the
+    drafter reads the target's features (EAGLE, Medusa); ``prefill_top_k``: top tokens per
+    prompt position it reads from the target's prefill (AASD); ``rule``: the verification
+    rule its trees need (None: the request's); ``batched``: it drafts many rows in shared
+    draft forwards (else one drafter per row)."""
+
+    drafting: bool = True
+    needs_features: bool = False
+    prefill_top_k: int = 0
+    rule: RuleSpec | None = None
+    batched: bool = False
+
+
+class Drafter(ABC):
+    """Proposes draft trees for one sequence; ``calls`` / ``seconds`` count its model
+    forwards. Two duties (as in transformers' candidate generators): ``propose`` a tree
+    for the committed context, and ``accept`` the verified path so its own state (a KV
+    cache) keeps only what was committed."""
+
+    name = "drafter"
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Start a new sequence."""
+
+    @abstractmethod
+    def propose(self, committed: list[int], budget: int) -> TokenTree:
+        """Draft a tree rooted at ``committed[-1]`` with at most ``budget`` levels."""
+
+    @abstractmethod
+    def accept(self, tree: TokenTree, path: list[int]) -> None:
+        """The target accepted ``path`` (root first) of the last proposed tree."""
+
+    def start(self, prompt_ids: list[int], prefill_top: list[list[int]] | None = None) -> None:
+        """Start a sequence. ``prefill_top[i]``: the target's ``prefill_top_k`` best tokens
+        after ``prompt[:i+1]``, best first, sent only to methods whose traits declare
+        ``prefill_top_k > 0`` (AASD's alignment sampling). Default: :meth:`reset`."""
+        del prefill_top
+        self.reset()
+
+    def observe(self, features: torch.Tensor) -> None:
+        """The target's features ``[n, H]`` at the next ``n`` committed positions: after
+        :meth:`start` those of ``prompt[:-1]``, then each round those of the accepted path
+        (root first). Called only for methods whose traits declare ``needs_features``."""
+        del features
+
+    @property
+    def calls(self) -> int:
+        return 0
+
+    @property
+    def seconds(self) -> float:
+        return 0.0
+
+
+def accepted_positions(base: int, slot: dict[int, int], path: list[int]) -> list[int]:
+    """Cache positions a draft keeps after a round: the ``base`` committed ones, then those
+    of the accepted ``path``'s nodes (root first) it processed (``slot``: node -> position),
+    up to the first it did not."""
+    keep = list(range(base))
+    for node in path[1:]:
+        if node not in slot:
+            break
+        keep.append(slot[node])
+    return keep
+
+
+class BatchDrafter(ABC):
+    """Drafts a tree per row; rows are numbered in join order, gaps closed on :meth:`drop`."""
+
+    @abstractmethod
+    def join(self, prompts: list[list[int]], generators: list[torch.Generator | None],
+             prefill_tops: list[list[list[int]] | None], features: list[torch.Tensor | None]
+             ) -> None:
+        """New rows at the end of the batch (per row: its prompt, rng, the target's prefill
+        top tokens when the method reads them and its prefill features ``[P-1, H]`` when
+        it reads features)."""
+
+    @abstractmethod
+    def propose(self, paths: list[list[int] | None], news: list[list[int]],
+                budgets: list[int], features: list[torch.Tensor | None]) -> list[TokenTree | None]:
+        """Per row: commit last round's accepted ``paths[b]`` / tokens ``news[b]`` (and the
+        target's features on that path), then draft a tree of at most ``budgets[b]``
+        levels (None when the budget is 0: the row is left out of this call and keeps
+        its state)."""
+
+    @abstractmethod
+    def drop(self, rows: list[int]) -> None:
+        """Rows ``rows`` leave the batch."""
+
+    @property
+    @abstractmethod
+    def calls(self) -> int:
+        """Draft model forwards so far (a batched forward counts once)."""
+
+    def release(self) -> None:
+        """Free every row's draft state now (the run is over)."""
+        self.drop(list(range(self.rows)))
+
+    @abstractmethod
+    def cached_tokens(self, row: int) -> int:
+        """Positions of draft state row ``row`` holds (Serve's memory bound)."""
+
+    @property
+    @abstractmethod
+    def rows(self) -> int:
+        """Rows in the batch."""
+
+
+class PerRowDrafters(BatchDrafter):
+    """One drafter per row, built by ``make(generator)``: any method, batched verification,
+    unbatched drafting."""
+
+    def __init__(self, make: Callable[[torch.Generator | None], Drafter]) -> None:
+        self.make = make
+        self.sides: list[DraftSide] = []
+        self._done_calls = 0
+
+    def join(self, prompts, generators, prefill_tops, features) -> None:
+        for ids, g, top, feats in zip(prompts, generators, prefill_tops, features, strict=True):
+            side = DraftSide(self.make(g))
+            side.start(ids, top, feats)
+            self.sides.append(side)
+
+    def propose(self, paths, news, budgets, features):
+        out: list[TokenTree | None] = []
+        for side, path, new, budget, feats in zip(self.sides, paths, news, budgets, features,
+                                                  strict=True):
+            out.append(side.propose(path, new, budget, feats).tree if budget > 0 else None)
+        return out
+
+    def drop(self, rows: list[int]) -> None:
+        for b in sorted(rows, reverse=True):
+            side = self.sides.pop(b)
+            self._done_calls += side.drafter.calls
+            side.release()
+
+    @property
+    def calls(self) -> int:
+        return self._done_calls + sum(s.drafter.calls for s in self.sides)
+
+    def cached_tokens(self, row: int) -> int:
+        return self.sides[row].cached_tokens()
+
+    @property
+    def rows(self) -> int:
+        return len(self.sides)
+
+
+#: A tree builder as a generator: yields ``(work_tree, node_ids)`` to expand, receives
+#: their ``[len(node_ids), V]`` draft probabilities, returns ``(tree, work -> tree index)``.
+TreeSteps = Generator[tuple[TokenTree, list[int]], torch.Tensor, tuple[TokenTree, dict[int, int]]]
+
+
+def run_steps(steps: TreeSteps, expand: Callable[[TokenTree, list[int]], torch.Tensor]
+              ) -> tuple[TokenTree, dict[int, int]]:
+    """Drive one tree builder with an ``expand`` function (the single-row way)."""
+    probs = None
+    while True:
+        try:
+            request = steps.send(probs)
+        except StopIteration as stop:
+            return stop.value
+        probs = expand(*request)
