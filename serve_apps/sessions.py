@@ -145,7 +145,10 @@ class RequestStates:
 
     async def stats(self, probe: str = "") -> dict:
         """Live requests, cached KV positions, frees so far, resident memory. ``probe``
-        is routed like a request id, so different probes reach different replicas."""
+        is routed like a request id, so different probes reach different replicas. A
+        probe is a store access: states idle past the timeout are freed first (e.g. a
+        row whose start reached this replica after its request had already ended)."""
+        self.sessions._expire()
         return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),
                 "expired": self.sessions.expired, "evicted": self.sessions.evicted,
                 "rss_mb": rss_mb(), "pid": os.getpid()}

@@ -40,7 +40,7 @@ def chi_square_p(counts: dict, exact: dict, n: int) -> float:
     obs = [counts.get(k, 0) for k in big]
     exp = [exact[k] * n for k in big]
     rest_obs, rest_exp = n - sum(obs), n - sum(exp)
-    if rest_obs or rest_exp > 1e-9:  # the pooled small cells (0/0 when there are none)
+    if rest_obs or rest_exp != 0:  # the pooled small cells (0/0 when there are none)
         obs.append(rest_obs)
         exp.append(rest_exp)
     return float(chisquare(obs, exp).pvalue)
