@@ -156,6 +156,13 @@ class DraftDeployment(RequestStates):
                 out[i] = exc
         proposals = self.pool.propose([(s.rid, s.path, s.new, s.budget, s.features)
                                        for _, s in ready]) if ready else []
+        kept = []
+        for (i, s), p in zip(ready, proposals, strict=True):
+            if isinstance(p, Exception):  # its drafter failed: this request only
+                out[i] = p
+            else:
+                kept.append(((i, s), p))
+        ready, proposals = [r for r, _ in kept], [p for _, p in kept]
         draft_s = time.perf_counter() - t0
         # 2. the target: starts and verifies of each key, all keys at once
         calls, parts = [], []

@@ -65,8 +65,10 @@ class _Verifies:
 
 
 def row_error(exc: Exception) -> dict:
-    """A per-request error entry: ``gone`` (no state here) or ``invalid`` (bad input)."""
-    kind = "gone" if isinstance(exc, SessionGone | KeyError) else "invalid"
+    """A per-request error entry: ``gone`` (no state here), ``invalid`` (bad input) or
+    ``failed`` (this request's step raised)."""
+    kind = ("gone" if isinstance(exc, SessionGone | KeyError) else
+            "invalid" if isinstance(exc, ValueError) else "failed")
     return {"error": {"kind": kind, "message": str(exc)}}
 
 
@@ -133,6 +135,9 @@ class TargetDeployment(RequestStates):
                 if flat else []
             model_s = time.perf_counter() - t0
             for (i, j, rid, _tree, rng), res in zip(flat, results, strict=True):
+                if isinstance(res, Exception):  # this request's failure, not the batch's
+                    out[i][j] = row_error(res)
+                    continue
                 out[i][j] = {"verdict": res.to_dict(), "target_model_s": model_s,
                              "rows": len(flat), "rng": None if rng is None else
                              generator_state(self.pool.generator(rid))}

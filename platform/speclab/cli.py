@@ -151,8 +151,8 @@ def _parse_ids(text: str) -> list[int]:
 
 def method_from_args(args: argparse.Namespace):
     """The method config of ``--method`` and the knob flags given. A knob flag that the
-    method does not have is ignored with a note on stderr (one command line can then be
-    rerun with another ``--method``)."""
+    method does not have is refused (ValueError naming the knob and the method), as an
+    ``evaluate`` config and a sweep refuse it."""
     from speclab.config.method import method_class, parse_method
 
     cls = method_class(args.method)
@@ -165,10 +165,11 @@ def method_from_args(args: argparse.Namespace):
     given = {f: getattr(args, f) for f in _knob_flags() if getattr(args, f, None) is not None}
     foreign = sorted(f for f in given if f not in cls.model_fields)
     if foreign:
-        print(f"note: {', '.join('--' + f.replace('_', '-') for f in foreign)}: not a knob "
-              f"of method {args.method!r}; ignored", file=sys.stderr)
-    return parse_method({"name": args.method,
-                         **{f: v for f, v in given.items() if f not in foreign}})
+        knobs = sorted(f for f in cls.model_fields if f != "name")
+        raise ValueError(f"{foreign[0]}: not a knob of method {args.method!r} (its knobs: "
+                         f"{', '.join(knobs) or 'none'}); drop "
+                         f"{', '.join('--' + f.replace('_', '-') for f in foreign)}")
+    return parse_method({"name": args.method, **given})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -227,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     from speclab import commands
 
     commands.add_parsers(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides may follow the options (`run`, `submit`, `serve`)
+        if hasattr(args, "overrides") and all("=" in a and not a.startswith("-")
+                                              for a in extra):
+            args.overrides = [*args.overrides, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = cmd_generate if args.command == "generate" else commands.HANDLERS[args.command]
     try:
         return int(handler(args) or 0)

@@ -176,6 +176,7 @@ def _validate_job_config(job: str, config: str, overrides: list[str]) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Deploy ``serve_apps`` on local (or ``--address``) Ray; block until SIGINT/SIGTERM."""
     import json
+    import os
     import signal
     import threading
 
@@ -187,9 +188,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeJob.from_yaml(args.config, [*args.overrides, *key])  # validated with the key
     sys.path.insert(0, str(repo_root()))  # serve_apps lives next to the package
     from serve_apps.app import app_from_config
+    from speclab.ports import check_port_free
 
-    app = app_from_config(cfg)  # resolves the models and checks them before Ray starts
     sv = cfg.serve
+    check_port_free("serve.port", sv.host, sv.port)
+    if sv.metrics_port and not (args.address or os.environ.get("RAY_ADDRESS")):
+        check_port_free("serve.metrics_port", sv.host, sv.metrics_port)
+    app = app_from_config(cfg)  # resolves the models and checks them before Ray starts
     where = init_ray(args.address, cfg.ray.num_cpus, sv.metrics_port)
     from ray import serve
 
@@ -203,10 +208,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    if not _watch_http(stop, sv.host, sv.port):  # Ray died under us: exit, not sleep
+        print(f"[serve] error: the app stopped answering on {sv.host}:{sv.port} (its Ray "
+              f"cluster is gone?); exiting so a supervisor can restart it", file=sys.stderr,
+              flush=True)
+        _shutdown_ray(timeout_s=20)
+        os._exit(1)  # Ray's own exit hooks would wait on a dead cluster
     print("[serve] shutting down", flush=True)
     serve.shutdown()
     return 0
+
+
+def _watch_http(stop, host: str, port: int, every_s: float = 5.0, misses: int = 3) -> bool:
+    """Wait for ``stop`` (True) while the app's HTTP port accepts connections; False once
+    it refused ``misses`` probes in a row (the proxy died with its Ray)."""
+    from speclab.ports import answers
+
+    missed = 0
+    while not stop.wait(every_s):
+        missed = 0 if answers(host, port) else missed + 1
+        if missed >= misses:
+            return False
+    return True
+
+
+def _shutdown_ray(timeout_s: float) -> None:
+    """``ray.shutdown()`` (stops the embedded cluster's processes), given up after
+    ``timeout_s`` if it hangs on a dead cluster."""
+    import threading
+
+    import ray
+
+    t = threading.Thread(target=ray.shutdown, daemon=True)
+    t.start()
+    t.join(timeout_s)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -235,7 +270,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
     address = args.address or os.environ.get("RAY_ADDRESS") or "http://127.0.0.1:8265"
     if not address.startswith("http"):
         address = "http://" + address
-    client = JobSubmissionClient(address)
+    try:
+        client = JobSubmissionClient(address)
+    except Exception as exc:  # nothing (or no Ray job server) answers there
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"address: no Ray job server answers at {address} ({first[:200]})"
+                         ) from None
     entry = " ".join(shlex.quote(a) for a in
                      ["python", "-m", f"jobs.{args.job}", "--config", args.config,
                       *args.overrides])
@@ -285,12 +325,14 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
     import sys
 
+    from speclab.ports import check_port_free
     from speclab.tracking import default_artifact_root, resolve_tracking_uri
 
     uri = resolve_tracking_uri()
     if uri.startswith("http"):
         print(f"tracking server already at {uri}: open it in a browser")
         return 0
+    check_port_free("port", "127.0.0.1", args.port)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
            "--default-artifact-root", default_artifact_root(), "--host", "127.0.0.1",

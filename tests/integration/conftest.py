@@ -68,13 +68,50 @@ def run_cmd(args: list[str], env: dict, timeout: float = 600) -> subprocess.Comp
 
 
 def refused_before_work(job: str, config: str, overrides: list[str], message: str, env: dict,
-                        storage: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+                        storage: Path) -> subprocess.CompletedProcess:
     """``python -m jobs.<job> --config <config> <overrides>`` must exit 2 with ``message``
-    on stderr before Ray starts (no "running on" line); returns the finished process."""
-    res = run_cmd([python(), "-m", f"jobs.{job}", "--config", config, *overrides,
-                   f"output.storage_path={storage}"], env, timeout=timeout)
+    on stderr before Ray starts (no "running on" line); returns the finished run.
+
+    Run in this process (``speclab.jobs.<job>.main``, what ``jobs/<job>.py`` calls), with
+    ``env``'s SPECLAB_HOME, the checkout as working folder and ``ray.init`` replaced by a
+    failure, so "before Ray" is checked, not assumed; tracking is off (an MLflow store
+    opened here would stay this process's default). A job's start-up costs ~10 s of
+    imports in a subprocess, and bad input is refused while parsing and preparing."""
+    import contextlib
+    import io
+
+    import ray
+
+    from speclab.jobs import job_main
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError(f"{job}: Ray started, the input was not refused before work")
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in ("SPECLAB_HOME", "MLFLOW_TRACKING_URI")}
+    init, cwd = ray.init, os.getcwd()
+    argv = ["--config", config, *overrides, f"output.storage_path={storage}",
+            "tracking.enabled=false"]
+    try:
+        os.environ.update({k: env[k] for k in saved})
+        os.chdir(ROOT)
+        ray.init = no_ray
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = job_main(job)(argv)
+            except SystemExit as exc:
+                rc = exc.code
+    finally:
+        ray.init = init
+        os.chdir(cwd)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    res = subprocess.CompletedProcess(argv, rc, out.getvalue(), err.getvalue())
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    assert message in res.stderr
+    assert message in res.stderr, res.stderr[-2000:]
     assert "running on" not in res.stdout
     return res
 

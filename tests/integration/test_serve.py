@@ -509,8 +509,44 @@ def test_plain_decoding_app_with_an_api_key(tmp_path, tiny):
             openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0
                           ).completions.create(model="smoke-serve", prompt="x", max_tokens=2)
         assert requests.get(url + "/health").status_code == 200
+        _second_server_on_its_port_is_one_line(tmp_path, url)
+        _exits_when_its_ray_dies(proc, tmp_path / "serve.log")
     finally:
         _stop(proc)
+
+
+def _second_server_on_its_port_is_one_line(tmp_path, url: str) -> None:
+    """`speclab serve` on a busy port: exit 2 and one line naming serve.port, before Ray."""
+    port = url.rsplit(":", 1)[1]
+    env = {**os.environ, "SPECLAB_HOME": str(tmp_path / "home2")}
+    env.pop("RAY_ADDRESS", None)
+    res = subprocess.run([sys.executable, "-m", "speclab.cli", "serve", "--config",
+                          "experiments/smoke/serve.yaml", "method={name: ar}", "--api-key=k",
+                          f"serve.port={port}"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert res.stderr.strip() == f"error: serve.port: cannot listen on 127.0.0.1:{port} " \
+                                 "(already in use)", res.stderr[-2000:]
+
+
+def _exits_when_its_ray_dies(proc: subprocess.Popen, log: Path) -> None:
+    """SIGKILL the raylet of the server's embedded Ray: the CLI must exit non-zero (a
+    supervisor restarts it) instead of sleeping on a port that answers nothing."""
+    import psutil
+
+    raylets = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if p.name() == "raylet"]
+    assert raylets, [p.name() for p in psutil.Process(proc.pid).children(recursive=True)]
+    for p in raylets:
+        p.kill()
+    t0 = time.time()
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("speclab serve still running 120 s after its raylet died: "
+                    + log.read_text()[-2000:])
+    assert rc != 0 and "stopped answering" in log.read_text(), log.read_text()[-2000:]
+    print(f"\n[serve] exited with status {rc} {time.time() - t0:.0f} s after its raylet died")
 
 
 def seeded_samples_equal_offline(url: str, dec, method: str, knobs: dict,

@@ -62,5 +62,4 @@ def test_head_trained_registered_and_used_by_the_engine(job_env, tmp_path, monke
     (["models.target=/nonexistent/target", "models.draft=/nonexistent/draft"], "models.target"),
 ])
 def test_bad_input_fails_before_ray(job_env, tmp_path, overrides, message):
-    refused_before_work("train_head", SMOKE, overrides, message, job_env, tmp_path / "runs",
-                        timeout=120)
+    refused_before_work("train_head", SMOKE, overrides, message, job_env, tmp_path / "runs")

@@ -111,5 +111,5 @@ def test_bad_input_fails_before_training(job_env, tmp_path, overrides, message):
     empty.write_text("")
     overrides = [o.replace("{empty}", str(empty)) for o in overrides]
     refused_before_work("train_target", SMOKE, overrides, message, job_env,
-                        tmp_path / "runs", timeout=120)  # no Ray, no training
+                        tmp_path / "runs")  # no Ray, no training
     assert not list(Path(tmp_path / "runs").rglob("checkpoint_*"))

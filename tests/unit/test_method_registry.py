@@ -101,8 +101,9 @@ def test_new_method_runs_offline_and_through_the_cli(tiny_pair):
                           tiny_pair["target"], "--method", "repeat", "--gamma", "2",
                           "--prompt-ids", "1,2"], cwd=ROOT, env=env, capture_output=True,
                          text=True)
-    assert other.returncode == 0, other.stderr[-2000:]
-    assert "--gamma: not a knob of method 'repeat'; ignored" in other.stderr
+    assert other.returncode == 2, other.stderr[-2000:]  # refused, as a config refuses it
+    assert "gamma: not a knob of method 'repeat'" in other.stderr
+    assert len(other.stderr.strip().splitlines()) == 1, other.stderr  # one line
     bad = subprocess.run([sys.executable, "-m", "speclab.cli", "generate", "--target",
                           tiny_pair["target"], "--method", "repeat", "--span", "0",
                           "--prompt-ids", "1,2"], cwd=ROOT, env=env, capture_output=True,

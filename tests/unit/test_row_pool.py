@@ -109,6 +109,56 @@ def test_pools_group_drafters_by_sampling_and_name_unknown_requests(tiny_pair):
     assert drafts.end("b") and not drafts.end("b") and len(drafts.groups) == 1
 
 
+def test_one_rows_failure_leaves_the_other_rows_of_the_batch_untouched(tiny_pair):
+    """A row whose verification raises (here: a rule nobody registered) gets its own
+    exception from the batched verify, its cache as before; the other rows' verdicts
+    and later tokens equal a batch without it. A poisoned draft group fails alone."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    ps = prompts(3)
+
+    def run(poison: bool) -> dict:
+        target, drafts = _pools(dec, {"name": "chain", "gamma": 3})
+        rows = [NewRow(f"r{i}", p, SamplingParams(), RuleSpec("greedy"), seeded(0))
+                for i, p in enumerate(ps)]
+        if poison:
+            rows.insert(1, NewRow("bad", ps[1], SamplingParams(),
+                                  RuleSpec("no-such-rule"), seeded(0)))
+        target.start(rows)
+        drafts.join(rows)
+        got = {r.rid: [] for r in rows}
+        path = {r.rid: None for r in rows}
+        new = {r.rid: [] for r in rows}
+        for _ in range(4):
+            rids = list(got)
+            props = drafts.propose([(rid, path[rid], new[rid], 3, None) for rid in rids])
+            before = target.length("bad") if poison else 0
+            res = target.verify([(rid, p.tree) for rid, p in zip(rids, props, strict=True)])
+            for rid, v in zip(rids, res, strict=True):
+                if rid == "bad":
+                    assert isinstance(v, ValueError) and "no-such-rule" in str(v)
+                    assert target.length("bad") == before
+                    continue
+                path[rid], new[rid] = v.path, v.new
+                got[rid] += v.new
+        got.pop("bad", None)
+        return got
+
+    assert run(poison=True) == run(poison=False)
+    bad_sampling = SamplingParams(temperature=0.5)
+    target, drafts = _pools(dec, {"name": "chain", "gamma": 2})
+    rows = [NewRow("a", ps[0], SamplingParams(), RuleSpec("greedy"), seeded(0)),
+            NewRow("b", ps[1], bad_sampling, RuleSpec("sample"), seeded(0))]
+    drafts.join(rows)
+    group = drafts.groups[next(k for k in drafts.groups if "0.5" in k)]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    group.drafter.propose = boom
+    a, b = drafts.propose([("a", None, [], 2, None), ("b", None, [], 2, None)])
+    assert a.tree is not None and isinstance(b, RuntimeError)
+
+
 def _run(coro):
     return asyncio.run(coro)
 

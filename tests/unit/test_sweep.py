@@ -52,14 +52,51 @@ def test_bad_sweep_sections(sweep, message):
 def test_a_method_name_sweep_keeps_each_trials_own_knobs():
     from speclab.config import TuneJob
 
-    cfg = TuneJob.from_dict({"method": {"name": "chain", "gamma": 3, "salf_threshold": 0.3,
+    cfg = TuneJob.from_dict({"method": {"name": "tree", "tree_top_k": 3, "salf_threshold": 0.3,
                                         "nodes": 8, "batch": 2},
-                             "sweep": {"space": {"method.name": {"grid": ["chain", "salf"]},
-                                                 "method.gamma": {"grid": [2, 4]}}}})
-    assert cfg.method.params() == {"gamma": 3}  # the base keeps its own method's knobs
-    salf = trial_config(cfg.sweep_base(), {"method.name": "salf", "method.gamma": 2})
+                             "sweep": {"space": {"method.name": {"grid": ["tree", "salf"]},
+                                                 "method.nodes": {"grid": [6, 8]}}}})
+    assert "salf_threshold" not in cfg.method.params()  # the base keeps its own knobs
+    assert cfg.method.params()["tree_top_k"] == 3
+    salf = trial_config(cfg.sweep_base(), {"method.name": "salf", "method.nodes": 6})
     assert salf.method.name == "salf" and salf.method.params()["salf_threshold"] == 0.3
-    chain = trial_config(cfg.sweep_base(), {"method.name": "chain", "method.gamma": 2})
-    assert chain.method.params() == {"gamma": 2}
+    assert salf.method.nodes == 6 and "tree_top_k" not in salf.method.params()
+    tree = trial_config(cfg.sweep_base(), {"method.name": "tree", "method.nodes": 6})
+    assert tree.method.nodes == 6 and "salf_threshold" not in tree.method.params()
+
+
+@pytest.mark.parametrize("space,method,message", [
+    ({"method.name": {"grid": ["chain", "salf"]}, "method.gamma": {"grid": [2, 4]}}, None,
+     "'method.gamma': gamma is not a knob of method 'salf'"),
+    ({"method.name": {"choice": ["salf", "chain"]}, "method.batch": {"grid": [2]}}, None,
+     "'method.batch': batch is not a knob of method 'chain'"),
+    ({"method.gamma": {"grid": [2, 4]}}, {"name": "salf"},
+     "'method.gamma': gamma is not a knob of method 'salf'"),
+])
+def test_a_swept_knob_that_a_swept_method_lacks_is_refused(space, method, message):
+    """It would give identical trials (the knob is dropped from that method's config):
+    refused before any work, naming the knob and the method, as `evaluate` and
+    `speclab generate` refuse a knob the method does not have."""
+    from speclab.config import TuneJob
+
+    data = {"sweep": {"space": space}, **({"method": method} if method else {})}
+    with pytest.raises(ConfigError, match=message):
+        TuneJob.from_dict(data)
+
+
+def test_the_smoke_sweep_varies_a_knob_of_every_swept_method():
+    from speclab.config import TuneJob
+    from speclab.paths import repo_root
+
+    cfg = TuneJob.from_yaml(str(repo_root() / "experiments/smoke/tune.yaml"), [])
+    names = cfg.sweep.space["method.name"].grid
+    trials = {(n, v): trial_config(cfg.sweep_base(), {"method.name": n, "method.nodes": v})
+              for n in names for v in cfg.sweep.space["method.nodes"].grid}
+    assert len({t.method.model_dump_json() for t in trials.values()}) == len(trials) == 6
+
+
+def test_an_unknown_swept_knob_is_not_a_field():
+    from speclab.config import TuneJob
+
     with pytest.raises(ConfigError, match="'method.gama' is not a field"):
         TuneJob.from_dict({"sweep": {"space": {"method.gama": {"grid": [2]}}}})

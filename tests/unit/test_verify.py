@@ -102,6 +102,22 @@ def test_warp_top_k_top_p_and_greedy():
     assert p9[3] == 0 and p9[2] > 0
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-60, 1e-9, 2.0])
+def test_warp_is_a_distribution_at_every_accepted_temperature(temperature):
+    """A temperature too small to represent 1/T is greedy (no nan from inf - inf); the
+    boundary values of the API's range all give a finite distribution."""
+    logits = torch.tensor([[1.5, 7.25, -3.0, 7.0], [0.0, 0.0, -1e4, -2.0]])
+    for top in ({}, {"top_k": 2}, {"top_p": 0.5}):
+        p = warp_probs(logits, SamplingParams(temperature, **top))
+        assert torch.isfinite(p).all() and (p >= 0).all(), (temperature, top, p)
+        assert torch.allclose(p.sum(-1), torch.ones(2))
+        if temperature <= 1e-9:  # the argmax (ties shared)
+            assert p[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+            assert p[1].tolist()[:2] == [0.5, 0.5] or top
+        token = torch.multinomial(p, 1)  # what failed with "inf, nan or element < 0"
+        assert token.shape == (2, 1)
+
+
 def test_typical_acceptance_threshold():
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(1.0)

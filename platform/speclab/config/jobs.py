@@ -405,6 +405,15 @@ TUNE_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _swept_values(domain) -> list | None:
+    """The values a raw ``sweep.space`` entry takes (grid or choice), else None."""
+    if isinstance(domain, dict):
+        for kind in ("grid", "choice"):
+            if isinstance(domain.get(kind), list):
+                return domain[kind]
+    return None
+
+
 class TuneJob(_Trains):
     """``jobs.tune``: a Ray Tune sweep over dotted paths of this config. Which groups
     it takes depends on ``sweep.kind`` (:data:`TUNE_GROUPS`): ``decode`` evaluates
@@ -448,8 +457,10 @@ class TuneJob(_Trains):
 
     @classmethod
     def precheck(cls, data: dict) -> None:
-        """A swept ``method.<knob>`` must be a knob of some method (checked first: with
-        ``method.name`` swept the base ``method`` may hold several methods' knobs). In an
+        """A swept ``method.<knob>`` must be a knob of every method the sweep evaluates
+        (``method.name``'s swept values, else the config's method): a knob a method lacks
+        would give identical trials (checked first: with ``method.name`` swept the base
+        ``method`` may hold several methods' knobs). In an
         ``eagle`` sweep, ``method.eagle_model`` defaults to ``trained``: each trial's
         drafter."""
         from speclab.config.method import methods
@@ -462,12 +473,26 @@ class TuneJob(_Trains):
         space = sweep.get("space") if isinstance(sweep, dict) else None
         if not isinstance(space, dict):
             return
-        knobs = {k for c in methods().values() for k in c.model_fields}
+        known = methods()
+        knobs = {k for c in known.values() for k in c.model_fields}
+        names = _swept_values(space.get("method.name"))
+        if names is None:
+            names = [method.get("name", "chain") if isinstance(method, dict) else "chain"]
         for path in space:
             head, _, knob = str(path).partition(".")
-            if head == "method" and knob and knob not in knobs:
+            if head != "method" or not knob or knob == "name":
+                continue
+            if knob not in knobs:
                 raise ConfigError(f"sweep.space: {path!r} is not a field of the config "
                                   f"(method knobs: {', '.join(sorted(knobs))})")
+            for name in names:  # a knob some swept method lacks: its trials would repeat
+                cls = known.get(name) if isinstance(name, str) else None
+                if cls is not None and knob not in cls.model_fields:
+                    own = sorted(k for k in cls.model_fields if k not in ("name", "label"))
+                    raise ConfigError(
+                        f"sweep.space: {path!r}: {knob} is not a knob of method {name!r} "
+                        f"(its knobs: {', '.join(own) or 'none'}), so its trials would all "
+                        f"be the same; sweep that method's own knobs in a sweep of its own")
 
     @model_validator(mode="after")
     def _eagle_sweep(self):

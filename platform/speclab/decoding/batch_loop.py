@@ -139,12 +139,16 @@ def generate_batch(
             proposals = draft.propose([(x.row.rid, x.msg.path, x.msg.new, x.msg.budget,
                                         x.msg.features) for x in proposing])
             for x, p in zip(proposing, proposals, strict=True):
+                if isinstance(p, Exception):
+                    raise p
                 x.answer(p)
         t1 = time.perf_counter()
         # 2. verify: every row's tree in ONE target forward
         verifying = [x for x in live if isinstance(x.msg, Verify)]
         results = target.verify([(x.row.rid, x.msg.tree) for x in verifying])
         for x, v in zip(verifying, results, strict=True):
+            if isinstance(v, Exception):  # offline, one row's error ends the run (as alone)
+                raise v
             x.answer(v)
         batch.draft_s += t1 - t0
         batch.verify_s += time.perf_counter() - t1

@@ -131,10 +131,13 @@ class TargetPool:
             self.generators.append(r.generator if r.generator is not None else seeded(0))
         return out
 
-    def verify(self, items: list[tuple[str, TokenTree | dict | None]]) -> list[VerifyResult]:
+    def verify(self, items: list[tuple[str, TokenTree | dict | None]]
+               ) -> list[VerifyResult | Exception]:
         """ONE target forward over the trees of the rows in ``items`` (row id, tree or its
         wire dict; None: the root alone), each judged by its own rule with its own rng
-        and pruned to its accepted path. KeyError for a row id that is not here."""
+        and pruned to its accepted path. A row whose judging fails gets its exception in
+        place of a result (its cache and root as before the call; the other rows are
+        unaffected). KeyError for a row id that is not here."""
         rows = [_index(self.rids, rid) for rid, _ in items]
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows: a request id appears twice in {[rid for rid, _ in items]}")
@@ -156,10 +159,15 @@ class TargetPool:
                 positions[b] = tree.position_ids(n)
                 allowed[b] = tree.ancestor_matrix()  # + the whole prefix
         logits = self.runner.forward(tokens, positions, allowed)
-        out = []
+        out: list[VerifyResult | Exception] = []
         for i, (b, tree) in enumerate(zip(rows, trees, strict=True)):
-            verdict = apply_rule(self.rules[b], tree, logits[b, :len(tree)], self.samplings[b],
-                                 self.generators[b])
+            try:  # one row's failure (its rule, its rng) is its own: the others go on
+                verdict = apply_rule(self.rules[b], tree, logits[b, :len(tree)],
+                                     self.samplings[b], self.generators[b])
+            except Exception as exc:  # a fault boundary: this row only
+                self.runner.keep(b, list(range(prefix[i])))  # the row as before the round
+                out.append(exc)
+                continue
             self.runner.keep(b, list(range(prefix[i])) + [prefix[i] + j for j in verdict.path])
             new = committed_tokens(tree, verdict)
             self.roots[b] = new[-1]
@@ -245,11 +253,12 @@ class DraftPool:
                 self.where[r.rid] = key
 
     def propose(self, items: list[tuple[str, list[int] | None, list[int], int,
-                                        torch.Tensor | None]]) -> list[Proposal]:
+                                        torch.Tensor | None]]) -> list[Proposal | Exception]:
         """Per item (request id, last accepted ``path``, committed tokens ``new``,
         ``budget``, the target's features on the path): commit the last round, then
         draft a tree (a batched draft forward per step over each group's rows). Returns
-        per item the tree (None at budget 0) and the request's draft forwards so far.
+        per item the tree (None at budget 0) and the request's draft forwards so far, or
+        the exception its group's drafter raised (the other groups are unaffected).
         KeyError for a request id that is not here."""
         out: dict[str, Proposal] = {}
         by_group: dict[str, list[tuple]] = {}
@@ -266,7 +275,12 @@ class DraftPool:
             for rid, path, new, budget, f in group_items:
                 b = g.rids.index(rid)
                 paths[b], news[b], budgets[b], feats[b] = path, list(new), budget, f
-            trees = g.drafter.propose(paths, news, budgets, feats)
+            try:  # a group's failure is its own: the other groups' rows go on
+                trees = g.drafter.propose(paths, news, budgets, feats)
+            except Exception as exc:  # a fault boundary: this row only
+                for rid, *_ in group_items:
+                    out[rid] = exc
+                continue
             for rid, *_ in group_items:
                 b = g.rids.index(rid)
                 out[rid] = Proposal(trees[b], g.drafter.calls - g.calls0[b])

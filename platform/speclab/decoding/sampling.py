@@ -47,13 +47,18 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         params: temperature / top-k / top-p.
     Returns:
         ``[..., V]`` float32 probabilities; one-hot argmax when ``temperature == 0``.
+        Finite for every temperature the params accept (a tiny one gives the argmax, ties
+        shared).
     """
     logits = logits.float()
     if params.greedy:
         out = torch.zeros_like(logits)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         return out
-    logits = logits / params.temperature
+    # shift the max to 0, then scale by 1/T (capped at float32's max): a temperature too
+    # small to represent sends every other logit to -inf (greedy) instead of 0/0 = nan
+    inverse = min(1.0 / params.temperature, torch.finfo(torch.float32).max)
+    logits = (logits - logits.amax(-1, keepdim=True)) * inverse
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
