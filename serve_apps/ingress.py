@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_apps.chat import chat_prompt
 from serve_apps.decode import DecodeRequest
-from serve_apps.metrics import RequestMetrics
+from serve_apps.metrics import RequestMetrics, count_error, count_errors_in
 from serve_apps.openapi import server_schema
 from serve_apps.protocol import (
     ChatCompletionRequest,
@@ -86,6 +86,16 @@ class HTTPError(Exception):
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(status_code=self.status, content=self.body(), headers=headers)
+
+
+@api.middleware("http")
+async def _count_errors(request: Request, call_next):
+    """Every answer with an error status counts in ``speclab_request_errors`` (400s and
+    404s of the validation and routing handlers included), by status."""
+    response = await call_next(request)
+    if response.status_code >= 400:
+        count_error(response.status_code)
+    return response
 
 
 @api.exception_handler(RequestValidationError)
@@ -154,6 +164,7 @@ class Ingress:
         self.tokenizer = load_tokenizer(settings["target_path"], field="models.target")
         self._info: dict | None = None
         self.metrics = RequestMetrics(settings["model_name"])
+        count_errors_in(self.metrics)  # the middleware's (Serve runs a copy of `api`)
         api.openapi_schema = None
         api.openapi = self._openapi
         self._openapi()  # now: the rules registered when the app is built (plugins too)
@@ -177,7 +188,6 @@ class Ingress:
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
-            self.metrics.error(401)
             raise HTTPError(401, "missing or invalid API key: send 'Authorization: Bearer "
                                  "<key>'", None, "authentication_error", "invalid_api_key")
 
@@ -305,11 +315,7 @@ class Ingress:
     async def _complete_text(self, route: str, rid: str, dec: Decoding) -> str:
         """The whole text of a non-streamed request (metrics recorded)."""
         t0 = time.perf_counter()
-        try:
-            text = "".join([d async for d in self._run_text(rid, dec, False)])
-        except HTTPError as exc:
-            self.metrics.error(exc.status)
-            raise
+        text = "".join([d async for d in self._run_text(rid, dec, False)])
         self.metrics.request(route, time.perf_counter() - t0, dec.stats)
         return text
 
@@ -348,8 +354,8 @@ class Ingress:
                                              "usage": self._usage(dec),
                                              "speclab": self._sd(dec)}) + "\n\n"
                 self.metrics.request(route, time.perf_counter() - t0, dec.stats)
-            except HTTPError as exc:  # headers are sent: report in the stream
-                self.metrics.error(exc.status)
+            except HTTPError as exc:  # headers are sent: report in the stream (counted
+                self.metrics.error(exc.status)  # here: the response's status is 200)
                 yield "data: " + json.dumps(exc.body()) + "\n\n"
             yield "data: [DONE]\n\n"
 
@@ -481,7 +487,6 @@ class Ingress:
                                                   gamma, body.seed)
         except Exception as exc:
             err = _replica_error(exc, f"request {rid}: recommend")
-            self.metrics.error(err.status)
             await self._end(rid, rid, True)  # a replica died mid-request: free the other
             raise err from None
         self.metrics.request("recommend", time.perf_counter() - t0, None)

@@ -10,9 +10,16 @@ dashboards built for vLLM under Ray Serve work unchanged:
 ``ray_vllm_spec_decode_num_draft_tokens``, ``ray_vllm_spec_decode_num_accepted_tokens``
 and ``ray_vllm_spec_decode_num_accepted_tokens_per_pos`` (label ``position``: rounds whose
 accepted path reached draft position ``position``, from 0). Besides them: request
-latency (``speclab_request_latency_seconds``), tokens, errors by status, and per model
-deployment the rows per batched step (``speclab_batch_size``) and the wait for a batch
-to close (``speclab_batch_wait_seconds``).
+latency (``speclab_request_latency_seconds``; exact sums in ``speclab_requests`` and
+``speclab_request_seconds``), tokens, errors by status (every answer with status >= 400,
+validation and routing errors included), and per model deployment the rows per batched
+step (``speclab_batch_size``; exact: ``speclab_batch_rows`` / ``speclab_batch_steps``)
+and the wait for a batch to close (``speclab_batch_wait_seconds``). Ray rebuilds a
+histogram's ``_sum`` from bucket midpoints, so only the counters give exact means.
+
+The acceptance ratio a vLLM dashboard shows is ``num_accepted_tokens /
+num_draft_tokens``: accepted draft tokens over drafted ones (for a tree, every drafted
+node counts, so it is lower than the per-path acceptance of a chain of the same tau).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ WAIT_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05]
 
 class ServeMetrics:
     """A model deployment's batch metrics (Ray Serve tags them with the deployment and
-    replica)."""
+    replica): histograms for the distributions, and exact counters for the means (Ray
+    rebuilds a histogram's ``_sum`` from bucket midpoints, so its mean is approximate:
+    144 batches of size 1 read a mean of 0.5)."""
 
     def __init__(self) -> None:
         self.size = metrics.Histogram(
@@ -35,11 +44,21 @@ class ServeMetrics:
         self.wait = metrics.Histogram(
             "speclab_batch_wait_seconds", description="Wait for a batch to close.",
             boundaries=WAIT_BUCKETS)
+        self.steps = metrics.Counter("speclab_batch_steps", description="Batched model steps.")
+        self.rows = metrics.Counter(
+            "speclab_batch_rows", description="Requests in batched model steps (exact: "
+                                              "rows_total / steps_total is the mean batch size).")
+        self.wait_total = metrics.Counter(
+            "speclab_batch_waited_seconds",
+            description="Seconds batches waited to close, summed exactly.")
 
     def batch(self, size: int, wait_s: float) -> None:
         """Record one batch of ``size`` steps that waited ``wait_s`` to close."""
         self.size.observe(size)
         self.wait.observe(wait_s)
+        self.steps.inc()
+        _inc(self.rows, size)
+        _inc(self.wait_total, wait_s)
 
 
 class RequestMetrics:
@@ -67,10 +86,18 @@ class RequestMetrics:
             "speclab_request_latency_seconds", description="End-to-end request latency.",
             boundaries=LATENCY_BUCKETS, tag_keys=("model_name", "route"))
         self.latency.set_default_tags(dict(tags))
+        self.requests = counter("speclab_requests", "Requests answered (exact count).",
+                                ("route",))
+        self.seconds = counter("speclab_request_seconds",
+                               "End-to-end seconds of answered requests, summed exactly "
+                               "(seconds_total / requests_total is the mean latency).",
+                               ("route",))
 
     def request(self, route: str, latency_s: float, stats: dict | None) -> None:
         """Record a finished request (``stats``: its SD stats, None without decoding)."""
         self.latency.observe(latency_s, tags={"route": route})
+        self.requests.inc(tags={"route": route})
+        _inc(self.seconds, latency_s, {"route": route})
         if not stats:
             return
         _inc(self.tokens, int(stats.get("new_tokens", 0)))
@@ -93,3 +120,20 @@ class RequestMetrics:
 def _inc(counter, value: float, tags: dict | None = None) -> None:
     if value > 0:  # Ray counters take positive increments only
         counter.inc(value, tags=tags)
+
+
+#: the ingress replica's metrics, for the HTTP middleware that counts error answers:
+#: Serve runs the replica's class and FastAPI app as copies, whose module globals are
+#: not this module's, so the two meet here
+_ERRORS: dict[str, RequestMetrics] = {}
+
+
+def count_errors_in(request_metrics: RequestMetrics) -> None:
+    """Count this process's error answers in ``request_metrics`` (see :func:`count_error`)."""
+    _ERRORS["ingress"] = request_metrics
+
+
+def count_error(status: int) -> None:
+    """Count an answer with HTTP ``status`` (no-op before :func:`count_errors_in`)."""
+    if "ingress" in _ERRORS:
+        _ERRORS["ingress"].error(status)

@@ -208,10 +208,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    if not _watch_http(stop, sv.host, sv.port):  # Ray died under us: exit, not sleep
-        print(f"[serve] error: the app stopped answering on {sv.host}:{sv.port} (its Ray "
-              f"cluster is gone?); exiting so a supervisor can restart it", file=sys.stderr,
-              flush=True)
+    gone = _watch(stop, sv.host, sv.port)
+    if gone:  # Ray died under us: exit, not sleep on a port that answers nothing
+        print(f"[serve] error: {gone}; exiting so a supervisor can restart it",
+              file=sys.stderr, flush=True)
         _shutdown_ray(timeout_s=20)
         os._exit(1)  # Ray's own exit hooks would wait on a dead cluster
     print("[serve] shutting down", flush=True)
@@ -219,17 +219,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _watch_http(stop, host: str, port: int, every_s: float = 5.0, misses: int = 3) -> bool:
-    """Wait for ``stop`` (True) while the app's HTTP port accepts connections; False once
-    it refused ``misses`` probes in a row (the proxy died with its Ray)."""
+def _watch(stop, host: str, port: int, every_s: float = 2.0, misses: int = 3) -> str | None:
+    """Wait for ``stop`` (then None) while the app lives; what died, once a process of
+    this command's embedded Ray exited (raylet, GCS, ...) or the app's HTTP port refused
+    ``misses`` connections in a row (a cluster joined with ``--address`` went away)."""
+    import ray._private.worker as ray_worker
+
     from speclab.ports import answers
 
     missed = 0
     while not stop.wait(every_s):
+        node = getattr(ray_worker, "_global_node", None)
+        dead = sorted({kind for kind, _ in node.dead_processes()}) if node is not None else []
+        if dead:
+            return f"its embedded Ray lost its {', '.join(dead)} process"
         missed = 0 if answers(host, port) else missed + 1
         if missed >= misses:
-            return False
-    return True
+            return f"the app stopped answering on {host}:{port} (its Ray cluster is gone?)"
+    return None
 
 
 def _shutdown_ray(timeout_s: float) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -58,8 +59,28 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> 
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+#: smoke configs that a test of their own runs as they are (output folder and experiment
+#: aside) and checks in depth: running them again here would only double the suite's time
+RUN_BY_OWN_TEST = {
+    "compare_eagle": "test_compare_eagle.py", "distill": "test_distill.py",
+    "distill_eagle": "test_distill_eagle.py", "train_head": "test_train_head.py",
+    "train_medusa": "test_train_medusa.py", "train_target": "test_train_target.py",
+    "tune": "test_tune.py", "train_recommender": "test_recommend.py",
+    "serve": "test_serve.py",  # a server, not a job
+}
 SMOKE_CONFIGS = sorted(p for p in (ROOT / "experiments" / "smoke").glob("*.yaml")
-                       if p.stem != "serve")  # a server, not a job: tests/integration/test_serve.py
+                       if p.stem not in RUN_BY_OWN_TEST)
+
+
+def test_every_smoke_config_is_run_by_some_test():
+    """Those not run below are run by the test file named in RUN_BY_OWN_TEST (which runs
+    the config itself, through the job's own command)."""
+    here = Path(__file__).parent
+    for stem, test_file in RUN_BY_OWN_TEST.items():
+        assert (ROOT / "experiments" / "smoke" / f"{stem}.yaml").exists(), stem
+        text = (here / test_file).read_text()
+        assert f"experiments/smoke/{stem}.yaml" in text, (stem, test_file)
+        assert "jobs." in text or "speclab.cli" in text, test_file
 
 
 @pytest.mark.parametrize("path", SMOKE_CONFIGS, ids=[p.name for p in SMOKE_CONFIGS])

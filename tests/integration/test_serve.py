@@ -189,16 +189,22 @@ def test_openapi_documents_every_error_response_and_the_constraints(server):
 
 def test_sd_counters_reach_prometheus_under_vllm_names(server):
     """After some requests (those of the tests above), Ray's metrics port serves the
-    SD counters under vLLM's names, the request latency and the batch sizes."""
+    SD counters under vLLM's names, the request latency and the batch sizes, exact
+    counters beside the histograms, and errors by status (400 and 404 included)."""
     for p in PROMPTS[:2]:
         assert requests.post(server["url"] + "/generate",
                              json={"prompt": p, "max_tokens": 16}).status_code == 200
+    assert requests.post(server["url"] + "/generate", json={"max_tokens": 2}).status_code == 400
+    assert requests.get(server["url"] + "/nope").status_code == 404
     deadline, text = time.time() + 90, ""
     names = ["ray_vllm_spec_decode_num_drafts_total",
              "ray_vllm_spec_decode_num_draft_tokens_total",
              "ray_vllm_spec_decode_num_accepted_tokens_total",
              "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total",
-             "ray_speclab_request_latency_seconds_count", "ray_speclab_batch_size_count"]
+             "ray_speclab_request_latency_seconds_count", "ray_speclab_batch_size_count",
+             "ray_speclab_batch_rows_total", "ray_speclab_batch_steps_total",
+             "ray_speclab_requests_total", "ray_speclab_request_seconds_total",
+             'ray_speclab_request_errors_total{', 'status="404"']
     while time.time() < deadline:
         text = requests.get(server["metrics"], timeout=10).text
         if all(n in text for n in names):
@@ -214,6 +220,15 @@ def test_sd_counters_reach_prometheus_under_vllm_names(server):
     assert value(names[4], 'route="generate"') >= 2
     assert value(names[5], 'deployment="target"') > 0
     assert value(names[5], 'deployment="draft"') > 0
+    for side in ("target", "draft"):  # exact: each step has >= 1 row, the mean is >= 1
+        steps = value(names[7], f'deployment="{side}"')
+        assert steps > 0 and value(names[6], f'deployment="{side}"') >= steps
+    generate = value(names[8], 'route="generate"')
+    assert generate >= 2 and value(names[9], 'route="generate"') > 0
+    assert value(names[4], 'route="generate"') == generate  # one observation per request
+    for status in ("400", "404"):
+        assert value("ray_speclab_request_errors_total", f'status="{status}"') >= 1, \
+            [ln for ln in text.splitlines() if "errors" in ln]
 
 
 def test_generate_returns_tokens_and_the_sd_stats(server, offline):
@@ -391,6 +406,28 @@ def test_fuzzed_bodies_of_every_route_get_2xx_or_a_named_4xx(server):
     assert not left, left
 
 
+def test_a_poisoned_request_never_changes_the_requests_batched_with_it(server, offline):
+    """Temperatures too small to represent (1e-60, the smallest double) once made the
+    target's batched verify raise, failing every request in that batch with a 503. Sent
+    concurrently with ordinary requests, each poisoned one is answered (greedy: the
+    argmax) and the ordinary ones get exactly their offline output."""
+    url = server["url"]
+    poison = [{"prompt": PROMPTS[0], "max_tokens": 24, "temperature": t}
+              for t in (1e-60, 5e-324, 1e-300)]
+    normal = [{"prompt": p, "max_tokens": 24, "temperature": 0} for p in PROMPTS[:4]]
+    routes = ["/v1/completions", "/generate"]
+    jobs = [(r, b) for r in routes for b in [*poison, *normal, *poison]]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: requests.post(url + job[0], json=job[1],
+                                                          timeout=120), jobs))
+    for (route, body), r in zip(jobs, answers, strict=True):
+        assert r.status_code == 200, (route, body, r.status_code, r.text[:300])
+        if route == "/generate":  # tiny T: greedy
+            assert r.json()["token_ids"] == offline[body["prompt"]][0], (route, body)
+        else:
+            assert r.json()["choices"][0]["text"] == offline[body["prompt"]][1], (route, body)
+
+
 def test_short_soak_of_mixed_traffic_returns_every_replica_to_its_baseline(server):
     """The soak command's loop for 20 s: greedy, sampled, streamed, dropped streams, stop
     strings, chat and bad requests from 4 clients; nothing fails, every replica frees
@@ -545,7 +582,8 @@ def _exits_when_its_ray_dies(proc: subprocess.Popen, log: Path) -> None:
     except subprocess.TimeoutExpired:
         pytest.fail("speclab serve still running 120 s after its raylet died: "
                     + log.read_text()[-2000:])
-    assert rc != 0 and "stopped answering" in log.read_text(), log.read_text()[-2000:]
+    text = log.read_text()
+    assert rc != 0 and "exiting so a supervisor can restart it" in text, text[-2000:]
     print(f"\n[serve] exited with status {rc} {time.time() - t0:.0f} s after its raylet died")
 
 

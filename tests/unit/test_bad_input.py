@@ -89,3 +89,37 @@ def test_cli_json_output_through_the_installed_command(tiny_pair):
         assert set(row["stats"]) >= {"new_tokens", "target_calls", "draft_calls", "tau",
                                      "acceptance_rate", "discard_rate", "verification_rate",
                                      "wall_s", "draft_s", "verify_s"}
+
+
+def _speclab(*args: str) -> subprocess.CompletedProcess:
+    """The installed command line, as a user types it (no Ray is started by these)."""
+    from speclab.paths import repo_root
+
+    return subprocess.run([sys.executable, "-m", "speclab.cli", *args], cwd=repo_root(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_overrides_after_the_options_and_one_line_errors_with_status_2():
+    """The README's form (overrides after --config / --address) is parsed; an unreachable
+    job server and a busy port are each one line naming the problem, exit status 2."""
+    import socket
+
+    smoke = "experiments/smoke/evaluate.yaml"
+    bad = _speclab("submit", "evaluate", "--config", smoke, "--address", "127.0.0.1:1",
+                   "data.num_prompts=zero")
+    assert bad.returncode == 2 and "data.num_prompts" in bad.stderr, bad.stderr[-2000:]
+    gone = _speclab("submit", "evaluate", "--config", smoke, "--address", "127.0.0.1:1",
+                    "data.num_prompts=2")
+    assert gone.returncode == 2, gone.stderr[-2000:]
+    assert gone.stderr.strip().splitlines() == [
+        "error: address: no Ray job server answers at http://127.0.0.1:1 (Failed to connect "
+        "to Ray at address: http://127.0.0.1:1.)"], gone.stderr[-2000:]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        ui = _speclab("ui", "--port", str(port))
+    assert ui.returncode == 2 and ui.stdout == "", (ui.stdout, ui.stderr)
+    assert ui.stderr.strip() == f"error: port: cannot listen on 127.0.0.1:{port} (already in use)"
+    unknown = _speclab("run", "evaluate", "--config", smoke, "--bogus")
+    assert unknown.returncode == 2 and "unrecognized arguments: --bogus" in unknown.stderr
