@@ -101,11 +101,24 @@ async def _count_errors(request: Request, call_next):
 @api.exception_handler(RequestValidationError)
 async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":  # loc: the character offset, not a field
+        why = (first.get("ctx") or {}).get("error", "")
+        return HTTPError(400, f"invalid JSON body{': ' + why if why else ''}").response()
+    param = request_param(first.get("loc", ()))
     text = str(first["msg"]).removeprefix("Value error, ")
     msg = f"{param}: {text}" if param else text
     return HTTPError(400, msg, param).response()
+
+
+def request_param(loc: tuple) -> str | None:
+    """The request field a validation error's ``loc`` names (``messages.0.content``),
+    without the body marker and pydantic's union-member tags (``constrained-str``,
+    ``list[constrained-str]``, ``function-after[...]``, ``str``)."""
+    tags = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance"}
+    parts = [str(p) for p in loc[1:] if p is not None] if loc[:1] == ("body",) else \
+        [str(p) for p in loc]
+    kept = [p for p in parts if p.isdigit() or (p.isidentifier() and p not in tags)]
+    return ".".join(kept) or None
 
 
 @api.exception_handler(HTTPError)
@@ -436,7 +449,7 @@ class Ingress:
         if self.tokenizer is None:
             raise HTTPError(400, "messages: the target has no tokenizer", "messages")
         try:
-            prompt = chat_prompt(self.tokenizer, [m.model_dump() for m in body.messages])
+            prompt = chat_prompt(self.tokenizer, [m.for_template() for m in body.messages])
         except Exception as exc:  # the template refused the messages (e.g. role order)
             raise HTTPError(400, f"messages: the chat template refused them: {exc}",
                             "messages") from None

@@ -7,6 +7,8 @@ request bodies (:mod:`serve_apps.protocol`).
 * ``verify_params``: each rule's parameter model as a schema component
   (``VerifyParams.<rule>``), and a description of every rule's parameters (type,
   bounds, default).
+* no ``422``: FastAPI documents one on every route with a body, but this server answers
+  bad input with ``400`` in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def server_schema(schema: dict, max_tokens: int) -> dict:
             params["anyOf"] = [*(refs or [no_params]), {"type": "null"}]
             params["description"] = (f"{params.get('description', '')}. Per rule: "
                                      + "; ".join(lines))
+    for route in schema.get("paths", {}).values():  # this server answers 400, never 422
+        for op in route.values():
+            if isinstance(op, dict) and op.get("responses", {}).pop("422", None) is not None:
+                op["responses"].setdefault("400", {"description": "invalid request"})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        components.pop(unused, None)
     return schema
 
 

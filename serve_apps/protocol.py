@@ -57,6 +57,48 @@ RuleParams = Annotated[dict[str, Any] | None, Field(
                 "typical: {epsilon, delta}")]
 
 
+#: OpenAI parameters this server does not implement, with the values that change nothing:
+#: those are accepted (clients such as LangChain, LiteLLM and lm-eval-harness send them on
+#: every request, as vLLM accepts them); any other value is refused naming the field
+NEUTRAL: dict[str, tuple[tuple, str]] = {
+    "presence_penalty": ((0, None), "only 0"),
+    "frequency_penalty": ((0, None), "only 0"),
+    "logit_bias": (({}, None), "only {}"),
+    "best_of": ((1, None), "only 1"),
+    "suffix": ((None, ""), "only null"),
+    "response_format": (({"type": "text"}, None), 'only {"type": "text"}'),
+    "top_logprobs": ((None, 0), "only null or 0: logprobs are not served yet"),
+    "tools": (([], None), "only []: this server calls no tools"),
+    "tool_choice": (("none", None), 'only "none": this server calls no tools'),
+    "store": ((False, None), "only false"),
+    "logprobs": ((None,), "only null: logprobs are not served yet"),
+    "echo": ((False, None), "only false"),
+}
+
+
+def _neutral(value: Any, info) -> Any:
+    allowed, what = NEUTRAL[info.field_name]
+    if not any(value == a and type(value) is not bool or value is a for a in allowed):
+        raise ValueError(f"not supported ({what})")
+    return value
+
+
+class _OpenAIBody(_Body):
+    """The neutral-valued OpenAI parameters both OpenAI routes accept (:data:`NEUTRAL`)."""
+
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream_options: dict[str, bool] | None = Field(
+        None, description="include_usage: the last chunk carries usage (it always does)")
+    metadata: dict[str, str] | None = None
+
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
+    @classmethod
+    def _neutral_values(cls, v, info):
+        return _neutral(v, info)
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str = Field(description="invalid_request_error, authentication_error, "
@@ -71,7 +113,7 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-class CompletionRequest(_Body):
+class CompletionRequest(_OpenAIBody):
     """``POST /v1/completions`` (the fields of OpenAI's legacy completions API that a
     single-sequence decoder can honour)."""
 
@@ -87,9 +129,16 @@ class CompletionRequest(_Body):
     verify_params: RuleParams = None
     stream: bool = False
     n: Literal[1] = 1
-    echo: Literal[False] = False
-    logprobs: None = None
+    best_of: int | None = None
+    suffix: str | None = None
+    echo: bool | None = False
+    logprobs: int | None = Field(None, description="not served yet (only null)")
     user: str | None = None
+
+    @field_validator("best_of", "suffix", "echo", "logprobs")
+    @classmethod
+    def _neutral_values_c(cls, v, info):
+        return _neutral(v, info)
 
     @field_validator("prompt")
     @classmethod
@@ -102,12 +151,30 @@ class CompletionRequest(_Body):
         return _stops(v)
 
 
+class TextPart(_Body):
+    """A text part of a message's content (the only kind a text model reads)."""
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    """A message; ``developer`` is OpenAI's newer name for ``system`` (sent to the chat
+    template as ``system``); list content is its text parts joined."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """``{"role", "content"}`` for the tokenizer's chat template."""
+        content = self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role,
+                "content": content}
 
 
-class ChatCompletionRequest(_Body):
+class ChatCompletionRequest(_OpenAIBody):
     """``POST /v1/chat/completions``: the messages go through the target tokenizer's chat
     template (or, for a tokenizer without one, :data:`serve_apps.chat.PLAIN_CHAT_TEMPLATE`)."""
 
@@ -122,10 +189,20 @@ class ChatCompletionRequest(_Body):
     verify: RuleName = None
     verify_params: RuleParams = None
     stream: bool = False
-    stream_options: dict | None = None
     n: Literal[1] = 1
-    logprobs: Literal[False] | None = None
+    logprobs: Literal[False] | None = Field(None, description="not served yet (only false)")
+    top_logprobs: int | None = None
+    response_format: dict[str, str] | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool | None = None  # no tools: it changes nothing
+    store: bool | None = None
     user: str | None = None
+
+    @field_validator("top_logprobs", "response_format", "tools", "tool_choice", "store")
+    @classmethod
+    def _neutral_values_chat(cls, v, info):
+        return _neutral(v, info)
 
     @field_validator("stop")
     @classmethod

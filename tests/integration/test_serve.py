@@ -120,6 +120,64 @@ def test_openai_client_completion_equals_the_offline_engine(server, offline):
         assert sum(1 for c in chunks if c) > 1  # really streamed, round by round
 
 
+def test_openai_clients_neutral_parameters_are_accepted_and_others_named(server, offline):
+    """What LangChain, LiteLLM and lm-eval-harness send on every request: the documented
+    parameters at their neutral values change nothing; a value that would change the
+    behaviour is a 400 naming the parameter; ``stream_options`` works on completions."""
+    import openai
+
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    p = PROMPTS[0]
+    res = client.completions.create(
+        model="smoke-serve", prompt=p, max_tokens=24, temperature=0, top_p=1, n=1,
+        presence_penalty=0, frequency_penalty=0, logit_bias={}, best_of=1, suffix=None,
+        echo=False, logprobs=None, stop=None, seed=0, user="u", stream=False)
+    assert res.choices[0].text == offline[p][1]
+    chunks = list(client.completions.create(
+        model="smoke-serve", prompt=p, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == offline[p][1]
+    assert chunks[-1].usage.completion_tokens == len(offline[p][0])
+    chat = client.chat.completions.create(
+        model="smoke-serve", max_tokens=8, temperature=0, presence_penalty=0,
+        frequency_penalty=0, logit_bias={}, response_format={"type": "text"},
+        top_logprobs=None, tools=[], parallel_tool_calls=False, metadata={}, store=False,
+        messages=[{"role": "developer", "content": "be brief"},
+                  {"role": "user", "content": [{"type": "text", "text": "def add"},
+                                               {"type": "text", "text": "(a, b):"}]}])
+    plain = client.chat.completions.create(
+        model="smoke-serve", max_tokens=8, temperature=0,
+        messages=[{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": "def add(a, b):"}])
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    for route, extra, param in [
+            ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
+            ("completions", {"best_of": 3}, "best_of"),
+            ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+            ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+            ("chat", {"response_format": {"type": "json_object"}}, "response_format")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            if route == "completions":
+                client.completions.create(model="smoke-serve", prompt=p, max_tokens=4,
+                                          **extra)
+            else:
+                client.chat.completions.create(model="smoke-serve", max_tokens=4, messages=[
+                    {"role": "user", "content": "x"}], **extra)
+        body = err.value.body
+        assert body["param"] == param and "not supported (only" in body["message"], body
+    url = server["url"] + "/v1/completions"
+    for body, param in [({"prompt": "", "max_tokens": 2}, "prompt"),
+                        ({"prompt": [], "max_tokens": 2}, "prompt")]:
+        r = requests.post(url, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = requests.post(url, data=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] is None, r.text
+    assert "invalid JSON" in r.json()["error"]["message"]
+    spec = requests.get(server["url"] + "/openapi.json").json()
+    assert not [path for path, ops in spec["paths"].items() for op in ops.values()
+                if "422" in op.get("responses", {})]
+
+
 def test_chat_completions_through_the_openai_client(server):
     """Messages go through the chat template (the tiny tokenizer has none: the documented
     plain template); the reply equals the offline engine on that prompt, with usage and
