@@ -277,7 +277,7 @@ class DraftPool:
                 paths[b], news[b], budgets[b], feats[b] = path, list(new), budget, f
             try:  # a group's failure is its own: the other groups' rows go on
                 trees = g.drafter.propose(paths, news, budgets, feats)
-            except Exception as exc:  # a fault boundary: this row only
+            except Exception as exc:  # a fault boundary: this group's rows only
                 for rid, *_ in group_items:
                     out[rid] = exc
                 continue
