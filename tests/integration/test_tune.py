@@ -36,6 +36,8 @@ def test_decode_sweep_logs_parent_children_and_a_runnable_best_config(job_env, t
     assert res.returncode == 0, res.stderr[-3000:]
     client, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "tu")
     assert len(children) == 6
+    assert {c.info.run_name for c in children} == {  # named by their swept values
+        f"{m} nodes={n}" for m in ("tree", "salf") for n in (4, 6, 8)}
     for c in children:
         assert c.data.tags["status"] == "ok"
         assert {"predicted_speedup", "speedup", "tau", "objective"} <= set(c.data.metrics)

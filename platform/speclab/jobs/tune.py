@@ -234,6 +234,18 @@ def _best_config(cfg: TuneJob, best: dict, sweep_dir: Path, target: str) -> dict
     return data
 
 
+def trial_label(params: dict) -> str:
+    """A trial's short readable run name from its swept values: a swept method name
+    first, then ``knob=value`` by the last part of each path (``salf nodes=6``)."""
+    name = params.get("method.name")
+    parts = [str(name)] if name is not None else []
+    for path, value in params.items():
+        if path != "method.name":
+            shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+            parts.append(f"{path.rsplit('.', 1)[-1]}={shown}")
+    return " ".join(parts)[:60]
+
+
 def record(cfg: TuneJob, results, tracker, sweep_dir: Path,
            target: str = "") -> dict | None:
     """Child runs per trial, the parent's table / best config / plots; returns the best row."""
@@ -257,9 +269,9 @@ def record(cfg: TuneJob, results, tracker, sweep_dir: Path,
         row.update({k: metrics[k] for k in (sw.metric, "objective", *_SHOWN, "step")
                     if k in metrics})
         rows.append(row)
-        with tracker.child(f"{cfg.name}-{row['trial']}", params) as c:
-            c.set_tags({"status": row["status"], **({"error": row["error"]}
-                                                   if "error" in row else {})})
+        with tracker.child(trial_label(params) or f"{cfg.name}-{trial}", params) as c:
+            c.set_tags({"status": row["status"], "trial": str(trial),
+                        **({"error": row["error"]} if "error" in row else {})})
             if metrics:
                 c.log_metrics(metrics)
     ok = [r for r in rows if r["status"] == "ok" and math.isfinite(r.get("objective", math.nan))]
