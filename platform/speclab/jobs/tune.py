@@ -185,15 +185,22 @@ def _figures(rows: list[dict], space: list[str], metric: str) -> dict:
 
     figs = {}
     ok = [r for r in rows if r["status"] == "ok" and metric in r]
+    methods = sorted({str(r["params"].get("method.name", "")) for r in ok})
     for path in space:
-        xs = [r["params"][path] for r in ok]
-        fig, ax = plt.subplots(figsize=(4.5, 3.5))
-        if all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs):
-            ax.plot(xs, [r[metric] for r in ok], "o")
-        else:
-            labels = sorted({str(x) for x in xs})
-            ax.plot([labels.index(str(x)) for x in xs], [r[metric] for r in ok], "o")
+        fig, ax = plt.subplots(figsize=(5, 3.6))
+        xs_all = [r["params"][path] for r in ok]
+        numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs_all)
+        labels = sorted({str(x) for x in xs_all})
+        for method in methods:  # one colour per swept method (one series without)
+            mine = [r for r in ok if str(r["params"].get("method.name", "")) == method]
+            xs = [r["params"][path] if numeric else labels.index(str(r["params"][path]))
+                  for r in mine]
+            ax.plot(xs, [r[metric] for r in mine], "o", label=method or None, alpha=0.8)
+        if not numeric:
             ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        if any(methods):
+            ax.legend(title="method", fontsize=8)
+        ax.set_title(f"{metric} per trial vs {path}", fontsize=10)
         ax.set_xlabel(path)
         ax.set_ylabel(metric)
         fig.tight_layout()
