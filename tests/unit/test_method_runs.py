@@ -57,7 +57,7 @@ def test_one_child_per_row_with_method_params_and_acceptance_steps():
     params = [{"name": "ar", "label": "ar"},
               {"name": "chain", "label": "chain(gamma=2)", "gamma": 2}]
     log_child_runs(parent, ROWS, params, tags={"loss": "talf"})
-    assert [c.run_name for c in parent.children] == ["ar", "chain(gamma=2)"]
+    assert [c.run_name for c in parent.children] == ["ar", "chain"]  # short: one chain
     chain = parent.children[1]
     assert chain.config == {"method": params[1]}  # logged as method.name, method.gamma
     assert chain.tags == {"kind": "method", "method": "chain(gamma=2)", "loss": "talf"}
@@ -67,10 +67,25 @@ def test_one_child_per_row_with_method_params_and_acceptance_steps():
     loss = parent.child("compare-talf", {})
     loss.nested = True  # a child run itself: its methods carry its name
     log_child_runs(loss, ROWS, params)
-    assert [c.run_name for c in loss.children] == ["compare-talf/ar",
-                                                   "compare-talf/chain(gamma=2)"]
+    assert [c.run_name for c in loss.children] == ["compare-talf/ar", "compare-talf/chain"]
     with pytest.raises(ValueError, match="2 rows but 1"):
         log_child_runs(parent, ROWS, params[:1])
+
+
+def test_child_run_names_keep_only_the_knobs_that_tell_runs_apart():
+    from speclab.pipelines.method_runs import method_params, short_run_names
+
+    ps = [method_params("ar", "ar", {}),
+          method_params("chain(gamma=2)", "chain", {"gamma": 2}),
+          method_params("chain(gamma=4)", "chain", {"gamma": 4}),
+          method_params("salf(batch=4,depth=6,nodes=16,salf_threshold=0.2)", "salf",
+                        {"batch": 4, "depth": 6, "nodes": 16, "salf_threshold": 0.2}),
+          method_params("my tree", "tree", {"nodes": 8})]  # a label given by hand
+    assert short_run_names(ps, [""] * 5) == ["ar", "chain(gamma=2)", "chain(gamma=4)",
+                                             "salf", "my tree"]
+    twice = [method_params("pld", "pld", {}), method_params("x", "chain", {}),
+             method_params("pld", "pld", {})]
+    assert short_run_names(twice, [""] * 3) == ["pld", "x", "pld"]  # full labels kept
 
 
 def test_best_metrics_name_the_best_row():

@@ -51,21 +51,47 @@ def log_child_runs(tracker, rows: list[dict], params: list[dict], tags: dict | N
     """One child run of ``tracker``'s run per row: ``params[i]`` logged as
     ``method.<key>`` params, every numeric column of the rows as a metric under the
     same keys in every child (:func:`uniform_metrics`), ``tags`` beside ``kind`` and
-    ``method``. The run is named after ``params[i]["label"]`` (else ``["name"]``, else
-    the row's ``method``; see :func:`child_run_name`). Rows with ``accept_at_k`` columns
+    ``method`` (the full label). The run is named by :func:`short_run_names` (see
+    :func:`child_run_name`), short enough for the UI's run column. Rows with ``accept_at_k`` columns
     also get the metric ``acceptance_at_least`` at step ``k`` (one line per method in
     MLflow's charts)."""
     if len(rows) != len(params):
         raise ValueError(f"{len(rows)} rows but {len(params)} parameter sets")
-    for row, p, metrics in zip(rows, params, uniform_metrics(rows, skip)):
+    names = short_run_names(params, [str(r.get("method")) for r in rows])
+    for row, p, metrics, short in zip(rows, params, uniform_metrics(rows, skip), names):
         label = str(p.get("label") or p.get("name") or row.get("method"))
-        with tracker.child(child_run_name(tracker, label), {"method": p}) as child:
+        with tracker.child(child_run_name(tracker, short), {"method": p}) as child:
             child.set_tags({"kind": "method", "method": label, **(tags or {})})
             child.log_metrics(metrics)
             steps = {k: metrics[f"accept_at_{k}"] for k in range(1, ACCEPT_POSITIONS + 1)
                      if f"accept_at_{k}" in metrics}
             if steps:
                 child.log_series("acceptance_at_least", steps)
+
+
+def short_run_names(params: list[dict], fallback: list[str]) -> list[str]:
+    """Run names that fit the UI's column: a method's ``name`` with only the knobs whose
+    values differ between the evaluated runs of that method (``chain(gamma=2)`` beside
+    ``chain(gamma=4)``, but ``salf`` alone), e.g. ``salf(batch=4,depth=6,nodes=16,...)``
+    becomes ``salf``. A label given by hand (not the automatic ``name(k=v,...)``) is
+    kept, and so is every full label if two short names would be the same."""
+    def auto(p: dict) -> str:
+        knobs = {k: v for k, v in p.items() if k not in ("name", "label")}
+        inner = ",".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+        return f"{p.get('name')}({inner})" if knobs else str(p.get("name"))
+
+    full = [str(p.get("label") or p.get("name") or f) for p, f in zip(params, fallback)]
+    out = []
+    for p, label in zip(params, full):
+        if not p.get("name") or label != auto(p):
+            out.append(label)
+            continue
+        same = [q for q in params if q.get("name") == p["name"]]
+        differ = sorted(k for k in p if k not in ("name", "label")
+                        and any(q.get(k) != p[k] for q in same))
+        inner = ",".join(f"{k}={p[k]}" for k in differ)
+        out.append(f"{p['name']}({inner})" if inner else str(p["name"]))
+    return out if len(set(out)) == len(out) else full
 
 
 def method_params(label: str, name: str, params: dict) -> dict:
