@@ -278,6 +278,17 @@ def format_table(rows: list[dict], columns=COLUMNS) -> str:
     return "\n".join(lines)
 
 
+def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
+    """:func:`format_table`'s table in Markdown (what MLflow shows as a run's
+    description)."""
+    header = [c for c, _ in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt.format(r[c]) if c in r and r[c] is not None
+                                        else "-" for c, fmt in columns) + " |")
+    return "\n".join(lines)
+
+
 def greedy_oracle(dec: Decoder, prompt: list[int], max_new_tokens: int) -> tuple[int, int]:
     """SpecDec++ Lemma 2.1 for one prompt: ``(N, |S|)``.
 

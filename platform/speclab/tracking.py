@@ -124,6 +124,7 @@ class NullTracker:
     """Does nothing; same interface as :class:`MlflowTracker`."""
 
     run_id: str | None = None
+    experiment_id: str | None = None
     uri: str | None = None
 
     def __enter__(self):
@@ -233,7 +234,7 @@ class MlflowTracker(NullTracker):
     def __enter__(self):
         run = self._call("starting the run", self.mlflow.start_run, run_name=self.run_name,
                          nested=self.nested)
-        self.run_id = run.info.run_id
+        self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         try:
             self.set_tags({"git_commit": git_commit(), "config_hash": config_hash(self.config)})
             self.log_params(flatten(self.config))
@@ -341,6 +342,18 @@ def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str 
     resolved = resolve_tracking_uri(uri)
     check_reachable(resolved)
     return MlflowTracker(resolved, experiment, run_name, config)
+
+
+def run_link(tracker: NullTracker, ui_port: int = 5000) -> str | None:
+    """The browser address of ``tracker``'s run: on its tracking server, or on the UI
+    that ``speclab ui`` starts over a local store (default port 5000); None untracked."""
+    if not tracker.run_id or not tracker.experiment_id:
+        return None
+    uri = str(tracker.uri or "")
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else \
+        f"http://127.0.0.1:{ui_port}"
+    return (f"{base}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
+            "?workflowType=machine_learning")
 
 
 MODEL_URI_PREFIXES = ("models:/", "runs:/")

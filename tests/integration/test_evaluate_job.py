@@ -32,6 +32,9 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> 
     assert not any("." in k for k in m), sorted(m)  # no more "<method>.<metric>" keys
     assert run.data.params["methods.0.gamma"] == "2"
     assert run.data.tags["git_commit"] and run.data.tags["config_hash"]
+    note = run.data.tags["mlflow.note.content"]  # the run page's description
+    assert note.startswith("**Best speedup") and "| method | tau |" in note, note
+    assert "| chain(gamma=2) |" in note
     children = method_children(client, run)
     assert sorted(children) == sorted(["ar", "chain(gamma=2)", "chain(gamma=4)",
                                        *(k for k in children if k.startswith(("tree(", "salf(")))])
@@ -95,6 +98,8 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
     if job == "evaluate":
         assert "tau" in res.stdout and "salf(" in res.stdout  # the printed table
         assert "True" in res.stdout  # greedy outputs identical to AR
+        assert "(after `speclab ui`)" in res.stdout
+        assert "http://127.0.0.1:5000/#/experiments/" in res.stdout  # a direct link
         check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
     if job == "compare_losses":
         check_comparison_runs(job_env["MLFLOW_TRACKING_URI"])

@@ -42,5 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         evaluate_pair(cfg, target, draft, prompts, t)
         t.log_metrics({"wall_s": time.perf_counter() - t_start})
     if tracker.run_id:
-        print(f"\n[evaluate] MLflow run {tracker.run_id}; browse it with: speclab ui", flush=True)
+        from speclab.tracking import run_link
+
+        local = "" if str(tracker.uri).startswith("http") else " (after `speclab ui`)"
+        print(f"\n[evaluate] MLflow run {tracker.run_id}: {run_link(tracker)}{local}",
+              flush=True)
     return 0

@@ -98,7 +98,7 @@ def log_evaluation(tracker, rows: list[dict], runs: list[MethodConfig], prefix: 
     """Log :func:`evaluate_pair`'s ``rows`` (AR first, then ``runs``): a child run per
     method (unless ``children`` is False), and on ``tracker``'s run the table, the
     per-position acceptance table, the plots and ``{prefix}best_*`` metrics."""
-    from speclab.evaluation import format_table
+    from speclab.evaluation import format_table, markdown_table
     from speclab.pipelines.eval_plots import acceptance_table, method_figures
     from speclab.pipelines.method_runs import log_best
 
@@ -109,6 +109,13 @@ def log_evaluation(tracker, rows: list[dict], runs: list[MethodConfig], prefix: 
     name = prefix.replace("/", "_")
     tracker.log_table(rows, f"{name}results")
     tracker.log_text(format_table(rows), f"{name}results.txt")
+    if not prefix:  # the run's description on its MLflow page: the summary at a glance
+        best = max(rows[1:] or rows, key=lambda r: r.get("speedup") or 0.0)
+        tracker.set_tags({"mlflow.note.content": (
+            f"**Best speedup {best.get('speedup') or 0.0:.2f}x** ({best['method']}, tau "
+            f"{best.get('tau') or 0.0:.2f}) over {rows[0]['prompts']} prompts.\n\n"
+            f"{markdown_table(rows)}\n\nPlots: `speedup_per_method.png`, "
+            "`tau_per_method.png`, `acceptance_per_position.png` (Artifacts).")})
     accept = acceptance_table(rows)
     if accept:
         tracker.log_table(accept, f"{name}acceptance_per_position")
