@@ -158,20 +158,30 @@ def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dic
 
 
 def interleaved_comparison(
-    dec: Decoder, runs: list[MethodRun], prompts: list[list[int]], gen: dict, warmup: bool = True
+    dec: Decoder, runs: list[MethodRun], prompts: list[list[int]], gen: dict, warmup: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, dict]:
     """For each method: AR block then method block on the same prompts.
 
     Returns ``{name: {"totals": Totals, "ar": Totals}}`` where ``ar`` is the AR block
-    timed right before that method.
+    timed right before that method. ``progress`` gets a line per finished method (its
+    place in the list, tokens, tokens/s against AR's, tau).
     """
     if warmup and prompts:
         for run in [MethodRun("ar"), *runs]:
             run_prompts(dec, run, prompts[:1], {**gen, "max_new_tokens": 8})
     out = {}
-    for run in runs:
+    for i, run in enumerate(runs, start=1):
         ar = run_prompts(dec, MethodRun("ar"), prompts, gen)
-        out[run.name] = {"run": run, "totals": run_prompts(dec, run, prompts, gen), "ar": ar}
+        totals = run_prompts(dec, run, prompts, gen)
+        out[run.name] = {"run": run, "totals": totals, "ar": ar}
+        if progress is not None:
+            def rate(t: Totals) -> float:
+                return t.new_tokens / t.wall_s if t.wall_s else 0.0
+
+            progress(f"method {i}/{len(runs)} {run.name}: {len(prompts)} prompts, "
+                     f"{totals.new_tokens} tokens, {rate(totals):.1f} tokens/s (AR "
+                     f"{rate(ar):.1f}), tau {tau(totals.committed, totals.target_calls):.2f}")
     return out
 
 

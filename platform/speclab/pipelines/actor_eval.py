@@ -51,7 +51,11 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
         def run(self, shard: list[list[int]]) -> dict:
             from speclab.evaluation import interleaved_comparison
 
-            return interleaved_comparison(self.dec, method_runs, shard, gen)
+            def progress(line: str) -> None:  # reaches the driver's console (log_to_driver)
+                print(f"[evaluate] {line}", flush=True)
+
+            return interleaved_comparison(self.dec, method_runs, shard, gen,
+                                          progress=progress)
 
     actors = [EvalWorker.options(num_cpus=cfg.resources.num_cpus_per_actor,
                                  num_gpus=cfg.resources.num_gpus_per_actor).remote()
