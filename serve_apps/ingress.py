@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -393,6 +393,15 @@ class Ingress:
         except Exception as exc:
             raise _replica_error(exc, "health") from None
         return {"status": "ok", "method": self.s["method"], "target": t, "draft": d}
+
+    @api.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_text(self) -> PlainTextResponse:
+        """Prometheus text: this ingress replica's decoding counters under a standalone
+        vLLM server's exact names (``vllm:spec_decode_num_drafts_total``, ...,
+        ``vllm:e2e_request_latency_seconds``), so vLLM's Grafana dashboard reads them
+        unchanged (open, like /health)."""
+        return PlainTextResponse(self.metrics.vllm_text(),
+                                 media_type="text/plain; version=0.0.4")
 
     @api.get("/v1/models", responses=_errors(401))
     async def models(self, request: Request) -> dict:

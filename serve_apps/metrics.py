@@ -17,6 +17,10 @@ step (``speclab_batch_size``; exact: ``speclab_batch_rows`` / ``speclab_batch_st
 and the wait for a batch to close (``speclab_batch_wait_seconds``). Ray rebuilds a
 histogram's ``_sum`` from bucket midpoints, so only the counters give exact means.
 
+The ingress also renders its decoding counters itself under a standalone vLLM server's
+exact names (``vllm:spec_decode_num_drafts_total``, ...; :class:`VllmTallies`) on the
+app's ``GET /metrics``.
+
 The acceptance ratio a vLLM dashboard shows is ``num_accepted_tokens /
 num_draft_tokens``: accepted draft tokens over drafted ones (for a tree, every drafted
 node counts, so it is lower than the per-path acceptance of a chain of the same tau).
@@ -93,6 +97,9 @@ class RequestMetrics:
                                "(seconds_total / requests_total is the mean latency).",
                                ("route",))
 
+        self.model_name = model_name
+        self.local = VllmTallies()
+
     def request(self, route: str, latency_s: float, stats: dict | None) -> None:
         """Record a finished request (``stats``: its SD stats, None without decoding)."""
         self.latency.observe(latency_s, tags={"route": route})
@@ -100,6 +107,7 @@ class RequestMetrics:
         _inc(self.seconds, latency_s, {"route": route})
         if not stats:
             return
+        self.local.add(latency_s, stats)
         _inc(self.tokens, int(stats.get("new_tokens", 0)))
         drafted = int(stats.get("drafted_tokens", 0))
         if drafted:
@@ -112,9 +120,76 @@ class RequestMetrics:
             for pos in range(max(rounds, default=0)):
                 _inc(self.per_pos, sum(1 for a in rounds if a > pos), {"position": str(pos)})
 
+    def vllm_text(self) -> str:
+        """This replica's decoding counters as Prometheus text under the exact names a
+        standalone vLLM server exports (``vllm:spec_decode_num_drafts_total``, ...)."""
+        return self.local.render(self.model_name)
+
     def error(self, status: int) -> None:
         """Count a request answered with HTTP ``status``."""
         self.errors.inc(tags={"status": str(status)})
+
+
+class VllmTallies:
+    """Plain sums of what :class:`RequestMetrics` records, kept in the ingress replica
+    for its own ``/metrics`` route: Ray refuses ``:`` in metric names, so the exact
+    names of a standalone vLLM server (what the stock vLLM Grafana dashboard queries)
+    are rendered here. One replica's view: with several ingress replicas, scrape Ray's
+    metrics port (``ray_vllm_*``, summed over replicas) instead."""
+
+    def __init__(self) -> None:
+        self.drafts = self.draft_tokens = self.accepted = self.tokens = 0
+        self.per_pos: dict[int, int] = {}
+        self.requests = 0
+        self.latency_sum = 0.0
+        self.latency_buckets = [0] * len(LATENCY_BUCKETS)
+
+    def add(self, latency_s: float, stats: dict) -> None:
+        """One finished decoding request with its SD ``stats``."""
+        self.requests += 1
+        self.latency_sum += latency_s
+        for i, le in enumerate(LATENCY_BUCKETS):
+            self.latency_buckets[i] += latency_s <= le
+        self.tokens += int(stats.get("new_tokens", 0))
+        drafted = int(stats.get("drafted_tokens", 0))
+        if not drafted:
+            return
+        self.draft_tokens += drafted
+        self.accepted += int(stats.get("accepted_tokens", 0))
+        rounds = [n - 1 for n in stats.get("accepted_lengths", [])]
+        self.drafts += len(rounds)
+        for pos in range(max(rounds, default=0)):
+            self.per_pos[pos] = self.per_pos.get(pos, 0) + sum(1 for a in rounds if a > pos)
+
+    def render(self, model: str) -> str:
+        """Prometheus text exposition (version 0.0.4)."""
+        label = 'model_name="' + model.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        out = []
+
+        def counter(name: str, help_: str, rows: list[tuple[str, float]]) -> None:
+            out.extend([f"# HELP {name}_total {help_}", f"# TYPE {name}_total counter"])
+            out.extend(f"{name}_total{{{labels}}} {value}" for labels, value in rows)
+
+        counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                [(label, self.drafts)])
+        counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                [(label, self.draft_tokens)])
+        counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                [(label, self.accepted)])
+        counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                [(f'{label},position="{p}"', n) for p, n in sorted(self.per_pos.items())])
+        counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                [(label, self.tokens)])
+        name = "vllm:e2e_request_latency_seconds"
+        out.extend([f"# HELP {name} Histogram of end to end request latency in seconds.",
+                    f"# TYPE {name} histogram"])
+        out.extend(f'{name}_bucket{{{label},le="{le}"}} {n}'
+                   for le, n in zip(LATENCY_BUCKETS, self.latency_buckets, strict=True))
+        out.append(f'{name}_bucket{{{label},le="+Inf"}} {self.requests}')
+        out.append(f"{name}_sum{{{label}}} {self.latency_sum}")
+        out.append(f"{name}_count{{{label}}} {self.requests}")
+        return "\n".join(out) + "\n"
 
 
 def _inc(counter, value: float, tags: dict | None = None) -> None:

@@ -287,6 +287,21 @@ def test_sd_counters_reach_prometheus_under_vllm_names(server):
     for status in ("400", "404"):
         assert value("ray_speclab_request_errors_total", f'status="{status}"') >= 1, \
             [ln for ln in text.splitlines() if "errors" in ln]
+    # the app's own /metrics: a standalone vLLM server's exact names (one ingress replica)
+    own = requests.get(server["url"] + "/metrics", timeout=10)
+    assert own.status_code == 200 and own.headers["content-type"].startswith("text/plain")
+    samples = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
+               for ln in own.text.splitlines() if ln and not ln.startswith("#")}
+    label = '{model_name="smoke-serve"}'
+    drafts = samples[f"vllm:spec_decode_num_drafts_total{label}"]
+    drafted = samples[f"vllm:spec_decode_num_draft_tokens_total{label}"]
+    accepted = samples[f"vllm:spec_decode_num_accepted_tokens_total{label}"]
+    assert drafts > 0 and drafted >= accepted > 0, own.text[:2000]
+    assert samples['vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name='
+                   '"smoke-serve",position="0"}'] <= drafts
+    count = samples[f"vllm:e2e_request_latency_seconds_count{label}"]
+    assert count >= 2 and samples[
+        'vllm:e2e_request_latency_seconds_bucket{model_name="smoke-serve",le="+Inf"}'] == count
 
 
 def test_generate_returns_tokens_and_the_sd_stats(server, offline):
