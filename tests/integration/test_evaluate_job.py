@@ -145,11 +145,11 @@ def check_datastore_serves_rest(job_env: dict) -> None:
     assert len(meta["shards"]) == 2 and meta["num_tokens"] > 10_000
     target = next(Path(job_env["SPECLAB_HOME"]).glob("models/tiny-*/target"))
     out = {}
-    for method in ("ar", "rest"):
+    for method, knobs in (("ar", []), ("rest", ["--datastore", str(store),
+                                                "--candidates", "4"])):
         res = run_cmd([python(), "-m", "speclab.cli", "generate", "--target", str(target),
-                       "--method", method, "--datastore", str(store), "--candidates", "4",
-                       "--prompt", "import os\nimport sys\n", "--max-new-tokens", "16",
-                       "--json"], job_env)
+                       "--method", method, *knobs, "--prompt", "import os\nimport sys\n",
+                       "--max-new-tokens", "16", "--json"], job_env)
         assert res.returncode == 0, res.stderr[-2000:]
         out[method] = json.loads(res.stdout.strip().splitlines()[-1])["token_ids"]
     assert out["rest"] == out["ar"]
