@@ -107,18 +107,16 @@ class RequestMetrics:
         _inc(self.seconds, latency_s, {"route": route})
         if not stats:
             return
-        self.local.add(latency_s, stats)
-        _inc(self.tokens, int(stats.get("new_tokens", 0)))
-        drafted = int(stats.get("drafted_tokens", 0))
-        if drafted:
-            self.draft_tokens.inc(drafted)
-            _inc(self.accepted, int(stats.get("accepted_tokens", 0)))
-        rounds = [n - 1 for n in stats.get("accepted_lengths", [])]  # accepted drafts
-        drafting_rounds = len(rounds) if drafted else 0
-        if drafting_rounds:
-            self.drafts.inc(drafting_rounds)
-            for pos in range(max(rounds, default=0)):
-                _inc(self.per_pos, sum(1 for a in rounds if a > pos), {"position": str(pos)})
+        c = sd_counts(stats)
+        self.local.add(latency_s, c)
+        _inc(self.tokens, c["tokens"])
+        if c["draft_tokens"]:
+            self.draft_tokens.inc(c["draft_tokens"])
+            _inc(self.accepted, c["accepted"])
+        if c["drafts"]:
+            self.drafts.inc(c["drafts"])
+            for pos, n in c["per_pos"].items():
+                _inc(self.per_pos, n, {"position": str(pos)})
 
     def vllm_text(self) -> str:
         """This replica's decoding counters as Prometheus text under the exact names a
@@ -128,6 +126,19 @@ class RequestMetrics:
     def error(self, status: int) -> None:
         """Count a request answered with HTTP ``status``."""
         self.errors.inc(tags={"status": str(status)})
+
+
+def sd_counts(stats: dict) -> dict:
+    """What one request adds to vLLM's SD counters, from its SD ``stats``: ``tokens``,
+    ``draft_tokens``, ``accepted``, ``drafts`` (rounds that verified a draft; 0 without
+    drafting) and ``per_pos`` (``{position: rounds whose accepted path reached it}``)."""
+    drafted = int(stats.get("drafted_tokens", 0))
+    rounds = [n - 1 for n in stats.get("accepted_lengths", [])] if drafted else []
+    return {"tokens": int(stats.get("new_tokens", 0)), "draft_tokens": drafted,
+            "accepted": int(stats.get("accepted_tokens", 0)) if drafted else 0,
+            "drafts": len(rounds),
+            "per_pos": {pos: sum(1 for a in rounds if a > pos)
+                        for pos in range(max(rounds, default=0))}}
 
 
 class VllmTallies:
@@ -144,22 +155,18 @@ class VllmTallies:
         self.latency_sum = 0.0
         self.latency_buckets = [0] * len(LATENCY_BUCKETS)
 
-    def add(self, latency_s: float, stats: dict) -> None:
-        """One finished decoding request with its SD ``stats``."""
+    def add(self, latency_s: float, counts: dict) -> None:
+        """One finished decoding request with its :func:`sd_counts`."""
         self.requests += 1
         self.latency_sum += latency_s
         for i, le in enumerate(LATENCY_BUCKETS):
             self.latency_buckets[i] += latency_s <= le
-        self.tokens += int(stats.get("new_tokens", 0))
-        drafted = int(stats.get("drafted_tokens", 0))
-        if not drafted:
-            return
-        self.draft_tokens += drafted
-        self.accepted += int(stats.get("accepted_tokens", 0))
-        rounds = [n - 1 for n in stats.get("accepted_lengths", [])]
-        self.drafts += len(rounds)
-        for pos in range(max(rounds, default=0)):
-            self.per_pos[pos] = self.per_pos.get(pos, 0) + sum(1 for a in rounds if a > pos)
+        self.tokens += counts["tokens"]
+        self.draft_tokens += counts["draft_tokens"]
+        self.accepted += counts["accepted"]
+        self.drafts += counts["drafts"]
+        for pos, n in counts["per_pos"].items():
+            self.per_pos[pos] = self.per_pos.get(pos, 0) + n
 
     def render(self, model: str) -> str:
         """Prometheus text exposition (version 0.0.4)."""
