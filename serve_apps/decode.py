@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
-from speclab.decoding.loop import Committed, GenerationStats, eos_set, rounds
+from speclab.decoding.loop import Committed, GenerationStats, Start, eos_set, rounds
 
 
 @dataclass
@@ -33,6 +33,14 @@ class DecodeRequest:
     seed: int
     eos: list[int]
     drafting: bool = True
+    logprobs: int | None = None  # the target's log-probs of the tokens, this many alternatives
+    echo: bool = False  # and of the prompt's tokens (with logprobs)
+
+    def target_row(self, rid: str) -> dict:
+        """The request as a row of the target's ``start_rows``."""
+        return {"rid": rid, "prompt_ids": self.prompt_ids, "sampling": self.sampling,
+                "rule": self.rule, "seed": self.seed, "logprobs": self.logprobs,
+                "echo": self.echo}
 
     @classmethod
     def from_dict(cls, data: dict) -> DecodeRequest:
@@ -70,9 +78,12 @@ Step = Callable[[object], Awaitable[object]]
 
 async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing
                         ) -> AsyncIterator[dict]:
-    """Run ``req`` through the loop; ``step(msg)`` answers each Start / Propose / Verify.
-    Yields ``{"tokens": [...]}`` per round (cut at EOS / ``max_tokens``), then
-    ``{"stats": ...}`` once the loop ended."""
+    """Run ``req`` through the loop; ``step(msg)`` answers each Start / Propose / Verify
+    (its answer to Start: the target's start reply, whose ``prompt_logprobs`` are passed
+    on). Yields ``{"prompt_logprobs"}`` first when the request echoes them, then
+    ``{"tokens": [...]}`` per round (cut at EOS / ``max_tokens``; with ``"logprobs"``, one
+    entry per token, when the request asked for them), then ``{"stats": ...}`` once the
+    loop ended."""
     t0 = time.perf_counter()
     stats = GenerationStats()
     loop = rounds(req.prompt_ids, req.max_tokens, eos_set(req.eos), stats, req.drafting)
@@ -85,9 +96,17 @@ async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing
                 break
             reply = None
             if isinstance(msg, Committed):
-                yield {"tokens": msg.tokens}
+                chunk = {"tokens": msg.tokens}
+                if msg.logprobs is not None:
+                    chunk["logprobs"] = msg.logprobs
+                yield chunk
                 continue
             reply = await step(msg)
+            if isinstance(msg, Start):
+                echo = reply.get("prompt_logprobs") if isinstance(reply, dict) else None
+                if echo is not None:
+                    yield {"prompt_logprobs": echo}
+                reply = None
     finally:
         loop.close()
     timing.replica_s = time.perf_counter() - t0
@@ -100,10 +119,14 @@ async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing
 
 
 async def collect(chunks: AsyncIterator[dict]) -> dict:
-    """A streamed request as one reply: ``{"tokens": all tokens, "stats": ...}``."""
-    tokens: list[int] = []
-    stats: dict = {}
+    """A streamed request as one reply: ``{"tokens": all tokens, "stats": ...}`` (with
+    ``logprobs`` / ``prompt_logprobs`` when the chunks carried them)."""
+    out: dict = {"tokens": [], "stats": {}}
     async for chunk in chunks:
-        tokens += chunk.get("tokens", [])
-        stats = chunk.get("stats", stats)
-    return {"tokens": tokens, "stats": stats}
+        out["tokens"] += chunk.get("tokens", [])
+        if "logprobs" in chunk:
+            out.setdefault("logprobs", []).extend(chunk["logprobs"])
+        for key in ("stats", "prompt_logprobs"):
+            if key in chunk:
+                out[key] = chunk[key]
+    return out

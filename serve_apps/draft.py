@@ -168,8 +168,7 @@ class DraftDeployment(RequestStates):
         calls, parts = [], []
         for key in sorted({s.key for _, s in joins}):
             mine = [(i, s) for i, s in joins if s.key == key]
-            rows = [{"rid": s.rid, "prompt_ids": s.req.prompt_ids, "sampling": s.req.sampling,
-                     "rule": s.req.rule, "seed": s.req.seed} for _, s in mine]
+            rows = [s.req.target_row(s.rid) for _, s in mine]
             calls.append(self._call(key, "start_rows", self.source, rows, self.prefill_top_k,
                                     self.features))
             parts.append(("start", mine))
@@ -206,9 +205,9 @@ class DraftDeployment(RequestStates):
             self.pool.join([NewRow(s.rid, s.req.prompt_ids, SamplingParams(**s.req.sampling),
                                    None, seeded(s.req.seed), res["top"],
                                    unpack_tensor(res["features"])) for _, s, res in joined])
-            for i, s, _ in joined:
+            for i, s, res in joined:
                 self.sessions.put(s.rid, PoolRow(self.pool, s.rid), release_old=False)
-                out[i] = True
+                out[i] = res  # the target's start reply (prompt_logprobs for echo)
         return out
 
     def _rng_state(self, rid: str) -> bytes | None:
@@ -239,8 +238,7 @@ class DraftDeployment(RequestStates):
 
         async def step(msg):
             if isinstance(msg, Start):
-                await self.batcher.submit(_Join(rid, key, req), rid)
-                return None
+                return await self.batcher.submit(_Join(rid, key, req), rid)
             if isinstance(msg, Propose):
                 return await round_step(msg.path, msg.new, msg.budget, msg.features)
             assert isinstance(msg, Verify)

@@ -42,6 +42,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_apps.chat import chat_prompt
 from serve_apps.decode import DecodeRequest
+from serve_apps.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    join_completion_logprobs,
+)
 from serve_apps.metrics import RequestMetrics, count_error, count_errors_in
 from serve_apps.openapi import server_schema
 from serve_apps.protocol import (
@@ -160,9 +166,17 @@ class Decoding:
     rule: RuleSpec
     seed: int
     stops: list[str]
+    logprobs: int | None = None  # the target's log-probs, with this many alternatives
+    echo: bool = False  # and the prompt tokens' (with logprobs)
     stats: dict = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list)  # generated so far
+    token_logprobs: list = field(default_factory=list)  # an entry per token (logprobs)
+    prompt_logprobs: list | None = None  # an entry per prompt token (echo)
     finish_reason: str = "length"
+
+    def kept_logprobs(self) -> list:
+        """The entries of the tokens kept (a stop string may have cut the last round)."""
+        return self.token_logprobs[:len(self.tokens)]
 
 
 @serve.ingress(api)
@@ -221,7 +235,8 @@ class Ingress:
         drafting = info["drafting"]
         key = target_key(rid, self.s["target_buckets"])
         req = DecodeRequest(dec.prompt_ids, dec.max_tokens, dec.sampling, dec.rule.to_dict(),
-                            dec.seed, sorted(eos_set(info["eos"])), drafting).__dict__
+                            dec.seed, sorted(eos_set(info["eos"])), drafting, dec.logprobs,
+                            dec.echo).__dict__
         t0 = time.perf_counter()
         finished, response = False, None
         try:
@@ -233,13 +248,18 @@ class Ingress:
                 async for chunk in response:
                     if "stats" in chunk:
                         dec.stats = chunk["stats"]
+                    elif "prompt_logprobs" in chunk:
+                        dec.prompt_logprobs = chunk["prompt_logprobs"]
                     elif chunk["tokens"]:
                         dec.tokens += chunk["tokens"]
+                        dec.token_logprobs += chunk.get("logprobs", [])
                         yield chunk["tokens"]
             else:
                 reply = await (self.draft.complete.remote(rid, req) if drafting
                                else self.target.complete.remote(key, rid, req))
                 dec.tokens, dec.stats = list(reply["tokens"]), reply["stats"]
+                dec.token_logprobs = reply.get("logprobs", [])
+                dec.prompt_logprobs = reply.get("prompt_logprobs")
                 if dec.tokens:
                     yield dec.tokens
             finished = True
@@ -272,6 +292,15 @@ class Ingress:
             raise HTTPError(400, f"{param}: encodes to no tokens", param)
         return ids
 
+    def _detok(self, token: int) -> str:
+        """One token's own text (logprobs' ``tokens``): its decoded text, or, for a piece of
+        a UTF-8 character (which decodes to U+FFFD alone), the tokenizer's token string,
+        so different tokens keep different names; ``token_id:N`` without a tokenizer."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        text = self.tokenizer.decode([token])
+        return self.tokenizer.convert_ids_to_tokens(token) if "\ufffd" in text else text
+
     def _text(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
@@ -280,10 +309,13 @@ class Ingress:
     async def _decoding(self, ids: list[int], max_tokens: int, temperature: float,
                         top_p: float, top_k: int, seed: int, stops: list[str],
                         rule: str | None, rule_params: dict | None,
-                        max_param: str = "max_tokens") -> Decoding:
+                        max_param: str = "max_tokens", logprobs: int | None = None,
+                        echo: bool = False) -> Decoding:
         """A request's decoding parameters, checked against this server's bounds, the
         vocabulary and the rule registry (``rule`` / ``rule_params``: the request's
-        ``verify`` / ``verify_params``); HTTPError 400 names the field."""
+        ``verify`` / ``verify_params``; ``logprobs``: alternatives per token of the
+        target's log-probs to report, None: none; ``echo``: the prompt's too); HTTPError
+        400 names the field."""
         if max_tokens > self.s["max_tokens"]:
             raise HTTPError(400, f"{max_param}: must be <= {self.s['max_tokens']} on this "
                                  f"server, got {max_tokens}", max_param)
@@ -313,7 +345,7 @@ class Ingress:
         except ValueError as exc:
             raise HTTPError(400, str(exc), "verify") from None
         return Decoding(ids, max_tokens, {"temperature": temperature, "top_k": top_k,
-                                          "top_p": top_p}, spec, seed, stops)
+                                          "top_p": top_p}, spec, seed, stops, logprobs, echo)
 
     async def _run_text(self, rid: str, dec: Decoding, stream: bool) -> AsyncIterator[str]:
         """Text deltas per round, cut at a stop string (not included; see
@@ -432,16 +464,37 @@ class Ingress:
         """OpenAI-compatible completion (``stream``: server-sent events per round)."""
         self._auth(request)
         self._check_model(body.model)
-        dec = await self._decoding(self._encode(body.prompt), body.max_tokens,
-                                   body.temperature, body.top_p, 0,
+        ids = self._encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        dec = await self._decoding(ids, body.max_tokens, body.temperature, body.top_p, 0,
                                    body.seed if body.seed is not None else 0, body.stop,
-                                   body.verify, body.verify_params)
+                                   body.verify, body.verify_params, logprobs=body.logprobs,
+                                   echo=bool(body.echo))
         rid = uuid.uuid4().hex
         head = {"id": f"cmpl-{rid}", "object": "text_completion",
                 "created": int(time.time()), "model": self.s["model_name"]}
+        echo = (body.prompt if isinstance(body.prompt, str) else self._text(ids)) \
+            if body.echo else ""
+        sent = {"first": True, "tokens": 0, "offset": 0}  # what earlier chunks carried
 
         def choice(text: str, finish: str | None) -> dict:
-            return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+            """The prompt first (echo), then the text; with logprobs, those of the tokens
+            received since the last chunk (the kept ones at the end)."""
+            first, sent["first"] = sent["first"], False
+            lps = None
+            if dec.logprobs is not None:
+                entries = dec.token_logprobs if finish is None else dec.kept_logprobs()
+                new = entries[sent["tokens"]:]
+                sent["tokens"] += len(new)
+                if first and dec.echo:
+                    sent["offset"] = len(echo)
+                lps = completion_logprobs(new, self._detok, sent["offset"])
+                if lps["tokens"]:
+                    sent["offset"] = lps["text_offset"][-1] + len(lps["tokens"][-1])
+                if first and dec.echo:
+                    lps = join_completion_logprobs(echoed_prompt_logprobs(
+                        ids, dec.prompt_logprobs or [None], self._detok), lps)
+            return {"text": echo + text if first else text, "index": 0, "logprobs": lps,
+                    "finish_reason": finish}
 
         if body.stream:
             return self._events("completions", rid, dec, head, choice)
@@ -462,14 +515,26 @@ class Ingress:
         except Exception as exc:  # the template refused the messages (e.g. role order)
             raise HTTPError(400, f"messages: the chat template refused them: {exc}",
                             "messages") from None
+        if body.top_logprobs and not body.logprobs:
+            raise HTTPError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         dec = await self._decoding(self._encode(prompt, "messages"), body.limit,
                                    body.temperature, body.top_p, 0,
                                    body.seed if body.seed is not None else 0, body.stop,
-                                   body.verify, body.verify_params, param)
+                                   body.verify, body.verify_params, param,
+                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         rid = uuid.uuid4().hex
         head = {"id": f"chatcmpl-{rid}", "created": int(time.time()),
                 "model": self.s["model_name"]}
+        sent = [0]  # tokens whose logprobs earlier chunks carried
+
+        def logprobs(finish: str | None) -> dict | None:
+            if dec.logprobs is None:
+                return None
+            entries = dec.token_logprobs if finish is None else dec.kept_logprobs()
+            new, sent[0] = entries[sent[0]:], max(sent[0], len(entries))
+            return chat_logprobs(new, self._detok)
+
         if body.stream:
             first = [True]
 
@@ -477,14 +542,15 @@ class Ingress:
                 d = {"content": text} if finish is None else {}
                 if first[0]:
                     d, first[0] = {"role": "assistant", **d}, False
-                return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "delta": d, "logprobs": logprobs(finish),
+                        "finish_reason": finish}
 
             return self._events("chat", rid, dec, {**head, "object": "chat.completion.chunk"},
                                 delta)
         text = await self._complete_text("chat", rid, dec)
         return {**head, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": dec.finish_reason}],
+            "logprobs": logprobs(dec.finish_reason), "finish_reason": dec.finish_reason}],
             "usage": self._usage(dec), "speclab": self._sd(dec)}
 
     @api.post("/recommend", responses=_errors(400, 401, 404, 503))

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from speclab.decoding.logprobs import MAX_TOP_LOGPROBS
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -57,46 +59,33 @@ RuleParams = Annotated[dict[str, Any] | None, Field(
                 "typical: {epsilon, delta}")]
 
 
-#: OpenAI parameters this server does not implement, with the values that change nothing:
-#: those are accepted (clients such as LangChain, LiteLLM and lm-eval-harness send them on
-#: every request, as vLLM accepts them); any other value is refused naming the field
-NEUTRAL: dict[str, tuple[tuple, str]] = {
-    "presence_penalty": ((0, None), "only 0"),
-    "frequency_penalty": ((0, None), "only 0"),
-    "logit_bias": (({}, None), "only {}"),
-    "best_of": ((1, None), "only 1"),
-    "suffix": ((None, ""), "only null"),
-    "response_format": (({"type": "text"}, None), 'only {"type": "text"}'),
-    "top_logprobs": ((None, 0), "only null or 0: logprobs are not served yet"),
-    "tools": (([], None), "only []: this server calls no tools"),
-    "tool_choice": (("none", None), 'only "none": this server calls no tools'),
-    "store": ((False, None), "only false"),
-    "logprobs": ((None,), "only null: logprobs are not served yet"),
-    "echo": ((False, None), "only false"),
-}
+def _neutral(allowed: tuple, what: str) -> AfterValidator:
+    """An OpenAI parameter this server does not implement: the values in ``allowed``
+    change nothing and are accepted (clients such as LangChain, LiteLLM and
+    lm-eval-harness send them on every request, and vLLM accepts them); any other value
+    is refused naming the field: ``presence_penalty: not supported (only 0)``."""
 
+    def check(value: Any) -> Any:
+        if not any(value is a or (value == a and type(value) is not bool) for a in allowed):
+            raise ValueError(f"not supported ({what})")
+        return value
 
-def _neutral(value: Any, info) -> Any:
-    allowed, what = NEUTRAL[info.field_name]
-    if not any(value == a and type(value) is not bool or value is a for a in allowed):
-        raise ValueError(f"not supported ({what})")
-    return value
+    return AfterValidator(check)
 
 
 class _OpenAIBody(_Body):
-    """The neutral-valued OpenAI parameters both OpenAI routes accept (:data:`NEUTRAL`)."""
+    """The neutral-valued OpenAI parameters both OpenAI routes accept."""
 
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float | None, _neutral((0, None), "only 0")] = None
+    frequency_penalty: Annotated[float | None, _neutral((0, None), "only 0")] = None
+    logit_bias: Annotated[dict[str, float] | None, _neutral(({}, None), "only {}")] = None
     stream_options: dict[str, bool] | None = Field(
         None, description="include_usage: the last chunk carries usage (it always does)")
     metadata: dict[str, str] | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
-    @classmethod
-    def _neutral_values(cls, v, info):
-        return _neutral(v, info)
+
+#: alternatives per token a request may ask for (``logprobs`` / ``top_logprobs``)
+TopLogprobs = Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class ErrorDetail(BaseModel):
@@ -118,8 +107,11 @@ class CompletionRequest(_OpenAIBody):
     single-sequence decoder can honour)."""
 
     model: str | None = None
-    prompt: NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)] = Field(
-        description="one non-empty prompt (a string or a list of one string)")
+    prompt: (NonEmpty | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
+                         Field(min_length=1, max_length=1)]) = Field(
+        description="one prompt: a non-empty string or token id list, or a list of one")
     max_tokens: int = Field(16, ge=1, description="at most serve.max_tokens")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -129,21 +121,18 @@ class CompletionRequest(_OpenAIBody):
     verify_params: RuleParams = None
     stream: bool = False
     n: Literal[1] = 1
-    best_of: int | None = None
-    suffix: str | None = None
-    echo: bool | None = False
-    logprobs: int | None = Field(None, description="not served yet (only null)")
+    best_of: Annotated[int | None, _neutral((1, None), "only 1")] = None
+    suffix: Annotated[str | None, _neutral((None, ""), "only null")] = None
+    echo: bool | None = Field(False, description="the prompt before the completion (with "
+                                                  "logprobs: the prompt tokens' log-probs)")
+    logprobs: TopLogprobs = Field(None, description="the target's log-probs of the tokens, "
+                                                    "with this many alternatives each")
     user: str | None = None
-
-    @field_validator("best_of", "suffix", "echo", "logprobs")
-    @classmethod
-    def _neutral_values_c(cls, v, info):
-        return _neutral(v, info)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[str]) -> str:
-        return v[0] if isinstance(v, list) else v
+    def _one_prompt(cls, v: str | list) -> str | list[int]:
+        return v[0] if isinstance(v, list) and isinstance(v[0], str | list) else v
 
     @field_validator("stop")
     @classmethod
@@ -190,19 +179,17 @@ class ChatCompletionRequest(_OpenAIBody):
     verify_params: RuleParams = None
     stream: bool = False
     n: Literal[1] = 1
-    logprobs: Literal[False] | None = Field(None, description="not served yet (only false)")
-    top_logprobs: int | None = None
-    response_format: dict[str, str] | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | None = None
+    logprobs: bool | None = Field(None, description="the target's log-probs of the tokens")
+    top_logprobs: TopLogprobs = Field(None, description="alternatives per token (with logprobs)")
+    response_format: Annotated[dict[str, str] | None,
+                               _neutral(({"type": "text"}, None), 'only {"type": "text"}')] = None
+    tools: Annotated[list[dict] | None, _neutral(([], None), "only []: this server calls no "
+                                                             "tools")] = None
+    tool_choice: Annotated[str | None, _neutral(("none", None), 'only "none": this server '
+                                                                'calls no tools')] = None
     parallel_tool_calls: bool | None = None  # no tools: it changes nothing
-    store: bool | None = None
+    store: Annotated[bool | None, _neutral((False, None), "only false")] = None
     user: str | None = None
-
-    @field_validator("top_logprobs", "response_format", "tools", "tool_choice", "store")
-    @classmethod
-    def _neutral_values_chat(cls, v, info):
-        return _neutral(v, info)
 
     @field_validator("stop")
     @classmethod

@@ -150,16 +150,19 @@ class TargetDeployment(RequestStates):
                 check_prompt(r["prompt_ids"], self.vocab)
                 rows.append((j, NewRow(r["rid"], list(r["prompt_ids"]),
                                        SamplingParams(**r["sampling"]),
-                                       RuleSpec.from_dict(r["rule"]), seeded(r["seed"]))))
+                                       RuleSpec.from_dict(r["rule"]), seeded(r["seed"]),
+                                       logprobs=r.get("logprobs"),
+                                       echo=bool(r.get("echo")))))
             except (ValueError, TypeError, KeyError) as exc:
                 replies[j] = row_error(ValueError(str(exc)))
         if step.features and not self.pool.features:
             self.pool.track_features()
         started = self.pool.start([r for _, r in rows], step.prefill_top_k) if rows else []
-        for (j, row), (top, feats) in zip(rows, started, strict=True):
+        for (j, row), p in zip(rows, started, strict=True):
             self.sources[row.rid] = step.source
             self.sessions.put(row.rid, PoolRow(self.pool, row.rid), release_old=False)
-            replies[j] = {"top": top, "features": pack_tensor(feats) if step.features else None}
+            replies[j] = {"top": p.top, "prompt_logprobs": p.prompt_logprobs,
+                          "features": pack_tensor(p.features) if step.features else None}
         return replies
 
     def _forget(self, rid: str) -> bool:
@@ -212,8 +215,7 @@ class TargetDeployment(RequestStates):
 
         async def step(msg):
             if isinstance(msg, Start):
-                row = {"rid": rid, "prompt_ids": msg.prompt_ids, "sampling": req.sampling,
-                       "rule": req.rule, "seed": req.seed}
+                row = req.target_row(rid)
                 reply = (await self.batcher.submit(_Starts(rid, [row], 0, False), rid))[0]
             else:
                 assert isinstance(msg, Verify)
@@ -226,7 +228,7 @@ class TargetDeployment(RequestStates):
                                 "target_model_s": model_s, "rows": reply["rows"]})
             if "error" in reply:
                 raise request_error(rid, reply["error"])
-            return VerifyResult.from_dict(reply["verdict"]) if isinstance(msg, Verify) else None
+            return VerifyResult.from_dict(reply["verdict"]) if isinstance(msg, Verify) else reply
 
         try:
             async for chunk in stream_rounds(req, step, timing):

@@ -178,6 +178,96 @@ def test_openai_clients_neutral_parameters_are_accepted_and_others_named(server,
                 if "422" in op.get("responses", {})]
 
 
+def test_logprobs_and_echo_are_the_targets_own_distribution(server, offline):
+    """``logprobs`` / ``echo`` (completions) and ``logprobs`` / ``top_logprobs`` (chat),
+    through the openai client, equal the target's log-softmax over the whole sequence
+    (one plain forward), streamed or not, the prompt as text or token ids; the scoring
+    call lm-eval-harness makes (``echo``, ``logprobs=1``, ``max_tokens=1``) gives the
+    continuation's log-likelihood; out-of-range values are 400s naming the field."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    client = openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0)
+    tok = AutoTokenizer.from_pretrained(server["target"])
+    model = AutoModelForCausalLM.from_pretrained(server["target"])
+    p = PROMPTS[1]
+    ids = tok.encode(p, add_special_tokens=False)
+    out_ids = offline[p][0][:12]
+    seq = ids + out_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+    want = ref[torch.arange(len(seq) - 1), seq[1:]].tolist()  # seq[i+1] given seq[:i+1]
+    res = client.completions.create(model="smoke-serve", prompt=p, max_tokens=len(out_ids),
+                                    temperature=0, logprobs=2, echo=True)
+    lp = res.choices[0].logprobs
+    assert res.choices[0].text == p + offline[p][1][:len(res.choices[0].text) - len(p)]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.token_logprobs) == len(seq)
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1:]), torch.tensor(want), atol=1e-4)
+    assert lp.tokens == [tok.decode([t]) if "\ufffd" not in tok.decode([t])
+                         else tok.convert_ids_to_tokens(t) for t in seq]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for i, top in enumerate(lp.top_logprobs[len(ids):]):  # greedy: the best is the chosen
+        assert 2 <= len(top) <= 3 and max(top, key=top.get) == lp.tokens[len(ids) + i]
+        assert max(top.values()) == pytest.approx(ref[len(ids) - 1 + i].max().item(), abs=1e-4)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model="smoke-serve", prompt=ids, max_tokens=len(out_ids), temperature=0, logprobs=2,
+        stream=True) if c.choices and c.choices[0].logprobs]
+    got = [x for c in streamed for x in c.token_logprobs]
+    assert len(streamed) > 1
+    assert torch.allclose(torch.tensor(got), torch.tensor(want[len(ids) - 1:]), atol=1e-4)
+    # lm-eval-harness' loglikelihood request: context + continuation, echoed
+    ctx, cont = ids, out_ids[:3]
+    score = client.completions.create(model="smoke-serve", prompt=ctx + cont, max_tokens=1,
+                                      temperature=0, logprobs=1, echo=True).choices[0].logprobs
+    assert sum(score.token_logprobs[len(ctx):len(ctx) + 3]) == pytest.approx(
+        sum(want[len(ids) - 1:len(ids) + 2]), abs=1e-3)
+    msgs = [{"role": "user", "content": "def add(a, b):"}]
+    chat = client.chat.completions.create(model="smoke-serve", messages=msgs, max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(c.logprob <= 0 for c in content)
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(
+        c.logprob, abs=1e-5) for c in content)  # greedy: the chosen is the best
+    plain = client.chat.completions.create(model="smoke-serve", messages=msgs, max_tokens=8,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == chat.choices[0].message.content
+    url = server["url"] + "/v1"
+    for route, body, param in [
+            ("completions", {"prompt": p, "logprobs": 21}, "logprobs"),
+            ("completions", {"prompt": p, "logprobs": -1}, "logprobs"),
+            ("completions", {"prompt": [1, 2], "logprobs": 1, "max_tokens": 1,
+                             "stop": 5}, "stop"),
+            ("completions", {"prompt": [1, 10 ** 9], "max_tokens": 1}, "prompt_ids"),
+            ("chat/completions", {"messages": msgs, "top_logprobs": 2}, "top_logprobs"),
+            ("chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21},
+             "top_logprobs")]:
+        r = requests.post(f"{url}/{route}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_langchain_openai_chat_and_completions(server, offline):
+    """LangChain's OpenAI integration (installed from PyPI) against the app: chat
+    (invoke, stream, logprobs) and completions, as its users call them."""
+    from langchain_openai import ChatOpenAI, OpenAI
+
+    common = {"base_url": server["url"] + "/v1", "api_key": "unused", "model": "smoke-serve",
+              "temperature": 0, "max_tokens": 8, "max_retries": 0}
+    chat = ChatOpenAI(**common)
+    msgs = [("system", "be brief"), ("human", "def add(a, b):")]
+    reply = chat.invoke(msgs)
+    assert reply.content and reply.response_metadata["finish_reason"] in ("stop", "length")
+    assert "".join(c.content for c in chat.stream(msgs)) == reply.content
+    scored = chat.bind(logprobs=True, top_logprobs=1).invoke(msgs)
+    assert scored.content == reply.content
+    assert len(scored.response_metadata["logprobs"]["content"]) >= 1
+    p = PROMPTS[0]
+    text = OpenAI(**{**common, "max_tokens": 24}).invoke(p)
+    assert text == offline[p][1]
+
+
 def test_chat_completions_through_the_openai_client(server):
     """Messages go through the chat template (the tiny tokenizer has none: the documented
     plain template); the reply equals the offline engine on that prompt, with usage and

@@ -63,8 +63,8 @@ def test_requests_joining_and_leaving_at_any_round_equal_decoding_alone(tiny_pai
                for rid in joins.get(rnd, [])]
         if new:
             tops = target.start(new, 0)
-            drafts.join([NewRow(r.rid, r.prompt_ids, greedy, None, seeded(1), top, feats)
-                         for r, (top, feats) in zip(new, tops, strict=True)])
+            drafts.join([NewRow(r.rid, r.prompt_ids, greedy, None, seeded(1), t.top, t.features)
+                         for r, t in zip(new, tops, strict=True)])
             for r in new:
                 live[r.rid] = {"path": None, "new": [], "out": [], "lengths": []}
         ready = sorted(live)[rnd % 2::2] or sorted(live)
@@ -89,6 +89,58 @@ def test_requests_joining_and_leaving_at_any_round_equal_decoding_alone(tiny_pai
                 assert target.end(rid) and drafts.end(rid)
     assert got == want
     assert len(target) == 0 and len(drafts) == 0 and not drafts.groups
+
+
+@pytest.mark.parametrize("name,params", [CASES[0], CASES[1]])
+def test_logprobs_are_the_targets_own_whatever_the_draft_and_the_batch(tiny_pair, name,
+                                                                       params):
+    """A row asking for logprobs (3 alternatives, echo) gets, per committed token, the
+    target's log-softmax at the position that predicted it, and per prompt token the
+    prefill's (None for the first), equal to one plain forward of the target over the
+    whole sequence, however many drafts a round accepted and whoever shared the batch;
+    a row that did not ask gets none."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    target, drafts = _pools(dec, {"name": name, **params})
+    ps = prompts(3)
+    rows = [NewRow(f"r{i}", p, SamplingParams(), RuleSpec("greedy"), seeded(0),
+                   logprobs=3 if i != 1 else None, echo=i == 0) for i, p in enumerate(ps)]
+    started = target.start(rows)
+    drafts.join(rows)
+    assert started[1].prompt_logprobs is None and started[2].prompt_logprobs is None
+    out = {r.rid: [] for r in rows}
+    lps = {r.rid: [] for r in rows}
+    path = {r.rid: None for r in rows}
+    new = {r.rid: [] for r in rows}
+    for _ in range(5):
+        props = drafts.propose([(rid, path[rid], new[rid], 4, None) for rid in out])
+        for rid, v in zip(out, target.verify([(rid, p.tree) for rid, p in zip(
+                out, props, strict=True)]), strict=True):
+            path[rid], new[rid] = v.path, v.new
+            out[rid] += v.new
+            assert (v.logprobs is None) == (rid == "r1")
+            lps[rid] += v.logprobs or []
+    assert max(len(v) for v in out.values()) > 5  # rounds accepted drafts
+    for i in (0, 2):
+        seq = ps[i] + out[f"r{i}"]
+        with torch.no_grad():
+            ref = torch.log_softmax(dec.target.model(torch.tensor([seq])).logits[0].float(), -1)
+        want = ref[len(ps[i]) - 1:-1]
+        got = lps[f"r{i}"]
+        assert [e[0] for e in got] == out[f"r{i}"]
+        torch.testing.assert_close(torch.tensor([e[1] for e in got]),
+                                   want[torch.arange(len(got)), out[f"r{i}"]],
+                                   atol=1e-4, rtol=0)
+        for e, row in zip(got, want, strict=True):
+            top = row.topk(3)
+            assert [a[0] for a in e[2]] == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor([a[1] for a in e[2]]), top.values,
+                                       atol=1e-4, rtol=0)
+        if i == 0:
+            echo = started[0].prompt_logprobs
+            assert echo[0] is None and [e[0] for e in echo[1:]] == ps[0][1:]
+            torch.testing.assert_close(
+                torch.tensor([e[1] for e in echo[1:]]),
+                ref[torch.arange(len(ps[0]) - 1), ps[0][1:]], atol=1e-4, rtol=0)
 
 
 def test_pools_group_drafters_by_sampling_and_name_unknown_requests(tiny_pair):

@@ -128,8 +128,8 @@ def generate_batch(
         if starts:
             tops = target.start([x.row for x in starts], prefill_top_k)
             if draft is not None:
-                draft.join([replace(x.row, prefill_top=top, features=feats)
-                            for x, (top, feats) in zip(starts, tops, strict=True)])
+                draft.join([replace(x.row, prefill_top=p.top, features=p.features)
+                            for x, p in zip(starts, tops, strict=True)])
             for x in starts:
                 x.answer(None)
         # 1. draft: every proposing row in one batched drafter call

@@ -155,10 +155,12 @@ class Verify:
 
 @dataclass
 class Committed:
-    """Tokens committed by the round that just ended (cut at EOS / the token limit)."""
+    """Tokens committed by the round that just ended (cut at EOS / the token limit) and,
+    when the target side reports them, their log-prob entries (cut alike)."""
 
     tokens: list[int]
     done: bool
+    logprobs: list | None = None
 
 
 Message = Start | Propose | Verify | Committed
@@ -203,7 +205,8 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
         stats.add_round(v.drafted, v.accepted, v.evaluated, len(out) - n0)
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t_start
-        yield Committed(out[n0:], done)
+        kept = len(out) - n0
+        yield Committed(out[n0:], done, None if v.logprobs is None else v.logprobs[:kept])
     return out
 
 

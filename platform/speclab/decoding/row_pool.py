@@ -33,6 +33,7 @@ import torch
 
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.drafting import BatchDrafter
+from speclab.decoding.logprobs import prompt_logprobs, token_logprobs
 from speclab.decoding.rules import RuleSpec, apply_rule
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.sides import Proposal, VerifyResult, check_prompt, committed_tokens
@@ -52,6 +53,20 @@ class NewRow:
     generator: torch.Generator | None = None
     prefill_top: list[list[int]] | None = None
     features: torch.Tensor | None = None
+    logprobs: int | None = None  # target log-probs of its tokens, with this many alternatives
+    echo: bool = False  # and of its prompt's tokens (with ``logprobs``)
+
+
+@dataclass
+class Prefilled:
+    """What the target's prefill returns for one joining row: its ``prefill_top_k`` best
+    tokens per prompt position (or None), its ``[P-1, H]`` features (or None) and, for a
+    row that asked for ``logprobs`` with ``echo``, its prompt tokens' entries
+    (:func:`~speclab.decoding.logprobs.prompt_logprobs`, or None)."""
+
+    top: list[list[int]] | None
+    features: torch.Tensor | None
+    prompt_logprobs: list | None = None
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -92,6 +107,7 @@ class TargetPool:
         self.samplings: list[SamplingParams] = []
         self.rules: list[RuleSpec] = []
         self.generators: list[torch.Generator] = []
+        self.logprobs: list[int | None] = []
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.rids
@@ -104,11 +120,10 @@ class TargetPool:
         self.features = True
         self.runner.track_hidden()
 
-    def start(self, rows: list[NewRow], prefill_top_k: int = 0
-              ) -> list[tuple[list[list[int]] | None, torch.Tensor | None]]:
+    def start(self, rows: list[NewRow], prefill_top_k: int = 0) -> list[Prefilled]:
         """Prefill ``prompt_ids[:-1]`` of every new row in ONE forward (a row id that is
-        already here starts over). Returns per row the target's ``prefill_top_k`` best
-        tokens per prompt position (or None) and its ``[P-1, H]`` features (or None)."""
+        already here starts over). Returns per row what the prefill gives it
+        (:class:`Prefilled`)."""
         if len({r.rid for r in rows}) != len(rows):
             raise ValueError("rows: a request id appears twice")
         for r in rows:
@@ -123,12 +138,16 @@ class TargetPool:
             if prefill_top_k and n:
                 top = logits[j, :n].topk(min(prefill_top_k, logits.shape[-1]), -1).indices.tolist()
             feats = self.runner.hidden[j, :n].clone() if self.features else None
-            out.append((top, feats))
+            echo = None
+            if r.logprobs is not None and r.echo:
+                echo = prompt_logprobs(logits[j, :n] if n else None, r.prompt_ids, r.logprobs)
+            out.append(Prefilled(top, feats, echo))
             self.rids.append(r.rid)
             self.roots.append(int(r.prompt_ids[-1]))
             self.samplings.append(r.sampling)
             self.rules.append(r.rule or RuleSpec("greedy"))
             self.generators.append(r.generator if r.generator is not None else seeded(0))
+            self.logprobs.append(r.logprobs)
         return out
 
     def verify(self, items: list[tuple[str, TokenTree | dict | None]]
@@ -172,8 +191,11 @@ class TargetPool:
             new = committed_tokens(tree, verdict)
             self.roots[b] = new[-1]
             feats = self.runner.hidden[b, verdict.path].clone() if self.features else None
+            lps = None
+            if self.logprobs[b] is not None:  # node path[i]'s row predicted new[i]
+                lps = token_logprobs(logits[b, verdict.path], new, self.logprobs[b])
             out.append(VerifyResult(verdict.path, new, verdict.accepted, verdict.evaluated,
-                                    tree.num_drafted, feats))
+                                    tree.num_drafted, feats, lps))
         self.runner.maybe_compact()
         return out
 
@@ -191,7 +213,8 @@ class TargetPool:
             return False
         b = self.rids.index(rid)
         self.runner.drop([b])
-        for state in (self.rids, self.roots, self.samplings, self.rules, self.generators):
+        for state in (self.rids, self.roots, self.samplings, self.rules, self.generators,
+                      self.logprobs):
             state.pop(b)
         if not self.rids:
             self.runner.release_rows()  # an idle pool holds no cache

@@ -48,7 +48,9 @@ class VerifyResult:
     """The target's verdict on one tree: the accepted node ``path`` (root first), the
     committed tokens ``new`` (accepted drafts + the bonus), the round's counters and,
     for feature drafters, the target's features ``[len(path), H]`` at the path's nodes
-    (the feature at node ``path[i]`` predicted ``new[i]``)."""
+    (the feature at node ``path[i]`` predicted ``new[i]``) and, for a request that asked
+    for them, the target's log-probs of ``new`` (one
+    :func:`~speclab.decoding.logprobs.token_logprobs` entry per token)."""
 
     path: list[int]
     new: list[int]
@@ -56,6 +58,7 @@ class VerifyResult:
     evaluated: int
     drafted: int
     features: Any = None
+    logprobs: list | None = None
 
     def to_dict(self) -> dict:
         """Wire form (``features`` packed by :func:`pack_tensor`)."""
