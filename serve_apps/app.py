@@ -122,6 +122,7 @@ def app_from_config(cfg: ServeJob):
                 "max_cached_tokens": sv.max_cached_tokens,
                 "target_buckets": buckets,
                 "replicas": {"target": sv.target.max_count, "draft": sv.draft.max_count}}
+    common["attn_implementation"] = m.attn_implementation
     target_app = t.bind(target, m.dtype, m.device, rec_target=rec_target,
                         torch_threads=sv.target.torch_threads, **common)
     draft_app = d.bind(target_app, draft, cfg.method.model_dump(mode="json"), vocab, m.dtype,

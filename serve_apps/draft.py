@@ -78,7 +78,8 @@ class DraftDeployment(RequestStates):
                  max_cached_tokens: int = 65536, idle_timeout_s: float = 60.0,
                  rec_draft: str | None = None, plugins: list[str] | None = None,
                  max_batch: int = 64, batch_wait_ms: float = 5.0, torch_threads: int = 1,
-                 buckets: int = 1, direct_rounds: bool = True) -> None:
+                 buckets: int = 1, direct_rounds: bool = True,
+                 attn_implementation: str = "auto") -> None:
         torch.set_num_threads(torch_threads)
         for module in plugins or []:
             importlib.import_module(module)
@@ -91,7 +92,7 @@ class DraftDeployment(RequestStates):
         if self.cfg.needs_draft_model:
             if draft is None:
                 raise ValueError(f"models.draft: method {self.method!r} needs a draft model")
-            self.model = load_model(draft, dtype, device, field="models.draft")
+            self.model = load_model(draft, dtype, device, "models.draft", attn_implementation)
             vocab = int(self.model.config.vocab_size)
             if vocab != target_vocab:
                 raise ValueError(f"models.draft: vocab_size {vocab} != target's {target_vocab}")

@@ -79,9 +79,9 @@ class TargetDeployment(RequestStates):
                  max_sessions: int = 64, max_cached_tokens: int = 65536,
                  idle_timeout_s: float = 60.0, rec_target: str | None = None,
                  max_batch: int = 64, batch_wait_ms: float = 5.0,
-                 torch_threads: int = 1) -> None:
+                 torch_threads: int = 1, attn_implementation: str = "auto") -> None:
         torch.set_num_threads(torch_threads)
-        self.model = load_model(target, dtype, device, field="models.target")
+        self.model = load_model(target, dtype, device, "models.target", attn_implementation)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
         self.eos = eos if eos is not None else self.model.config.eos_token_id

@@ -91,6 +91,7 @@ class Decoder:
         device: str = "cpu",
         compile: bool = False,
         capacity: int | None = None,
+        attn_implementation: str = "auto",
     ) -> Decoder:
         """Load from local folders, hub ids or ``models:/name/version`` URIs; the tokenizer
         comes from the target's folder. ``compile``: the fast path (every generate runs
@@ -98,11 +99,13 @@ class Decoder:
         ``torch.compile``'d forwards; each new shape compiles once, on first use).
         ``capacity`` None: per call, the longest prompt + ``max_new_tokens`` + 64 tree
         slots, rounded up to 64 (attention runs over the whole capacity, so tight is fast;
-        each new capacity compiles anew)."""
+        each new capacity compiles anew). ``attn_implementation``: ``auto`` (sdpa where
+        the model supports it, else eager), ``sdpa`` or ``eager``, for both models."""
         target = resolve_source(target, "target")
         draft = resolve_source(draft, "draft") if draft else None
-        target_model = load_model(target, dtype, device, field="target")
-        draft_model = load_model(draft, dtype, device, field="draft") if draft else None
+        target_model = load_model(target, dtype, device, "target", attn_implementation)
+        draft_model = load_model(draft, dtype, device, "draft", attn_implementation) \
+            if draft else None
         return cls(target_model, draft_model, load_tokenizer(target, field="target"),
                    compile=compile, capacity=capacity)
 

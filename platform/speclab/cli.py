@@ -81,6 +81,8 @@ def add_method_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--sample-top-k", type=int, default=0, help="top-k filter of the sampler")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--attn-implementation", default="auto",
+                   help="auto (sdpa where the model supports it, else eager), sdpa or eager")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
 
 
@@ -185,7 +187,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if any(p == "" for p in prompts):
         raise ValueError("prompt: must not be empty")
     dec = Decoder.from_pretrained(args.target, args.draft if cfg.needs_draft_model else None,
-                                  args.dtype, args.device, compile=args.compile)
+                                  args.dtype, args.device, compile=args.compile,
+                                  attn_implementation=args.attn_implementation)
     gen = {"method": cfg, "max_new_tokens": args.max_new_tokens,
            "temperature": args.temperature, "sample_top_k": args.sample_top_k,
            "top_p": args.top_p, "verify": args.verify,

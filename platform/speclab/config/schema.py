@@ -28,6 +28,8 @@ class ModelsConfig(StrictModel):
     draft: str | None = None
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:\d+)?)$")
+    attn_implementation: Literal["auto", "sdpa", "eager"] = Field(
+        "auto", description="auto: sdpa where the model supports it, else eager")
 
 
 class DataConfig(StrictModel):

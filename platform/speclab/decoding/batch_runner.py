@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from speclab.decoding.attention import attention_layout
 from speclab.decoding.tree import additive_mask
 
 
@@ -34,16 +35,19 @@ class BatchRunner:
 
     ``calls`` counts model forwards and ``seconds`` their wall time (synchronised on CUDA).
     ``hidden`` (after :meth:`track_hidden`): ``[B, T, H]`` final hidden states of the
-    last forward.
+    last forward. Sliding-window layers get windowed masks over the position id each
+    slot was written with (``slot_pos`` ``[B, S]``; :mod:`speclab.decoding.attention`).
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
+        self.layout = attention_layout(model.config)  # UnsupportedModel: refused here
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache: DynamicCache | None = None
         self.slots: list[torch.Tensor] = []  # per row: [length_b] physical slot of each position
         self.width = 0  # S, physical slots per row
+        self.slot_pos = torch.zeros(0, 0, dtype=torch.long)  # [B, S]: each slot's position id
         self.live = torch.zeros(0, 0, dtype=torch.bool)  # [B, S]: slot holds one of the row's
         self.calls = 0
         self.seconds = 0.0
@@ -107,12 +111,19 @@ class BatchRunner:
                                              s, t_new, s + t_new)
         if self.cache is None:
             self.cache = preallocated_cache(self.model.config)
-        mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]  # [B, 1, T, S+T]
+        if self.layout.window is None:
+            mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]  # [B,1,T,S+T]
+        else:
+            k_pos = torch.cat([self.slot_pos, pos], dim=1)
+            mask = self.layout.model_mask(seen, pos, k_pos, self.dtype)
+            mask = {k: v.to(self.device) for k, v in mask.items()} if isinstance(mask, dict) \
+                else mask.to(self.device)
         out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
                          attention_mask=mask, past_key_values=self.cache, use_cache=True)
         new_slots = torch.arange(s, s + t_new)
         self.slots = [torch.cat([sl, new_slots[:nb]]) for sl, nb in zip(self.slots, n)]
         self.live = torch.cat([self.live, query], dim=1)
+        self.slot_pos = torch.cat([self.slot_pos, pos], dim=1)
         self.width = s + t_new
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -129,9 +140,11 @@ class BatchRunner:
         if not sequences:
             return torch.zeros(0, 0, self.vocab_size)
         old_cache, old_slots, old_width, old_live = self.cache, self.slots, self.width, self.live
+        old_pos = self.slot_pos
         self.cache, self.slots, self.width = None, [torch.zeros(0, dtype=torch.long)
                                                     for _ in sequences], 0
         self.live = torch.zeros(len(sequences), 0, dtype=torch.bool)
+        self.slot_pos = torch.zeros(len(sequences), 0, dtype=torch.long)
         # rows with nothing to prefill get one hidden padding slot, so the cache exists
         logits = self.forward([torch.tensor(q, dtype=torch.long) for q in sequences])
         if old_cache is None or not old_slots:
@@ -143,6 +156,7 @@ class BatchRunner:
                 torch.cat([_pad_seq(old.keys, width), _pad_seq(new.keys, width)]),
                 torch.cat([_pad_seq(old.values, width), _pad_seq(new.values, width)]))
         self.live = torch.cat([_pad_cols(old_live, width), _pad_cols(self.live, width)])
+        self.slot_pos = torch.cat([_pad_cols(old_pos, width), _pad_cols(self.slot_pos, width)])
         self.cache, self.slots, self.width = old_cache, old_slots + self.slots, width
         return logits
 
@@ -162,12 +176,14 @@ class BatchRunner:
                                         layer.values.index_select(0, idx))
         self.slots = [self.slots[b] for b in keep]
         self.live = self.live[keep]
+        self.slot_pos = self.slot_pos[keep]
         self.maybe_compact()
 
     def release_rows(self) -> None:
         """Drop every row and the cache (the hidden-state hook stays)."""
         self.cache, self.slots, self.width, self.hidden = None, [], 0, None
         self.live = torch.zeros(0, 0, dtype=torch.bool)
+        self.slot_pos = torch.zeros(0, 0, dtype=torch.long)
 
     @torch.inference_mode()
     def keep(self, row: int, positions: list[int]) -> None:
@@ -202,6 +218,7 @@ class BatchRunner:
             g = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
         lengths = torch.tensor([sl.shape[0] for sl in self.slots])
+        self.slot_pos = self.slot_pos.gather(1, idx.cpu())
         self.slots = [torch.arange(sl.shape[0]) for sl in self.slots]
         self.live = torch.arange(width)[None, :] < lengths[:, None]
         self.width = width
@@ -250,7 +267,7 @@ def batch_inputs(tokens: list[torch.Tensor], positions: list[torch.Tensor | None
 
 
 def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``[B, S]`` bool padded with False to ``[B, width]``."""
+    """``[B, S]`` (bool or positions) padded with zeros (False) to ``[B, width]``."""
     return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1])], dim=1)
 
 

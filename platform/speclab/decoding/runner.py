@@ -12,6 +12,7 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from speclab.decoding.attention import attention_layout
 from speclab.decoding.tree import TokenTree, additive_mask
 
 
@@ -19,14 +20,19 @@ class ModelRunner:
     """Runs one HF causal LM over a single sequence with a persistent ``DynamicCache``.
 
     ``calls`` counts forwards and ``seconds`` their wall time (synchronised on CUDA).
+    A model with sliding-window layers keeps a full cache and gets explicit windowed
+    masks (:mod:`speclab.decoding.attention`); ``key_pos`` ``[length]`` holds the position
+    id each cached key was written with.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
+        self.layout = attention_layout(model.config)  # UnsupportedModel: refused here
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache: DynamicCache | None = None
         self.length = 0
+        self.key_pos = torch.zeros(0, dtype=torch.long)
         self.calls = 0
         self.seconds = 0.0
         self.hidden: torch.Tensor | None = None  # [T, H] of the last forward, when tracked
@@ -49,15 +55,19 @@ class ModelRunner:
             self._hook.remove()
             self._hook = None
         self.cache, self.length, self.hidden = None, 0, None
+        self.key_pos = torch.zeros(0, dtype=torch.long)
 
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
     def reset(self) -> None:
-        """Forget the cache (start a new sequence); counters are kept."""
-        self.cache = DynamicCache(config=self.model.config)
+        """Forget the cache (start a new sequence); counters are kept. Sliding layers get
+        full cache layers too (transformers' rolling ones cannot roll back a draft)."""
+        self.cache = DynamicCache() if self.layout.window else \
+            DynamicCache(config=self.model.config)
         self.length = 0
+        self.key_pos = torch.zeros(0, dtype=torch.long)
 
     @torch.inference_mode()
     def forward(
@@ -87,9 +97,18 @@ class ModelRunner:
         t0 = time.perf_counter()
         n = tokens.shape[0]
         if positions is None:
-            positions = torch.arange(self.length, self.length + n, device=self.device)
+            positions = torch.arange(self.length, self.length + n)
+        positions = positions.cpu()
         mask = None
-        if allowed is not None:
+        if self.layout.window is not None:  # explicit masks: the window by position ids
+            if allowed is None:
+                allowed = torch.ones(n, self.length + n, dtype=torch.bool).tril(self.length)
+            k_pos = torch.cat([self.key_pos, positions])
+            mask = self.layout.model_mask(allowed.cpu()[None], positions[None], k_pos[None],
+                                          self.dtype)
+            mask = {k: v.to(self.device) for k, v in mask.items()} if isinstance(mask, dict) \
+                else mask.to(self.device)
+        elif allowed is not None:
             mask = additive_mask(allowed.to(self.device), self.dtype)
         out = self.model(
             input_ids=tokens.to(self.device)[None],
@@ -100,6 +119,7 @@ class ModelRunner:
             **inputs,
         )
         self.length += n
+        self.key_pos = torch.cat([self.key_pos, positions])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.calls += 1
@@ -115,12 +135,14 @@ class ModelRunner:
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(-2, idx)
             layer.values = layer.values.index_select(-2, idx)
+        self.key_pos = self.key_pos[idx.cpu()]
         self.length = len(keep)
 
     def crop(self, length: int) -> None:
         """Drop every cache position from ``length`` on."""
         if length < self.length:
             self.cache.crop(length - self.length)  # crop(-n) removes n positions
+        self.key_pos = self.key_pos[:length]
         self.length = length
 
 

@@ -127,6 +127,13 @@ class StaticBatchRunner(BatchRunner):
 
     def __init__(self, fast: FastPath) -> None:
         super().__init__(fast.model)
+        if self.layout.window is not None:
+            from speclab.decoding.attention import UnsupportedModel
+
+            raise UnsupportedModel(
+                f"compile: model type {fast.model.config.model_type!r} has sliding-window "
+                f"layers ({self.layout.describe()}), which the compiled fast path does not "
+                "mask yet; run it without compile (the default path honours them)")
         self.fast = fast
         self.phys: list[int] = []  # physical row of each logical row
         self.live = torch.zeros(fast.rows, fast.capacity, dtype=torch.bool)

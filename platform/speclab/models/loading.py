@@ -15,6 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: attention implementations a model may be loaded with: ``auto`` is sdpa where the model
+#: supports it, else eager (Gemma-2: its logit soft-capping has no sdpa kernel);
+#: flex_attention is left out (with the engine's 4D masks it crashed on CPU)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager")
 
 
 class ModelLoadError(ValueError):
@@ -89,30 +93,51 @@ def _check_source(source: str, field: str) -> str:
 
 
 def load_model(
-    source: str, dtype: str = "float32", device: str = "cpu", field: str = "model"
+    source: str, dtype: str = "float32", device: str = "cpu", field: str = "model",
+    attn_implementation: str = "auto",
 ) -> PreTrainedModel:
-    """Load a causal LM in eval mode with sdpa attention.
+    """Load a causal LM in eval mode.
 
     Args:
         source: local folder or hub id.
         dtype: one of ``float32``, ``float16``, ``bfloat16``.
         device: ``cpu``, ``cuda[:i]`` or ``auto``.
         field: name used in error messages (``target`` / ``draft``).
+        attn_implementation: ``auto`` (sdpa where the model supports it, else eager),
+            ``sdpa`` or ``eager`` (:data:`ATTN_IMPLEMENTATIONS`).
+    Raises:
+        ModelLoadError naming ``field`` for a model the engine cannot decode correctly
+        (:func:`speclab.decoding.attention.attention_layout`) or cannot load.
     """
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype: must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ModelLoadError(f"attn_implementation: must be one of "
+                             f"{list(ATTN_IMPLEMENTATIONS)}, got {attn_implementation!r}")
     src = _check_source(source, field)
+    impl = "sdpa" if attn_implementation == "auto" else attn_implementation
     try:  # code shipped with a model (config auto_map) is never run
-        model = AutoModelForCausalLM.from_pretrained(
-            src, dtype=DTYPES[dtype], attn_implementation="sdpa", trust_remote_code=False
-        )
+        model = _from_pretrained(src, dtype, impl)
     except ValueError as exc:
-        if "trust_remote_code" not in str(exc):
-            raise
-        raise ModelLoadError(
-            f"{field}: {source!r} needs custom code shipped with the model; speclab never "
-            "runs it (trust_remote_code is always off)") from None
+        if "trust_remote_code" in str(exc):
+            raise ModelLoadError(
+                f"{field}: {source!r} needs custom code shipped with the model; speclab "
+                "never runs it (trust_remote_code is always off)") from None
+        if attn_implementation != "auto" or "attention implementation" not in str(exc):
+            raise ModelLoadError(f"{field}: {source!r}: {exc}") from None
+        model = _from_pretrained(src, dtype, "eager")  # the model has no sdpa path
+    from speclab.decoding.attention import UnsupportedModel, attention_layout
+
+    try:
+        attention_layout(model.config)
+    except UnsupportedModel as exc:
+        raise ModelLoadError(f"{field}: {exc}") from None
     return model.to(resolve_device(device)).eval()
+
+
+def _from_pretrained(src: str, dtype: str, impl: str) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(
+        src, dtype=DTYPES[dtype], attn_implementation=impl, trust_remote_code=False)
 
 
 def load_tokenizer(source: str, field: str = "tokenizer"):

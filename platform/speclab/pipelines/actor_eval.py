@@ -37,7 +37,7 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     shards = [prompts[i::n_act] for i in range(n_act)]
     gen = cfg.decoding.model_dump()
     device = "cuda" if cfg.resources.num_gpus_per_actor > 0 else cfg.models.device
-    dtype = cfg.models.dtype
+    dtype, attn = cfg.models.dtype, cfg.models.attn_implementation
 
     @ray.remote
     class EvalWorker:
@@ -46,7 +46,8 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
         def __init__(self) -> None:
             from speclab.api import Decoder
 
-            self.dec = Decoder.from_pretrained(target, draft, dtype, device)
+            self.dec = Decoder.from_pretrained(target, draft, dtype, device,
+                                               attn_implementation=attn)
 
         def run(self, shard: list[list[int]]) -> dict:
             from speclab.evaluation import interleaved_comparison
