@@ -48,6 +48,19 @@ def add_parsers(sub) -> None:
     p.add_argument("--context-chars", type=int, default=300)
     p.add_argument("--out", default="shift_out", help="folder for shift.json")
     HANDLERS["shift"] = cmd_shift
+
+    p = sub.add_parser("check-model", help="compatibility report for a checkpoint: what it "
+                                           "is, and whether every method decodes it exactly "
+                                           "(exit 0; 2 with the reasons)")
+    p.add_argument("--target", required=True, help="folder, hub id or models:/ URI")
+    p.add_argument("--draft", default=None, help="a draft model: also checks chain, tree, salf")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--attn-implementation", default="auto", help="auto, sdpa or eager")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", default="check_model_out", help="folder for check_model.json")
+    HANDLERS["check-model"] = cmd_check_model
     _add_job_parsers(sub)
 
 
@@ -122,6 +135,51 @@ def cmd_shift(args: argparse.Namespace) -> int:
         "samples": args.samples, "rows": rows, "mean": mean}, indent=2, default=str))
     print(f"[shift] wrote {out / 'shift.json'}")
     return 0
+
+
+def cmd_check_model(args: argparse.Namespace) -> int:
+    """Print the report (:mod:`speclab.compat`), write ``<out>/check_model.json``; 2 when
+    the model is refused or a method's output differs."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from speclab.api import Decoder
+    from speclab.compat import check_model
+    from speclab.data.prompts import load_prompts
+    from speclab.evaluation import format_table
+
+    for name in ("num_prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
+    out = Path(args.out)
+    try:
+        dec = Decoder.from_pretrained(args.target, args.draft, args.dtype, args.device,
+                                      attn_implementation=args.attn_implementation)
+    except (ValueError, OSError) as exc:  # refused or unloadable: the reason, status 2
+        print(f"[check-model] REFUSED: {exc}")
+        return 2
+    if dec.tokenizer is not None:
+        prompts = [dec.encode(t) for t in load_prompts("stdlib_functions", args.num_prompts)]
+    else:  # no tokenizer: random token ids of a few lengths
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, dec.target.vocab_size, (8 + 7 * i,), generator=g).tolist()
+                   for i in range(args.num_prompts)]
+    report = check_model(dec, prompts, args.max_new_tokens)
+    for side in ("target", "draft"):
+        if report[side]:
+            print(f"{side}: " + ", ".join(f"{k}={v}" for k, v in report[side].items()))
+    cols = [("method", "{}"), ("mode", "{}"), ("against", "{}"), ("prompts", "{}"),
+            ("identical", "{}"), ("near_ties", "{}"), ("differing", "{}"), ("tau", "{:.2f}"),
+            ("tokens_per_s", "{:.1f}")]
+    print(format_table(report["rows"], cols))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "check_model.json").write_text(json.dumps(report, indent=2))
+    print(f"[check-model] wrote {out / 'check_model.json'}")
+    for problem in report["problems"]:
+        print(f"[check-model] PROBLEM: {problem}")
+    return 2 if report["problems"] else 0
 
 
 def _add_job_parsers(sub) -> None:

@@ -109,3 +109,73 @@ def test_unsupported_layer_kinds_and_implementations_are_refused_by_name(familie
         load_model(families["llama"][0], attn_implementation="flash")
     with pytest.raises(ModelLoadError, match="models.target"):
         load_model(families["gemma2"][0], field="models.target", attn_implementation="sdpa")
+
+
+def _check_model(*args: str, cwd) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "speclab.cli", "check-model", *args,
+                          "--out", str(cwd / "out")], capture_output=True, text=True,
+                         timeout=300, cwd=cwd)
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_check_model_reports_a_users_checkpoint_and_refuses_what_it_cannot_decode(
+        families, tmp_path):
+    """``speclab check-model`` (a subprocess, as a user runs it): a sliding-window family
+    with its draft passes every method, single and batched (exit 0, JSON written); a
+    model with a layer kind the engine does not honour is REFUSED naming it (exit 2)."""
+    import json
+
+    target, draft = families["gemma3_text"]
+    rc, out = _check_model("--target", target, "--draft", draft, "--num-prompts", "2",
+                           "--max-new-tokens", "24", cwd=tmp_path)
+    assert rc == 0, out
+    assert "model_type=gemma3_text" in out and "sliding-window (16)" in out
+    report = json.loads((tmp_path / "out" / "check_model.json").read_text())
+    assert {(r["method"], r["mode"]) for r in report["rows"]} == {
+        (m, mode) for m in ("ar", "pld", "chain", "tree", "salf")
+        for mode in ("single", "batched")}
+    assert all(r["identical"] == 2 and r["differing"] == 0 for r in report["rows"])
+    cfg = AutoConfig.for_model("qwen2", **BASE)
+    cfg.layer_types = ["full_attention", "chunked_attention"]
+    bad = tmp_path / "chunked"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(bad)
+    rc, out = _check_model("--target", str(bad), cwd=tmp_path)
+    assert rc == 2 and "REFUSED" in out and "chunked_attention" in out, out
+
+
+@pytest.mark.parametrize("family", ["gemma", "mistral", "qwen2"])
+def test_feature_drafters_train_and_decode_on_other_families(families, family, tmp_path):
+    """EAGLE drafters (a LLaMA-style layer with the target's sizes, reading the LM head's
+    input) and Medusa heads train on a Gemma (tied embeddings), a Mistral (sliding
+    window) and a Qwen2 target and decode them exactly, one prompt at a time and
+    batched."""
+    from speclab.models.eagle import save_eagle
+    from speclab.models.medusa import save_medusa
+
+    from .test_eagle import _train as train_eagle
+    from .test_medusa import _train as train_medusa
+
+    target, _ = families[family]
+    eagle, eagle_losses, batch = train_eagle(target, 40, windows=16, length=24)
+    heads, medusa_losses = train_medusa(target, 40)
+    assert eagle_losses[-1] < eagle_losses[0] and medusa_losses[-1] < medusa_losses[0]
+    prompts = _prompts()
+    want = [_hf_greedy(target, p) for p in prompts]
+    dec = Decoder.from_pretrained(target)
+    for knobs in ({"method": "eagle", "eagle_model": str(save_eagle(eagle, tmp_path / "e")),
+                   "builder": "salf", "nodes": 8, "batch": 2},
+                  {"method": "medusa", "tree": "sparse", "nodes": 8,
+                   "medusa_model": str(save_medusa(heads, tmp_path / "m", heads.tree))}):
+        single = [dec.generate(prompt_ids=p, max_new_tokens=NEW, **knobs) for p in prompts]
+        assert [r.token_ids for r in single] == want, (family, knobs["method"])
+        batched = dec.generate(prompts=prompts, max_new_tokens=NEW, **knobs)
+        assert [r.token_ids for r in batched] == want, (family, knobs["method"], "batched")
+        # accepted on a start like the training data's (a random tiny Gemma repeats one
+        # token forever, so a drafter trained on its continuations knows those tokens)
+        seen = batch["tokens"][0, :3].tolist()
+        res = dec.generate(prompt_ids=seen, max_new_tokens=NEW, **knobs)
+        assert res.token_ids == _hf_greedy(target, seen)
+        assert res.stats.accepted_tokens > 0, (family, knobs["method"])

@@ -39,6 +39,7 @@ class EagleMeta:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_positions: int = 2048
+    embed_scale: float = 1.0  # the target family's input-embedding multiplier
     kind: str = KIND
 
     @classmethod
@@ -49,6 +50,7 @@ class EagleMeta:
         if rope is None:  # transformers 5 keeps it in rope_parameters
             rope = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         return cls(target_architecture=arch, hidden_size=int(config.hidden_size),
+                   embed_scale=embedding_scale(config),
                    vocab_size=int(config.vocab_size), layers=layers,
                    heads=int(config.num_attention_heads),
                    intermediate_size=int(getattr(config, "intermediate_size", 0)
@@ -112,12 +114,24 @@ class EagleModel(nn.Module):
         """``features [B, T, H]`` (``f_t``), ``input_ids [B, T]`` (``x_{t+1}``) ->
         ``(f_hat [B, T, H], logits [B, T, V])``. ``attention_mask``: None (causal), a
         ``[B, S]`` padding mask or a ``[B, 1, T, S]`` additive mask (tree attention)."""
-        x = self.fc(torch.cat([features.to(self.fc.weight.dtype), self.embed(input_ids)], -1))
+        emb = self.embed(input_ids)
+        if self.meta.embed_scale != 1.0:  # as the target family embeds (Gemma: sqrt(H))
+            emb = emb * self.meta.embed_scale
+        x = self.fc(torch.cat([features.to(self.fc.weight.dtype), emb], -1))
         out = self.decoder(inputs_embeds=x, position_ids=position_ids,
                            attention_mask=attention_mask, past_key_values=past_key_values,
                            use_cache=use_cache)
         f_hat = out.last_hidden_state
         return f_hat, self.lm_head(f_hat)
+
+
+def embedding_scale(config) -> float:
+    """The multiplier a target family applies to its input embeddings (the drafter
+    embeds tokens as the target does): ``sqrt(hidden_size)`` for the Gemma families,
+    Granite's ``embedding_multiplier``, else 1."""
+    if str(getattr(config, "model_type", "")).startswith("gemma"):
+        return float(config.hidden_size) ** 0.5
+    return float(getattr(config, "embedding_multiplier", None) or 1.0)
 
 
 def save_eagle(model: EagleModel, folder: str | Path) -> Path:
