@@ -58,6 +58,20 @@ class _FixedLayer(DynamicLayer):
         return 0
 
 
+@torch.inference_mode()
+def kv_shapes(model: PreTrainedModel) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Per layer, the (heads, head_dim) of the keys and of the values the model caches,
+    read from one probe forward of one token: a config's ``num_key_value_heads`` or
+    ``head_dim`` may be absent or not used by its family (GPT-2 keeps every head)."""
+    device = next(model.parameters()).device
+    probe = DynamicCache()
+    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+          past_key_values=probe, use_cache=True)
+    return [((int(layer.keys.shape[1]), int(layer.keys.shape[-1])),
+             (int(layer.values.shape[1]), int(layer.values.shape[-1])))
+            for layer in probe.layers]
+
+
 class FastPath:
     """A model's static cache (``rows`` x ``capacity`` slots) and its compiled step.
 
@@ -73,18 +87,16 @@ class FastPath:
         self.model, self.rows, self.capacity = model, rows, capacity
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        shape = (rows, heads, capacity, head_dim)
         self.positions: dict[int, torch.Tensor] = {}
         t = 1
         while t <= capacity:
             self.positions[t] = torch.zeros(t, dtype=torch.long, device=self.device)
             t *= 2
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                     for _ in range(cfg.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                       for _ in range(cfg.num_hidden_layers)]
+        shapes = kv_shapes(model)  # what each layer really caches (configs can mislead)
+        self.keys = [torch.zeros(rows, h, capacity, d, dtype=self.dtype, device=self.device)
+                     for (h, d), _ in shapes]
+        self.values = [torch.zeros(rows, h, capacity, d, dtype=self.dtype, device=self.device)
+                       for _, (h, d) in shapes]
         self.cache = DynamicCache(config=cfg)
         self.cache.layers = [_FixedLayer(k, v, self.positions)
                              for k, v in zip(self.keys, self.values, strict=True)]
