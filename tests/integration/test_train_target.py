@@ -26,12 +26,16 @@ SMOKE = "experiments/smoke/train_target.yaml"
 
 def test_registered_target_loads_into_the_engine(job_env, tmp_path, monkeypatch):
     res = run_cmd([python(), "-m", "jobs.train_target", "--config", SMOKE,
-                   f"output.storage_path={tmp_path / 'runs'}"], job_env)
+                   f"output.storage_path={tmp_path / 'runs'}",
+                   "train.precision=bfloat16"], job_env)  # mixed precision (autocast)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "registered as models:/speclab-smoke-target/1" in res.stdout
     client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "loss")]
     assert steps == [10, 20, 30]
+    loss = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert loss[30] < loss[10], loss  # it trains under bfloat16 autocast
+    assert run.data.params["train.precision"] == "bfloat16"
     assert run.data.metrics["final_step"] == 30
     assert run.data.metrics["tokens_per_s_per_worker"] > 0
     assert run.data.metrics["peak_rss_mb"] > 0
@@ -104,6 +108,7 @@ def test_killed_worker_resumes_from_checkpoint(job_env, tmp_path):
         (["tokenizer.path=/nonexistent/tok"], "tokenizer.path"),
         (["arch.hidden=100", "arch.heads=3"], "hidden (100) must be divisible by heads (3)"),
         (["train.resume=true"], "output.run_name: required"),
+        (["train.precision=float16"], "train.precision: float16 needs GPUs"),
     ],
 )
 def test_bad_input_fails_before_training(job_env, tmp_path, overrides, message):

@@ -214,6 +214,9 @@ class _Trains(ExperimentConfig):
     def _resume_needs_name(self):
         if self.train.resume and not self.output.run_name:
             raise ValueError("output.run_name: required when train.resume is true")
+        if self.train.precision == "float16" and not self.scaling.use_gpu:
+            raise ValueError("train.precision: float16 needs GPUs (scaling.use_gpu: true); "
+                             "use bfloat16 on CPU")
         return self
 
 

@@ -170,6 +170,10 @@ class TrainConfig(StrictModel):
     seed: int = 0
     resume: bool = Field(False, description="continue the run named output.run_name")
     max_failures: int = Field(2, ge=0, description="worker-group restarts (FailureConfig)")
+    precision: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="mixed precision: the loss under torch.autocast in this dtype "
+                               "(weights and optimizer stay float32); float16 (with a "
+                               "GradScaler) needs GPUs, bfloat16 runs on CPU too")
 
 
 class TrainScalingConfig(StrictModel):

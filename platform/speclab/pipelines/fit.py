@@ -98,13 +98,25 @@ def train_loop(config: dict) -> None:
         if metrics_out is not None:  # the run records each restart, not only the log
             metrics_out.add(config["run_id"], {"resumed_from_step": start}, step=start)
     t_last, seen, losses = time.perf_counter(), 0, []
+    amp = tr.precision != "float32"  # mixed precision: float32 weights, autocast loss
+    amp_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(tr.precision)
+    scaler = torch.amp.GradScaler(device.type) if tr.precision == "float16" else None
     for step in range(start, tr.steps):
         batch = task.batch(step, rank)  # depends only on (seed, step, rank)
-        loss = task.loss(model, batch)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
+            loss = task.loss(model, batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if scaler is not None:  # float16: scaled gradients, unscaled before clipping
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         sched.step()
         losses.append(loss.item())
         seen += task.tokens_in(batch)
