@@ -182,23 +182,20 @@ def test_feature_drafters_train_and_decode_on_other_families(families, family, t
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_fast_paths_static_layout_decodes_every_family_or_refuses_it(families, family,
-                                                                        monkeypatch):
+def test_the_fast_paths_static_layout_decodes_every_family(families, family, monkeypatch):
     """The fast path's static cache and masks (run eagerly here: compiling each family
-    would take minutes) give HF greedy's tokens for every family without a sliding
-    window; a sliding-window family is refused by name, not decoded wrongly."""
+    would take minutes) give HF greedy's tokens for every family, sliding windows
+    included."""
     from speclab.decoding.static_runner import FastPath, StaticBatchRunner
 
     target, draft = families[family]
     dec = Decoder.from_pretrained(target, draft)
     monkeypatch.setattr(dec, "compile", True)
+    # 96 slots per row: the frontier reaches them within a few rounds, so the rows are
+    # compacted in place mid-decode (the windows then read the gathered positions)
     monkeypatch.setattr(dec, "batch_runner", lambda model, rows, capacity: StaticBatchRunner(
-        FastPath(model, rows, capacity, compile=False)))
+        FastPath(model, rows, 96, compile=False)))
     prompts = _prompts()
-    if attention_layout(dec.target.model.config).window is not None:
-        with pytest.raises(UnsupportedModel, match=f"{family}.*sliding"):
-            dec.generate(prompts=prompts, method="chain", max_new_tokens=NEW, gamma=3)
-        return
     want = [_hf_greedy(target, p) for p in prompts]
     for name, knobs in METHODS[::2]:
         res = dec.generate(prompts=prompts, method=name, max_new_tokens=NEW, **knobs)

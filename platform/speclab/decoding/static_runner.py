@@ -139,16 +139,11 @@ class StaticBatchRunner(BatchRunner):
 
     def __init__(self, fast: FastPath) -> None:
         super().__init__(fast.model)
-        if self.layout.window is not None:
-            from speclab.decoding.attention import UnsupportedModel
-
-            raise UnsupportedModel(
-                f"compile: model type {fast.model.config.model_type!r} has sliding-window "
-                f"layers ({self.layout.describe()}), which the compiled fast path does not "
-                "mask yet; run it without compile (the default path honours them)")
         self.fast = fast
         self.phys: list[int] = []  # physical row of each logical row
         self.live = torch.zeros(fast.rows, fast.capacity, dtype=torch.bool)
+        # the position id each physical slot was written with (sliding-window masks)
+        self.slot_pos = torch.zeros(fast.rows, fast.capacity, dtype=torch.long)
         self.width = 0  # the write frontier, shared by all physical rows
 
     @property
@@ -165,6 +160,7 @@ class StaticBatchRunner(BatchRunner):
         super().release_rows()
         self.phys = []
         self.live = torch.zeros(self.fast.rows, self.fast.capacity, dtype=torch.bool)
+        self.slot_pos = torch.zeros(self.fast.rows, self.fast.capacity, dtype=torch.long)
 
     @torch.inference_mode()
     def forward(self, tokens, positions=None, allowed=None) -> torch.Tensor:
@@ -190,7 +186,13 @@ class StaticBatchRunner(BatchRunner):
         cols = torch.arange(t_new)
         seen[:, cols, s + cols] = True
         ids[phys], pos[phys], seen[phys] = ids_l, pos_l, seen_l
-        mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]
+        self.slot_pos[:, s:s + t_new] = pos  # padding queries: position 0 at their own slot
+        if self.layout.window is None:
+            mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]
+        else:
+            mask = self.layout.model_mask(seen, pos, self.slot_pos, self.dtype)
+            mask = {k: v.to(self.device) for k, v in mask.items()} if isinstance(mask, dict) \
+                else mask.to(self.device)
         logits = self.fast.run(ids.to(self.device), pos.to(self.device), mask, s)
         idx = phys.to(logits.device)
         new_slots = torch.arange(s, s + t_new)
@@ -228,6 +230,7 @@ class StaticBatchRunner(BatchRunner):
                 v[p, :, base:base + n] = layer.values[r, :, :n]
             self.live[p] = False
             self.live[p, base:base + n] = True
+            self.slot_pos[p, base:base + n] = pre.slot_pos[r, :n]
             self.phys.append(p)
             self.slots.append(torch.arange(base, base + n))
         pre.release()
@@ -274,6 +277,8 @@ class StaticBatchRunner(BatchRunner):
             g = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
             k[phys, :, :idx.shape[1]] = k[phys].gather(2, g)
             v[phys, :, :idx.shape[1]] = v[phys].gather(2, g)
+        idx_cpu = idx.cpu()
+        self.slot_pos[phys.cpu(), :idx_cpu.shape[1]] = self.slot_pos[phys.cpu()].gather(1, idx_cpu)
         self.live.zero_()
         for b, p in enumerate(self.phys):
             self.live[p, :self.length(b)] = True
