@@ -123,10 +123,11 @@ def app_from_config(cfg: ServeJob):
                 "target_buckets": buckets,
                 "replicas": {"target": sv.target.max_count, "draft": sv.draft.max_count}}
     common["attn_implementation"] = m.attn_implementation
-    target_app = t.bind(target, m.dtype, m.device, rec_target=rec_target,
+    target_app = t.bind(target, m.dtype, cfg.device_of("target"), rec_target=rec_target,
                         torch_threads=sv.target.torch_threads, **common)
     draft_app = d.bind(target_app, draft, cfg.method.model_dump(mode="json"), vocab, m.dtype,
-                       m.device, rec_draft=rec_draft, plugins=plugin_modules(cfg.method),
+                       cfg.device_of("draft"), rec_draft=rec_draft,
+                       plugins=plugin_modules(cfg.method),
                        torch_threads=sv.draft.torch_threads, buckets=buckets,
                        direct_rounds=sv.direct_rounds, **common)
     return i.bind(target_app, draft_app, settings)

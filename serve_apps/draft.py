@@ -48,7 +48,7 @@ from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.sides import DraftSide, Proposal, VerifyResult
 from speclab.decoding.wire import unpack_tensor
 from speclab.drafters.registry import BuildContext, build_drafter, make_batch_drafter
-from speclab.models.loading import load_model
+from speclab.models.loading import DTYPES, load_model, resolve_device
 
 
 @dataclass
@@ -89,6 +89,7 @@ class DraftDeployment(RequestStates):
         self.cfg = parse_method(method)
         self.method = self.cfg.name
         self.model = None
+        self.device, self.dtype = resolve_device(device), dtype  # feature drafters' too
         if self.cfg.needs_draft_model:
             if draft is None:
                 raise ValueError(f"models.draft: method {self.method!r} needs a draft model")
@@ -121,7 +122,8 @@ class DraftDeployment(RequestStates):
 
     def _context(self, sampling: SamplingParams, generator) -> BuildContext:
         runner = ModelRunner(self.model) if self.model is not None else None
-        return BuildContext(runner, sampling, generator, self.resources)
+        return BuildContext(runner, sampling, generator, self.resources,
+                            device=self.device, dtype=DTYPES[self.dtype])
 
     def _make(self, sampling: SamplingParams) -> BatchDrafter:
         ctx = self._context(sampling, None)

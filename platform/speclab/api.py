@@ -78,7 +78,8 @@ class Decoder:
         self.last_batch: BatchStats | None = None  # figures of the last batched generate
         # the opt-in fast path: static caches and compiled forwards, one per (model, rows)
         self.compile, self.capacity = bool(compile), capacity
-        self._fast: dict[tuple[int, int, int], FastPath] = {}
+        self._fast: dict[tuple[int, int], FastPath] = {}  # (model, rows): ONE static cache
+        self._retired_warmup_s = 0.0
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -201,23 +202,30 @@ class Decoder:
                  capacity: int = 0) -> BuildContext:
         return BuildContext(draft, params, generator, self._resources, self.target.model.config,
                             self.target.model,
-                            lambda model: self.batch_runner(model, rows, capacity))
+                            lambda model: self.batch_runner(model, rows, capacity),
+                            self.target.device, self.target.dtype)
 
     def batch_runner(self, model: PreTrainedModel, rows: int, capacity: int) -> BatchRunner:
         """A batched runner over ``model`` for up to ``rows`` rows: the static, compiled
         fast path (``capacity`` slots per row) when the Decoder was built with
-        ``compile=True``."""
+        ``compile=True``. One static cache per (model, rows): a call needing more
+        capacity replaces it (the old one is freed), one needing less reuses it, so
+        prompts of many lengths neither pile up caches nor compile each time."""
         if not self.compile:
             return BatchRunner(model)
-        key = (id(model), rows, capacity)
-        if key not in self._fast:
-            self._fast[key] = FastPath(model, rows, capacity)
-        return StaticBatchRunner(self._fast[key])
+        key = (id(model), rows)
+        fast = self._fast.get(key)
+        if fast is None or fast.capacity < capacity:
+            if fast is not None:
+                self._retired_warmup_s += fast.warmup_s
+                del self._fast[key]  # freed before the new one is allocated
+            fast = self._fast[key] = FastPath(model, rows, capacity)
+        return StaticBatchRunner(fast)
 
     @property
     def warmup_s(self) -> float:
         """Seconds spent so far in forwards that compiled a new shape (fast path)."""
-        return sum(f.warmup_s for f in self._fast.values())
+        return self._retired_warmup_s + sum(f.warmup_s for f in self._fast.values())
 
     def _generate_batch(self, prompts: list[list[int]], cfg: MethodSpec, params: SamplingParams,
                         batch_size: int | None, max_new_tokens: int, verify: str | None,

@@ -852,6 +852,8 @@ def test_aasd_app_sends_the_prefill_top_tokens_to_the_drafter(tmp_path, tiny):
     ("serve.rec_target=/x", "rec_target and rec_draft: give both"),
     ("serve.target.num_cpus=0", "serve.target.num_cpus"),
     ("models.target=/nonexistent/model", "models.target"),
+    ("serve.draft.num_gpus=1", "models.device: 'cpu' but serve.draft.num_gpus is 1"),
+    ("models.device=cuda", "models.device: 'cuda' but serve.target.num_gpus is 0"),
 ])
 def test_bad_serve_config_is_refused_before_anything_starts(override, message):
     res = subprocess.run([sys.executable, "-m", "speclab.cli", "serve", "--config",

@@ -205,3 +205,23 @@ def test_batch_bench_helpers():
              for b, s in ((1, 1.3), (4, 1.1), (16, 0.9))]
     rows += [{"method": "salf", "batch_size": b, "speedup": 1.2} for b in (1, 4, 16)]
     assert crossover(rows) == {"chain": 16, "salf": None}
+
+
+def test_the_fast_path_keeps_one_static_cache_per_model_and_rows(tiny_pair, monkeypatch):
+    """Prompts of many lengths: one static cache per (model, rows), replaced only when a
+    call needs more capacity (the old one freed), reused when it needs less; outputs
+    unchanged. (Before: one 4 GB-class cache and one compile per prompt length.)"""
+    import functools
+
+    import speclab.api as api
+    from speclab.decoding.static_runner import FastPath
+
+    monkeypatch.setattr(api, "FastPath", functools.partial(FastPath, compile=False))
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    fast = Decoder.from_pretrained(tiny_pair["target"], compile=True)
+    for n in (5, 70, 10, 140, 20):
+        ids = [(i % 60) + 2 for i in range(n)]
+        want = dec.generate(prompt_ids=ids, method="ar", max_new_tokens=4).token_ids
+        assert fast.generate(prompt_ids=ids, method="ar", max_new_tokens=4).token_ids == want
+        assert len(fast._fast) == 1
+    assert [f.capacity for f in fast._fast.values()] == [256]

@@ -542,6 +542,31 @@ class ServeJob(ExperimentConfig):
     method: MethodConfig = Field(default_factory=default_method)
     serve: ServeConfig = ServeConfig()
 
+    @model_validator(mode="after")
+    def _device_follows_gpus(self):
+        """A deployment's device follows its ``num_gpus`` (``models.device: auto`` picks
+        cuda for a deployment with GPUs, cpu without); an explicit device that
+        contradicts them is refused: GPUs reserved and idle, or a GPU used unreserved."""
+        device = self.models.device
+        for name in ("target", "draft"):
+            gpus = getattr(self.serve, name).num_gpus
+            if device == "cpu" and gpus > 0:
+                raise ValueError(
+                    f"models.device: 'cpu' but serve.{name}.num_gpus is {gpus:g}: the GPU "
+                    "would be reserved and idle; set models.device: auto (or cuda)")
+            if device.startswith("cuda") and gpus == 0:
+                raise ValueError(
+                    f"models.device: {device!r} but serve.{name}.num_gpus is 0: the replica "
+                    f"would use a GPU Ray did not reserve for it; set serve.{name}.num_gpus "
+                    "(or models.device: auto)")
+        return self
+
+    def device_of(self, deployment: str) -> str:
+        """The device a deployment's model loads on (``target`` / ``draft``)."""
+        if self.models.device != "auto":
+            return self.models.device
+        return "cuda" if getattr(self.serve, deployment).num_gpus > 0 else "cpu"
+
 
 JOB_CONFIGS: dict[str, type[ExperimentConfig]] = {
     c.model_fields["job"].default: c

@@ -87,7 +87,8 @@ class BatchRunner:
     @torch.inference_mode()
     def forward(self, tokens: list[torch.Tensor],
                 positions: list[torch.Tensor | None] | None = None,
-                allowed: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                allowed: list[torch.Tensor | None] | None = None,
+                last_only: bool = False) -> torch.Tensor:
         """Process ``tokens[b]`` on top of row ``b``'s cache and append them to it.
 
         Args:
@@ -98,8 +99,11 @@ class BatchRunner:
                 :meth:`ModelRunner.forward` takes it); ``[n_b, n_b]`` over the new tokens
                 only, each also seeing everything the row holds (a tree over a committed
                 prefix); or None: causal over everything the row holds.
+            last_only: compute logits at the last padded position only (a prefill whose
+                logits nobody reads), unless hidden states are tracked.
         Returns:
-            ``[B, T, V]`` float32 logits, ``T = max n_b``; row ``b``'s are ``[b, :n_b]``.
+            ``[B, T, V]`` float32 logits, ``T = max n_b``; row ``b``'s are ``[b, :n_b]``
+            (``[B, 1, V]`` with ``last_only``).
         """
         if len(tokens) != self.rows:
             raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
@@ -118,8 +122,10 @@ class BatchRunner:
             mask = self.layout.model_mask(seen, pos, k_pos, self.dtype)
             mask = {k: v.to(self.device) for k, v in mask.items()} if isinstance(mask, dict) \
                 else mask.to(self.device)
+        extra = {"logits_to_keep": 1} if last_only and self._hook is None else {}
         out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
-                         attention_mask=mask, past_key_values=self.cache, use_cache=True)
+                         attention_mask=mask, past_key_values=self.cache, use_cache=True,
+                         **extra)
         new_slots = torch.arange(s, s + t_new)
         self.slots = [torch.cat([sl, new_slots[:nb]]) for sl, nb in zip(self.slots, n)]
         self.live = torch.cat([self.live, query], dim=1)
@@ -133,12 +139,13 @@ class BatchRunner:
 
     # ------------------------------------------------------------------ rows
     @torch.inference_mode()
-    def add_rows(self, sequences: list[list[int]]) -> torch.Tensor:
+    def add_rows(self, sequences: list[list[int]], logits: bool = True) -> torch.Tensor | None:
         """Append rows holding ``sequences`` (prefilled together in ONE forward, then merged
         into the cache). Returns their ``[R, T, V]`` logits (row ``r``'s are
-        ``[r, :len(sequences[r])]``)."""
+        ``[r, :len(sequences[r])]``), or None when ``logits`` is False (then no
+        ``[R, T, V]`` tensor is computed)."""
         if not sequences:
-            return torch.zeros(0, 0, self.vocab_size)
+            return torch.zeros(0, 0, self.vocab_size) if logits else None
         old_cache, old_slots, old_width, old_live = self.cache, self.slots, self.width, self.live
         old_pos = self.slot_pos
         self.cache, self.slots, self.width = None, [torch.zeros(0, dtype=torch.long)
@@ -146,7 +153,9 @@ class BatchRunner:
         self.live = torch.zeros(len(sequences), 0, dtype=torch.bool)
         self.slot_pos = torch.zeros(len(sequences), 0, dtype=torch.long)
         # rows with nothing to prefill get one hidden padding slot, so the cache exists
-        logits = self.forward([torch.tensor(q, dtype=torch.long) for q in sequences])
+        out = self.forward([torch.tensor(q, dtype=torch.long) for q in sequences],
+                           last_only=not logits)
+        logits = out if logits else None
         if old_cache is None or not old_slots:
             return logits
         new_cache, new_width = self.cache, self.width

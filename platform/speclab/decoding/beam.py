@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
+from speclab.decoding.sampling import draw
 from speclab.decoding.tree import TokenTree
 from speclab.decoding.trie import ItemTrie
 
@@ -233,7 +234,7 @@ def _step_dist(bt: BeamTree, trie: ItemTrie, beams: list[tuple[int, ...]]):
 
 def _sample(cands: list, probs: torch.Tensor, k: int, g: torch.Generator | None) -> list:
     k = min(k, int((probs > 0).sum()))
-    idx = torch.multinomial(probs, k, replacement=False, generator=g).tolist()
+    idx = draw(probs, k, g).tolist()
     return [cands[i] for i in idx]
 
 

@@ -130,7 +130,8 @@ class TargetPool:
             check_prompt(r.prompt_ids, self.runner.vocab_size)
         for r in rows:
             self.end(r.rid)
-        logits = self.runner.add_rows([list(r.prompt_ids[:-1]) for r in rows])
+        needed = bool(prefill_top_k) or any(r.logprobs is not None and r.echo for r in rows)
+        logits = self.runner.add_rows([list(r.prompt_ids[:-1]) for r in rows], needed)
         out = []
         for j, r in enumerate(rows):
             n = len(r.prompt_ids) - 1

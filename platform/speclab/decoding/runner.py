@@ -75,6 +75,7 @@ class ModelRunner:
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         allowed: torch.Tensor | None = None,
+        last_only: bool = False,
     ) -> torch.Tensor:
         """Process ``tokens`` on top of the cache and append them to it.
 
@@ -82,10 +83,13 @@ class ModelRunner:
             tokens: ``[T]`` token ids.
             positions: ``[T]`` position ids; default ``length .. length+T-1`` (causal).
             allowed: ``[T, length + T]`` bool attention pattern; ``None`` means causal.
+            last_only: compute the last token's logits only (a prefill whose logits
+                nobody reads: no ``[T, V]`` tensor), unless hidden states are tracked.
         Returns:
-            ``[T, V]`` float32 logits.
+            ``[T, V]`` float32 logits (``[1, V]`` with ``last_only``).
         """
-        return self.run(tokens, positions, allowed).logits[0].float()
+        extra = {"logits_to_keep": 1} if last_only and self._hook is None else {}
+        return self.run(tokens, positions, allowed, **extra).logits[0].float()
 
     @torch.inference_mode()
     def run(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,

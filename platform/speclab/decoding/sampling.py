@@ -73,6 +73,22 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def draw(probs: torch.Tensor, n: int, generator: torch.Generator | None,
+         replacement: bool = False) -> torch.Tensor:
+    """``torch.multinomial`` with the draws made on the GENERATOR's device: a row's one
+    generator is a CPU generator (its state travels between deployments as bytes), and
+    torch refuses a CPU generator for CUDA probabilities.
+
+    Args:
+        probs: ``[V]`` or ``[N, V]`` probabilities, on any device.
+    Returns:
+        ``[n]`` / ``[N, n]`` token ids on ``probs``' device.
+    """
+    where = generator.device if generator is not None else probs.device
+    out = torch.multinomial(probs.to(where), n, replacement=replacement, generator=generator)
+    return out.to(probs.device)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from ``probs`` ``[V]``."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """Draw one token id from ``probs`` ``[V]`` (any device; see :func:`draw`)."""
+    return int(draw(probs, 1, generator)[0])

@@ -80,12 +80,16 @@ def check_prompt(prompt_ids: list[int], vocab: int) -> None:
         raise ValueError(f"prompt_ids: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
 
 
-def prefill(target: ModelRunner, prompt_ids: list[int]) -> torch.Tensor | None:
+def prefill(target: ModelRunner, prompt_ids: list[int], logits: bool = True
+            ) -> torch.Tensor | None:
     """Reset and cache ``prompt[:-1]``; returns its ``[L-1, V]`` logits (None for
-    1-token prompts). The last prompt token is the first round's root."""
+    1-token prompts, or when ``logits`` is False: then no ``[L-1, V]`` tensor is
+    computed at all). The last prompt token is the first round's root."""
     target.reset()
     if len(prompt_ids) > 1:
-        return target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long))
+        out = target.forward(torch.tensor(prompt_ids[:-1], dtype=torch.long),
+                             last_only=not logits)
+        return out if logits else None
     return None
 
 
@@ -131,11 +135,11 @@ class TargetSide:
         per prompt position (row i follows ``prompt[:i+1]``) when a drafter asks for them
         (AASD's alignment sampling), else None."""
         check_prompt(prompt_ids, self.runner.vocab_size)
-        logits = prefill(self.runner, prompt_ids)
+        logits = prefill(self.runner, prompt_ids, logits=bool(prefill_top_k))
         self.root = int(prompt_ids[-1])
         if self.features:
             hidden = int(self.runner.model.config.hidden_size)
-            self.prefill_features = (self.runner.hidden.clone() if logits is not None
+            self.prefill_features = (self.runner.hidden.clone() if len(prompt_ids) > 1
                                      else torch.zeros(0, hidden))
         if prefill_top_k and logits is not None:
             k = min(prefill_top_k, logits.shape[-1])

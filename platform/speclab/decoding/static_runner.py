@@ -207,7 +207,7 @@ class StaticBatchRunner(BatchRunner):
         return logits.index_select(0, idx).float()
 
     @torch.inference_mode()
-    def add_rows(self, sequences: list[list[int]]) -> torch.Tensor:
+    def add_rows(self, sequences: list[list[int]], logits: bool = True) -> torch.Tensor | None:
         """Prefill the new rows eagerly (a plain :class:`BatchRunner`), then copy their
         cache into free physical rows, just below the write frontier."""
         free = [p for p in range(self.fast.rows) if p not in self.phys]
@@ -215,7 +215,7 @@ class StaticBatchRunner(BatchRunner):
             raise ValueError(f"batch_size: {len(self.phys) + len(sequences)} rows exceed the "
                              f"fast path's {self.fast.rows}")
         pre = BatchRunner(self.model)
-        logits = pre.add_rows(sequences)
+        out = pre.add_rows(sequences, logits)
         pre.compact()
         longest = pre.width
         if max(self.width, longest) + 1 > self.capacity:
@@ -234,7 +234,7 @@ class StaticBatchRunner(BatchRunner):
             self.phys.append(p)
             self.slots.append(torch.arange(base, base + n))
         pre.release()
-        return logits
+        return out
 
     @torch.inference_mode()
     def drop(self, rows: list[int]) -> None:

@@ -46,7 +46,7 @@ class ModelDrafter(Drafter):
         if self.runner.length >= len(committed):  # root already processed: re-run it
             self.runner.crop(len(committed) - 1)
         pending = torch.tensor(committed[self.runner.length :], dtype=torch.long)
-        logits = self.runner.forward(pending)[-1]
+        logits = self.runner.forward(pending, last_only=True)[-1]
         self.base = self.runner.length
         self.slot = {0: self.base - 1}
         return logits

@@ -52,7 +52,7 @@ class BatchModelDrafter(BatchDrafter):
 
     def join(self, prompts, generators, prefill_tops, features) -> None:
         del prefill_tops, features
-        self.runner.add_rows([list(p[:-1]) for p in prompts])
+        self.runner.add_rows([list(p[:-1]) for p in prompts], logits=False)
         for p, g in zip(prompts, generators, strict=True):
             self.committed.append(list(p))
             self.generators.append(g)

@@ -151,7 +151,8 @@ class EagleConfig(TreeKnobs):
         model = self.eagle_model
         if not isinstance(model, EagleModel):
             model = ctx.cached(("eagle", model), lambda: load_eagle(
-                registry_or_folder(self.eagle_model, "eagle_model")))
+                registry_or_folder(self.eagle_model, "eagle_model"), dtype=ctx.dtype,
+                device=ctx.device))  # where the target's features are: no copy per round
         if ctx.target_config is not None:
             model.meta.check_target(ctx.target_config)
         return EagleDrafter(model, self.tree_top_k, self.depth, self.nodes,

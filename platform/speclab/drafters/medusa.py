@@ -148,7 +148,8 @@ class MedusaConfig(MethodSpec):
         heads = self.medusa_model
         if not isinstance(heads, MedusaHeads):
             heads = ctx.cached(("medusa", heads), lambda: load_medusa(
-                registry_or_folder(self.medusa_model, "medusa_model")))
+                registry_or_folder(self.medusa_model, "medusa_model"), dtype=ctx.dtype,
+                device=ctx.device))  # where the target's features are
         if ctx.target_model is not None:  # the target's hash once per Decoder, not per call
             heads.meta.check_target(ctx.target_model, fingerprint=ctx.cached(
                 "target_fingerprint", lambda: target_fingerprint(ctx.target_model)))

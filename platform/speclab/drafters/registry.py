@@ -53,7 +53,9 @@ class BuildContext:
     none is loaded), the sampling settings and rng of the sequence, ``resources``:
     things loaded once per Decoder / Serve replica (acceptance heads, datastores), and
     the target's HF config and model when the drafter runs next to the target (feature
-    drafters check they were trained for it; None in a Serve draft replica)."""
+    drafters check they were trained for it; None in a Serve draft replica), and the
+    ``device`` / ``dtype`` a drafter's own weights load in (the target's in process, the
+    draft replica's in Serve: feature drafters read the target's features there)."""
 
     draft: ModelRunner | None
     sampling: SamplingParams
@@ -62,6 +64,8 @@ class BuildContext:
     target_config: Any = None
     target_model: Any = None
     batch_runner: Callable[[Any], BatchRunner] = BatchRunner  # the batched engine's runner
+    device: Any = "cpu"
+    dtype: Any = torch.float32
 
     def make_batch_runner(self) -> BatchRunner:
         """A batched runner over the draft model (the static fast path when enabled)."""

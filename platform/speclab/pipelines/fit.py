@@ -78,18 +78,19 @@ def train_loop(config: dict) -> None:
         model = _build_model(spec.arch, config["vocab"], config["eos"])
     groups = task.param_groups(model) if hasattr(task, "param_groups") else None
     opt, sched = make_optimizer(model, tr.lr, 0.01, tr.warmup, tr.steps, groups)
-    start = 0
+    start, state = 0, None
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:  # restart after a failure or an explicit resume
-        with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=False)
+        with ckpt.as_directory() as d:  # read on the CPU, whatever device wrote it
+            state = torch.load(Path(d) / "state.pt", weights_only=False, map_location="cpu")
         model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
         start = state["step"]
     model = ray.train.torch.prepare_model(  # a task may leave parameters without gradients
         model, parallel_strategy_kwargs={"find_unused_parameters": True}
         if getattr(task, "unused_parameters", False) else None)
+    if state is not None:  # now that the parameters are on the worker's device: the
+        opt.load_state_dict(state["opt"])  # optimizer's state follows them there
+        sched.load_state_dict(state["sched"])
     core = model.module if hasattr(model, "module") else model
     metrics_out = _metric_buffer(config) if rank == 0 else None
     spool = Path(config["run_dir"]) / SPOOL_NAME

@@ -224,7 +224,7 @@ def accept_example(target: ModelRunner, draft: ModelRunner, prompt: list[int],
     or ``min(1, p_i(y_i) / q_i(y_i))`` with both distributions warped by ``temperature``.
     """
     from speclab.decoding.loop import autoregressive_generate
-    from speclab.decoding.sampling import SamplingParams, warp_probs
+    from speclab.decoding.sampling import SamplingParams, draw, warp_probs
 
     params = SamplingParams(temperature)
     g = torch.Generator().manual_seed(seed)
@@ -239,7 +239,7 @@ def accept_example(target: ModelRunner, draft: ModelRunner, prompt: list[int],
         acc = (y == p_logits.argmax(-1)).float()
     else:
         p, q = warp_probs(p_logits, params), warp_probs(q_logits, params)
-        y = torch.multinomial(q, 1, generator=g)[:, 0]
+        y = draw(q, 1, g)[:, 0]
         ratio = p.gather(1, y[:, None])[:, 0] / q.gather(1, y[:, None])[:, 0].clamp_min(1e-30)
         acc = ratio.clamp(max=1.0)
     return {"prompt": prompt, "x": x, "y": y.tolist(), "p": acc.tolist()}

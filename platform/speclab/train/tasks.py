@@ -358,7 +358,8 @@ class EagleTask:
         from speclab.models.eagle import EagleModel, load_init
         from speclab.models.loading import load_model
 
-        self.target_model = load_model(self.target, field="models.target")
+        # the target on the worker's device: the engine probe feeds it the drafter's inputs
+        self.target_model = load_model(self.target, field="models.target").to(self.device)
         model = EagleModel.from_target(self.target_model, self.e.layers).float()
         if self.e.init_from:
             start = load_init(self.e.init_from, self.target_model.config, self.e.layers)
@@ -443,7 +444,9 @@ class MedusaTask:
         from speclab.models.medusa import MedusaHeads
         from speclab.train.medusa import Medusa2Model
 
-        self.target_model = load_model(self.target, field="models.target").float()
+        # MEDUSA-1 validates on the target's features of the worker's device tokens
+        self.target_model = load_model(self.target, field="models.target").float().to(
+            self.device)
         heads = MedusaHeads.from_target(self.target_model, self.target, self.m.heads).float()
         if self.variant == "medusa1":
             return heads

@@ -39,7 +39,9 @@ def verify_speculative(
             return Verdict(path, sample(p_res, generator), evaluated)
         evaluated += 1
         sampled = tree.child_kind.get(node) == SAMPLED
-        q = tree.q_dist[node] if sampled else None
+        # the draft's distribution, on the target's device (a tree from another
+        # deployment, or from a drafter on another device, carries it on the CPU)
+        q = tree.q_dist[node].to(p_res.device) if sampled else None
         nxt = -1
         for c in kids:
             x = tree.tokens[c]
