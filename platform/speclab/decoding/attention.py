@@ -57,7 +57,8 @@ class AttentionLayout:
                 f"full-attention layers")
 
     def model_mask(self, allowed: torch.Tensor, q_pos: torch.Tensor | None,
-                   k_pos: torch.Tensor | None, dtype: torch.dtype
+                   k_pos: torch.Tensor | None, dtype: torch.dtype,
+                   device: torch.device | str = "cpu"
                    ) -> torch.Tensor | dict[str, torch.Tensor]:
         """The ``attention_mask`` to hand the model.
 
@@ -66,16 +67,18 @@ class AttentionLayout:
             q_pos: ``[B, T]`` position ids of the queries (needed with a window).
             k_pos: ``[B, S]`` position ids the keys were written with (likewise).
             dtype: the model's dtype (the additive mask's).
+            device: where the model runs (the masks are built where the inputs are).
         Returns:
-            ``[B, 1, T, S]`` additive mask, or per layer kind for mixed models.
+            ``[B, 1, T, S]`` additive mask on ``device``, or per layer kind for mixed
+            models.
         """
-        full = additive_mask(allowed, dtype)[0, 0][:, None]
+        full = additive_mask(allowed, dtype)[0, 0][:, None].to(device)
         if self.window is None:
             return full
         # within the window; a query's own key (distance 0) always is, so no row of the
         # mask is empty (a padded query sees its own slot)
         near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.window
-        windowed = additive_mask(allowed & near, dtype)[0, 0][:, None]
+        windowed = additive_mask(allowed & near, dtype)[0, 0][:, None].to(device)
         if not self.mixed:
             return windowed
         return {"full_attention": full, "sliding_attention": windowed}

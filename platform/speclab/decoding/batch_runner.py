@@ -119,9 +119,7 @@ class BatchRunner:
             mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]  # [B,1,T,S+T]
         else:
             k_pos = torch.cat([self.slot_pos, pos], dim=1)
-            mask = self.layout.model_mask(seen, pos, k_pos, self.dtype)
-            mask = {k: v.to(self.device) for k, v in mask.items()} if isinstance(mask, dict) \
-                else mask.to(self.device)
+            mask = self.layout.model_mask(seen, pos, k_pos, self.dtype, self.device)
         extra = {"logits_to_keep": 1} if last_only and self._hook is None else {}
         out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
                          attention_mask=mask, past_key_values=self.cache, use_cache=True,

@@ -109,9 +109,7 @@ class ModelRunner:
                 allowed = torch.ones(n, self.length + n, dtype=torch.bool).tril(self.length)
             k_pos = torch.cat([self.key_pos, positions])
             mask = self.layout.model_mask(allowed.cpu()[None], positions[None], k_pos[None],
-                                          self.dtype)
-            mask = {k: v.to(self.device) for k, v in mask.items()} if isinstance(mask, dict) \
-                else mask.to(self.device)
+                                          self.dtype, self.device)
         elif allowed is not None:
             mask = additive_mask(allowed.to(self.device), self.dtype)
         out = self.model(

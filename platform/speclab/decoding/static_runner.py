@@ -190,9 +190,7 @@ class StaticBatchRunner(BatchRunner):
         if self.layout.window is None:
             mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]
         else:
-            mask = self.layout.model_mask(seen, pos, self.slot_pos, self.dtype)
-            mask = {k: v.to(self.device) for k, v in mask.items()} if isinstance(mask, dict) \
-                else mask.to(self.device)
+            mask = self.layout.model_mask(seen, pos, self.slot_pos, self.dtype, self.device)
         logits = self.fast.run(ids.to(self.device), pos.to(self.device), mask, s)
         idx = phys.to(logits.device)
         new_slots = torch.arange(s, s + t_new)
