@@ -72,16 +72,16 @@ class AttentionLayout:
             ``[B, 1, T, S]`` additive mask on ``device``, or per layer kind for mixed
             models.
         """
-        full = additive_mask(allowed, dtype)[0, 0][:, None].to(device)
         if self.window is None:
-            return full
+            return additive_mask(allowed, dtype)[0, 0][:, None].to(device)
         # within the window; a query's own key (distance 0) always is, so no row of the
         # mask is empty (a padded query sees its own slot)
         near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.window
         windowed = additive_mask(allowed & near, dtype)[0, 0][:, None].to(device)
-        if not self.mixed:
+        if not self.mixed:  # every layer slides: no full-attention mask is built
             return windowed
-        return {"full_attention": full, "sliding_attention": windowed}
+        return {"full_attention": additive_mask(allowed, dtype)[0, 0][:, None].to(device),
+                "sliding_attention": windowed}
 
 
 def attention_layout(config) -> AttentionLayout:
