@@ -88,6 +88,24 @@ def default_method() -> MethodSpec:
     return parse_method({"name": "chain"})
 
 
+def device_for_gpus(device: str, gpus: float, field: str, holder: str = "the replica") -> str:
+    """``models.device`` for a Ray actor that reserves ``gpus`` GPUs (``field``: the setting
+    that reserves them, e.g. ``serve.target.num_gpus``): ``auto`` is cuda with GPUs and cpu
+    without; an explicit device that contradicts them is refused (ValueError naming both
+    fields): GPUs reserved and idle, or a GPU used unreserved by ``holder``."""
+    if device == "cpu" and gpus > 0:
+        raise ValueError(
+            f"models.device: 'cpu' but {field} is {gpus:g}: the GPU would be reserved and "
+            "idle; set models.device: auto (or cuda)")
+    if device.startswith("cuda") and gpus == 0:
+        raise ValueError(
+            f"models.device: {device!r} but {field} is 0: {holder} would use a GPU Ray did "
+            f"not reserve for it; set {field} (or models.device: auto)")
+    if device != "auto":
+        return device
+    return "cuda" if gpus > 0 else "cpu"
+
+
 def own_method_knobs(method: dict) -> dict:
     """``method`` without the knobs that its method does not take.
 
@@ -498,6 +516,20 @@ class TuneJob(_Trains):
                         f"be the same; sweep that method's own knobs in a sweep of its own")
 
     @model_validator(mode="after")
+    def _device_follows_trial_gpus(self):
+        """An explicit ``sweep.trial_gpus`` agrees with ``models.device`` as a Serve
+        deployment's ``num_gpus`` does (:func:`device_for_gpus`); an ``atspeed`` sweep's
+        trials run on the CPU (the recommendation groups have no device)."""
+        gpus = self.sweep.trial_gpus if self.sweep is not None else None
+        if gpus is None:
+            return self
+        if self.sweep.kind == "atspeed" and gpus > 0:
+            raise ValueError(f"sweep.trial_gpus is {gpus:g} but an atspeed sweep's trials run "
+                             "on the CPU (the rec groups have no device); leave it out")
+        device_for_gpus(self.models.device, gpus, "sweep.trial_gpus", "each trial")
+        return self
+
+    @model_validator(mode="after")
     def _eagle_sweep(self):
         if self.sweep is None or self.sweep.kind != "eagle":
             return self
@@ -547,25 +579,14 @@ class ServeJob(ExperimentConfig):
         """A deployment's device follows its ``num_gpus`` (``models.device: auto`` picks
         cuda for a deployment with GPUs, cpu without); an explicit device that
         contradicts them is refused: GPUs reserved and idle, or a GPU used unreserved."""
-        device = self.models.device
         for name in ("target", "draft"):
-            gpus = getattr(self.serve, name).num_gpus
-            if device == "cpu" and gpus > 0:
-                raise ValueError(
-                    f"models.device: 'cpu' but serve.{name}.num_gpus is {gpus:g}: the GPU "
-                    "would be reserved and idle; set models.device: auto (or cuda)")
-            if device.startswith("cuda") and gpus == 0:
-                raise ValueError(
-                    f"models.device: {device!r} but serve.{name}.num_gpus is 0: the replica "
-                    f"would use a GPU Ray did not reserve for it; set serve.{name}.num_gpus "
-                    "(or models.device: auto)")
+            self.device_of(name)
         return self
 
     def device_of(self, deployment: str) -> str:
         """The device a deployment's model loads on (``target`` / ``draft``)."""
-        if self.models.device != "auto":
-            return self.models.device
-        return "cuda" if getattr(self.serve, deployment).num_gpus > 0 else "cpu"
+        return device_for_gpus(self.models.device, getattr(self.serve, deployment).num_gpus,
+                               f"serve.{deployment}.num_gpus")
 
 
 JOB_CONFIGS: dict[str, type[ExperimentConfig]] = {

@@ -533,6 +533,10 @@ class SweepConfig(StrictModel):
         None, description="decode trials on this task's prompts, with its accuracy metric")
     grace_period: int = Field(1, gt=0, description="ASHA: reports before a trial can stop")
     trial_cpus: float = Field(1.0, gt=0, description="CPUs per trial actor")
+    trial_gpus: float | None = Field(
+        None, ge=0, le=1,
+        description="GPUs per trial actor (a fraction shares one GPU); default: 1 with a "
+                    "CUDA models.device (cuda, or auto on a cluster with GPUs), else 0")
 
     @model_validator(mode="after")
     def _space(self):

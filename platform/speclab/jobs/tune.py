@@ -32,6 +32,18 @@ constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
   config holding the target and the best trial's drafter.
 (Training trials: :mod:`speclab.pipelines.tune_trials`.)
 
+Devices: every trial reserves ``sweep.trial_cpus`` CPUs and ``sweep.trial_gpus`` GPUs
+(default: 1 with ``models.device`` cuda, or auto on a cluster with GPUs; else 0), so Ray
+gives each CUDA trial a GPU of its own; every model a trial loads is in ``models.dtype``
+on that GPU (:func:`speclab.sweep.trial_device`), and t_draft / t_target are measured
+there too (in a Ray task that reserves what a trial does: the driver may have no GPU).
+A device that contradicts ``sweep.trial_gpus`` or the cluster is refused before any work.
+``trial_starts.jsonl`` in the sweep folder records each trial's device and the GPUs Ray
+made visible to it. In ``train_head`` / ``eagle`` / ``atspeed`` sweeps the Ray Train
+workers inside a trial reserve their own resources (``scaling``) besides the trial's: with
+``scaling.use_gpu``, each running trial needs ``sweep.trial_gpus`` + ``scaling.num_workers``
+GPUs.
+
 MLflow: the job's run is the parent (search space, best trial and config, the results
 table, plots of the objective against each parameter); each trial is a child run with
 its params, metrics and status (ok, stopped by ASHA, or failed with its error). The best config is
@@ -83,6 +95,9 @@ def prepare(cfg: TuneJob) -> Inputs:
                                  f"(a {sw.kind} sweep has groups "
                                  f"{', '.join(TUNE_GROUPS[sw.kind])})")
             node = node[key]
+    if "models.device" in sw.space:  # trials reserve resources once per sweep
+        raise ValueError("sweep.space: 'models.device' cannot be swept: every trial reserves "
+                         "the same resources (sweep.trial_gpus); run a sweep per device")
     train_prep = None
     if sw.kind == "atspeed":  # the target is trained (or checked) in main, under Ray
         from speclab.pipelines.recommender import prepare_rec
@@ -120,14 +135,16 @@ def prepare(cfg: TuneJob) -> Inputs:
 _TRAINED = {"train_head": "heldout_bce", "atspeed": "val_loss", "eagle": "val_top1_miss"}
 
 
-def _tuner(cfg: TuneJob, inputs: Inputs, sweep_dir: Path, times: tuple):
-    """A fresh Tuner, or the interrupted one restored (``train.resume``)."""
+def _tuner(cfg: TuneJob, inputs: Inputs, sweep_dir: Path, times: tuple,
+           resources: dict[str, float], device: str):
+    """A fresh Tuner, or the interrupted one restored (``train.resume``); every trial
+    reserves ``resources`` and loads its models on ``device``."""
     from ray import tune
 
     from speclab.pipelines.tune_trials import eagle_trial, head_trial, rec_trial
-    from speclab.sweep import decode_trial, param_space
+    from speclab.sweep import decode_trial, param_space, trial_base
 
-    sw, base = cfg.sweep, cfg.sweep_base()
+    sw, base = cfg.sweep, trial_base(cfg, device)  # cuda: each trial's own cuda:0
     common = {"base": base, "target": inputs.target, "draft": inputs.draft,
               "prompts": inputs.prompts, "t_draft": times[0], "t_target": times[1],
               "run_dir": str(sweep_dir)}
@@ -145,7 +162,7 @@ def _tuner(cfg: TuneJob, inputs: Inputs, sweep_dir: Path, times: tuple):
         fn = tune.with_parameters(eagle_trial if sw.kind == "eagle" else head_trial,
                                   data_dir=str(sweep_dir / "data"), vocab=p.vocab,
                                   eos=p.eos, **common)
-    fn = tune.with_resources(fn, {"cpu": sw.trial_cpus})
+    fn = tune.with_resources(fn, resources)
     exp_dir = sweep_dir / "tune"
     if cfg.train.resume and tune.Tuner.can_restore(str(exp_dir)):
         print(f"[tune] restoring the sweep in {exp_dir}", flush=True)
@@ -347,29 +364,69 @@ def eagle_forward_time(dec, cfg: TuneJob, prompt: list[int]) -> float:
     return median_call_time(runner, lambda: pairs(prompt[-1:]))
 
 
+def _forward_times(cfg: TuneJob, target: str, draft: str | None,
+                   prompt: list[int]) -> tuple[float, float]:
+    """(t_draft, t_target) with the models as a trial loads them (``cfg.models``: the
+    trial's dtype and device); ``t_draft`` is one EAGLE drafter forward in an eagle sweep
+    or for method eagle. Both are read from the runners' own forward clocks
+    (``ModelRunner.seconds``), which measure the work on the device, not the launch."""
+    from speclab.evaluation import forward_times
+    from speclab.sweep import load_models
+
+    dec = load_models(cfg, target, draft)
+    times = forward_times(dec, prompt)  # once per sweep (cost model)
+    if cfg.sweep.kind == "eagle" or cfg.method.name == "eagle":  # no draft LM
+        times = (eagle_forward_time(dec, cfg, prompt), times[1])
+    return times
+
+
+def sweep_forward_times(cfg: TuneJob, inputs: Inputs, resources: dict[str, float],
+                        device: str) -> tuple[float, float]:
+    """The cost model's (t_draft, t_target), measured ONCE per sweep on the trials'
+    ``device`` in ``models.dtype``: on a GPU in a Ray task that reserves what a trial
+    does (``resources``; the driver may have no GPU, and Ray gives the task a GPU of its
+    own), else here on the driver, before any trial runs."""
+    from speclab.sweep import on_device
+
+    args = (on_device(cfg, device), inputs.target, inputs.draft, inputs.prompts[0])
+    if resources.get("gpu", 0) > 0:
+        import ray
+
+        task = ray.remote(num_cpus=resources["cpu"], num_gpus=resources["gpu"],
+                          max_calls=1)(_forward_times)  # max_calls: its GPU memory freed
+        return tuple(ray.get(task.remote(*args)))
+    return _forward_times(*args)
+
+
 def main(argv: list[str] | None = None) -> int:
     job = start_job("tune", __doc__, argv, prepare)
     cfg, tracker, inputs = job.cfg, job.tracker, job.inputs
-    from speclab.api import Decoder
-    from speclab.evaluation import forward_times
+    import ray
+
     from speclab.raylib import init_ray
+    from speclab.sweep import trial_device, trial_resources
 
     storage, run_name = run_dirs(cfg)
     sweep_dir = storage / run_name
     where = init_ray(job.address, cfg.ray.num_cpus)
-    print(f"[tune] running on {where}; sweep folder {sweep_dir}", flush=True)
+    try:  # the device against the cluster's GPUs, before any work
+        resources = trial_resources(cfg, ray.cluster_resources().get("GPU", 0.0))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    device = trial_device(cfg, resources["gpu"])
+    print(f"[tune] running on {where}; sweep folder {sweep_dir}; each trial reserves "
+          f"{resources} and loads its models on {device} in {cfg.models.dtype}", flush=True)
     with tracker as t:
-        t.set_tags({"job": "tune", "sweep_dir": str(sweep_dir), "kind": cfg.sweep.kind})
+        t.set_tags({"job": "tune", "sweep_dir": str(sweep_dir), "kind": cfg.sweep.kind,
+                    "trial_device": device, "trial_gpus": f"{resources['gpu']:g}"})
         times = (0.0, 0.0)
         if cfg.sweep.kind == "atspeed":  # WS@K is measured against the target's search
             from speclab.pipelines.tune_trials import prepare_rec_sweep
 
             inputs.target, _ = prepare_rec_sweep(cfg, *inputs.rec_prep, sweep_dir, t)
         else:
-            dec = Decoder.from_pretrained(inputs.target, inputs.draft)
-            times = forward_times(dec, inputs.prompts[0])  # once per sweep (cost model)
-            if cfg.sweep.kind == "eagle" or cfg.method.name == "eagle":  # no draft LM
-                times = (eagle_forward_time(dec, cfg, inputs.prompts[0]), times[1])
+            times = sweep_forward_times(cfg, inputs, resources, device)
             t.log_metrics({"t_draft_s": times[0], "t_target_s": times[1]})
         if cfg.sweep.kind == "train_head":
             from speclab.pipelines.signals import generate
@@ -382,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 
             generate_features(cfg, inputs.train_prep, sweep_dir / "data", t,
                               swept_losses(cfg))
-        results = _tuner(cfg, inputs, sweep_dir, times).fit()
+        results = _tuner(cfg, inputs, sweep_dir, times, resources, device).fit()
         best = record(cfg, results, t, sweep_dir, inputs.target)
     if best is None:
         print("[tune] no trial succeeded with a finite objective that met "

@@ -34,9 +34,11 @@ def prepare_head(cfg: Any) -> tuple[Prepared, str]:
     return prep, draft
 
 
-def held_out_metrics(h: HeadConfig, head, draft: str, data_dir: Path) -> dict:
+def held_out_metrics(h: HeadConfig, head, draft: str, data_dir: Path, dtype: str = "float32",
+                     device: str = "cpu") -> dict:
     """Loss (BCE weighted by ``h.w_acc`` / ``h.w_rej``), ECE and accuracy of ``head``
-    on the held-out (last) ``accept`` shard, with ``h.mix_ratio``."""
+    on the held-out (last) ``accept`` shard, with ``h.mix_ratio``; the drafter's features
+    come from ``draft`` loaded in ``dtype`` on ``device`` (where ``head`` is moved)."""
     import pyarrow.parquet as pq
     import torch
 
@@ -45,10 +47,11 @@ def held_out_metrics(h: HeadConfig, head, draft: str, data_dir: Path) -> dict:
     from speclab.train.head import DraftFeatures, head_metrics, mixed_batch
 
     rows = pq.read_table(sorted((data_dir / "accept").glob("shard-*.parquet"))[-1]).to_pylist()
-    feats = DraftFeatures(load_model(draft, field="models.draft"))
-    b = mixed_batch(rows, feats, h.mix_ratio, torch.Generator().manual_seed(0))
+    feats = DraftFeatures(load_model(draft, dtype, device, field="models.draft"))
+    dev = feats.model.device
+    b = mixed_batch(rows, feats, h.mix_ratio, torch.Generator().manual_seed(0), dev)
     with torch.no_grad():
-        logits = head(b["hidden"])
+        logits = head.to(dev)(b["hidden"])
     out = head_metrics(torch.sigmoid(logits)[b["mask"]], b["p"][b["mask"]])
     out["bce"] = float(weighted_bce(logits, b["p"], b["mask"], h.w_acc, h.w_rej))
     return {f"heldout_{k}": v for k, v in out.items()}

@@ -16,13 +16,24 @@ so ASHA can stop bad trials early. The last report carries the sweep objective.
   generated once per sweep; reports ``val_loss``, ``val_top1`` (and ``val_top1_miss``
   = 1 - val_top1, what ASHA minimises: comparable across loss weights) and the
   engine-measured ``engine_tau`` per chunk, then decodes ``method`` with the drafter.
+
+Every model a trial loads to score or decode (target, draft, the held-out drafter features,
+the trained head or drafter) is in ``models.dtype`` on ``models.device``, which the tune
+job sets to the trial's own device (:func:`speclab.sweep.trial_device`: ``cuda`` when the
+trial reserved a GPU). Ray Train's workers inside a trial take their own resources
+(``scaling``), not the trial's.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from speclab.config import TuneJob
+
+if TYPE_CHECKING:
+    from speclab.decoding.runner import ModelRunner
+    from speclab.recommend import Recommender
 
 
 def _chunks(steps: int, every: int) -> list[int]:
@@ -57,8 +68,8 @@ def _trained_head(result, depth: int):
 
     from speclab.decoding.acceptance_head import AcceptanceHead
 
-    with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / "state.pt", weights_only=False)["model"]
+    with result.checkpoint.as_directory() as d:  # on the CPU, whatever device wrote it
+        state = torch.load(Path(d) / "state.pt", weights_only=False, map_location="cpu")["model"]
     head = AcceptanceHead(state["out.weight"].shape[1], depth)
     head.load_state_dict(state)
     return head.eval()
@@ -83,7 +94,7 @@ def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: s
     from speclab.sweep import evaluate_method, log_start, objective, trial_config
     from speclab.train.tasks import HeadTaskConfig
 
-    log_start(run_dir, config["params"])
+    log_start(run_dir, config["params"], base)
     cfg = trial_config(base, config["params"])
     plain = cfg.head.model_copy(update={"w_acc": 1.0, "w_rej": 1.0})
     name = "head-" + tune.get_context().get_trial_id()
@@ -91,7 +102,8 @@ def head_trial(config: dict, *, base: dict, target: str, draft: str, data_dir: s
 
     def held_out(result, done: int) -> dict:
         heads["last"] = _trained_head(result, cfg.head.depth)
-        return {**held_out_metrics(plain, heads["last"], draft, Path(data_dir)),
+        return {**held_out_metrics(plain, heads["last"], draft, Path(data_dir),
+                                   cfg.models.dtype, cfg.models.device),
                 "step": int(result.metrics["step"])}
 
     _, metrics = _train_in_chunks(
@@ -160,15 +172,12 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
     from ray import tune
 
     from speclab.data.rec_dataset import RecExample, RecMeta
-    from speclab.decoding.runner import ModelRunner
-    from speclab.models.loading import load_model
     from speclab.pipelines.fit import save_final
     from speclab.rec_eval import evaluate
-    from speclab.recommend import Recommender
     from speclab.sweep import log_start, objective, trial_config
     from speclab.train.tasks import RecAlignTaskConfig, RecTaskConfig
 
-    log_start(run_dir, config["params"])
+    log_start(run_dir, config["params"], base)
     cfg = trial_config(base, config["params"])
     re = cfg.rec_eval
     name = "draft-" + tune.get_context().get_trial_id()
@@ -186,8 +195,7 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
     final = save_final(result, re.draft_arch, storage / name, Path(data_dir) / "tokenizer",
                        vocab, eos)
     RecMeta.load(data_dir).save(final)
-    rec = Recommender.from_pretrained(target)
-    draft = ModelRunner(load_model(str(final), field="rec_eval draft"))
+    rec, draft = rec_models(cfg, target, str(final))
     test = [RecExample(**r) for r in json.loads(
         (Path(data_dir) / "examples.json").read_text())["test"]][: re.test_users]
     row = _pick_row(evaluate(rec, {name: draft}, test, re.ks, re.ns, re.gamma,
@@ -198,6 +206,19 @@ def rec_trial(config: dict, *, base: dict, target: str, data_dir: str, vocab: in
                     "K": row["K"], "N": row["N"]})
     metrics["objective"] = objective(metrics, base["sweep"])
     tune.report(metrics)
+
+
+def rec_models(cfg: TuneJob, target: str, draft: str) -> tuple[Recommender, ModelRunner]:
+    """(:class:`~speclab.recommend.Recommender` of ``target``, ``ModelRunner`` of the
+    trial's drafter ``draft``) in ``cfg.models.dtype`` on ``cfg.models.device`` (an
+    atspeed sweep has no ``models`` group: float32 on the CPU)."""
+    from speclab.decoding.runner import ModelRunner
+    from speclab.models.loading import load_model
+    from speclab.recommend import Recommender
+
+    m = cfg.models
+    rec = Recommender.from_pretrained(target, dtype=m.dtype, device=m.device)
+    return rec, ModelRunner(load_model(draft, m.dtype, m.device, field="rec_eval draft"))
 
 
 def eagle_trial(config: dict, *, base: dict, target: str, draft: str | None, data_dir: str,
@@ -218,7 +239,7 @@ def eagle_trial(config: dict, *, base: dict, target: str, draft: str | None, dat
     from speclab.sweep import evaluate_method, log_start, objective, trial_config
     from speclab.train.tasks import EagleTaskConfig
 
-    log_start(run_dir, config["params"])
+    log_start(run_dir, config["params"], base)
     cfg = trial_config(base, config["params"])
     name = "eagle-" + tune.get_context().get_trial_id()
 
