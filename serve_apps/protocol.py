@@ -56,7 +56,7 @@ RuleName = Annotated[str | None, AfterValidator(_registered_rule), Field(
 #: ``verify_params``: checked by the rule's parameter model
 RuleParams = Annotated[dict[str, Any] | None, Field(
     description="the parameters of the rule named in verify (its parameter model), e.g. "
-                "typical: {epsilon, delta}")]
+                "typical: {epsilon, delta, bonus}")]
 
 
 def _neutral(allowed: tuple, what: str) -> AfterValidator:

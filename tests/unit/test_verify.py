@@ -151,3 +151,24 @@ def test_top_p_keeps_the_most_probable_token():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = warp_probs(logits, SamplingParams(1.0, top_p=1e-80))
     assert not torch.isnan(p).any() and p.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_typical_judges_under_the_temperature_alone_and_takes_the_argmax_bonus():
+    """Medusa's ``evaluate_posterior``: the criterion reads ``softmax(logits / T)`` (top-p
+    does not enter it) and the bonus is the argmax, whatever the seed; ``bonus: sample``
+    draws it from the warped distribution instead."""
+    tree = TokenTree.chain(0, [1])
+    l0 = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    l1 = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    logits = torch.stack([l0, l1])
+    params = SamplingParams(1.0, top_p=0.5)  # warped: p(1) = 0 at the root
+    bonuses = set()
+    for seed in range(20):
+        v = verify_typical_relaxed(tree, logits, params, torch.Generator().manual_seed(seed))
+        assert v.path == [0, 1]  # 0.3 passes under softmax(logits / T)
+        bonuses.add(v.bonus)
+    assert bonuses == {0}
+    sampled = {verify_typical_relaxed(tree, logits, SamplingParams(1.0),
+                                      torch.Generator().manual_seed(s), bonus="sample").bonus
+               for s in range(20)}
+    assert len(sampled) > 1

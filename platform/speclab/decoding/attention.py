@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speclab.decoding.host import to_device
 from speclab.decoding.tree import additive_mask
 
 #: the layer kinds the runners honour
@@ -72,15 +73,19 @@ class AttentionLayout:
             ``[B, 1, T, S]`` additive mask on ``device``, or per layer kind for mixed
             models.
         """
+        # the bool pattern travels (1 byte a key, without waiting); the additive mask is
+        # built where the model runs
+        allowed = to_device(allowed, torch.device(device))
         if self.window is None:
-            return additive_mask(allowed, dtype)[0, 0][:, None].to(device)
+            return additive_mask(allowed, dtype)[0, 0][:, None]
         # within the window; a query's own key (distance 0) always is, so no row of the
         # mask is empty (a padded query sees its own slot)
-        near = (q_pos[:, :, None] - k_pos[:, None, :]) < self.window
-        windowed = additive_mask(allowed & near, dtype)[0, 0][:, None].to(device)
+        near = to_device((q_pos[:, :, None] - k_pos[:, None, :]) < self.window,
+                         torch.device(device))
+        windowed = additive_mask(allowed & near, dtype)[0, 0][:, None]
         if not self.mixed:  # every layer slides: no full-attention mask is built
             return windowed
-        return {"full_attention": additive_mask(allowed, dtype)[0, 0][:, None].to(device),
+        return {"full_attention": additive_mask(allowed, dtype)[0, 0][:, None],
                 "sliding_attention": windowed}
 
 

@@ -20,20 +20,20 @@ temperature 0 its tokens equal the single-row engine's.
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from speclab.decoding.attention import attention_layout
+from speclab.decoding.host import ForwardClock, to_device
 from speclab.decoding.tree import additive_mask
 
 
 class BatchRunner:
     """Runs one HF causal LM over ``B`` rows with per-row lengths and one shared cache.
 
-    ``calls`` counts model forwards and ``seconds`` their wall time (synchronised on CUDA).
+    ``calls`` counts model forwards and ``seconds`` their wall time (CUDA events on a
+    GPU: no forward waits for the device).
     ``hidden`` (after :meth:`track_hidden`): ``[B, T, H]`` final hidden states of the
     last forward. Sliding-window layers get windowed masks over the position id each
     slot was written with (``slot_pos`` ``[B, S]``; :mod:`speclab.decoding.attention`).
@@ -50,7 +50,7 @@ class BatchRunner:
         self.slot_pos = torch.zeros(0, 0, dtype=torch.long)  # [B, S]: each slot's position id
         self.live = torch.zeros(0, 0, dtype=torch.bool)  # [B, S]: slot holds one of the row's
         self.calls = 0
-        self.seconds = 0.0
+        self.clock = ForwardClock(self.device)
         self.hidden: torch.Tensor | None = None
         self._hook = None
 
@@ -63,6 +63,11 @@ class BatchRunner:
     def length(self, row: int) -> int:
         """Logical positions row ``row`` holds."""
         return int(self.slots[row].shape[0])
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of every forward so far."""
+        return self.clock.seconds
 
     @property
     def vocab_size(self) -> int:
@@ -107,7 +112,7 @@ class BatchRunner:
         """
         if len(tokens) != self.rows:
             raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
-        t0 = time.perf_counter()
+        self.clock.start()
         s = self.width
         n = [int(t.shape[0]) for t in tokens]
         t_new = max(max(n, default=0), 1)
@@ -116,12 +121,13 @@ class BatchRunner:
         if self.cache is None:
             self.cache = preallocated_cache(self.model.config)
         if self.layout.window is None:
-            mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]  # [B,1,T,S+T]
+            mask = additive_mask(to_device(seen, self.device), self.dtype)[0, 0][:, None]
         else:
             k_pos = torch.cat([self.slot_pos, pos], dim=1)
             mask = self.layout.model_mask(seen, pos, k_pos, self.dtype, self.device)
         extra = {"logits_to_keep": 1} if last_only and self._hook is None else {}
-        out = self.model(input_ids=ids.to(self.device), position_ids=pos.to(self.device),
+        out = self.model(input_ids=to_device(ids, self.device),
+                         position_ids=to_device(pos, self.device),
                          attention_mask=mask, past_key_values=self.cache, use_cache=True,
                          **extra)
         new_slots = torch.arange(s, s + t_new)
@@ -129,10 +135,8 @@ class BatchRunner:
         self.live = torch.cat([self.live, query], dim=1)
         self.slot_pos = torch.cat([self.slot_pos, pos], dim=1)
         self.width = s + t_new
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.clock.stop()
         self.calls += 1
-        self.seconds += time.perf_counter() - t0
         return out.logits.float()
 
     # ------------------------------------------------------------------ rows
@@ -177,7 +181,7 @@ class BatchRunner:
         if not keep:
             self.release_rows()
             return
-        idx = torch.tensor(keep, device=self.device)
+        idx = to_device(torch.tensor(keep), self.device)
         for layer in self.cache.layers:
             layer.keys, layer.values = (layer.keys.index_select(0, idx),
                                         layer.values.index_select(0, idx))
@@ -220,12 +224,12 @@ class BatchRunner:
         idx = torch.zeros(self.rows, width, dtype=torch.long)
         for b, sl in enumerate(self.slots):
             idx[b, :sl.shape[0]] = sl
-        idx = idx.to(self.device)
+        dev_idx = to_device(idx, self.device)
         for layer in self.cache.layers:
-            g = idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            g = dev_idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, g), layer.values.gather(2, g)
         lengths = torch.tensor([sl.shape[0] for sl in self.slots])
-        self.slot_pos = self.slot_pos.gather(1, idx.cpu())
+        self.slot_pos = self.slot_pos.gather(1, idx)
         self.slots = [torch.arange(sl.shape[0]) for sl in self.slots]
         self.live = torch.arange(width)[None, :] < lengths[:, None]
         self.width = width

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from speclab.decoding.host import fetch_lists
 from speclab.decoding.rules import RuleSpec
 from speclab.decoding.sides import DraftSide
 from speclab.decoding.tree import TokenTree
@@ -180,12 +181,53 @@ class PerRowDrafters(BatchDrafter):
         return len(self.sides)
 
 
+@dataclass
+class TopChildren:
+    """The best children of some draft distributions, on the host: ``values[i]`` /
+    ``ids[i]``, best first, for distribution ``i``. What a tree builder reads of a
+    draft forward, so a batched drafter reads every row's in ONE fetch."""
+
+    values: list[list[float]]
+    ids: list[list[int]]
+
+    def row(self, i: int, k: int) -> list[tuple[float, int]]:
+        """The ``k`` best ``(probability, token)`` of distribution ``i``."""
+        return list(zip(self.values[i][:k], self.ids[i][:k], strict=True))
+
+
+def top_children(probs: torch.Tensor | TopChildren, k: int) -> TopChildren:
+    """``probs`` ``[n, V]`` (or ``[V]``; any device) as its ``k`` best children per row,
+    read with ONE fetch; a :class:`TopChildren` is returned as it is."""
+    if isinstance(probs, TopChildren):
+        return probs
+    probs = probs.reshape(-1, probs.shape[-1])
+    values, ids = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    return TopChildren(*fetch_lists(values, ids))
+
+
+def split_top_children(probs: list[torch.Tensor], k: int) -> list[TopChildren]:
+    """:func:`top_children` for several ``[n_i, V]`` tensors (e.g. one per row of a
+    batch), read with ONE fetch."""
+    if not probs:
+        return []
+    top = top_children(torch.cat([p.reshape(-1, p.shape[-1]) for p in probs]), k)
+    out, at = [], 0
+    for p in probs:
+        n = p.reshape(-1, p.shape[-1]).shape[0]
+        out.append(TopChildren(top.values[at:at + n], top.ids[at:at + n]))
+        at += n
+    return out
+
+
 #: A tree builder as a generator: yields ``(work_tree, node_ids)`` to expand, receives
-#: their ``[len(node_ids), V]`` draft probabilities, returns ``(tree, work -> tree index)``.
-TreeSteps = Generator[tuple[TokenTree, list[int]], torch.Tensor, tuple[TokenTree, dict[int, int]]]
+#: their ``[len(node_ids), V]`` draft probabilities (or their :class:`TopChildren`),
+#: returns ``(tree, work -> tree index)``.
+TreeSteps = Generator[tuple[TokenTree, list[int]], "torch.Tensor | TopChildren",
+                      tuple[TokenTree, dict[int, int]]]
 
 
-def run_steps(steps: TreeSteps, expand: Callable[[TokenTree, list[int]], torch.Tensor]
+def run_steps(steps: TreeSteps,
+              expand: Callable[[TokenTree, list[int]], torch.Tensor | TopChildren]
               ) -> tuple[TokenTree, dict[int, int]]:
     """Drive one tree builder with an ``expand`` function (the single-row way)."""
     probs = None

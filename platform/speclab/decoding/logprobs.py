@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from speclab.decoding.host import fetch, to_device
+
 #: the most alternatives a request may ask for per token (OpenAI and vLLM: 20)
 MAX_TOP_LOGPROBS = 20
 
@@ -33,20 +35,29 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     Returns:
         ``n`` entries ``[token, logprob, [[id, logprob] * top]]``.
     """
+    return logprob_entries(tokens, *fetch(*logprob_inputs(logits, tokens, top)))
+
+
+def logprob_inputs(logits: torch.Tensor, tokens: list[int], top: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs`'s device half: the chosen tokens' log-probs ``[n]`` and the
+    ``top`` best log-probs and ids ``[n, top]``, on the logits' device."""
     if logits.shape[0] != len(tokens):
         raise ValueError(f"logits: {logits.shape[0]} rows for {len(tokens)} tokens")
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ValueError(f"logprobs: at most {MAX_TOP_LOGPROBS} alternatives, got {top}")
-    if not tokens:
-        return []
     lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
-    chosen = lp.gather(-1, torch.tensor(tokens, dtype=torch.long).unsqueeze(-1)).squeeze(-1)
-    if top:
-        values, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
-        alts = [[[int(i), float(v)] for i, v in zip(ri.tolist(), rv.tolist(), strict=True)]
-                for ri, rv in zip(ids, values, strict=True)]
-    else:
-        alts = [[] for _ in tokens]
+    index = to_device(torch.tensor(tokens, dtype=torch.long), lp.device)
+    chosen = lp.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    values, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
+    return chosen, values, ids
+
+
+def logprob_entries(tokens: list[int], chosen: torch.Tensor, values: torch.Tensor,
+                    ids: torch.Tensor) -> list[TokenLogprob]:
+    """:func:`token_logprobs`'s host half, over :func:`logprob_inputs` on the host."""
+    alts = [[[int(i), float(v)] for i, v in zip(ri, rv, strict=True)]
+            for ri, rv in zip(ids.tolist(), values.tolist(), strict=True)]
     return [[int(t), float(c), a] for t, c, a in zip(tokens, chosen.tolist(), alts, strict=True)]
 
 

@@ -33,8 +33,9 @@ import torch
 
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.drafting import BatchDrafter
-from speclab.decoding.logprobs import prompt_logprobs, token_logprobs
-from speclab.decoding.rules import RuleSpec, apply_rule
+from speclab.decoding.host import fetch_lists, fetch_nested
+from speclab.decoding.logprobs import logprob_entries, logprob_inputs, prompt_logprobs
+from speclab.decoding.rules import RuleSpec, judge_rule, prepare_rule
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.sides import Proposal, VerifyResult, check_prompt, committed_tokens
 from speclab.decoding.tree import TokenTree
@@ -137,7 +138,8 @@ class TargetPool:
             n = len(r.prompt_ids) - 1
             top = None
             if prefill_top_k and n:
-                top = logits[j, :n].topk(min(prefill_top_k, logits.shape[-1]), -1).indices.tolist()
+                top = fetch_lists(logits[j, :n].topk(min(prefill_top_k, logits.shape[-1]),
+                                                     -1).indices)[0]
             feats = self.runner.hidden[j, :n].clone() if self.features else None
             echo = None
             if r.logprobs is not None and r.echo:
@@ -179,11 +181,23 @@ class TargetPool:
                 positions[b] = tree.position_ids(n)
                 allowed[b] = tree.ancestor_matrix()  # + the whole prefix
         logits = self.runner.forward(tokens, positions, allowed)
+        # every row's rule reduces its logits on the device; ONE fetch for the batch
+        prepared: list = []
+        for b, tree in zip(rows, trees, strict=True):
+            try:
+                prepared.append(prepare_rule(self.rules[b], tree, logits[b, :len(tree)],
+                                             self.samplings[b]))
+            except Exception as exc:  # a fault boundary: this row only
+                prepared.append(exc)
+        fetched = iter(fetch_nested([x for x in prepared if not isinstance(x, Exception)]))
         out: list[VerifyResult | Exception] = []
+        asked: list[tuple[int, int, TokenTree, list[int]]] = []  # rows that want logprobs
         for i, (b, tree) in enumerate(zip(rows, trees, strict=True)):
             try:  # one row's failure (its rule, its rng) is its own: the others go on
-                verdict = apply_rule(self.rules[b], tree, logits[b, :len(tree)],
-                                     self.samplings[b], self.generators[b])
+                if isinstance(prepared[i], Exception):
+                    raise prepared[i]
+                verdict = judge_rule(self.rules[b], tree, next(fetched), self.samplings[b],
+                                     self.generators[b])
             except Exception as exc:  # a fault boundary: this row only
                 self.runner.keep(b, list(range(prefix[i])))  # the row as before the round
                 out.append(exc)
@@ -192,11 +206,15 @@ class TargetPool:
             new = committed_tokens(tree, verdict)
             self.roots[b] = new[-1]
             feats = self.runner.hidden[b, verdict.path].clone() if self.features else None
-            lps = None
             if self.logprobs[b] is not None:  # node path[i]'s row predicted new[i]
-                lps = token_logprobs(logits[b, verdict.path], new, self.logprobs[b])
+                asked.append((len(out), b, verdict.path, new))
             out.append(VerifyResult(verdict.path, new, verdict.accepted, verdict.evaluated,
-                                    tree.num_drafted, feats, lps))
+                                    tree.num_drafted, feats))
+        if asked:  # the log-probs of every row that asked: one more fetch
+            inputs = [logprob_inputs(logits[b, path], new, self.logprobs[b])
+                      for _, b, path, new in asked]
+            for (j, _, _, new), host in zip(asked, fetch_nested(inputs), strict=True):
+                out[j].logprobs = logprob_entries(new, *host)
         self.runner.maybe_compact()
         return out
 

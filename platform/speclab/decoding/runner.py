@@ -7,19 +7,21 @@ along the sequence axis (never a recompute), :meth:`ModelRunner.crop` drops a ta
 
 from __future__ import annotations
 
-import time
+import bisect
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from speclab.decoding.attention import attention_layout
+from speclab.decoding.host import ForwardClock, to_device
 from speclab.decoding.tree import TokenTree, additive_mask
 
 
 class ModelRunner:
     """Runs one HF causal LM over a single sequence with a persistent ``DynamicCache``.
 
-    ``calls`` counts forwards and ``seconds`` their wall time (synchronised on CUDA).
+    ``calls`` counts forwards and ``seconds`` their wall time (CUDA events on a GPU: no
+    forward waits for the device; :class:`~speclab.decoding.host.ForwardClock`).
     A model with sliding-window layers keeps a full cache and gets explicit windowed
     masks (:mod:`speclab.decoding.attention`); ``key_pos`` ``[length]`` holds the position
     id each cached key was written with.
@@ -34,7 +36,7 @@ class ModelRunner:
         self.length = 0
         self.key_pos = torch.zeros(0, dtype=torch.long)
         self.calls = 0
-        self.seconds = 0.0
+        self.clock = ForwardClock(self.device)
         self.hidden: torch.Tensor | None = None  # [T, H] of the last forward, when tracked
         self._hook = None
 
@@ -56,6 +58,11 @@ class ModelRunner:
             self._hook = None
         self.cache, self.length, self.hidden = None, 0, None
         self.key_pos = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of every forward so far."""
+        return self.clock.seconds
 
     @property
     def vocab_size(self) -> int:
@@ -98,7 +105,7 @@ class ModelRunner:
         ``inputs`` are extra model arguments (``[1, T, ...]`` tensors)."""
         if self.cache is None:
             self.reset()
-        t0 = time.perf_counter()
+        self.clock.start()
         n = tokens.shape[0]
         if positions is None:
             positions = torch.arange(self.length, self.length + n)
@@ -111,10 +118,10 @@ class ModelRunner:
             mask = self.layout.model_mask(allowed.cpu()[None], positions[None], k_pos[None],
                                           self.dtype, self.device)
         elif allowed is not None:
-            mask = additive_mask(allowed.to(self.device), self.dtype)
+            mask = additive_mask(to_device(allowed, self.device), self.dtype)
         out = self.model(
-            input_ids=tokens.to(self.device)[None],
-            position_ids=positions.to(self.device)[None],
+            input_ids=to_device(tokens, self.device)[None],
+            position_ids=to_device(positions, self.device)[None],
             attention_mask=mask,
             past_key_values=self.cache,
             use_cache=True,
@@ -122,24 +129,29 @@ class ModelRunner:
         )
         self.length += n
         self.key_pos = torch.cat([self.key_pos, positions])
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.clock.stop()
         self.calls += 1
-        self.seconds += time.perf_counter() - t0
         return out
 
+    @torch.inference_mode()
     def keep(self, keep: list[int]) -> None:
-        """Keep only cache positions ``keep`` (ascending), in that order."""
-        if keep == list(range(len(keep))):
-            self.crop(len(keep))
-            return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
-        self.key_pos = self.key_pos[idx.cpu()]
-        self.length = len(keep)
+        """Keep only cache positions ``keep`` (ascending), in that order.
 
+        Only the tail after the longest unchanged prefix moves (a tree round keeps the
+        committed prefix and a few accepted nodes: those few are copied into place and
+        the rest cropped, never the whole cache)."""
+        # ascending and distinct, so keep[i] == i holds exactly up to the first move
+        same = bisect.bisect_left(range(len(keep)), True, key=lambda i: keep[i] != i)
+        if same < len(keep):
+            src = torch.tensor(keep[same:], dtype=torch.long)
+            idx = to_device(src, self.device)
+            for layer in self.cache.layers:
+                layer.keys[..., same:len(keep), :] = layer.keys.index_select(-2, idx)
+                layer.values[..., same:len(keep), :] = layer.values.index_select(-2, idx)
+            self.key_pos[same:len(keep)] = self.key_pos[src]
+        self.crop(len(keep))
+
+    @torch.inference_mode()
     def crop(self, length: int) -> None:
         """Drop every cache position from ``length`` on."""
         if length < self.length:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from speclab.decoding.host import fetch_lists
 from speclab.decoding.rules import RuleSpec, Verdict, apply_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
@@ -143,7 +144,7 @@ class TargetSide:
                                      else torch.zeros(0, hidden))
         if prefill_top_k and logits is not None:
             k = min(prefill_top_k, logits.shape[-1])
-            return logits.topk(k, dim=-1).indices.tolist()
+            return fetch_lists(logits.topk(k, dim=-1).indices)[0]
         return None
 
     def verify(self, tree: TokenTree | dict | None) -> VerifyResult:

@@ -23,12 +23,14 @@ the same static layout runs eagerly.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from speclab.decoding.batch_runner import BatchRunner, batch_inputs
+from speclab.decoding.host import synchronize, to_device
 from speclab.decoding.tree import additive_mask
 
 
@@ -72,6 +74,18 @@ def kv_shapes(model: PreTrainedModel) -> list[tuple[tuple[int, int], tuple[int, 
             for layer in probe.layers]
 
 
+def _stepper(model: PreTrainedModel, cache: DynamicCache
+             ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The fast path's one forward over its static ``cache``: ``[rows, T]`` ids and
+    positions, ``[rows, 1, T, capacity]`` mask -> ``[rows, T, V]`` logits."""
+
+    def step(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                     past_key_values=cache, use_cache=True).logits
+
+    return step
+
+
 class FastPath:
     """A model's static cache (``rows`` x ``capacity`` slots) and its compiled step.
 
@@ -105,17 +119,17 @@ class FastPath:
                 torch._dynamo.mark_static_address(t)
             mode = mode or "reduce-overhead"
         self.compiled = compile
-        if compile:  # every FastPath shares _step's code: room for all their shapes
+        if compile:  # every FastPath shares the step's code: room for all their shapes
             dyn = torch._dynamo.config
             dyn.recompile_limit = max(dyn.recompile_limit, 256)
             dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 4096)
-        self.step = torch.compile(self._step, dynamic=False, mode=mode) if compile else self._step
+        step = _stepper(model, self.cache)  # holds the model and cache, never self: a
+        # replaced FastPath is freed at once (no cycle waiting for the cyclic collector)
+        self.step = torch.compile(step, dynamic=False, mode=mode) if compile else step
         self.shapes: set[tuple[int, int]] = set()
-        self.warmup_s = 0.0  # wall time of the forwards that compiled a new shape
-
-    def _step(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor):
-        return self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                          past_key_values=self.cache, use_cache=True).logits
+        self.warmup_s = 0.0  # wall time of the forwards that warmed a new shape up
+        #: hears of each warm-up (its seconds), e.g. to keep it out of timed figures
+        self.on_warmup: Callable[[float], None] | None = None
 
     def run(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int
             ) -> torch.Tensor:
@@ -123,15 +137,33 @@ class FastPath:
         (``T`` a power of two); returns ``[rows, T, V]`` logits."""
         t = ids.shape[1]
         self.positions[t].copy_(torch.arange(start, start + t, device=self.device))
-        t0 = time.perf_counter()
+        if self.compiled and (self.rows, t) not in self.shapes:
+            self.warm(ids, pos, mask)
+        self.shapes.add((self.rows, t))
         logits = self.step(ids, pos, mask)
         if self.compiled and self.device.type == "cuda":
             logits = logits.clone()  # a captured graph reuses its output buffer
-        if (self.rows, t) not in self.shapes:
-            self.shapes.add((self.rows, t))
-            if self.compiled:
-                self.warmup_s += time.perf_counter() - t0
         return logits
+
+    def warm(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> float:
+        """Warm a new shape up before its first real forward, untimed by the runners.
+
+        The first forward of a ``[rows, T]`` shape compiles it; on CUDA (``mode=
+        "reduce-overhead"``) the next records its CUDA graph and the one after ends the
+        recording (CUDA-graph trees finish a recording lazily, at the next call). They
+        run one after another on the same inputs (a forward writes its keys and values
+        at fixed slots, so repeating it changes nothing), timed with the device waited
+        for, into :attr:`warmup_s` and :attr:`on_warmup`. Returns the seconds spent."""
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        for _ in range(3 if self.device.type == "cuda" else 1):
+            self.step(ids, pos, mask)
+        synchronize(self.device)
+        spent = time.perf_counter() - t0
+        self.warmup_s += spent
+        if self.on_warmup is not None:
+            self.on_warmup(spent)
+        return spent
 
 
 class StaticBatchRunner(BatchRunner):
@@ -166,7 +198,7 @@ class StaticBatchRunner(BatchRunner):
     def forward(self, tokens, positions=None, allowed=None) -> torch.Tensor:
         if len(tokens) != self.rows:
             raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
-        t0 = time.perf_counter()
+        self.clock.start()
         n = [int(t.shape[0]) for t in tokens]
         t_new = bucket(max(n, default=1))
         if self.width + t_new > self.capacity:
@@ -188,20 +220,18 @@ class StaticBatchRunner(BatchRunner):
         ids[phys], pos[phys], seen[phys] = ids_l, pos_l, seen_l
         self.slot_pos[:, s:s + t_new] = pos  # padding queries: position 0 at their own slot
         if self.layout.window is None:
-            mask = additive_mask(seen.to(self.device), self.dtype)[0, 0][:, None]
+            mask = additive_mask(to_device(seen, self.device), self.dtype)[0, 0][:, None]
         else:
             mask = self.layout.model_mask(seen, pos, self.slot_pos, self.dtype, self.device)
-        logits = self.fast.run(ids.to(self.device), pos.to(self.device), mask, s)
-        idx = phys.to(logits.device)
+        logits = self.fast.run(to_device(ids, self.device), to_device(pos, self.device), mask, s)
+        idx = to_device(phys, logits.device)
         new_slots = torch.arange(s, s + t_new)
         for b, p in enumerate(self.phys):
             self.slots[b] = torch.cat([self.slots[b], new_slots[:n[b]]])
             self.live[p, s:s + n[b]] = True
         self.width = s + t_new
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.clock.stop()
         self.calls += 1
-        self.seconds += time.perf_counter() - t0
         return logits.index_select(0, idx).float()
 
     @torch.inference_mode()
@@ -270,13 +300,12 @@ class StaticBatchRunner(BatchRunner):
         for b, sl in enumerate(self.slots):
             idx[b, :sl.shape[0]] = sl
         phys = torch.tensor(self.phys, dtype=torch.long)
-        idx, phys = idx.to(self.device), phys.to(self.device)
+        d_idx, d_phys = to_device(idx, self.device), to_device(phys, self.device)
         for k, v in zip(self.fast.keys, self.fast.values, strict=True):
-            g = idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-            k[phys, :, :idx.shape[1]] = k[phys].gather(2, g)
-            v[phys, :, :idx.shape[1]] = v[phys].gather(2, g)
-        idx_cpu = idx.cpu()
-        self.slot_pos[phys.cpu(), :idx_cpu.shape[1]] = self.slot_pos[phys.cpu()].gather(1, idx_cpu)
+            g = d_idx[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            k[d_phys, :, :idx.shape[1]] = k[d_phys].gather(2, g)
+            v[d_phys, :, :idx.shape[1]] = v[d_phys].gather(2, g)
+        self.slot_pos[phys, :idx.shape[1]] = self.slot_pos[phys].gather(1, idx)
         self.live.zero_()
         for b, p in enumerate(self.phys):
             self.live[p, :self.length(b)] = True

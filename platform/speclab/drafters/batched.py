@@ -17,7 +17,13 @@ from collections.abc import Callable
 import torch
 
 from speclab.decoding.batch_runner import BatchRunner
-from speclab.decoding.drafting import BatchDrafter, TreeSteps, accepted_positions
+from speclab.decoding.drafting import (
+    BatchDrafter,
+    TopChildren,
+    TreeSteps,
+    accepted_positions,
+    split_top_children,
+)
 from speclab.decoding.runner import tree_node_inputs
 from speclab.decoding.tree import TokenTree
 
@@ -131,23 +137,26 @@ class BatchTreeDrafter(BatchModelDrafter):
     """Tree drafting for many rows: every row's builder (``steps(root_token, root_probs,
     budget)``) advances in lockstep, and each step's expansions of ALL rows run in ONE
     draft forward. Rows whose tree is done (e.g. SALF stopping early) leave the lockstep.
-    Nodes are ranked by ``softmax(logits / score_temperature)``."""
+    Nodes are ranked by ``softmax(logits / score_temperature)``; a builder reads the
+    ``k`` best children of each expanded node (:class:`~speclab.decoding.drafting.
+    TopChildren`), every row's read in ONE fetch per draft forward."""
 
     def __init__(self, runner: BatchRunner, name: str,
-                 steps: Callable[[int, torch.Tensor, int], TreeSteps],
+                 steps: Callable[[int, TopChildren, int], TreeSteps], k: int,
                  score_temperature: float = 1.0) -> None:
         if score_temperature <= 0:
             raise ValueError(f"score_temperature: must be > 0, got {score_temperature}")
         super().__init__(runner)
         self.name, self.steps, self.score_temperature = name, steps, score_temperature
+        self.k = k
 
     def draft(self, rows, root_logits, budgets):
         st = self.score_temperature
-        root_probs = (root_logits / st).softmax(-1)
-        running = {b: self.steps(self.committed[b][-1], root_probs[j], budgets[j])
+        roots = split_top_children(list((root_logits / st).softmax(-1)), self.k)
+        running = {b: self.steps(self.committed[b][-1], roots[j], budgets[j])
                    for j, b in enumerate(rows)}
         results: dict[int, tuple[TokenTree, dict[int, int]]] = {}
-        replies: dict[int, torch.Tensor | None] = dict.fromkeys(rows)
+        replies: dict[int, TopChildren | None] = dict.fromkeys(rows)
         while running:
             requests = {}
             for b in list(running):
@@ -158,7 +167,9 @@ class BatchTreeDrafter(BatchModelDrafter):
                     del running[b]
             if requests:
                 out = self.expand(requests)
-                replies = {b: (logits / st).softmax(-1) for b, logits in out.items()}
+                tops = split_top_children([(logits / st).softmax(-1) for logits in out.values()],
+                                          self.k)
+                replies = dict(zip(out, tops, strict=True))
         trees = []
         for b in rows:
             tree, old_to_new = results[b]

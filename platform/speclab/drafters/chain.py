@@ -9,6 +9,7 @@ from pydantic import Field
 
 from speclab.config.method import MethodSpec
 from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.host import fetch, fetch_lists
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams, sample, warp_probs
 from speclab.decoding.tree import DETERMINISTIC, SAMPLED, TokenTree
@@ -24,14 +25,27 @@ def draft_next(tree: TokenTree, node: int, logits: torch.Tensor, params: Samplin
     (a deterministic child); sampling: a draw from ``q`` warped like the target's ``p``,
     recorded with ``q`` so speculative sampling can verify it losslessly.
     """
+    return draft_next_rows([tree], [node], logits[None], params, [generator])[0]
+
+
+def draft_next_rows(trees: list[TokenTree], nodes: list[int], logits: torch.Tensor,
+                    params: SamplingParams, generators: list[torch.Generator | None]
+                    ) -> list[int]:
+    """:func:`draft_next` for several rows at once (``logits`` ``[R, V]``, row ``j``'s
+    token drawn with ``generators[j]``), reading the device ONCE for all of them."""
     q = warp_probs(logits, params)
-    if params.greedy:
-        x = int(q.argmax())
-        tree.set_children_kind(node, DETERMINISTIC)
-    else:
-        x = sample(q, generator)
-        tree.set_children_kind(node, SAMPLED, q)
-    return tree.add(x, node, float(q[x]))
+    out = []
+    if params.greedy:  # q is one-hot at the argmax
+        for tree, node, x in zip(trees, nodes, fetch_lists(q.argmax(-1))[0], strict=True):
+            tree.set_children_kind(node, DETERMINISTIC)
+            out.append(tree.add(x, node, 1.0))
+        return out
+    q_host = fetch(q)[0]
+    for j, (tree, node, g) in enumerate(zip(trees, nodes, generators, strict=True)):
+        x = sample(q_host[j], g)
+        tree.set_children_kind(node, SAMPLED, q[j])
+        out.append(tree.add(x, node, float(q_host[j, x])))
+    return out
 
 
 class ChainDrafter(ModelDrafter):
@@ -88,10 +102,12 @@ class BatchChainDrafter(BatchModelDrafter):
         steps = [min(self.gamma, budget) for budget in budgets]
         logits = list(root_logits)
         for i in range(max(steps)):
-            for j, b in enumerate(rows):
-                if i < steps[j]:
-                    node[j] = draft_next(trees[j], node[j], logits[j], self.params,
-                                         self.generators[b])
+            now = [j for j in range(len(rows)) if i < steps[j]]  # rows still drafting
+            added = draft_next_rows([trees[j] for j in now], [node[j] for j in now],
+                                    torch.stack([logits[j] for j in now]), self.params,
+                                    [self.generators[rows[j]] for j in now])
+            for j, n in zip(now, added, strict=True):
+                node[j] = n
             more = {b: (trees[j], [node[j]]) for j, b in enumerate(rows) if i + 1 < steps[j]}
             if more:
                 out = self.expand(more)

@@ -15,20 +15,20 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from speclab.decoding.drafting import TreeSteps, run_steps
+from speclab.decoding.drafting import TopChildren, TreeSteps, run_steps, top_children
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 from speclab.drafters.base import ModelDrafter
 from speclab.drafters.batched import BatchTreeDrafter
 from speclab.drafters.knobs import TreeKnobs
 
-ExpandFn = Callable[[TokenTree, list[int]], torch.Tensor]
+ExpandFn = Callable[[TokenTree, list[int]], torch.Tensor | TopChildren]
 
 
-def _add_top_children(tree: TokenTree, node: int, probs: torch.Tensor, k: int) -> list[int]:
-    vals, ids = torch.topk(probs, min(k, probs.shape[-1]))
+def _add_top_children(tree: TokenTree, node: int, top: TopChildren, row: int,
+                      k: int) -> list[int]:
     tree.set_children_kind(node, DETERMINISTIC)
-    return [tree.add(int(t), node, float(v)) for v, t in zip(vals.tolist(), ids.tolist())]
+    return [tree.add(t, node, v) for v, t in top.row(row, k)]
 
 
 def build_eagle2_tree(
@@ -54,18 +54,19 @@ def build_eagle2_tree(
     return run_steps(eagle2_tree_steps(root_token, root_probs, top_k, depth, nodes), expand)
 
 
-def eagle2_tree_steps(root_token: int, root_probs: torch.Tensor, top_k: int, depth: int,
+def eagle2_tree_steps(root_token: int, root_probs: torch.Tensor | TopChildren, top_k: int,
+                      depth: int,
                       nodes: int) -> TreeSteps:
     """:func:`build_eagle2_tree` as a generator (see :data:`~speclab.decoding.drafting.
     TreeSteps`), so many rows' trees grow in lockstep with batched draft forwards."""
     work = TokenTree(root_token)
-    frontier = _add_top_children(work, 0, root_probs, top_k)
+    frontier = _add_top_children(work, 0, top_children(root_probs, top_k), 0, top_k)
     for _ in range(depth - 1):
         frontier = sorted(frontier, key=lambda i: -work.path_prob[i])[:top_k]
-        probs = yield work, frontier
+        top = top_children((yield work, frontier), top_k)
         level = []
         for row, node in enumerate(frontier):
-            level += _add_top_children(work, node, probs[row], top_k)
+            level += _add_top_children(work, node, top, row, top_k)
         frontier = level
     # rerank: ties broken towards earlier (shallower) nodes so parents precede children
     order = sorted(range(1, len(work)), key=lambda i: (-work.path_prob[i], i))[:nodes]
@@ -116,8 +117,9 @@ class TreeConfig(TreeKnobs):
                                  self.score_temperature)
 
     def build_batch(self, ctx) -> BatchTreeDrafter:
-        def steps(root: int, probs: torch.Tensor, budget: int) -> TreeSteps:
+        def steps(root: int, probs: TopChildren, budget: int) -> TreeSteps:
             return eagle2_tree_steps(root, probs, self.tree_top_k,
                                      min(self.depth, max(budget, 1)), self.nodes)
 
-        return BatchTreeDrafter(ctx.make_batch_runner(), "tree", steps, self.score_temperature)
+        return BatchTreeDrafter(ctx.make_batch_runner(), "tree", steps, self.tree_top_k,
+                                self.score_temperature)

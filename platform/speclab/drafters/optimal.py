@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from speclab.decoding.drafting import run_steps
+from speclab.decoding.drafting import TopChildren, run_steps, top_children
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 from speclab.drafters.base import ModelDrafter
@@ -49,7 +49,7 @@ class OptimalTreeResult:
 
 def build_optimal_tree(
     root_token: int,
-    root_probs: torch.Tensor,
+    root_probs: torch.Tensor | TopChildren,
     expand: ExpandFn,
     nodes: int,
     batch: int,
@@ -81,7 +81,7 @@ def build_optimal_tree(
 
 def optimal_tree_steps(
     root_token: int,
-    root_probs: torch.Tensor,
+    root_probs: torch.Tensor | TopChildren,
     nodes: int,
     batch: int,
     threshold: float = 0.0,
@@ -99,17 +99,16 @@ def optimal_tree_steps(
     queue: list[_Cand] = []
     sums: list[float] = []
 
-    def push_children(node: int, probs: torch.Tensor) -> None:
+    def push_children(node: int, top: TopChildren, row: int) -> None:
         nonlocal order
-        vals, ids = torch.topk(probs, min(nodes, probs.shape[-1]))
         work.set_children_kind(node, DETERMINISTIC)
         pr = work.path_prob[node]
-        for v, t in zip(vals.tolist(), ids.tolist()):
+        for v, t in top.row(row, nodes):
             order += 1
             queue.append(_Cand((-pr * v, order), node, t, v))
 
     sums.append(1.0)  # iteration 0 expands the root alone (pr = 1)
-    push_children(0, root_probs)
+    push_children(0, top_children(root_probs, nodes), 0)
     queue.sort()
     del queue[nodes:]
     while queue:
@@ -132,9 +131,9 @@ def optimal_tree_steps(
             break
         expandable = [i for i in expandable if work.depths[i] < max_depth]
         if expandable:
-            probs = yield work, expandable
+            top = top_children((yield work, expandable), nodes)
             for row, node in enumerate(expandable):
-                push_children(node, probs[row])
+                push_children(node, top, row)
             queue.sort()
             del queue[nodes:]
         if queue and eps_key is not None and queue[0].key > eps_key:
@@ -217,13 +216,13 @@ class OptimalConfig(TreeKnobs):
         OptimalTreeDrafter.check_knobs(self.nodes, self.batch, self.stop_threshold(),
                                        self.depth, self.score_temperature)
 
-        def steps(root: int, probs: torch.Tensor, budget: int):
+        def steps(root: int, probs: TopChildren, budget: int):
             res = yield from optimal_tree_steps(root, probs, self.nodes, self.batch,
                                                 self.stop_threshold(),
                                                 min(self.depth, max(budget, 1)))
             return res.tree, res.old_to_new
 
-        return BatchTreeDrafter(ctx.make_batch_runner(), self.name, steps,
+        return BatchTreeDrafter(ctx.make_batch_runner(), self.name, steps, self.nodes,
                                 self.score_temperature)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from speclab.decoding.host import fetch_lists, to_device
 from speclab.decoding.rules.verdict import Verdict
 from speclab.decoding.tree import TokenTree
 
@@ -34,15 +35,31 @@ def verify_conditional(tree: TokenTree, target_logits: torch.Tensor, alpha: floa
     """
     if alpha < 0:
         raise ValueError(f"aasd_alpha: must be >= 0, got {alpha}")
+    best, limit, p_at = fetch_lists(*conditional_inputs(tree, target_logits, alpha, beta))
+    return conditional_on_host(tree, best, limit, p_at)
+
+
+def conditional_inputs(tree: TokenTree, target_logits: torch.Tensor, alpha: float,
+                       beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What :func:`conditional_on_host` reads, on the logits' device, each ``[T]``: the
+    target's argmax at every node, the eq. 5 threshold at every node, and every node's
+    token's probability under its parent (0 at the root)."""
     p = target_logits.float().softmax(-1)
-    best = p.argmax(-1).tolist()
-    limit = conditional_threshold(p, alpha, beta).tolist()
+    parents = to_device(torch.tensor([max(i, 0) for i in tree.parents]), p.device)
+    tokens = to_device(torch.tensor(tree.tokens), p.device)
+    p_at = p[parents, tokens]
+    p_at[0] = 0.0
+    return p.argmax(-1), conditional_threshold(p, alpha, beta), p_at
+
+
+def conditional_on_host(tree: TokenTree, best: list[int], limit: list[float],
+                        p_at: list[float]) -> Verdict:
+    """:func:`verify_conditional` over host lists (see :func:`conditional_inputs`)."""
 
     def passes(child: int) -> bool:
-        parent, tok = tree.parents[child], tree.tokens[child]
-        if tok == best[parent]:
+        if tree.tokens[child] == best[tree.parents[child]]:
             return True
-        return tree.relaxed[child] and float(p[parent, tok]) >= limit[parent]
+        return tree.relaxed[child] and p_at[child] >= limit[tree.parents[child]]
 
     longest: list[int] = [0]
     stack = [[0]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from speclab.decoding.host import fetch_lists
 from speclab.decoding.rules.verdict import Verdict
 from speclab.decoding.tree import TokenTree
 
@@ -15,7 +16,11 @@ def verify_greedy(tree: TokenTree, target_logits: torch.Tensor) -> Verdict:
         tree: draft tree with ``T`` nodes.
         target_logits: ``[T, V]`` target logits at every node.
     """
-    best = target_logits.argmax(-1).tolist()
+    return follow_argmax(tree, fetch_lists(target_logits.argmax(-1))[0])
+
+
+def follow_argmax(tree: TokenTree, best: list[int]) -> Verdict:
+    """:func:`verify_greedy` on the host: ``best[i]`` is the target's argmax at node ``i``."""
     node, path, evaluated = 0, [0], 0
     while True:
         if tree.children[node]:

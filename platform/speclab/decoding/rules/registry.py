@@ -35,13 +35,23 @@ from typing import Any
 import torch
 
 from speclab.config.base import ConfigError, StrictModel
+from speclab.decoding.host import fetch_nested
 from speclab.decoding.rules.verdict import Verdict
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.tree import TokenTree
 from speclab.plugins import load_plugins
 
-#: ``fn(tree, target_logits [T, V], sampling, generator, params) -> Verdict``
-RuleFn = Callable[[TokenTree, torch.Tensor, SamplingParams, torch.Generator | None, Any], Verdict]
+#: ``fn(tree, host, sampling, generator, params) -> Verdict``: ``host`` is what the rule's
+#: ``prepare`` returned, copied to the host (by default the ``[T, V]`` target logits)
+RuleFn = Callable[[TokenTree, Any, SamplingParams, torch.Generator | None, Any], Verdict]
+#: ``prepare(tree, target_logits [T, V], sampling, params) -> tensor or tuple of tensors``,
+#: on the logits' device: the (small) part of the logits the rule reads
+PrepareFn = Callable[[TokenTree, torch.Tensor, SamplingParams, Any],
+                     torch.Tensor | tuple[torch.Tensor, ...]]
+
+
+def _all_logits(tree, logits, sampling, params):
+    return logits
 
 
 class NoParams(StrictModel):
@@ -51,6 +61,13 @@ class NoParams(StrictModel):
 @dataclass(frozen=True)
 class Rule:
     """One verification rule.
+
+    A rule runs in two steps so that a batch of rows waits for the device ONCE
+    (:mod:`speclab.decoding.host`): ``prepare`` reduces the target logits on their
+    device to what the rule reads (greedy: the argmax per node), then every row's
+    prepared tensors travel to the host together and ``fn`` judges the tree there. The
+    default ``prepare`` hands ``fn`` the whole ``[T, V]`` logits (correct for any rule;
+    a rule of a plugin may keep it).
 
     ``greedy_only``: defined at temperature 0 only (refused otherwise);
     ``relaxed``: changes the output distribution (not lossless), said in its name/docs.
@@ -62,6 +79,7 @@ class Rule:
     greedy_only: bool = False
     relaxed: bool = False
     doc: str = ""
+    prepare: PrepareFn = _all_logits
 
 
 RULES: dict[str, Rule] = {}
@@ -128,9 +146,24 @@ def resolve_rule(name: str | None, params: dict | None,
 
 def apply_rule(spec: RuleSpec, tree: TokenTree, target_logits: torch.Tensor,
                sampling: SamplingParams, generator: torch.Generator | None) -> Verdict:
-    """Run the rule of ``spec`` on ``tree`` (``target_logits``: ``[T, V]``, one row per node)."""
+    """Run the rule of ``spec`` on ``tree`` (``target_logits``: ``[T, V]``, one row per
+    node, on any device): prepare, ONE fetch, judge."""
+    prepared = prepare_rule(spec, tree, target_logits, sampling)
+    return judge_rule(spec, tree, fetch_nested([prepared])[0], sampling, generator)
+
+
+def prepare_rule(spec: RuleSpec, tree: TokenTree, target_logits: torch.Tensor,
+                 sampling: SamplingParams) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The rule's ``prepare`` step, on the logits' device (see :class:`Rule`)."""
     rule = get_rule(spec.name)
-    return rule.fn(tree, target_logits, sampling, generator, rule.params(**spec.params))
+    return rule.prepare(tree, target_logits, sampling, rule.params(**spec.params))
+
+
+def judge_rule(spec: RuleSpec, tree: TokenTree, host: Any, sampling: SamplingParams,
+               generator: torch.Generator | None) -> Verdict:
+    """The rule's ``fn`` over ``host``: :func:`prepare_rule`'s output on the host."""
+    rule = get_rule(spec.name)
+    return rule.fn(tree, host, sampling, generator, rule.params(**spec.params))
 
 
 def request_rule(requested: str | None, params: dict | None, sampling: SamplingParams,

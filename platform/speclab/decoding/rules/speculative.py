@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from speclab.decoding.host import fetch
 from speclab.decoding.rules.verdict import Verdict
 from speclab.decoding.sampling import sample
 from speclab.decoding.tree import SAMPLED, TokenTree
@@ -28,9 +29,30 @@ def verify_speculative(
 
     Args:
         tree: draft tree with ``T`` nodes; sampled children need ``tree.q_dist``.
-        p: ``[T, V]`` warped target probabilities at every node.
+        p: ``[T, V]`` warped target probabilities at every node (any device: read with
+            the tree's ``q`` in ONE :func:`~speclab.decoding.host.fetch`).
         generator: source of randomness (seeded for reproducibility).
     """
+    return speculative_on_host(tree, *fetch_speculative(tree, p), generator)
+
+
+def speculative_inputs(tree: TokenTree, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What :func:`speculative_on_host` reads, still on the device: ``p`` ``[T, V]`` and
+    the ``[V]`` proposal distribution of every sampled node (ascending node id)."""
+    return (p, *(tree.q_dist[k] for k in sorted(tree.q_dist)))
+
+
+def fetch_speculative(tree: TokenTree, p: torch.Tensor
+                      ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """``p`` and the tree's ``q`` on the host (one fetch)."""
+    host = fetch(*speculative_inputs(tree, p))
+    return host[0], dict(zip(sorted(tree.q_dist), host[1:], strict=True))
+
+
+def speculative_on_host(tree: TokenTree, p: torch.Tensor, q_dist: dict[int, torch.Tensor],
+                        generator: torch.Generator | None) -> Verdict:
+    """:func:`verify_speculative` over host tensors (``p`` ``[T, V]``; ``q_dist``: node ->
+    ``[V]``): every read below is a host read, so the device is never waited for."""
     node, path, evaluated = 0, [0], 0
     while True:
         p_res = p[node]
@@ -39,9 +61,7 @@ def verify_speculative(
             return Verdict(path, sample(p_res, generator), evaluated)
         evaluated += 1
         sampled = tree.child_kind.get(node) == SAMPLED
-        # the draft's distribution, on the target's device (a tree from another
-        # deployment, or from a drafter on another device, carries it on the CPU)
-        q = tree.q_dist[node].to(p_res.device) if sampled else None
+        q = q_dist[node] if sampled else None
         nxt = -1
         for c in kids:
             x = tree.tokens[c]
