@@ -13,7 +13,8 @@ group, a warm-up request runs, and :func:`serve_apps.loadtest.run_load` runs at 
 client count; the server is stopped (its process group) before the next method.
 Prints a table (tokens/s, share of the in-process figure, p50 latency, tau, target
 calls per token, every served output equal to the in-process one) and where a round's
-time went (ingress, draft model, target call and model, batch wait), and writes JSON.
+time went (ingress, draft model, target call: hop, target model forward and the
+target's rules, batch wait), and writes JSON.
 """
 
 from __future__ import annotations
@@ -42,22 +43,28 @@ def _free_port() -> int:
 
 
 def in_process(cfg, method: dict, prompts: list[str], max_tokens: int) -> dict:
-    """The engine in this process, prompts one after another: tokens/s and outputs."""
+    """The engine in this process, prompts one after another: tokens/s and outputs. Both
+    models load as the target deployment's does (``models.dtype``, its device and
+    attention), so the figure is comparable with the served one; the clock waits for
+    the device."""
     from speclab.api import Decoder
     from speclab.models.registry import resolve_models
+    from speclab.timing import now
 
     target, draft = resolve_models(cfg.models.target, cfg.models.draft)
-    dec = Decoder.from_pretrained(target, draft)
+    device = cfg.device_of("target")
+    dec = Decoder.from_pretrained(target, draft, cfg.models.dtype, device,
+                                  attn_implementation=cfg.models.attn_implementation)
     params = {k: v for k, v in method.items() if k != "name"}
     dec.generate(prompts[0], method=method["name"], max_new_tokens=8, **params)  # warm-up
-    outs, tokens, t0 = {}, 0, time.perf_counter()
+    outs, tokens, t0 = {}, 0, now(device)
     taus = []
     for p in prompts:
         res = dec.generate(p, method=method["name"], max_new_tokens=max_tokens, **params)
         outs[p] = res.token_ids
         tokens += len(res.token_ids)
         taus.append(res.stats.tau)
-    wall = time.perf_counter() - t0
+    wall = now(device) - t0
     return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall,
             "tau": statistics.mean(taus), "outputs": outs}
 
@@ -103,17 +110,21 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def breakdown(results: list[dict]) -> dict:
-    """Mean seconds per round: where the time of a request's rounds went."""
+    """Mean seconds per round: where the time of a request's rounds went. The target
+    call (``target_call_s``) is the hop (``hop_s``), the target's forward
+    (``target_model_s``, the model alone) and the rest of its verify step
+    (``target_rule_s``: rules, masks, pruning; 0 where a replica does not report it)."""
     ok = [r for r in results if r["status"] == 200]
     rounds = sum(r["stats"]["timing"]["rounds"] for r in ok) or 1
-    t = {k: sum(r["stats"]["timing"][k] for r in ok) / rounds
-         for k in ("queue_s", "draft_model_s", "target_call_s", "target_model_s")}
+    t = {k: sum(r["stats"]["timing"].get(k, 0.0) for r in ok) / rounds
+         for k in ("queue_s", "draft_model_s", "target_call_s", "target_model_s",
+                   "target_rule_s")}
     per_req = {"http_and_proxy_s": statistics.mean(
         r["latency_s"] - r["stats"]["timing"]["ingress_s"] for r in ok),
         "ingress_to_replica_s": statistics.mean(
         r["stats"]["timing"]["ingress_s"] - r["stats"]["timing"]["replica_s"] for r in ok),
         "prefill_s": statistics.mean(r["stats"]["prefill_s"] for r in ok)}
-    t["hop_s"] = t["target_call_s"] - t["target_model_s"]
+    t["hop_s"] = t["target_call_s"] - t["target_model_s"] - t["target_rule_s"]
     t["rows_per_target_forward"] = statistics.mean(
         x for r in ok for x in r["stats"]["timing"]["batch_rows"])
     return {"per_round": t, "per_request": per_req}
@@ -178,14 +189,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['p50_s'] / base['p50_s']:>6.2f} {s['tau']:>5.2f} "
               f"{s['target_calls_per_token']:>9.3f} {s['errors']:>6} "
               f"{str(s['identical_to_in_process']):>5}")
-    print("\nper round (ms): queue, draft model, target call (hop + target model), target model, "
-          "rows per target forward")
+    print("\nper round (ms): queue, draft model, target call (hop + target model + target "
+          "rules), target model, target rules, rows per target forward")
     for name, n, s, _ in rows:
         r = s["per_round"]
         q = s["per_request"]
         print(f"{name:<8} {n:>3} clients: queue {1e3 * r['queue_s']:.2f}, draft "
               f"{1e3 * r['draft_model_s']:.2f}, call {1e3 * r['target_call_s']:.2f} (hop "
-              f"{1e3 * r['hop_s']:.2f}), target {1e3 * r['target_model_s']:.2f}, rows "
+              f"{1e3 * r['hop_s']:.2f}), target {1e3 * r['target_model_s']:.2f}, rules "
+              f"{1e3 * r['target_rule_s']:.2f}, rows "
               f"{r['rows_per_target_forward']:.1f}; per request: http+proxy "
               f"{1e3 * q['http_and_proxy_s']:.1f}, ingress->replica "
               f"{1e3 * q['ingress_to_replica_s']:.1f}, prefill {1e3 * q['prefill_s']:.1f}")

@@ -51,21 +51,24 @@ class DecodeRequest:
 class Timing:
     """Seconds of one request's rounds, as the driving replica saw them: waiting for a
     batch to close (``queue_s``), its share of draft model time (``draft_model_s``: the
-    batch's propose time), the target call (``target_call_s``: hop + the target's batch)
-    and the target's forward inside it (``target_model_s``)."""
+    batch's propose time), the target call (``target_call_s``: hop + the target's batch),
+    the target's forward inside it (``target_model_s``, the model alone) and the rest of
+    the target's verify step (``target_rule_s``: trees from the wire, rules, pruning)."""
 
     rounds: int = 0
     queue_s: float = 0.0
     draft_model_s: float = 0.0
     target_call_s: float = 0.0
     target_model_s: float = 0.0
+    target_rule_s: float = 0.0
     replica_s: float = 0.0  # the whole request on the driving replica
     batch_rows: list[int] = field(default_factory=list)  # rows verified with it, per round
 
     def add(self, step: dict) -> None:
         """Add one round's figures (a step result's ``timing``)."""
         self.rounds += 1
-        for key in ("queue_s", "draft_model_s", "target_call_s", "target_model_s"):
+        for key in ("queue_s", "draft_model_s", "target_call_s", "target_model_s",
+                    "target_rule_s"):
             setattr(self, key, getattr(self, key) + float(step.get(key, 0.0)))
         self.batch_rows.append(int(step.get("rows", 1)))
 

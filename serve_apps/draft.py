@@ -203,7 +203,8 @@ class DraftDeployment(RequestStates):
                         set_generator_state(self.pool.generator(s.rid), res["rng"])
                     out[i] = (entry[2], VerifyResult.from_dict(res["verdict"]), {
                         "draft_model_s": draft_s, "target_call_s": call_s,
-                        "target_model_s": res["target_model_s"], "rows": res["rows"]})
+                        "target_model_s": res["target_model_s"],
+                        "target_rule_s": res.get("target_rule_s", 0.0), "rows": res["rows"]})
         if joined:
             self.pool.join([NewRow(s.rid, s.req.prompt_ids, SamplingParams(**s.req.sampling),
                                    None, seeded(s.req.seed), res["top"],

@@ -7,11 +7,13 @@ Each client thread sends ``--requests`` ``POST /generate`` calls one after anoth
 (prompts cycle through a fixed list of code openings). Prints a table (requests, errors,
 p50 / p95 / max latency, tokens/s over the wall time, mean tau and target calls per
 token from the servers' SD stats) and writes it as JSON; ``/health`` before and after
-shows each replica's live request states and resident memory.
+shows each replica's live request states and resident memory (and its peak GPU memory,
+``peak_gpu_mb``, where a replica on CUDA reports one).
 """
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -82,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{side}: live states after {[r['sessions'] for r in after[side]]}, rss MB "
               f"{[round(r['rss_mb']) for r in before[side]]} -> "
               f"{[round(r['rss_mb']) for r in after[side]]}")
+        gpu = [r.get("peak_gpu_mb") for r in after[side]]  # None / NaN: not on CUDA
+        gpu = [round(g) if isinstance(g, int | float) and not math.isnan(g) else None
+               for g in gpu]
+        if any(g is not None for g in gpu):
+            print(f"{side}: peak GPU MB {gpu}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"summary": s, "method": after["method"],

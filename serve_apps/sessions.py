@@ -14,11 +14,14 @@ which the ingress turns into a 503 naming the request. Nothing here imports Ray.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from collections import OrderedDict
 from typing import Protocol
+
+from speclab.timing import peak_gpu_mb
 
 
 class State(Protocol):
@@ -121,6 +124,11 @@ class PoolRow:
         self.pool.end(self.rid)
 
 
+def _json_mb(mb: float) -> float | None:
+    """A figure for a JSON body: None where it was not measured (NaN)."""
+    return None if math.isnan(mb) else mb
+
+
 def rss_mb() -> float:
     """Resident memory of this process in MiB (reported by the replicas' ``stats``)."""
     import psutil
@@ -151,4 +159,5 @@ class RequestStates:
         self.sessions._expire()
         return {"sessions": len(self.sessions), "cached_tokens": self.sessions.cached_tokens(),
                 "expired": self.sessions.expired, "evicted": self.sessions.evicted,
-                "rss_mb": rss_mb(), "pid": os.getpid()}
+                "rss_mb": rss_mb(), "peak_gpu_mb": _json_mb(peak_gpu_mb()),
+                "pid": os.getpid()}

@@ -48,6 +48,7 @@ from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.sides import VerifyResult, check_prompt
 from speclab.decoding.wire import pack_tensor
 from speclab.models.loading import load_model
+from speclab.timing import now, split_forward_time
 
 
 @dataclass
@@ -118,7 +119,7 @@ class TargetDeployment(RequestStates):
         for i in starts:
             out[i] = self._start(steps[i])
         if verifies:
-            t0 = time.perf_counter()
+            t0 = now(self.pool.runner.device)
             flat: list[tuple[int, int, str, dict | None, bytes | None]] = []
             for i in verifies:
                 out[i] = [None] * len(steps[i].items)
@@ -131,15 +132,20 @@ class TargetDeployment(RequestStates):
                         flat.append((i, j, rid, tree, rng))
                     except (SessionGone, KeyError) as exc:
                         out[i][j] = row_error(exc)
-            results = self.pool.verify([(rid, tree) for _, _, rid, tree, _ in flat]) \
-                if flat else []
-            model_s = time.perf_counter() - t0
+            results, model_s, _ = split_forward_time(
+                self.pool.runner,
+                lambda: self.pool.verify([(rid, tree) for _, _, rid, tree, _ in flat])
+                if flat else [])
+            # the forward alone vs. the rest of the batch's step (session look-ups, trees
+            # from the wire, masks, each row's rule and pruning)
+            rule_s = max(now(self.pool.runner.device) - t0 - model_s, 0.0)
             for (i, j, rid, _tree, rng), res in zip(flat, results, strict=True):
                 if isinstance(res, Exception):  # this request's failure, not the batch's
                     out[i][j] = row_error(res)
                     continue
                 out[i][j] = {"verdict": res.to_dict(), "target_model_s": model_s,
-                             "rows": len(flat), "rng": None if rng is None else
+                             "target_rule_s": rule_s, "rows": len(flat),
+                             "rng": None if rng is None else
                              generator_state(self.pool.generator(rid))}
         return out
 
@@ -182,7 +188,10 @@ class TargetDeployment(RequestStates):
     async def verify_rows(self, key: str, source: str, items: list) -> list[dict]:
         """One round of several requests: per ``(rid, tree)`` (wire form; None: the root
         alone) ``{"verdict"}`` (a :class:`VerifyResult` dict) with ``target_model_s`` (the
-        forward's seconds) and ``rows`` (the requests in it), or an ``error`` entry."""
+        batch's target forward alone, the runner's own synchronised clock),
+        ``target_rule_s`` (the rest of the batch's verify step here: session look-ups,
+        trees from the wire, masks, every row's rule and pruning) and ``rows`` (the
+        requests in it), or an ``error`` entry."""
         return await self.batcher.submit(_Verifies(source, [tuple(i) for i in items]), source)
 
     async def end(self, key: str, rid: str) -> bool:
@@ -222,10 +231,11 @@ class TargetDeployment(RequestStates):
                 t0 = time.perf_counter()
                 reply = (await self.batcher.submit(_Verifies(rid, [(rid, None)]), rid))[0]
                 step_s = time.perf_counter() - t0
-                if "error" not in reply:
-                    model_s = reply["target_model_s"]
-                    timing.add({"queue_s": step_s - model_s, "target_call_s": model_s,
-                                "target_model_s": model_s, "rows": reply["rows"]})
+                if "error" not in reply:  # no hop here: the call is the batch's step
+                    model_s, rule_s = reply["target_model_s"], reply["target_rule_s"]
+                    timing.add({"queue_s": max(step_s - model_s - rule_s, 0.0),
+                                "target_call_s": model_s + rule_s, "target_model_s": model_s,
+                                "target_rule_s": rule_s, "rows": reply["rows"]})
             if "error" in reply:
                 raise request_error(rid, reply["error"])
             return VerifyResult.from_dict(reply["verdict"]) if isinstance(msg, Verify) else reply

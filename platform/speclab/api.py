@@ -21,6 +21,8 @@ request it cannot honour is an error, never a silent swap.
 from __future__ import annotations
 
 import operator
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +58,40 @@ def needs_draft_model(method: str) -> bool:
     return method_class(method).needs_draft_model
 
 
+@dataclass
+class Warmup:
+    """One warm-up during a batched generate: which side's model, how long, and the rows
+    (ids) that were decoding meanwhile."""
+
+    side: str  # "draft" or "verify": the phase of a round it fell in
+    seconds: float
+    rids: tuple[str, ...]
+
+
+def exclude_warmups(warmups: list[Warmup], batch: BatchStats,
+                    stats: list[GenerationStats]) -> float:
+    """Take ``warmups`` out of the timed figures of the generate they fell in: the batch's
+    wall time and the phase each ran in (a draft model's warm-up in ``draft_s``, the
+    target's in ``verify_s``), and the same for every row decoding meanwhile (row ids
+    ``"0"``, ``"1"``, ... index ``stats``). Returns the seconds taken out."""
+    def take(obj, name: str, s: float) -> None:
+        setattr(obj, name, max(getattr(obj, name) - s, 0.0))
+
+    for w in warmups:
+        phase = "draft_s" if w.side == "draft" else "verify_s"
+        for obj in [batch, *(stats[int(r)] for r in w.rids if 0 <= int(r) < len(stats))]:
+            take(obj, "wall_s", w.seconds)
+            take(obj, phase, w.seconds)
+    return sum(w.seconds for w in warmups)
+
+
 class Decoder:
-    """A target (and optional draft) model pair ready for repeated generation."""
+    """A target (and optional draft) model pair ready for repeated generation.
+
+    Timed figures (``GenerationResult.stats``, :attr:`last_batch`) never include the
+    fast path's warm-up (compiling a new shape; on CUDA capturing its graph): that time
+    is reported as :attr:`warmup_s` (all so far) and :attr:`last_warmup_s` (during the
+    last generate) only."""
 
     def __init__(
         self,
@@ -80,6 +114,9 @@ class Decoder:
         self.compile, self.capacity = bool(compile), capacity
         self._fast: dict[tuple[int, int], FastPath] = {}  # (model, rows): ONE static cache
         self._retired_warmup_s = 0.0
+        self.last_warmup_s = 0.0  # warm-up seconds of the last generate (excluded from it)
+        self._warmups: list[Warmup] | None = None  # those of the generate running now
+        self._live_rows: Callable[[], list[str]] = list
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -219,12 +256,27 @@ class Decoder:
             if fast is not None:
                 self._retired_warmup_s += fast.warmup_s
                 del self._fast[key]  # freed before the new one is allocated
+            side = "verify" if model is self.target.model else "draft"
+            me = weakref.ref(self)  # the fast path must not keep its Decoder alive
+
+            def heard(seconds: float, side: str = side) -> None:
+                if (dec := me()) is not None:
+                    dec._warmed(side, seconds)
+
             fast = self._fast[key] = FastPath(model, rows, capacity)
+            fast.on_warmup = heard
         return StaticBatchRunner(fast)
+
+    def _warmed(self, side: str, seconds: float) -> None:
+        """A fast path warmed a shape up: remember it for the generate running now."""
+        if self._warmups is not None:
+            self._warmups.append(Warmup(side, seconds, tuple(self._live_rows())))
 
     @property
     def warmup_s(self) -> float:
-        """Seconds spent so far in forwards that compiled a new shape (fast path)."""
+        """Seconds spent so far warming the fast path up: the forwards that compiled a new
+        shape (on CUDA also those that captured and settled its CUDA graph), timed with
+        the device synchronised. Never part of a generate's timed figures."""
         return self._retired_warmup_s + sum(f.warmup_s for f in self._fast.values())
 
     def _generate_batch(self, prompts: list[list[int]], cfg: MethodSpec, params: SamplingParams,
@@ -248,11 +300,14 @@ class Decoder:
         target = TargetPool(self.batch_runner(self.target.model, rows, capacity),
                             traits.drafting and traits.needs_features)
         draft = DraftPool(make) if traits.drafting else None
+        self._warmups, self._live_rows = [], lambda: list(target.rids)
         try:
             outs, stats, batch = generate_batch(
                 target, draft, new_rows(prompts, params, rule, seed), max_new_tokens,
                 batch_size, self.eos_token_id, traits.prefill_top_k)
+            self.last_warmup_s = exclude_warmups(self._warmups, batch, stats)
         finally:
+            self._warmups, self._live_rows = None, list
             target.runner.release()
             if draft is not None:
                 draft.release()

@@ -5,19 +5,23 @@ speedup over autoregressive decoding (AR re-timed right before each method, A B 
 the predicted speedup (Leviathan Theorem 3.8 from the measured alpha and cost ratio c
 for chains; the eq. 2.1 cost model otherwise) and measured/predicted. In the same run,
 on the same pair and prompts: Hugging Face assisted generation and prompt lookup.
+Every clock read waits for the device first (:func:`speclab.timing.now`); every row
+carries ``peak_gpu_mb``, the most GPU memory PyTorch held during its block (a column of
+the printed table on CUDA; NaN in the JSON and MLflow metrics on a CPU).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from speclab.evaluation import (
+    COLUMNS,
     MethodRun,
     Totals,
     format_table,
@@ -25,6 +29,7 @@ from speclab.evaluation import (
     run_prompts,
     summarize,
 )
+from speclab.timing import max_mb, now, peak_gpu_mb, reset_peak_gpu
 
 # score_temperature 0.5: the reference draft is under-confident (path probabilities
 # fall faster than real acceptance); sharpening the ranking softmax fixes the trees'
@@ -41,22 +46,30 @@ DEFAULT_RUNS = [
 
 
 def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> Totals:
-    """Time ``transformers`` ``generate`` (greedy) per prompt; fills wall time and outputs."""
+    """Time ``transformers`` ``generate`` (greedy) per prompt (the clock read after the
+    device finished); fills wall time, outputs and the block's ``peak_gpu_mb``."""
     model = dec.target.model
     totals = Totals()
+    reset_peak_gpu(model.device)
     for ids in prompts:
         x = torch.tensor([ids], device=model.device)
-        t0 = time.perf_counter()
+        t0 = now(model.device)
         with torch.inference_mode():
             out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                  max_new_tokens=max_new_tokens,
                                  pad_token_id=dec.eos_token_id, **kwargs)
-        totals.wall_s += time.perf_counter() - t0
+        totals.wall_s += now(model.device) - t0
         new = out[0, len(ids):].tolist()
         totals.prompts += 1
         totals.new_tokens += len(new)
         totals.outputs.append(new)
+    totals.peak_gpu_mb = peak_gpu_mb(model.device)
     return totals
+
+
+def table_columns(columns: list[tuple[str, str]], device: str) -> list[tuple[str, str]]:
+    """``columns`` plus peak GPU memory (MiB) when the models run on CUDA."""
+    return [*columns, ("peak_gpu_mb", "{:.0f}")] if device.startswith("cuda") else columns
 
 
 def reference_setup(num_prompts: int, device: str, dtype: str, compile: bool = False):
@@ -96,8 +109,9 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
         ar_tps = ar.new_tokens / ar.wall_s
         rows.append({"method": label, "prompts": tot.prompts, "new_tokens": tot.new_tokens,
                      "tokens_per_s": tps, "ar_tokens_per_s": ar_tps, "speedup": tps / ar_tps,
-                     "wall_s": tot.wall_s, "identical_to_ar": tot.outputs == reference})
-    print(format_table(rows))
+                     "wall_s": tot.wall_s, "peak_gpu_mb": tot.peak_gpu_mb,
+                     "identical_to_ar": tot.outputs == reference})
+    print(format_table(rows, table_columns(COLUMNS, device)))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
@@ -190,21 +204,23 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     Prints the table, writes ``batch_bench.json`` and ``batch_scaling.png``; with
     ``log_mlflow`` also an MLflow run at ``tracking_uri`` (default: the embedded store)
     in experiment ``speclab-bench``, with every figure as a metric whose step is the
-    batch size, and the plot. ``compile``: the static, compiled fast path; its compile
-    warm-up (the forwards that compiled a shape, all in the untimed warm-up passes) is
-    reported apart. Returns the rows."""
+    batch size, and the plot. ``compile``: the static, compiled fast path; its warm-up
+    (the forwards that compiled a shape and, on CUDA, captured its CUDA graph: all in the
+    untimed warm-up passes; any later one is taken out of the timed figures of the pass
+    it fell in, see :class:`speclab.api.Decoder`) is reported apart as
+    ``compile_warmup_s``. Returns the rows."""
     if num_prompts < max(batch_sizes):
         raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
                          f"of prompts ({num_prompts})")
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile)
     runs = runs or BATCH_RUNS
     if compile:  # compile every shape before anything is timed (full-length warm-up)
-        t0 = time.perf_counter()
+        t0 = now(device)
         for bs in batch_sizes:
             for run in [MethodRun("ar"), *runs]:
                 run_prompts(dec, run, prompts, {"max_new_tokens": max_new_tokens,
                                                 "batch_size": bs})
-        warm = time.perf_counter() - t0
+        warm = now(device) - t0
         print(f"compile warm-up: {dec.warmup_s:.1f} s compiling, {warm:.1f} s for the "
               f"untimed warm-up passes")
     reference = run_prompts(dec, MethodRun("ar"), prompts, {"max_new_tokens": max_new_tokens}
@@ -223,6 +239,7 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
             for k in ("tokens_per_s", "ar_tokens_per_s", "speedup", "wall_s"):
                 row[k] = statistics.median(b[i][k] for b in blocks)
             row["speedup_repeats"] = [b[i]["speedup"] for b in blocks]
+            row["peak_gpu_mb"] = functools.reduce(max_mb, (b[i]["peak_gpu_mb"] for b in blocks))
             row["identical_to_alone"] = all(b[i].pop("identical_to_ar") for b in blocks)
             row["batch_size"] = bs
             row.pop("identical_to_ar", None)
@@ -230,7 +247,7 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     ar_first = next(r["tokens_per_s"] for r in rows if r["method"] == "ar")
     for row in rows:  # AR tokens/s over AR's at the smallest batch size measured
         row["ar_scaling"] = row["tokens_per_s"] / ar_first if row["method"] == "ar" else None
-    print(format_table(rows, BATCH_COLUMNS))
+    print(format_table(rows, table_columns(BATCH_COLUMNS, device)))
     cross = crossover(rows)
     print("\ncrossover batch size (speculation no faster than AR from here; '-': pays at "
           "every size measured):")

@@ -4,16 +4,20 @@ Timing protocol: methods run one after another in the same process; before each 
 the autoregressive baseline runs over the same prompts again (A B A B ...), and a
 method's speedup is the AR wall time of ITS block over its own wall time. Hardware-
 independent figures (tau, target calls per token, acceptance) come from all prompts.
+Each block also records ``peak_gpu_mb``: the most GPU memory PyTorch held while it ran
+(:func:`speclab.timing.peak_gpu_mb`; NaN when the target is not on CUDA).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from speclab import theory
 from speclab.api import Decoder, GenerationResult
 from speclab.decoding.loop import tau
+from speclab.timing import max_mb, peak_gpu_mb, reset_peak_gpu
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,8 @@ class Totals:
     per_prompt: list[PromptFigures] = field(default_factory=list)
     #: the prompts ran as one batch: per-prompt wall times are the batch's, no spread
     batched: bool = False
+    #: MiB of GPU memory held at most while the block ran (NaN: not on CUDA / not measured)
+    peak_gpu_mb: float = math.nan
 
     def add(self, res: GenerationResult) -> None:
         s = res.stats
@@ -132,16 +138,19 @@ class Totals:
         self.outputs += other.outputs
         self.per_prompt += other.per_prompt
         self.batched = self.batched or other.batched
+        self.peak_gpu_mb = max_mb(self.peak_gpu_mb, other.peak_gpu_mb)
 
 
 def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dict) -> Totals:
     """Generate for every prompt with one method; ``gen`` holds Decoder.generate kwargs
     (``batch_size`` > 1, or a Decoder on the compiled fast path: the prompts go through
     the batched engine together, and the wall, draft and verify times and the forwards
-    are the batch's)."""
+    are the batch's). ``peak_gpu_mb``: the block's peak GPU memory (NaN off CUDA)."""
     totals = Totals()
     gen = dict(gen)
     seed, batch_size = gen.pop("seed", 0), gen.pop("batch_size", 1) or 1
+    device = dec.target.device
+    reset_peak_gpu(device)
     if batch_size > 1 or dec.compile:  # (the fast path is the batched engine's)
         for res in dec.generate(prompts=prompts, batch_size=batch_size, method=run.method,
                                 seed=seed, **gen, **run.params):
@@ -150,10 +159,12 @@ def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dic
         totals.wall_s, totals.draft_s, totals.verify_s = b.wall_s, b.draft_s, b.verify_s
         totals.forwards, totals.draft_calls = b.target_forwards, b.draft_forwards
         totals.batched = True
-        return totals
-    for i, ids in enumerate(prompts):
-        res = dec.generate(prompt_ids=ids, method=run.method, seed=seed + i, **gen, **run.params)
-        totals.add(res)
+    else:
+        for i, ids in enumerate(prompts):
+            res = dec.generate(prompt_ids=ids, method=run.method, seed=seed + i, **gen,
+                               **run.params)
+            totals.add(res)
+    totals.peak_gpu_mb = peak_gpu_mb(device)
     return totals
 
 
@@ -231,6 +242,7 @@ def summarize(
         "draft_s": totals.draft_s,
         "verify_s": totals.verify_s,
         "wall_s": totals.wall_s,
+        "peak_gpu_mb": totals.peak_gpu_mb,  # NaN when the models are not on CUDA
         # acceptance per draft position: the fraction of rounds accepting >= k tokens
         **{f"accept_at_{k + 1}": c / totals.rounds if totals.rounds else 0.0
            for k, c in enumerate(totals.at_least)},

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from speclab.config.schema import ArchConfig, TrainScalingConfig
+from speclab.timing import peak_gpu_mb
 from speclab.tracking_buffer import SPOOL_NAME
 
 #: the driver's last attempt at a spool the workers left (after their own flush budget)
@@ -102,6 +103,8 @@ def train_loop(config: dict) -> None:
     amp = tr.precision != "float32"  # mixed precision: float32 weights, autocast loss
     amp_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(tr.precision)
     scaler = torch.amp.GradScaler(device.type) if tr.precision == "float16" else None
+    if scaler is not None and state is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])  # a resumed run keeps its loss scale
     for step in range(start, tr.steps):
         batch = task.batch(step, rank)  # depends only on (seed, step, rank)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
@@ -127,6 +130,7 @@ def train_loop(config: dict) -> None:
         elapsed = time.perf_counter() - t_last
         metrics = {"step": done, "loss": sum(losses) / len(losses),
                    "tokens_per_s_per_worker": seen / elapsed, "peak_rss_mb": peak_rss_mb(),
+                   "peak_gpu_mb": peak_gpu_mb(next(model.parameters()).device),
                    "workers": world}
         checkpoint = None
         with tempfile.TemporaryDirectory() as tmp:
@@ -138,7 +142,9 @@ def train_loop(config: dict) -> None:
                 if hasattr(task, "val_metrics"):  # e.g. an EAGLE drafter's top-1 agreement
                     metrics.update(task.val_metrics(core))
                 torch.save({"model": core.state_dict(), "opt": opt.state_dict(),
-                            "sched": sched.state_dict(), "step": done}, Path(tmp) / "state.pt")
+                            "sched": sched.state_dict(), "step": done,
+                            "scaler": scaler.state_dict() if scaler is not None else None},
+                           Path(tmp) / "state.pt")
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)
                 if metrics_out is not None:  # never blocks: a background thread sends it
                     metrics_out.add(config["run_id"], metrics, step=done)
@@ -259,7 +265,7 @@ def save_final(result, arch: ArchConfig, run_dir: Path, tokenizer_dir: Path, voc
     from transformers import AutoTokenizer
 
     with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / "state.pt", weights_only=False)
+        state = torch.load(Path(d) / "state.pt", weights_only=False, map_location="cpu")
     model = _build_model(arch, vocab, eos)
     model.load_state_dict(state["model"])
     model.generation_config.eos_token_id = eos

@@ -83,7 +83,7 @@ def train_head(cfg: Any, prep: Prepared, draft: str, storage: Path, run_name: st
     result = fit(task, cfg.scaling, storage, run_name, data_dir, prep.vocab, prep.eos,
                  tracker.run_id, tracker.uri if tracker.run_id else None)
     with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / "state.pt", weights_only=False)["model"]
+        state = torch.load(Path(d) / "state.pt", weights_only=False, map_location="cpu")["model"]
     head = AcceptanceHead(state["out.weight"].shape[1], h.depth)
     head.load_state_dict(state)
     final = storage / run_name / "model"
