@@ -56,3 +56,45 @@ def test_a_long_prompts_prefill_allocates_no_prompt_logits(tmp_path):
                      max_new_tokens=4)
         peaks.append(torch.cuda.max_memory_allocated())
     assert peaks[1] - peaks[0] < 100 * 2 ** 20, peaks  # [2047, 65536] float32 is 537 MB
+
+
+def test_medusa_heads_and_acceptance_heads_run_on_the_targets_device(tiny_pair, tmp_path):
+    """Medusa heads load on the target's device and dtype; SpecDec++'s acceptance head on
+    the draft's device (it casts the features to its own dtype); both decode greedily
+    exactly like plain decoding."""
+    from speclab.decoding.acceptance_head import AcceptanceHead
+    from speclab.models.loading import load_model
+    from speclab.models.medusa import MedusaHeads, save_medusa
+
+    target = load_model(tiny_pair["target"])
+    folder = str(save_medusa(MedusaHeads.from_target(target, tiny_pair["target"], 3),
+                             tmp_path / "m"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"], device="cuda",
+                                  dtype="bfloat16")
+    want = dec.generate(prompt_ids=[1, 2, 3], method="ar", max_new_tokens=16).token_ids
+    got = dec.generate(prompt_ids=[1, 2, 3], method="medusa", medusa_model=folder,
+                       max_new_tokens=16)
+    heads = dec._resources[("medusa", folder)]
+    param = next(heads.parameters())
+    assert param.device.type == "cuda" and param.dtype == torch.bfloat16
+    assert got.token_ids == want
+    head = AcceptanceHead(int(dec.draft.model.config.hidden_size), 1)
+    got = dec.generate(prompt_ids=[1, 2, 3], method="specdecpp", head=head,
+                       stop_threshold=0.5, max_new_tokens=16)
+    assert next(head.parameters()).device.type == "cuda" and got.token_ids == want
+
+
+def test_bfloat16_on_cuda_differs_from_plain_decoding_only_at_near_ties(tiny_pair):
+    """The model-families divergence report on the GPU: `speclab check-model`'s comparison
+    in bfloat16: every method's output equals plain decoding's (and plain decoding HF
+    generate's) up to near ties."""
+    from speclab.compat import check_model
+
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"], device="cuda",
+                                  dtype="bfloat16")
+    prompts = [[1 + i, 7, 3 + 2 * i, 9] for i in range(8)]
+    report = check_model(dec, prompts, 32)
+    print("\n".join(f"{r['method']:>7} {r['mode']:>7}: identical {r['identical']} near ties "
+                    f"{r['near_ties']} differing {r['differing']} tau {r['tau']:.2f}"
+                    for r in report["rows"]))
+    assert not report["problems"], report["problems"]

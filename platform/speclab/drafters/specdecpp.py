@@ -19,6 +19,7 @@ from pydantic import Field, field_validator
 
 from speclab.config.method import MethodSpec
 from speclab.decoding.acceptance_head import AcceptanceHead, load_head, should_stop
+from speclab.decoding.host import fetch_lists
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.tree import TokenTree
@@ -50,7 +51,7 @@ class SpecDecPPDrafter(ModelDrafter):
                              f"drafter's hidden size is {hidden}")
         super().__init__(runner)
         runner.track_hidden()
-        self.head = head.to(runner.device).eval()
+        self.head = head.to(runner.device).eval()  # (it casts the features to its dtype)
         self.threshold, self.max_len = threshold, max_len
         self.params, self.generator = params, generator
         self.lengths: list[int] = []  # drafted tokens per round
@@ -67,7 +68,7 @@ class SpecDecPPDrafter(ModelDrafter):
             if i + 1 == steps or should_stop(accept, self.threshold):
                 break
             logits = self.expand(tree, [node])[-1]
-            accept.append(float(torch.sigmoid(self.head(self.runner.hidden[-1]))))
+            accept += fetch_lists(torch.sigmoid(self.head(self.runner.hidden[-1:])).float())[0]
         self.lengths.append(len(tree) - 1)
         return tree
 
