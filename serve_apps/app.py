@@ -129,7 +129,7 @@ def app_from_config(cfg: ServeJob):
                        cfg.device_of("draft"), rec_draft=rec_draft,
                        plugins=plugin_modules(cfg.method),
                        torch_threads=sv.draft.torch_threads, buckets=buckets,
-                       direct_rounds=sv.direct_rounds, **common)
+                       direct_rounds=sv.direct_rounds, target_source=target, **common)
     return i.bind(target_app, draft_app, settings)
 
 

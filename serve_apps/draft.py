@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -68,10 +69,74 @@ class _Round:
     features: torch.Tensor | None
 
 
+def check_feature_drafters(resources: dict, target_vocab: int,
+                           target_source: str | None = None) -> None:
+    """At load, refuse an EAGLE drafter or Medusa heads (loaded into ``resources``) that
+    were not trained for the target, with the check offline decoding makes (a ValueError
+    naming ``eagle_model`` / ``medusa_model``): with the target's folder
+    ``target_source``, its HF config (EAGLE: architecture, hidden size, vocabulary) and
+    its LM head's fingerprint (Medusa, read from its safetensors without loading the
+    model); without it, the vocabulary (``target_vocab``) alone."""
+    from types import SimpleNamespace
+
+    from speclab.models.eagle import EagleModel
+    from speclab.models.medusa import MedusaHeads
+
+    drafters = [(m, "eagle_model" if isinstance(m, EagleModel) else "medusa_model")
+                for m in resources.values() if isinstance(m, EagleModel | MedusaHeads)]
+    if not drafters:
+        return
+    if target_source is None:
+        for model, field in drafters:  # worded as each kind's own check
+            if int(model.meta.vocab_size) != int(target_vocab):
+                what = "heads trained" if field == "medusa_model" else "trained"
+                raise ValueError(f"{field}: {what} for a target with vocab_size="
+                                 f"{model.meta.vocab_size}, but the target has {target_vocab}")
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_source, trust_remote_code=False)
+    for model, field in drafters:
+        if isinstance(model, EagleModel):
+            model.meta.check_target(config, field)
+        else:
+            fingerprint = _lm_head_fingerprint(target_source, config) \
+                if model.meta.fingerprint else None
+            model.meta.check_target(SimpleNamespace(config=config), field, fingerprint)
+
+
+def _lm_head_fingerprint(folder: str, config) -> str:
+    """:func:`speclab.models.medusa.target_fingerprint` of the target in ``folder``: its LM
+    head (or the tied embedding) read from the safetensors files; the whole model is
+    loaded only when they do not hold it."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from speclab.models.medusa import target_fingerprint
+
+    with torch.device("meta"):  # the parameter names, no weights
+        skeleton = AutoModelForCausalLM.from_config(config)
+    head = skeleton.get_output_embeddings().weight
+    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is head]
+    names.append("lm_head.weight")
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            keys = set(f.keys())
+            for name in names:
+                if name in keys:
+                    lm = SimpleNamespace(weight=f.get_tensor(name))
+                    return target_fingerprint(SimpleNamespace(
+                        get_output_embeddings=lambda h=lm: h))
+    return target_fingerprint(load_model(folder, field="models.target"))
+
+
 class DraftDeployment(RequestStates):
     """Holds the draft side of one method (``method``: a method config dump; ``plugins``:
     modules to import first, for methods registered outside speclab) and a handle to the
-    target deployment."""
+    target deployment. ``target_source``: the target's local folder, which a feature
+    drafter (EAGLE, Medusa) is checked against at load (:func:`check_feature_drafters`)."""
 
     def __init__(self, target, draft: str | None, method: dict, target_vocab: int,
                  dtype: str = "float32", device: str = "cpu", max_sessions: int = 64,
@@ -79,7 +144,7 @@ class DraftDeployment(RequestStates):
                  rec_draft: str | None = None, plugins: list[str] | None = None,
                  max_batch: int = 64, batch_wait_ms: float = 5.0, torch_threads: int = 1,
                  buckets: int = 1, direct_rounds: bool = True,
-                 attn_implementation: str = "auto") -> None:
+                 attn_implementation: str = "auto", target_source: str | None = None) -> None:
         torch.set_num_threads(torch_threads)
         for module in plugins or []:
             importlib.import_module(module)
@@ -107,6 +172,8 @@ class DraftDeployment(RequestStates):
         self.pool = DraftPool(self._make)
         if self.drafting:  # a drafter it cannot build (heads, datastore) fails the deploy
             DraftSide(build_drafter(self.cfg, self._context(SamplingParams(), None))).release()
+            # one trained for another target is refused before serving, as offline
+            check_feature_drafters(self.resources, target_vocab, target_source)
         self.active = 0  # requests decoding here
         self.metrics = ServeMetrics()
         self.batcher = StepBatcher(self._run, lambda: self.active, max_batch,

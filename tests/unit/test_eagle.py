@@ -3,7 +3,9 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from speclab import losses
 from speclab.api import Decoder
 from speclab.decoding.loop import autoregressive_generate
 from speclab.decoding.runner import ModelRunner
@@ -12,7 +14,12 @@ from speclab.models.eagle import EagleModel, load_eagle, save_eagle
 from speclab.models.loading import load_model
 from speclab.models.tiny import build_tiny_llama
 from speclab.train.distill_data import feat_example
-from speclab.train.eagle import _context_mask, collate_feat, eagle_loss, top1_agreement
+from speclab.train.eagle import (
+    collate_feat,
+    eagle_loss,
+    hass_step_mask,
+    top1_agreement,
+)
 
 PROMPT = [3, 9, 27, 17, 51, 2]
 
@@ -152,15 +159,193 @@ def test_engine_acceptance_during_training(tiny_pair, trained):
 
 
 def test_context_alignment_mask():
-    m = _context_mask(4, 2, torch.device("cpu"))  # [8, 8]: target half, own half
-    assert m[:4, :4].tolist() == torch.tril(torch.ones(4, 4, dtype=torch.bool)).tolist()
-    assert not m[:4, 4:].any()  # target rows never see own pairs
-    # own row j at step 2: target pairs <= j - 1 and own pair j itself
-    assert m[4 + 2].tolist() == [True, True, False, False, False, False, True, False]
-    assert m[4 + 0].tolist() == [False] * 4 + [True, False, False, False]
-    m3 = _context_mask(5, 3, torch.device("cpu"))
-    assert m3[5 + 4].tolist() == [True, True, True, False, False,
-                                  False, False, False, True, True]
+    """Step s's pair j: target pairs <= j - s + 1, then pair j - d of step s - d's set."""
+    m = hass_step_mask(4, 2, torch.device("cpu"))  # [4, 8]: target set, step-2 set
+    assert m[2].tolist() == [True, True, False, False, False, False, True, False]
+    assert m[0].tolist() == [False] * 4 + [True, False, False, False]
+    m3 = hass_step_mask(5, 3, torch.device("cpu"))  # target, step-2 and step-3 sets
+    assert m3[4].tolist() == [True, True, True, False, False,
+                              False, False, False, True, False,  # step 2's pair 3
+                              False, False, False, False, True]  # step 3's pair 4
+    assert m3.sum(1).tolist() == [1, 2, 3, 4, 5]
+
+
+def _feat_batch(hidden: int, vocab: int, rows: int = 2, length: int = 9, seed: int = 1
+                ) -> dict[str, torch.Tensor]:
+    """A :func:`collate_feat`-shaped batch of random features (scale 2) and top-4s."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.rand(rows, length, 4, generator=g).sort(-1, descending=True).values * 0.25
+    return {"tokens": torch.randint(0, vocab, (rows, length + 1), generator=g),
+            "features": 2 * torch.randn(rows, length, hidden, generator=g),
+            "topk_ids": torch.randint(0, vocab, (rows, length, 4), generator=g),
+            "topk_probs": probs}
+
+
+class _Recording(torch.nn.Module):
+    """The drafter, keeping each call's outputs and whether its features carry a graph."""
+
+    def __init__(self, model: EagleModel) -> None:
+        super().__init__()
+        self.model, self.calls = model, []
+
+    def forward(self, features, input_ids, **kwargs):
+        f_hat, logits = self.model(features, input_ids, **kwargs)
+        self.calls.append((f_hat, logits, features.requires_grad))
+        return f_hat, logits
+
+
+def _decoded(model: EagleModel, batch: dict, b: int, j: int, step: int):
+    """Step ``step``'s ``(f_hat [H], logits [V])`` at pair ``j`` by real decoding with a KV
+    cache: pairs ``0..j-step+1`` with the target's features, then ``step - 1`` pairs each
+    fed the drafter's previous output and the window's next token."""
+    from transformers import DynamicCache
+
+    feats, tokens = batch["features"][b], batch["tokens"][b]
+    c = j - step + 1
+    cache = DynamicCache()
+    f_hat, logits = model(feats[None, : c + 1], tokens[None, 1: c + 2],
+                          position_ids=torch.arange(c + 1)[None], past_key_values=cache,
+                          use_cache=True)
+    f_hat, logits = f_hat[:, -1:], logits[:, -1:]
+    for p in range(c + 1, j + 1):
+        f_hat, logits = model(f_hat, tokens[None, p + 1: p + 2], position_ids=torch.tensor(
+            [[p]]), past_key_values=cache, use_cache=True)
+    return f_hat[0, -1], logits[0, -1]
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_hass_steps_are_step_by_step_decoding(tiny_pair, layers):
+    """Issue 35, item 1: at every step (3 and 4 included, and at every layer) the HASS
+    training forward's features are those of decoding the drafter pair by pair on the
+    same tokens."""
+    target = load_model(tiny_pair["target"])
+    torch.manual_seed(0)
+    model = EagleModel.from_target(target, layers).float().eval()
+    batch = _feat_batch(target.config.hidden_size, target.config.vocab_size)
+    rec = _Recording(model)
+    with torch.no_grad():
+        eagle_loss(rec, batch, "hass", hass_k=2, hass_steps=4)
+        t = batch["features"].shape[1] - 1
+        assert len(rec.calls) == 4
+        for step, (f_hat, logits, _) in enumerate(rec.calls, start=1):
+            f_hat, logits = f_hat[:, -t:], logits[:, -t:]  # the step's own pairs
+            for b in range(2):
+                for j in sorted({step - 1, (step + t) // 2, t - 1}):
+                    want_f, want_l = _decoded(model, batch, b, j, step)
+                    torch.testing.assert_close(f_hat[b, j], want_f, atol=1e-5, rtol=1e-5,
+                                               msg=f"step {step}, pair {j}")
+                    torch.testing.assert_close(logits[b, j], want_l, atol=1e-5, rtol=1e-5)
+
+
+def _hass_terms(f_hat, logits, batch, first: int, hass_k: int = 2) -> torch.Tensor:
+    """HASS's step loss ``1.0 reg + 0.1 CE + 1.0 top-K`` over pairs ``j >= first``
+    (``f_hat [B, T', H]``, ``logits [B, T', V]`` at those pairs)."""
+    tgt = batch["features"][:, 1 + first:]
+    ids, probs = batch["topk_ids"][:, 1 + first:], batch["topk_probs"][:, 1 + first:]
+    mask = torch.ones(ids.shape[:2])
+    reg = F.smooth_l1_loss(f_hat, tgt, reduction="none").mean()
+    return (reg + 0.1 * losses.soft_ce(logits, ids, probs, mask)
+            + losses.hass_topk(logits, ids, probs, mask, top_k=hass_k))
+
+
+def test_hass_objective_is_reg_ce_and_top_k(tiny_pair):
+    """Issue 35, item 2: a HASS step trains 1.0 reg + 0.1 CE + 1.0 top-K (HASS's
+    ``main_hass.py`` / ``train.sh``), not the top-K term in place of the CE."""
+    target = load_model(tiny_pair["target"])
+    torch.manual_seed(0)
+    model = EagleModel.from_target(target).float()
+    batch = _feat_batch(target.config.hidden_size, target.config.vocab_size)
+    t = batch["features"].shape[1] - 1
+    with torch.no_grad():
+        f_hat, logits = model(batch["features"][:, :-1], batch["tokens"][:, 1: t + 1])
+        want = _hass_terms(f_hat, logits, batch, 0)
+        torch.testing.assert_close(eagle_loss(model, batch, "hass", hass_k=2, hass_steps=1),
+                                   want, atol=1e-5, rtol=1e-5)
+        no_topk = eagle_loss(model, batch, "hass", hass_k=2, hass_steps=1, w_topk=0.0)
+        torch.testing.assert_close(no_topk, eagle_loss(model, batch, "eagle"))
+
+
+def test_hass_sums_the_steps_and_detaches_fed_back_features(tiny_pair):
+    """Issue 35, item 4: the fed-back features carry no graph and the steps' losses are
+    summed, as in HASS (``hass_detach: False`` and ``hass_reduce: mean`` are the named
+    variants)."""
+    target = load_model(tiny_pair["target"])
+    torch.manual_seed(0)
+    model = EagleModel.from_target(target).float()
+    batch = _feat_batch(target.config.hidden_size, target.config.vocab_size)
+    t = batch["features"].shape[1] - 1
+    rec = _Recording(model)
+    total = eagle_loss(rec, batch, "hass", hass_k=2, hass_steps=2)
+    assert [c[2] for c in rec.calls] == [False, False]  # step 2 reads detached features
+    total.backward()
+    assert all(p.grad is not None for p in model.fc.parameters())
+    with torch.no_grad():
+        step1 = eagle_loss(model, batch, "hass", hass_k=2, hass_steps=1)
+        dec = [[_decoded(model, batch, b, j, 2) for j in range(1, t)] for b in range(2)]
+        f2 = torch.stack([torch.stack([f for f, _ in row]) for row in dec])
+        l2 = torch.stack([torch.stack([lg for _, lg in row]) for row in dec])
+        step2 = _hass_terms(f2, l2, batch, 1)
+    torch.testing.assert_close(total.detach(), step1 + step2, atol=1e-5, rtol=1e-5)
+    rec.calls.clear()
+    kept = eagle_loss(rec, batch, "hass", hass_k=2, hass_steps=2, hass_detach=False,
+                      hass_reduce="mean")
+    assert [c[2] for c in rec.calls] == [False, True]
+    torch.testing.assert_close(kept.detach(), (step1 + step2) / 2, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="hass_reduce"):
+        eagle_loss(model, batch, "hass", hass_reduce="max")
+
+
+def test_training_batches_carry_eagles_feature_noise(tiny_pair, tmp_path):
+    """Issue 35, item 5: EAGLE's and HASS's ``AddUniformNoise(std=0.2)``, ``(U - 0.5) * 0.2
+    * 512 / L``, on the features the drafter reads in training (the regression targets
+    and the validation batches stay clean)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from speclab.config.schema import EagleTrainConfig, TrainConfig
+    from speclab.train.tasks import EagleTask, EagleTaskConfig
+
+    assert (EagleTrainConfig().feature_noise, EagleTrainConfig().feature_noise_len) == (0.2,
+                                                                                       512)
+    for bad in ({"feature_noise": -0.1}, {"feature_noise_len": 0}, {"w_topk": -1.0},
+                {"hass_reduce": "max"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EagleTrainConfig(**bad)
+    target = load_model(tiny_pair["target"])
+    runner = ModelRunner(target)
+    folder = tmp_path / "data" / "feat"
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        rows = [feat_example(runner, torch.randint(0, 64, (17,), generator=g).tolist(), 4)
+                for _ in range(2)]
+        pq.write_table(pa.Table.from_pylist(rows), folder / f"shard-{i:05d}.parquet")
+    cfg = EagleTaskConfig(train=TrainConfig(batch_size=2),
+                          eagle=EagleTrainConfig(loss="hass", hass_k=2),
+                          target=tiny_pair["target"])
+    task = EagleTask(cfg, tmp_path / "data", torch.device("cpu"))
+    batch = task.batch(3, 0)
+    noise, feats = batch["feature_noise"], batch["features"]
+    assert noise.shape == feats.shape and feats.shape[1] == 16
+    bound = 0.2 * 512 / 16 / 2
+    assert noise.abs().max() <= bound and noise.abs().max() > 0.9 * bound
+    assert abs(float(noise.mean())) < 0.05 * bound
+    torch.testing.assert_close(task.batch(3, 0)["feature_noise"], noise)  # deterministic
+    assert "feature_noise" not in task._val_batch()
+    model = task.build_model()
+    with torch.no_grad():
+        f_hat, logits = model((feats + noise)[:, :-1], batch["tokens"][:, 1:16])
+        assert float((f_hat - model(feats[:, :-1], batch["tokens"][:, 1:16])[0]).abs().max()
+                     ) > 1e-3
+        reg = F.smooth_l1_loss(f_hat, feats[:, 1:])  # clean targets
+        ce = losses.soft_ce(logits, batch["topk_ids"][:, 1:], batch["topk_probs"][:, 1:],
+                            torch.ones(2, 15))
+        want = reg + 0.1 * ce
+        got = eagle_loss(model, batch, "eagle")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    off = cfg.model_copy(update={"eagle": cfg.eagle.model_copy(update={"feature_noise": 0})})
+    assert "feature_noise" not in EagleTask(off, tmp_path / "data", torch.device("cpu")).batch(
+        3, 0)
 
 
 @pytest.mark.slow
@@ -198,3 +383,28 @@ def test_features_travel_packed_and_exact(dtype):
     v = VerifyResult([0, 2], [5, 6], 1, 1, 3, x)
     assert torch.equal(VerifyResult.from_dict(v.to_dict()).features, x)
     assert VerifyResult.from_dict(VerifyResult([0], [5], 0, 0, 0).to_dict()).features is None
+
+
+def test_serve_refuses_a_drafter_of_another_target_at_load(tiny_pair, tmp_path):
+    """Issue 35, item 9: a Serve draft replica checks its EAGLE drafter against the target
+    when it loads (the check offline decoding makes) and refuses it, naming the field."""
+    from serve_apps.draft import DraftDeployment
+
+    target = load_model(tiny_pair["target"])
+    good = save_eagle(EagleModel.from_target(target), tmp_path / "good")
+    other = build_tiny_llama(tmp_path / "other", seed=4, vocab_size=64, hidden_size=48)
+    bad = save_eagle(EagleModel.from_target(load_model(str(other))), tmp_path / "bad")
+    wide = build_tiny_llama(tmp_path / "wide", seed=4, vocab_size=100)
+    big = save_eagle(EagleModel.from_target(load_model(str(wide))), tmp_path / "big")
+
+    def deploy(folder, **kwargs):
+        return DraftDeployment(None, None, {"name": "eagle", "eagle_model": str(folder)},
+                               64, **kwargs)
+
+    assert deploy(good, target_source=tiny_pair["target"]).features
+    with pytest.raises(ValueError, match="eagle_model: trained for a target with "
+                                         "hidden_size=48, but the target has 32"):
+        deploy(bad, target_source=tiny_pair["target"])
+    with pytest.raises(ValueError, match="eagle_model: trained for a target with "
+                                         "vocab_size=100, but the target has 64"):
+        deploy(big)  # without the target's folder: its vocabulary alone

@@ -165,3 +165,29 @@ def _saved_state(folder) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(folder / "model.safetensors"))
+
+
+def test_drawn_trees_give_the_full_loss_in_expectation(tiny_pair):
+    """``talf_roots`` R < T (issue 35, item 3): averaged over every draw of R trees, the
+    loss equals the loss over every tree; the roots weigh 1 / (1 + D k) of it, as in the
+    full loss, not T / (T + R D k)."""
+    from itertools import combinations
+
+    target = load_model(tiny_pair["target"])
+    runner = ModelRunner(target)
+    full = collate_forest([feat_forest_example(runner, _window(target.config.vocab_size, 6,
+                                                                 7), K, 2, 2)])
+    t = full["forest_roots"].shape[1]
+    torch.manual_seed(0)
+    model = EagleModel.from_target(target).float().eval()
+    with torch.no_grad():
+        want = float(talf_loss(model, full))
+        draws = []
+        for pick in combinations(range(t), 2):
+            idx = torch.tensor(pick)
+            sub = {**full, "forest_roots": idx[None]}
+            for key in ("forest_tokens", "forest_parents", "forest_ids", "forest_probs"):
+                sub[key] = full[key][:, idx]
+            draws.append(float(talf_loss(model, sub)))
+    assert len(draws) == 10
+    assert sum(draws) / len(draws) == pytest.approx(want, rel=1e-5)

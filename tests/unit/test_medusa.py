@@ -331,3 +331,103 @@ def test_shift_command_measures_typical_acceptance_against_the_target(tmp_path, 
     assert main([*common, "--verify", "typical", "--verify-param", "epsilon"]) == 2
     assert "verify_params: expected KEY=NUMBER" in capsys.readouterr().err
     assert main([*common[:-6], "--temperature", "0", "--samples", "3"]) == 2
+
+
+def _prompted_rows(target_dir: str, n: int = 12, prompt: int = 5, seed: int = 7) -> list:
+    """``medusa`` rows: random ``prompt``-token "corpus" prompts + 10 greedy tokens."""
+    runner = ModelRunner(load_model(target_dir))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, runner.vocab_size, (prompt,), generator=g).tolist()
+               for _ in range(n)]
+    return medusa_examples(runner, prompts, 10, 4, batch=8)
+
+
+def _own_accuracy(heads, batch: dict, first: int) -> list[float]:
+    """Head k's top-1 accuracy over labels x_{t+k+1} with index >= ``first``, by hand."""
+    logits = heads(batch["features"])  # [K, B, L, V]
+    tokens, length = batch["tokens"], batch["features"].shape[1]
+    out = []
+    for k in range(1, heads.meta.heads + 1):
+        hits = total = 0
+        for t in range(length - k):
+            if t + k + 1 >= first:
+                hits += int((logits[k - 1, :, t].argmax(-1) == tokens[:, t + k + 1]).sum())
+                total += tokens.shape[0]
+        out.append(hits / total)
+    return out
+
+
+def test_calibration_scores_the_heads_on_the_targets_own_tokens(tiny_pair, trained, tmp_path):
+    """Issue 35, item 6: calibration (``tree.json``, the sparse tree, expected tau) and
+    ``val_head<k>_top1`` count only labels in the target's continuation, not the corpus
+    prompt's; the heads' loss skips the prompt's labels too (``medusa.prompt_labels``: the
+    variant that keeps them)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from speclab.config.schema import MedusaTrainConfig, TrainConfig
+    from speclab.pipelines.medusa import calibrate
+    from speclab.train.tasks import MedusaTask, MedusaTaskConfig
+
+    heads, _ = trained
+    target = load_model(tiny_pair["target"])
+    rows = _prompted_rows(tiny_pair["target"])
+    batch = collate_feat(rows)
+    with torch.no_grad():
+        own, every = _own_accuracy(heads, batch, 5), _own_accuracy(heads, batch, 0)
+    assert own[0] > every[0] + 0.05  # the prompt's random tokens bias the estimate down
+    tree = calibrate(heads, target, rows, 3, 6, prompt_len=5)
+    assert [a[0] for a in tree["accuracies"]] == pytest.approx(own, abs=1e-6)
+    assert tree["sparse"] == [list(p) for p in sparse_template(tree["accuracies"], 6)]
+
+    folder = tmp_path / "data" / "medusa"
+    folder.mkdir(parents=True)
+    for i in range(2):
+        pq.write_table(pa.Table.from_pylist(rows), folder / f"shard-{i:05d}.parquet")
+    cfg = MedusaTaskConfig(train=TrainConfig(batch_size=3),
+                           medusa=MedusaTrainConfig(heads=3, engine_prompts=0),
+                           target=tiny_pair["target"], prompt_len=5)
+    task = MedusaTask(cfg, tmp_path / "data", torch.device("cpu"))
+    task.build_model()
+    got = task.val_metrics(heads)
+    assert [got[f"val_head{k}_top1"] for k in (1, 2, 3)] == pytest.approx(own, abs=1e-6)
+    # the heads' loss: labels x_{t+k+1} with index >= 5 only
+    sub = {k: v[:3] for k, v in batch.items()}
+    with torch.no_grad():
+        logits = heads(sub["features"])
+        want = sum(0.8 ** k * torch.nn.functional.cross_entropy(
+            logits[k - 1, :, max(5 - k - 1, 0): 14 - k].reshape(-1, logits.shape[-1]),
+            sub["tokens"][:, max(5 - k - 1, 0) + k + 1: 15].reshape(-1)) for k in (1, 2, 3))
+        torch.testing.assert_close(task.loss(heads, sub), want)
+        every_label = cfg.model_copy(update={"medusa": cfg.medusa.model_copy(
+            update={"prompt_labels": True})})
+        both = MedusaTask(every_label, tmp_path / "data", torch.device("cpu"))
+        torch.testing.assert_close(both.loss(heads, sub), medusa1_loss(heads, sub))
+
+
+def test_serve_refuses_heads_of_another_target_at_load(tiny_pair, trained, tmp_path):
+    """Issue 35, item 9: a Serve draft replica checks its Medusa heads against the target
+    when it loads (shape and LM-head fingerprint, as offline; the fingerprint read from the
+    target's safetensors, tied embeddings too) and refuses them, naming the field."""
+    from transformers import LlamaForCausalLM
+
+    from serve_apps.draft import DraftDeployment, _lm_head_fingerprint
+    from speclab.models.medusa import target_fingerprint
+    from speclab.models.tiny import tiny_llama_config
+
+    heads, _ = trained
+    folder = str(save_medusa(heads, tmp_path / "m", heads.tree))
+    method = {"name": "medusa", "medusa_model": folder}
+    assert DraftDeployment(None, None, method, 64, target_source=tiny_pair["target"]).features
+    with pytest.raises(ValueError, match="medusa_model: heads trained for target .*other "
+                                         "weights"):
+        DraftDeployment(None, None, method, 64, target_source=tiny_pair["close"])
+    with pytest.raises(ValueError, match="medusa_model: heads trained for a target with "
+                                         "vocab_size=64, but the target has 100"):
+        DraftDeployment(None, None, method, 100)
+    config = tiny_llama_config(vocab_size=48, hidden_size=16, num_layers=1, num_heads=2)
+    config.tie_word_embeddings = True
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
+    for path in (tiny_pair["target"], str(tmp_path / "tied")):
+        model = load_model(path)
+        assert _lm_head_fingerprint(path, model.config) == target_fingerprint(model)

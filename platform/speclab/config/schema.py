@@ -61,6 +61,10 @@ class DecodingConfig(StrictModel):
     batch_size: int = Field(1, gt=0, description="prompts decoded together by the batched "
                                                  "engine (1: one at a time); AR is timed at "
                                                  "the same batch size")
+    timing_passes: int = Field(3, ge=1, le=100, description=(
+        "timed passes of the paired protocol (each method paired with AR per prompt, or "
+        "per pass over the batch; speedup: the median paired ratio with a 95% interval; "
+        "speclab.evaluation.TIMING_PASSES); tau and acceptance come from the first"))
     verify: str | None = Field(None, description="a rule of the rule registry "
                                                  "(speclab.decoding.rules; default: greedy "
                                                  "at temperature 0, sample otherwise)")
@@ -246,10 +250,13 @@ class DistillConfig(StrictModel):
 class EagleTrainConfig(StrictModel):
     """The EAGLE feature drafter ``distill_eagle`` trains (see :mod:`speclab.train.eagle`):
     ``layers`` decoder layers over the target's features; ``loss`` ``eagle`` (SmoothL1
-    feature regression + ``w_cls`` CE), ``hass`` (top-``hass_k`` distillation and
-    ``hass_steps`` steps of harmonized context alignment) or ``talf`` (cross-entropy over
-    target-built beam trees of ``talf_top_k`` x ``talf_depth`` rooted at every position,
-    the drafter fed its own features; no regression term, as in the paper).
+    feature regression + ``w_cls`` CE), ``hass`` (the same plus ``w_topk`` times top-
+    ``hass_k`` distillation, over ``hass_steps`` steps of harmonized context alignment,
+    fed-back features detached (``hass_detach``) and step losses summed (``hass_reduce``),
+    as in HASS) or ``talf`` (cross-entropy over target-built beam trees of ``talf_top_k`` x
+    ``talf_depth`` rooted at every position, the drafter fed its own features; no
+    regression term, as in the paper). ``eagle`` and ``hass`` add EAGLE's uniform
+    ``feature_noise`` to the features the drafter reads in training.
     ``init_from`` starts from a trained EAGLE drafter (a folder or ``models:/`` URI), the
     TALF/HASS papers' protocol of fine-tuning an EAGLE-trained drafter."""
 
@@ -259,8 +266,20 @@ class EagleTrainConfig(StrictModel):
                          description="weight of the feature regression (eagle, hass)")
     w_cls: float = Field(0.1, ge=0.0, allow_inf_nan=False,
                          description="weight of the token classification term (eagle, hass)")
+    w_topk: float = Field(1.0, ge=0.0, allow_inf_nan=False,
+                          description="weight of HASS's top-K distillation term (hass)")
     hass_k: int = Field(10, gt=0, description="HASS top-K (<= distill.top_k)")
     hass_steps: int = Field(3, gt=0, description="HASS context-alignment steps n")
+    hass_detach: bool = Field(True, description="hass: detach the fed-back features, as "
+                                                "HASS does (False: keep their graph)")
+    hass_reduce: Literal["sum", "mean"] = Field("sum", description="hass: sum the steps' "
+                                                "losses, as HASS does, or average them")
+    feature_noise: float = Field(0.2, ge=0.0, allow_inf_nan=False,
+                                 description="eagle, hass: EAGLE's uniform noise on the "
+                                             "features read in training, (U - 0.5) * "
+                                             "feature_noise * feature_noise_len / L (0: none)")
+    feature_noise_len: int = Field(512, gt=0, description="the noise's reference length "
+                                                          "(512 in EAGLE's and HASS's code)")
     talf_top_k: int = Field(4, gt=0, description="TALF training trees: children kept per "
                                                   "depth (the beam width k)")
     talf_depth: int = Field(3, gt=0, description="TALF training trees: depth")
@@ -279,8 +298,10 @@ class MedusaTrainConfig(StrictModel):
     (frozen backbone, loss ``sum_k decay^k CE_k``) and ``medusa2`` (joint fine-tuning,
     ``L_LM + lambda0 * L_MEDUSA-1``, the backbone frozen for ``heads_warmup`` steps, then
     trained at ``backbone_lr_scale`` times ``train.lr``). After training the heads'
-    top-``calibration_top`` accuracies are measured on the held-out shard and the
-    ``sparse_nodes``-node sparse tree built from them is stored with the heads."""
+    top-``calibration_top`` accuracies are measured on the held-out shard's continuations
+    (the target's own tokens; labels inside the corpus prompts are skipped, as Medusa
+    does) and the ``sparse_nodes``-node sparse tree built from them is stored with the
+    heads. The heads' loss skips the prompts' labels too unless ``prompt_labels``."""
 
     heads: int = Field(4, gt=0, description="Medusa heads K")
     variants: list[Literal["medusa1", "medusa2"]] = Field(
@@ -293,6 +314,8 @@ class MedusaTrainConfig(StrictModel):
     heads_warmup: int = Field(0, ge=0, description="MEDUSA-2: steps training heads only")
     backbone_lr_scale: float = Field(0.25, gt=0.0, le=1.0,
                                      description="MEDUSA-2: backbone lr / train.lr")
+    prompt_labels: bool = Field(False, description="also train the heads on labels inside "
+                                                   "the corpus prompts (Medusa masks them)")
     calibration_top: int = Field(10, gt=0, description="ranks per head measured")
     sparse_nodes: int = Field(32, gt=0, description="nodes of the stored sparse tree")
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "

@@ -8,6 +8,11 @@ target's LM head applied to ``f_hat``. The embedding and the LM head are COPIES 
 target's, frozen: the drafter folder is then self-contained (a Serve draft replica does
 not need the target's weights), at the price of storing ``2 * V * H`` extra numbers.
 
+A deviation from EAGLE-1/2 and HASS, whose drafter has no input norm in its first layer
+and no final norm: speclab's keeps both (every saved drafter has their weights, so the
+architecture stays). The training recipe's deviations are listed in
+:mod:`speclab.train.eagle`.
+
 On disk (``save_pretrained`` style): ``config.json`` (an :class:`EagleMeta`: the target
 it was trained for — architecture, hidden size, vocabulary — and the layer shape) and
 ``model.safetensors``. :func:`load_eagle` checks the meta against a target config.

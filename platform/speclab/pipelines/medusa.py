@@ -39,10 +39,13 @@ def save_final_medusa(result, variant: str, target: str, heads: int, run_dir: Pa
     return joint.backbone.eval(), joint.heads, folder
 
 
-def calibrate(heads, target_model, rows: list[dict], top: int, nodes: int) -> dict:
+def calibrate(heads, target_model, rows: list[dict], top: int, nodes: int,
+              prompt_len: int = 0) -> dict:
     """``tree.json``'s content: the heads' top-``top`` accuracies measured with
-    ``target_model``'s features on ``rows`` (held-out ``medusa`` sequences), the
-    ``nodes``-node sparse tree built from them, and every tree shape's expected tau."""
+    ``target_model``'s features on ``rows`` (held-out ``medusa`` sequences) at the labels
+    past the first ``prompt_len`` tokens (the corpus prompt: only the target's own tokens
+    count, as in Medusa), the ``nodes``-node sparse tree built from them, and every tree
+    shape's expected tau."""
     import torch
 
     from speclab.drafters.medusa_trees import (
@@ -51,17 +54,18 @@ def calibrate(heads, target_model, rows: list[dict], top: int, nodes: int) -> di
         expected_length,
         sparse_template,
     )
-    from speclab.models.medusa import head_accuracies
+    from speclab.train.medusa import own_token_accuracies
 
     tokens = torch.tensor([r["tokens"] for r in rows], dtype=torch.long)
     with torch.no_grad():
         feats = target_model.model(input_ids=tokens[:, :-1]).last_hidden_state
-    acc = head_accuracies(heads, feats, tokens, top)
+    acc = own_token_accuracies(heads, feats, tokens, top, prompt_len)
     k = heads.meta.heads
     sparse = sparse_template(acc, nodes)
     shapes = {"chain": chain_template(k), "cartesian_2": cartesian_template(2, k),
               f"sparse_{nodes}": sparse}
     return {"accuracies": acc, "calibration_sequences": len(rows),
+            "calibration_first_label": prompt_len,
             "sparse_nodes": nodes, "sparse": [list(p) for p in sparse],
             "expected_tau": {name: expected_length(t, acc) for name, t in shapes.items()}}
 
@@ -108,7 +112,7 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
     from speclab.train.tasks import MedusaTaskConfig
 
     task = MedusaTaskConfig(train=cfg.train, medusa=cfg.medusa, variant=variant,
-                            target=prep.target)
+                            target=prep.target, prompt_len=cfg.distill.prompt_len)
     t1 = time.perf_counter()
     result = fit(task, cfg.scaling, storage, run_name, data_dir, prep.vocab, prep.eos,
                  tracker.run_id, tracker.uri if tracker.run_id else None)
@@ -117,7 +121,8 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
                                                     cfg.medusa.heads, run_dir)
     held_out = sorted((data_dir / "medusa").glob("shard-*.parquet"))[-1]
     tree = calibrate(heads, target_model, pq.read_table(held_out).to_pylist(),
-                     cfg.medusa.calibration_top, cfg.medusa.sparse_nodes)
+                     cfg.medusa.calibration_top, cfg.medusa.sparse_nodes,
+                     cfg.distill.prompt_len)
     folder = save_medusa(heads, run_dir / "medusa", tree)
     metrics = {"train_s": time.perf_counter() - t1, "final_step": result.metrics["step"],
                "final_val_loss": result.metrics["val_loss"],

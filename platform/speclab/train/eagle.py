@@ -8,29 +8,45 @@ compared with ``f_{j+1}`` and with the target's distribution of ``x_{j+2}``:
 
 * ``eagle`` (EAGLE, slides "Training Objectives"): ``w_reg * SmoothL1(f_hat, f) + w_cls *
   CE(p, q)``, with ``p`` the target's kept top-k distribution renormalised;
-* ``hass``: the same regression, the classification term replaced by HASS's top-K
-  distillation ``-sum_{top-K(p)} p log q`` (``hass_k`` < the stored top-k, the target's
-  own probabilities) and ``hass_steps`` steps of harmonized context alignment.
-
-Context alignment, step ``s >= 2``: at decoding depth ``s - 1`` the drafter's query comes
-from its OWN previous output and the last ``s - 1`` keys/values are its own too; only
-older positions carry target features. Training reproduces that with one forward over
-``2T`` pairs per step: the target half (true features, causal) and an own half whose
-pair ``j`` takes the previous step's output at ``j - 1``. An own query at ``j`` attends
-to target pairs ``<= j - s + 1`` and own pairs ``j - s + 2 .. j`` (the attention mask);
-the loss counts positions with ``j >= s - 1``. Own keys all come from step ``s - 1``
-(at decoding the key ``d`` positions back has depth ``s - 1 - d``): the one-forward
-approximation HASS also makes. Steps are averaged with equal weights.
-
+* ``hass`` (HASS, its ``main_hass.py`` / ``train.sh``): the same two terms plus ``w_topk``
+  times HASS's top-K distillation ``-sum_{top-K(p)} p log q`` (``hass_k`` < the stored
+  top-k, the target's own probabilities; HASS trains 1.0 reg + 0.1 CE + 1.0 top-K), over
+  ``hass_steps`` steps of harmonized context alignment (:func:`hass_forward`).
 * ``talf`` (SALF & TALF, section 3.2 and Algorithm 1): on a ``feat_tree`` example
   (:func:`speclab.train.distill_data.feat_forest_example`: a target-built beam tree rooted
   at every position), the drafter follows the path from each root to every node, fed its
   OWN features as at decoding (a depth-``d`` node's input is the drafter's output at its
   parent), with tree attention; the loss is the cross-entropy to the target's
   distribution after every root and every node, averaged over them
-  (:func:`talf_loss`). As in the paper there is no feature regression term, so
-  ``w_reg``/``w_cls`` do not apply; the paper fine-tunes an EAGLE-trained drafter with
-  it (``eagle.init_from``).
+  (:func:`talf_loss`); with ``talf_roots`` ``R`` trees drawn per window, every root term
+  is kept and the drawn trees' node terms weigh ``T / R``, so that the loss's expectation
+  over the draws is exactly the full loss (:func:`talf_weights`). As in the paper there
+  is no feature regression term, so ``w_reg``/``w_cls`` do not apply; the paper
+  fine-tunes an EAGLE-trained drafter with it (``eagle.init_from``).
+
+Context alignment (:func:`hass_forward`), step ``s >= 2``: at decoding depth ``s - 1``
+the drafter's query comes from its OWN previous output, and the key ``d`` positions back
+(``d < s - 1``) is the pair it fed itself at depth ``s - 1 - d``; only older positions
+carry target features (the slides' keys ``f^(s_1:j-1)``). Training keeps one key/value
+set per step, as HASS's ``cnets_hass.py`` does: step ``s`` feeds pair ``j`` the step
+``s - 1`` output at ``j - 1`` and runs ONE forward over these ``T`` new pairs on top of the
+drafter's cache of the earlier steps' sets, with a per-offset mask: target pairs ``<= j -
+s + 1`` and, for ``d = 0 .. s - 2``, pair ``j - d`` of step ``s - d``'s set. Every layer's
+keys are then exactly those of step-by-step decoding on the same tokens (the test compares
+steps 3 and 4 with real decoding). The loss counts positions ``j >= s - 1`` (HASS also
+counts the earlier ones, whose context is the sequence start). As in HASS the fed-back
+features are detached (``hass_detach``; False keeps their graph, a variant) and the step
+losses are summed (``hass_reduce: sum``; ``mean`` averages them, a variant).
+
+Feature noise (EAGLE's and HASS's ``AddUniformNoise(std=0.2)``): in training, ``eagle`` and
+``hass`` add ``(U[0, 1) - 0.5) * feature_noise * ref / L`` to the target features the
+drafter READS (``L`` the window's positions, ``ref`` 512 as in their code:
+``eagle.feature_noise_len``); the regression targets stay clean; validation and TALF use
+clean features (:func:`feature_noise`).
+
+Architecture (not a training knob): speclab's drafter keeps the LLaMA decoder's input norm
+in layer 0 and a final norm (:mod:`speclab.models.eagle`), which EAGLE-1/2 and HASS leave
+out; saved drafters depend on it, so it stays.
 """
 
 from __future__ import annotations
@@ -76,9 +92,9 @@ def collate_forest(rows: list[dict], roots: int = 0,
     per row: ``forest_roots [B, R]`` (the root's pair index, ascending), ``forest_tokens``
     and ``forest_parents [B, R, D, k]`` (long) and ``forest_ids/probs [B, R, D, k, K]``.
 
-    ``roots`` 0 keeps every root (``R = L - 1``); ``n`` keeps ``n`` drawn at random per row
-    (with ``generator``): an unbiased sample of the same per-root loss terms at a
-    fraction of the cost."""
+    ``roots`` 0 keeps every root (``R = L - 1``); ``n`` keeps ``n`` trees drawn at random per
+    row (with ``generator``), at a fraction of the cost; :func:`talf_weights` weighs their
+    node terms so that the loss's expectation over the draws is the full loss."""
     out = collate_feat(rows)
     shape = [int(v) for v in rows[0]["forest_shape"]]
     n_all = shape[0]
@@ -124,12 +140,25 @@ def forest_mask(parents: torch.Tensor, roots: torch.Tensor, pairs: int) -> torch
     return allowed
 
 
+def talf_weights(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-term weights ``[B, T + D * R * k]`` of :func:`talf_logits`' terms: 1 for the
+    ``T`` root terms (pass 0 scores every pair anyway) and ``T / R`` for the node terms of
+    the ``R`` drawn trees. Every row then weighs ``T * (1 + D * k)`` in all, as with every
+    tree kept, and since each tree is drawn with probability ``R / T`` the weighted mean's
+    expectation over the draws is exactly the full loss (``R = T``: all ones)."""
+    feats, f_tok = batch["features"], batch["forest_tokens"]  # [B, L, H], [B, R, D, k]
+    b, n_roots, depth, k = f_tok.shape
+    t = feats.shape[1] - 1
+    nodes = torch.full((b, depth * n_roots * k), t / n_roots, device=feats.device)
+    return torch.cat([torch.ones(b, t, device=feats.device), nodes], 1)
+
+
 def talf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """TALF on a :func:`collate_forest` batch (the module docstring): the mean
-    cross-entropy over the ``T`` roots' and ``R * D * k`` nodes' next tokens to the
-    target's kept top-K (renormalised), from :func:`talf_logits`."""
+    """TALF on a :func:`collate_forest` batch (the module docstring): the cross-entropy
+    over the ``T`` roots' and ``R * D * k`` nodes' next tokens to the target's kept top-K
+    (renormalised), from :func:`talf_logits`, averaged with :func:`talf_weights`."""
     logits, ids, probs = talf_logits(model, batch)
-    return losses.soft_ce(logits, ids, probs, torch.ones(ids.shape[:2], device=ids.device))
+    return losses.soft_ce(logits, ids, probs, talf_weights(batch).to(logits.device))
 
 
 def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
@@ -182,58 +211,101 @@ def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     return torch.cat(scored, 1), ids, probs
 
 
-def _context_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
-    """Bool ``[2T, 2T]``: target rows causal over the target half; own row ``j`` sees
-    target pairs ``<= j - step + 1`` and own pairs ``j - step + 2 .. j``."""
+def hass_step_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
+    """Bool ``[T, step * T]``: which keys step ``step``'s pair ``j`` (a row) sees among the
+    ``step`` key/value sets (set 0: the target's pairs; set ``m >= 1``: the pairs fed at step
+    ``m + 1``), as decoding at depth ``step - 1`` would: target pairs ``<= j - step + 1``
+    and, at offset ``d = 0 .. step - 2``, pair ``j - d`` of set ``step - 1 - d``."""
     i = torch.arange(t, device=device)
-    causal = i[None, :] <= i[:, None]  # [T, T] key <= query
-    to_target = i[None, :] <= i[:, None] - step + 1
-    to_own = causal & (i[None, :] >= i[:, None] - step + 2)
-    top = torch.cat([causal, torch.zeros(t, t, dtype=torch.bool, device=device)], 1)
-    bottom = torch.cat([to_target, to_own], 1)
-    return torch.cat([top, bottom], 0)
+    sets = [i[None, :] <= i[:, None] - step + 1]  # set 0: the target's features
+    for m in range(1, step):
+        sets.append(i[None, :] == i[:, None] - (step - 1 - m))
+    return torch.cat(sets, 1)
+
+
+def hass_forward(model: torch.nn.Module, features: torch.Tensor, input_ids: torch.Tensor,
+                 steps: int, detach: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The drafter's outputs at every step of HASS's harmonized context alignment (the
+    module docstring): ``features [B, T, H]`` (the target's ``f_j``) and ``input_ids [B, T]``
+    (``x_{j+1}``) -> ``[(f_hat [B, T, H], logits [B, T, V])]`` for steps ``1..steps``.
+
+    Step 1 is the plain teacher-forced forward. Step ``s >= 2`` feeds pair ``j`` the step
+    ``s - 1`` output at pair ``j - 1`` (pair 0 keeps ``f_0``), detached when ``detach`` (as
+    HASS does), and runs one forward over these ``T`` pairs on top of the cache holding
+    the earlier steps' key/value sets, masked by :func:`hass_step_mask`; at ``j >= s - 1``
+    its output is that of decoding ``s - 1`` steps past pair ``j - s + 1`` on the same
+    tokens, at every layer."""
+    from transformers import DynamicCache
+
+    b, t, _ = features.shape
+    pos = torch.arange(t, device=features.device).expand(b, t)
+    if steps <= 1:
+        return [model(features, input_ids, position_ids=pos)]
+    cache = DynamicCache()  # the key/value sets of the steps so far, in step order
+    out = [model(features, input_ids, position_ids=pos, past_key_values=cache,
+                 use_cache=True)]
+    for s in range(2, steps + 1):
+        prev = out[-1][0]
+        fed = torch.cat([features[:, :1].to(prev.dtype), prev[:, :-1]], 1)  # pair j <- j-1
+        if detach:
+            fed = fed.detach()
+        allowed = hass_step_mask(t, s, features.device)
+        mask = additive_mask(allowed, prev.dtype).expand(b, 1, t, s * t)
+        out.append(model(fed, input_ids, position_ids=pos, attention_mask=mask,
+                         past_key_values=cache, use_cache=True))
+    return out
+
+
+def feature_noise(shape: torch.Size | tuple[int, ...], std: float, ref_len: int = 512,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """EAGLE's and HASS's ``AddUniformNoise``: ``(U[0, 1) - 0.5) * std * ref_len / L`` of
+    ``shape`` ``[B, L, H]`` (``L`` the window's feature positions; their code has
+    ``ref_len`` 512 and ``std`` 0.2), added to the features the drafter reads in training
+    (:func:`eagle_loss`'s ``batch["feature_noise"]``)."""
+    length = int(shape[1])
+    return (torch.rand(shape, generator=generator) - 0.5) * (std * ref_len / max(length, 1))
 
 
 def eagle_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: str = "eagle",
                w_reg: float = 1.0, w_cls: float = 0.1, hass_k: int | None = None,
-               hass_steps: int = 3) -> torch.Tensor:
+               hass_steps: int = 3, w_topk: float = 1.0, hass_detach: bool = True,
+               hass_reduce: str = "sum") -> torch.Tensor:
     """The drafter's loss on a :func:`collate_feat` batch (see the module docstring).
 
-    ``model(features [B, T, H], input_ids [B, T], position_ids, attention_mask) ->
-    (f_hat [B, T, H], logits [B, T, V])`` (an :class:`~speclab.models.eagle.EagleModel`).
+    ``model(features [B, T, H], input_ids [B, T], position_ids, attention_mask,
+    past_key_values, use_cache) -> (f_hat [B, T, H], logits [B, T, V])`` (an
+    :class:`~speclab.models.eagle.EagleModel`). ``batch["feature_noise"]`` (``[B, L, H]``,
+    optional; :func:`feature_noise`) is added to the features the drafter reads, not to
+    the regression targets. ``hass``: ``w_reg * reg + w_cls * CE + w_topk * top-K`` at
+    each of ``hass_steps`` steps (:func:`hass_forward`; ``hass_detach``), summed over the
+    steps (``hass_reduce: sum``, HASS) or averaged (``mean``).
     """
+    if hass_reduce not in ("sum", "mean"):
+        raise ValueError(f"hass_reduce: sum or mean, got {hass_reduce!r}")
     tokens, feats = batch["tokens"], batch["features"]
     b, length, _ = feats.shape
     t = length - 1
-    inp_f, inp_x = feats[:, :-1], tokens[:, 1:length]  # pairs (f_j, x_{j+1}), j < T
-    tgt_f = feats[:, 1:]  # [B, T, H]
+    read = feats if batch.get("feature_noise") is None else \
+        feats + batch["feature_noise"].to(feats.device, feats.dtype)
+    inp_f, inp_x = read[:, :-1], tokens[:, 1:length]  # pairs (f_j, x_{j+1}), j < T
+    tgt_f = feats[:, 1:]  # [B, T, H]: the clean features
     ids, probs = batch["topk_ids"][:, 1:], batch["topk_probs"][:, 1:]  # [B, T, K]
 
     def step_loss(f_hat: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor):
         reg = F.smooth_l1_loss(f_hat.float(), tgt_f.float(), reduction="none").mean(-1)
         reg = (reg * mask).sum() / mask.sum().clamp_min(1.0)
+        out = w_reg * reg + w_cls * losses.soft_ce(logits, ids, probs, mask)
         if loss == "hass":
-            cls = losses.hass_topk(logits, ids, probs, mask, top_k=hass_k)
-        else:
-            cls = losses.soft_ce(logits, ids, probs, mask)
-        return w_reg * reg + w_cls * cls
+            out = out + w_topk * losses.hass_topk(logits, ids, probs, mask, top_k=hass_k)
+        return out
 
-    pos = torch.arange(t, device=feats.device).expand(b, t)
-    f_hat, logits = model(inp_f, inp_x, position_ids=pos)
-    full = torch.ones(b, t, device=feats.device)
-    total = [step_loss(f_hat, logits, full)]
-    steps = hass_steps if loss == "hass" else 1
-    for s in range(2, min(steps, t) + 1):
-        own_f = torch.cat([inp_f[:, :1], f_hat[:, :-1]], 1)  # own pair j <- output at j-1
-        allowed = _context_mask(t, s, feats.device)
-        mask4 = additive_mask(allowed, f_hat.dtype).expand(b, 1, 2 * t, 2 * t)
-        out_f, out_logits = model(torch.cat([inp_f, own_f], 1), torch.cat([inp_x, inp_x], 1),
-                                  position_ids=torch.cat([pos, pos], 1),
-                                  attention_mask=mask4)
-        f_hat, logits = out_f[:, t:], out_logits[:, t:]
+    steps = min(hass_steps, t) if loss == "hass" else 1
+    outputs = hass_forward(model, inp_f, inp_x, steps, hass_detach)
+    total = []
+    for s, (f_hat, logits) in enumerate(outputs, start=1):
         valid = (torch.arange(t, device=feats.device) >= s - 1).float().expand(b, t)
         total.append(step_loss(f_hat, logits, valid))
-    return sum(total) / len(total)
+    return sum(total) / (len(total) if hass_reduce == "mean" else 1)
 
 
 @torch.no_grad()

@@ -5,6 +5,14 @@ prompt and the target's own greedy continuation (self-distillation, as Medusa's 
 uses when the original training data is not at hand), with the target's features
 ``h_0..h_{L-1}`` and its top-k distribution at every input (``collate_feat`` tensors).
 
+Labels inside the prompt are corpus text, not the target's own tokens. As Medusa masks
+prompts from the head loss and scores its heads on the model's own tokens, a head's
+label ``x_{t+k+1}`` counts only when it lies in the continuation (index ``>= first_label``,
+the prompt's length): in the heads' losses (unless ``medusa.prompt_labels``, a variant
+that also trains on the corpus labels) and always in the calibration
+(:func:`own_token_accuracies`: ``tree.json``, the sparse tree, ``expected_tau.*`` and
+``val_head<k>_top1``).
+
 * MEDUSA-1 (frozen backbone; the slides' formula): ``sum_k lambda_k CE(p_t^(k),
   x_{t+k+1})`` with ``lambda_k = decay^k``, on the stored features, so a step never runs
   the backbone (:func:`medusa1_loss`).
@@ -32,20 +40,57 @@ from speclab import losses
 from speclab.models.medusa import MedusaHeads
 
 
-def head_losses(head_logits: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+def _label_span(length: int, k: int, first_label: int) -> tuple[int, int]:
+    """Positions ``start..stop-1`` at which head ``k`` (at ``t``, label ``x_{t+k+1}``) has a
+    label among ``L + 1`` tokens with index ``>= first_label``."""
+    return max(first_label - k - 1, 0), length - k
+
+
+def head_losses(head_logits: torch.Tensor, tokens: torch.Tensor, first_label: int = 0
+                ) -> list[torch.Tensor]:
     """Per-head mean cross-entropy: ``head_logits [K, B, L, V]`` (head ``k`` at features
     ``h_0..h_{L-1}``) against ``tokens [B, L+1]``; head ``k`` at ``t`` predicts
-    ``x_{t+k+1}`` (positions with ``t + k + 1 > L`` have no label and are skipped)."""
+    ``x_{t+k+1}`` (positions with ``t + k + 1 > L`` have no label and are skipped, as are
+    those whose label index is below ``first_label``: the prompt's corpus tokens)."""
     n_heads, _, length, vocab = head_logits.shape
     out = []
     for k in range(1, n_heads + 1):
-        span = length - k
-        if span <= 0:
+        start, stop = _label_span(length, k, first_label)
+        if stop <= start:
             out.append(head_logits.sum() * 0.0)
             continue
-        logits = head_logits[k - 1, :, :span].reshape(-1, vocab).float()
-        out.append(F.cross_entropy(logits, tokens[:, k + 1: k + 1 + span].reshape(-1)))
+        logits = head_logits[k - 1, :, start:stop].reshape(-1, vocab).float()
+        out.append(F.cross_entropy(logits, tokens[:, k + 1 + start: k + 1 + stop].reshape(-1)))
     return out
+
+
+@torch.no_grad()
+def own_token_accuracies(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Tensor,
+                         top: int = 10, first_label: int = 0, chunk: int = 32
+                         ) -> list[list[float]]:
+    """Calibration on the target's own tokens: ``acc[k-1][r]`` = the fraction of positions
+    whose label ``x_{t+k+1}`` has index ``>= first_label`` (past the corpus prompt) where
+    head ``k``'s ``r``-th most likely token (``r = 0..top-1``) is that label.
+
+    ``features [B, L, H]``: the target's features at inputs ``tokens[:, :L]``; ``tokens
+    [B, L+1]``. ``first_label`` 0 counts every position
+    (:func:`speclab.models.medusa.head_accuracies`). Sequences go through the heads
+    ``chunk`` at a time."""
+    n_heads, length = heads.meta.heads, features.shape[1]
+    hits = torch.zeros(n_heads, top)
+    counts = [0] * n_heads
+    for begin in range(0, features.shape[0], chunk):
+        logits = heads(features[begin: begin + chunk])  # [K, b, L, V]
+        rows = tokens[begin: begin + chunk]
+        for k in range(1, n_heads + 1):
+            start, stop = _label_span(length, k, first_label)
+            if stop > start:
+                ranked = logits[k - 1, :, start:stop].topk(top, dim=-1).indices  # [b, n, top]
+                truth = rows[:, k + 1 + start: k + 1 + stop, None]
+                hits[k - 1] += (ranked == truth).float().sum((0, 1)).cpu()
+                counts[k - 1] += ranked.shape[0] * ranked.shape[1]
+    return [(hits[k] / counts[k]).tolist() if counts[k] else [0.0] * top
+            for k in range(n_heads)]
 
 
 def weighted(per_head: list[torch.Tensor], decay: float) -> torch.Tensor:
@@ -54,9 +99,11 @@ def weighted(per_head: list[torch.Tensor], decay: float) -> torch.Tensor:
 
 
 def medusa1_loss(heads: MedusaHeads, batch: dict[str, torch.Tensor],
-                 decay: float = 0.8) -> torch.Tensor:
-    """MEDUSA-1 on a ``collate_feat`` batch (``features [B, L, H]``, ``tokens [B, L+1]``)."""
-    return weighted(head_losses(heads(batch["features"]), batch["tokens"]), decay)
+                 decay: float = 0.8, first_label: int = 0) -> torch.Tensor:
+    """MEDUSA-1 on a ``collate_feat`` batch (``features [B, L, H]``, ``tokens [B, L+1]``);
+    labels with index below ``first_label`` (the prompt) do not count."""
+    return weighted(head_losses(heads(batch["features"]), batch["tokens"], first_label),
+                    decay)
 
 
 class Medusa2Model(nn.Module):
@@ -78,14 +125,16 @@ class Medusa2Model(nn.Module):
 
 
 def medusa2_loss(model: Medusa2Model, batch: dict[str, torch.Tensor], decay: float = 0.8,
-                 lambda0: float = 0.2, lm_loss: str = "kl", frozen: bool = False
-                 ) -> torch.Tensor:
+                 lambda0: float = 0.2, lm_loss: str = "kl", frozen: bool = False,
+                 first_label: int = 0) -> torch.Tensor:
     """MEDUSA-2's ``L_LM + lambda0 * L_MEDUSA-1`` on a ``collate_feat`` batch (the stored
     features are not used: the backbone recomputes them). During the warm-up
-    (``frozen``) ``L_LM`` is left out: the backbone does not train."""
+    (``frozen``) ``L_LM`` is left out: the backbone does not train. The heads' labels
+    with index below ``first_label`` (the prompt) do not count; ``L_LM`` keeps every
+    position (it anchors the backbone to the original on the corpus text too)."""
     tokens = batch["tokens"]
     lm_logits, head_logits = model(tokens[:, :-1], frozen)
-    medusa = weighted(head_losses(head_logits, tokens), decay)
+    medusa = weighted(head_losses(head_logits, tokens, first_label), decay)
     if frozen:
         return lambda0 * medusa
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1, device=tokens.device)

@@ -97,13 +97,17 @@ class EagleTaskConfig(_TaskConfig):
 
 class MedusaTaskConfig(_TaskConfig):
     """Medusa heads for the target in local folder ``target``: ``variant`` ``medusa1``
-    (frozen backbone) or ``medusa2`` (joint fine-tuning)."""
+    (frozen backbone) or ``medusa2`` (joint fine-tuning). ``prompt_len``: the corpus
+    prompt's tokens at the start of every row (``distill.prompt_len``): labels there are
+    not the target's own, so calibration (and, unless ``medusa.prompt_labels``, the heads'
+    loss) skips them."""
 
     kind: Literal["medusa"] = "medusa"
     arch: ArchConfig | None = None
     medusa: MedusaTrainConfig = MedusaTrainConfig()
     variant: Literal["medusa1", "medusa2"] = "medusa1"
     target: str
+    prompt_len: int = Field(0, ge=0)
 
 
 TaskConfig = Annotated[LMTaskConfig | DistillTaskConfig | RecTaskConfig | RecAlignTaskConfig
@@ -376,12 +380,21 @@ class EagleTask:
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def batch(self, step: int, rank: int) -> dict:
+        """A training batch; ``eagle`` / ``hass`` carry EAGLE's uniform ``feature_noise``
+        for the features the drafter reads (drawn with the step's generator)."""
+        from speclab.train.eagle import feature_noise
+
         g = _gen(self.tr.seed, step, rank)
         idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
-        return self._collate([self.train[i] for i in idx], g)
+        batch = self._collate([self.train[i] for i in idx], g)
+        if self.kind == "feat" and self.e.feature_noise > 0:
+            batch["feature_noise"] = feature_noise(
+                batch["features"].shape, self.e.feature_noise, self.e.feature_noise_len,
+                g).to(self.device)
+        return batch
 
     def _val_batch(self) -> dict:
-        """The held-out windows (a fixed draw of TALF roots)."""
+        """The held-out windows (a fixed draw of TALF roots; no feature noise)."""
         return self._collate(self.val[: self.tr.batch_size * 4], _gen(self.tr.seed, -1, 0))
 
     def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -390,7 +403,8 @@ class EagleTask:
         e = self.e
         if e.loss == "talf":
             return talf_loss(model, batch)
-        return eagle_loss(model, batch, e.loss, e.w_reg, e.w_cls, e.hass_k, e.hass_steps)
+        return eagle_loss(model, batch, e.loss, e.w_reg, e.w_cls, e.hass_k, e.hass_steps,
+                          e.w_topk, e.hass_detach, e.hass_reduce)
 
     def tokens_in(self, batch: dict) -> int:
         return int(batch["tokens"].numel())
@@ -430,6 +444,8 @@ class MedusaTask:
     def __init__(self, cfg: MedusaTaskConfig, data_dir: Path, device: torch.device) -> None:
         self.tr, self.m, self.variant = cfg.train, cfg.medusa, cfg.variant
         self.target, self.device = cfg.target, device
+        self.prompt_len = cfg.prompt_len  # labels before it are corpus text
+        self.first_label = 0 if self.m.prompt_labels else cfg.prompt_len  # the heads' loss
         # MEDUSA-2's backbone gets no gradient during the warm-up (DDP must allow it)
         self.unused_parameters = self.variant == "medusa2" and self.m.heads_warmup > 0
         shards = sorted((Path(data_dir) / "medusa").glob("shard-*.parquet"))
@@ -438,6 +454,10 @@ class MedusaTask:
                              f"found {len(shards)} in {Path(data_dir) / 'medusa'}")
         self.val = pq.read_table(shards[-1]).to_pylist()
         self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
+        length = len(self.val[0]["tokens"]) if self.val else 0
+        if self.prompt_len + 2 > length:
+            raise ValueError(f"distill.prompt_len: {self.prompt_len} leaves no continuation "
+                             f"label in medusa rows of {length} tokens")
 
     def build_model(self) -> torch.nn.Module:
         from speclab.models.loading import load_model
@@ -476,9 +496,9 @@ class MedusaTask:
         from speclab.train.medusa import medusa1_loss, medusa2_loss
 
         if self.variant == "medusa1":
-            return medusa1_loss(model, batch, self.m.decay)
+            return medusa1_loss(model, batch, self.m.decay, self.first_label)
         return medusa2_loss(model, batch, self.m.decay, self.m.lambda0, self.m.lm_loss,
-                            bool(batch.get("frozen", False)))
+                            bool(batch.get("frozen", False)), self.first_label)
 
     def tokens_in(self, batch: dict) -> int:
         return int(batch["tokens"].numel())
@@ -506,17 +526,18 @@ class MedusaTask:
     @torch.no_grad()
     def val_metrics(self, model: torch.nn.Module) -> dict[str, float]:
         """``val_head<k>_top1`` (head ``k``'s calibration accuracy at rank 0 on the held-out
-        sequences) and the engine's figures with the sparse tree built from them."""
+        sequences' continuations: the target's own tokens) and the engine's figures with
+        the sparse tree built from them."""
         from speclab.drafters.medusa import MedusaDrafter
         from speclab.drafters.medusa_trees import sparse_template
-        from speclab.models.medusa import head_accuracies
         from speclab.train.engine_probe import engine_figures
+        from speclab.train.medusa import own_token_accuracies
 
         model.eval()
         target, heads = self._parts(model)
         val = self._collate(self.val[: self.tr.batch_size * 4])
-        acc = head_accuracies(heads, self.features(model, val["tokens"]), val["tokens"],
-                              self.m.calibration_top)
+        acc = own_token_accuracies(heads, self.features(model, val["tokens"]), val["tokens"],
+                                   self.m.calibration_top, self.prompt_len)
         out = {f"val_head{k}_top1": a[0] for k, a in enumerate(acc, start=1)}
         if self.m.engine_prompts:
             template = sparse_template(acc, self.m.sparse_nodes)
