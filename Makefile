@@ -4,7 +4,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-unit lint bench ui clean
+.PHONY: setup demo test test-unit lint bench gpu-report ui clean
 
 .venv/.installed: pyproject.toml constraints.txt
 	python3 -m venv .venv
@@ -29,6 +29,9 @@ test-unit: setup lint ## ruff + the unit tests only (no Ray started, a few minut
 
 bench: setup
 	.venv/bin/speclab bench
+
+gpu-report: setup ## CUDA tests + benchmark on a GPU -> gpu_report/gpu_report.md (exit 0 without one)
+	$(PY) -m speclab.gpu_report --out gpu_report
 
 ui: setup
 	.venv/bin/speclab ui
