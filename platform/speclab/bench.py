@@ -1,35 +1,47 @@
 """``speclab bench``: the engine benchmark on the reference pair (a command, not a test).
 
 For each method it prints and writes as JSON: tau, target calls per token, tokens/s,
-speedup over autoregressive decoding (AR re-timed right before each method, A B A B),
-the predicted speedup (Leviathan Theorem 3.8 from the measured alpha and cost ratio c
-for chains; the eq. 2.1 cost model otherwise) and measured/predicted. In the same run,
-on the same pair and prompts: Hugging Face assisted generation and prompt lookup.
-Every clock read waits for the device first (:func:`speclab.timing.now`); every row
-carries ``peak_gpu_mb``, the most GPU memory PyTorch held during its block (a column of
-the printed table on CUDA; NaN in the JSON and MLflow metrics on a CPU).
+the speedup over autoregressive decoding timed in pairs (each method paired with AR
+prompt by prompt over ``passes`` passes: the median paired ratio with its 95% interval,
+beside the ratio of totals and a ``noisy`` flag; :mod:`speclab.paired_timing`), the
+engine's own share of the wall time against the forward costs measured at the start of
+the run (``modelled_s``, ``engine_overhead``; :mod:`speclab.forward_costs`), the
+predicted speedup (Leviathan Theorem 3.8 from the measured alpha and cost ratio c for
+chains; the eq. 2.1 cost model otherwise) and measured/predicted. In the same run, on
+the same pair and prompts and paired the same way: Hugging Face assisted generation and
+prompt lookup. Every clock read waits for the device first
+(:func:`speclab.timing.now`); every row carries ``peak_gpu_mb``, the most GPU memory
+PyTorch held during its blocks (a column of the printed table on CUDA; NaN in the JSON
+and MLflow metrics on a CPU).
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import json
 import platform
-import statistics
 from pathlib import Path
 
 import torch
 
 from speclab.evaluation import (
     COLUMNS,
+    TIMING_PASSES,
     MethodRun,
     Totals,
     format_table,
     interleaved_comparison,
+    paired_passes,
+    pooled_ar,
+    price,
+    recorder_for,
     run_prompts,
+    speedup_cell,
     summarize,
 )
-from speclab.timing import max_mb, now, peak_gpu_mb, reset_peak_gpu
+from speclab.forward_costs import CostModel, engine_overhead
+from speclab.paired_timing import AR_SPREAD_BOUND, speedup_figures
+from speclab.timing import now, peak_gpu_mb, reset_peak_gpu
 
 # score_temperature 0.5: the reference draft is under-confident (path probabilities
 # fall faster than real acceptance); sharpening the ranking softmax fixes the trees'
@@ -62,9 +74,54 @@ def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwa
         new = out[0, len(ids):].tolist()
         totals.prompts += 1
         totals.new_tokens += len(new)
+        totals.timed_tokens += len(new)
         totals.outputs.append(new)
     totals.peak_gpu_mb = peak_gpu_mb(model.device)
     return totals
+
+
+def hf_rows(dec, baselines: dict[str, dict], prompts: list[list[int]], gen: dict,
+            reference: list[list[int]] | None, costs: CostModel | None = None,
+            passes: int | None = None) -> list[tuple[dict, list[list[int]]]]:
+    """Hugging Face ``generate`` baselines (``{label: generate kwargs}``, e.g. assisted
+    generation or prompt lookup) paired with the engine's AR prompt by prompt like every
+    method (:func:`speclab.evaluation.paired_passes`, ``passes`` default
+    ``gen["timing_passes"]`` or :data:`~speclab.evaluation.TIMING_PASSES`); their
+    forwards priced on ``costs`` when given. Returns ``(row, outputs)`` per baseline: the
+    wall-clock columns of :func:`~speclab.evaluation.summarize` (the engine's counters
+    do not apply to them) and the first pass's outputs."""
+    gen = dict(gen)
+    passes = passes or gen.pop("timing_passes", None) or TIMING_PASSES
+    gen.pop("timing_passes", None)
+    max_new = gen.get("max_new_tokens", 64)
+    for kwargs in baselines.values():
+        hf_generate_totals(dec, prompts[:1], 8, **kwargs)  # warm-up
+
+    def block(kwargs: dict):
+        return lambda ps, first: hf_generate_totals(dec, ps, max_new, **kwargs)
+
+    blocks = {label: block(kwargs) for label, kwargs in baselines.items()}
+    recorder = recorder_for(dec) if costs is not None else None
+    with recorder if recorder is not None else contextlib.nullcontext():
+        res = paired_passes(blocks, lambda ps, first: run_prompts(
+            dec, MethodRun("ar"), ps, gen, first), prompts, passes, False,
+            recorder.take if recorder is not None else None)
+    if costs is not None:
+        price(res, costs)
+    out = []
+    for label, (tot, ar) in res.items():
+        tps = tot.timed_tokens / tot.wall_s if tot.wall_s else 0.0
+        ar_tps = ar.timed_tokens / ar.wall_s if ar.wall_s else 0.0
+        row = {"method": label, "prompts": tot.prompts, "new_tokens": tot.new_tokens,
+               "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
+               **speedup_figures(tot.pairs, tps / ar_tps if ar_tps else 0.0),
+               "passes": tot.passes, "wall_s": tot.wall_s, "modelled_s": tot.modelled_s,
+               "engine_overhead": engine_overhead(tot.wall_s, tot.modelled_s),
+               "peak_gpu_mb": tot.peak_gpu_mb}
+        if reference is not None:
+            row["identical_to_ar"] = tot.outputs == reference
+        out.append((row, tot.outputs))
+    return out
 
 
 def table_columns(columns: list[tuple[str, str]], device: str) -> list[tuple[str, str]]:
@@ -86,42 +143,59 @@ def reference_setup(num_prompts: int, device: str, dtype: str, compile: bool = F
 
 def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
               runs: list[MethodRun] | None = None, device: str = "cpu",
-              dtype: str = "float32") -> list[dict]:
-    """Run the benchmark, print the table, write ``bench.json``; returns the rows."""
+              dtype: str = "float32", passes: int | None = None) -> list[dict]:
+    """Run the benchmark (``passes`` timed passes of the paired protocol, default
+    :data:`~speclab.evaluation.TIMING_PASSES`), print the table, write ``bench.json``;
+    returns the rows."""
     pair, dec, prompts = reference_setup(num_prompts, device, dtype)
-    gen = {"max_new_tokens": max_new_tokens}
+    passes = passes or TIMING_PASSES
+    gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
     runs = runs or DEFAULT_RUNS
-    results = interleaved_comparison(dec, runs, prompts, gen)
-    reference = run_prompts(dec, MethodRun("ar"), prompts, gen).outputs
-    ar_row = summarize(MethodRun("ar"), results[runs[0].name]["ar"], results[runs[0].name]["ar"],
-                       reference)
-    rows = [ar_row]
+    results = interleaved_comparison(dec, runs, prompts, gen, progress=_progress)
+    costs = results[runs[0].name]["costs"]
+    reference = results[runs[0].name]["ar"].outputs  # AR, each prompt alone
+    ar = pooled_ar(results)
+    rows = [summarize(MethodRun("ar"), ar, ar, reference)]
     for r in results.values():
         rows.append(summarize(r["run"], r["totals"], r["ar"], reference))
-    # Hugging Face baselines on the same pair and prompts, AR re-timed before each
-    draft_model = dec.draft.model
-    for label, kwargs in (("hf_assisted", {"assistant_model": draft_model}),
-                          ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 3})):
-        hf_generate_totals(dec, prompts[:1], 8, **kwargs)  # warm-up
-        ar = run_prompts(dec, MethodRun("ar"), prompts, gen)
-        tot = hf_generate_totals(dec, prompts, max_new_tokens, **kwargs)
-        tps = tot.new_tokens / tot.wall_s
-        ar_tps = ar.new_tokens / ar.wall_s
-        rows.append({"method": label, "prompts": tot.prompts, "new_tokens": tot.new_tokens,
-                     "tokens_per_s": tps, "ar_tokens_per_s": ar_tps, "speedup": tps / ar_tps,
-                     "wall_s": tot.wall_s, "peak_gpu_mb": tot.peak_gpu_mb,
-                     "identical_to_ar": tot.outputs == reference})
+    # Hugging Face baselines on the same pair and prompts, paired with AR the same way
+    rows += [row for row, _ in hf_rows(
+        dec, {"hf_assisted": {"assistant_model": dec.draft.model},
+              "hf_prompt_lookup": {"prompt_lookup_num_tokens": 3}},
+        prompts, gen, reference, costs)]
     print(format_table(rows, table_columns(COLUMNS, device)))
+    _print_noisy(rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "torch_threads": torch.get_num_threads(),
             "machine": platform.platform(), "temperature": 0.0, "device": device,
             "dtype": dtype, "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
-            else None}
-    (out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+            else None, **protocol_meta(passes)}
+    (out / "bench.json").write_text(json.dumps(
+        {"meta": meta, "rows": rows,
+         "forward_costs_s": costs.to_dict() if costs is not None else None}, indent=2))
     print(f"\nwrote {out / 'bench.json'}")
     return rows
+
+
+def _progress(line: str) -> None:
+    print(f"[bench] {line}", flush=True)
+
+
+def _print_noisy(rows: list[dict]) -> None:
+    """Name the rows whose timings the protocol flagged (``noisy``) and why."""
+    noisy = [f"{r['method']}: {r['timing_note']}" for r in rows if r.get("noisy")]
+    if noisy:
+        print("\nnoisy timings (read those speedups with care):\n  " + "\n  ".join(noisy))
+
+
+def protocol_meta(passes: int) -> dict:
+    """The timing protocol's settings, for a JSON's meta (and an MLflow run's params)."""
+    return {"timing_passes": passes, "ar_spread_bound": AR_SPREAD_BOUND,
+            "speedup": "median of paired ratios (AR and the method on the same work, one "
+                       "after the other), 95% order-statistic interval; speedup_totals: "
+                       "ratio of totals"}
 
 
 # chain at its two best lengths and SALF with the sharpened ranking (see DEFAULT_RUNS)
@@ -165,15 +239,21 @@ def batch_plot(rows: list[dict]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from speclab.pipelines.eval_plots import interval_errors
+
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     methods = sorted({r["method"] for r in rows if r["method"] != "ar"})
-    for m in methods:
-        pts = sorted((r["batch_size"], r["speedup"]) for r in rows if r["method"] == m)
-        ax.plot([b for b, _ in pts], [s for _, s in pts], "o-", label=m)
+    for m in methods:  # whiskers: the 95% interval of the median paired ratio
+        mine = sorted((r for r in rows if r["method"] == m), key=lambda r: r["batch_size"])
+        values = [r["speedup"] for r in mine]
+        ax.errorbar([r["batch_size"] for r in mine], values,
+                    yerr=interval_errors(mine, "speedup", values), fmt="o-", capsize=3,
+                    label=m)
     ax.axhline(1.0, color="grey", ls="--", lw=1)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (rows decoded together)")
-    ax.set_ylabel("speedup over AR at the same batch size (x)")
+    ax.set_ylabel("speedup over AR at the same batch size (x)\n(median paired ratio, 95% "
+                  "interval)")
     ax.set_title("Where speculation stops paying (greedy, reference pair)")
     ax.legend(fontsize=7, loc="best")
     ar = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if r["method"] == "ar")
@@ -189,8 +269,9 @@ def batch_plot(rows: list[dict]):
 BATCH_COLUMNS = [
     ("batch_size", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
     ("target_calls_per_token", "{:.3f}"), ("target_forwards_per_token", "{:.3f}"),
-    ("tokens_per_s", "{:.1f}"), ("speedup", "{:.2f}x"), ("ar_scaling", "{:.2f}x"),
-    ("measured_over_predicted", "{:.2f}"), ("identical_to_alone", "{}"),
+    ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell), ("speedup_totals", "{:.2f}x"),
+    ("ar_scaling", "{:.2f}x"), ("engine_overhead", "{:.0%}"),
+    ("measured_over_predicted", "{:.2f}"), ("noisy", "{}"), ("identical_to_alone", "{}"),
 ]
 
 
@@ -198,10 +279,13 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
                     out_dir: str = "bench_out", runs: list[MethodRun] | None = None,
                     device: str = "cpu", dtype: str = "float32", log_mlflow: bool = False,
                     tracking_uri: str | None = None, repeats: int = 1,
-                    compile: bool = False) -> list[dict]:
-    """The batched engine at each batch size: AR, then each method with AR re-timed right
-    before it at the SAME batch size, ``repeats`` times (timed figures: the median).
-    Prints the table, writes ``batch_bench.json`` and ``batch_scaling.png``; with
+                    compile: bool = False, passes: int | None = None) -> list[dict]:
+    """The batched engine at each batch size: each method paired with AR at the SAME
+    batch size, one pair per pass over the whole batch, over ``passes`` x ``repeats``
+    passes (``passes`` default :data:`~speclab.evaluation.TIMING_PASSES`): the median
+    paired ratio with its interval (few pairs: the interval is their range and
+    ``speedup_coverage`` says how much it covers). Prints the table, writes
+    ``batch_bench.json`` and ``batch_scaling.png``; with
     ``log_mlflow`` also an MLflow run at ``tracking_uri`` (default: the embedded store)
     in experiment ``speclab-bench``, with every figure as a metric whose step is the
     batch size, and the plot. ``compile``: the static, compiled fast path; its warm-up
@@ -226,28 +310,25 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     reference = run_prompts(dec, MethodRun("ar"), prompts, {"max_new_tokens": max_new_tokens}
                             ).outputs  # each prompt decoded alone
     rows: list[dict] = []
+    passes = (passes or TIMING_PASSES) * max(repeats, 1)
+    costs_by_size = {}
     for bs in batch_sizes:
-        gen = {"max_new_tokens": max_new_tokens, "batch_size": bs}
-        blocks = []
-        for _ in range(repeats):  # each repeat: AR, method, AR, method, ... (A B A B)
-            results = interleaved_comparison(dec, runs, prompts, gen, warmup=not blocks)
-            first = results[runs[0].name]["ar"]
-            blocks.append([summarize(MethodRun("ar"), first, first, reference)]
-                          + [summarize(r["run"], r["totals"], r["ar"], reference)
-                             for r in results.values()])
-        for i, row in enumerate(blocks[0]):  # timed figures: the median over repeats
-            for k in ("tokens_per_s", "ar_tokens_per_s", "speedup", "wall_s"):
-                row[k] = statistics.median(b[i][k] for b in blocks)
-            row["speedup_repeats"] = [b[i]["speedup"] for b in blocks]
-            row["peak_gpu_mb"] = functools.reduce(max_mb, (b[i]["peak_gpu_mb"] for b in blocks))
-            row["identical_to_alone"] = all(b[i].pop("identical_to_ar") for b in blocks)
+        gen = {"max_new_tokens": max_new_tokens, "batch_size": bs, "timing_passes": passes}
+        results = interleaved_comparison(dec, runs, prompts, gen, warmup=not compile,
+                                         progress=_progress)
+        costs_by_size[bs] = results[runs[0].name]["costs"]
+        ar = pooled_ar(results)
+        block = [summarize(MethodRun("ar"), ar, ar, reference)] + [
+            summarize(r["run"], r["totals"], r["ar"], reference) for r in results.values()]
+        for row in block:
+            row["identical_to_alone"] = row.pop("identical_to_ar")
             row["batch_size"] = bs
-            row.pop("identical_to_ar", None)
-        rows += blocks[0]
+        rows += block
     ar_first = next(r["tokens_per_s"] for r in rows if r["method"] == "ar")
     for row in rows:  # AR tokens/s over AR's at the smallest batch size measured
         row["ar_scaling"] = row["tokens_per_s"] / ar_first if row["method"] == "ar" else None
     print(format_table(rows, table_columns(BATCH_COLUMNS, device)))
+    _print_noisy(rows)
     cross = crossover(rows)
     print("\ncrossover batch size (speculation no faster than AR from here; '-': pays at "
           "every size measured):")
@@ -259,9 +340,10 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
             "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes, "repeats": repeats,
             "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
             "device": device, "dtype": dtype, "temperature": 0.0, "compile": compile,
-            "compile_warmup_s": dec.warmup_s}
+            "compile_warmup_s": dec.warmup_s, **protocol_meta(passes)}
+    costs = {bs: c.to_dict() if c is not None else None for bs, c in costs_by_size.items()}
     (out / "batch_bench.json").write_text(json.dumps(
-        {"meta": meta, "rows": rows, "crossover": cross}, indent=2))
+        {"meta": meta, "rows": rows, "crossover": cross, "forward_costs_s": costs}, indent=2))
     fig = batch_plot(rows)
     fig.savefig(out / "batch_scaling.png", dpi=110)
     print(f"\nwrote {out / 'batch_bench.json'} and {out / 'batch_scaling.png'}")
@@ -279,8 +361,9 @@ def log_batch_bench(uri: str | None, meta: dict, rows: list[dict], cross: dict, 
     with MlflowTracker(resolve_tracking_uri(uri), "speclab-bench", "batch-bench", meta) as t:
         for r in rows:
             key = MethodRun(r["method"]).key
-            t.log_metrics({f"{key}.{k}": v for k, v in r.items()
-                           if k not in ("method", "batch_size")}, step=r["batch_size"])
+            t.log_metrics({f"{key}.{k}": float(v) if isinstance(v, bool) else v
+                           for k, v in r.items() if k not in ("method", "batch_size")},
+                          step=r["batch_size"])
         t.log_metrics({f"crossover.{MethodRun(m).key}": b for m, b in cross.items()
                        if b is not None})
         t.log_table(rows, "batch_bench")

@@ -1,22 +1,49 @@
 """Evaluate decoding methods over a prompt set and aggregate their stats (no Ray here).
 
-Timing protocol: methods run one after another in the same process; before each method
-the autoregressive baseline runs over the same prompts again (A B A B ...), and a
-method's speedup is the AR wall time of ITS block over its own wall time. Hardware-
-independent figures (tau, target calls per token, acceptance) come from all prompts.
+Timing protocol (:func:`interleaved_comparison`, used by ``bench``, ``evaluate``, the
+retrieval evaluation and the sweeps): every method is timed in PAIRS with plain (AR)
+decoding of the same work, one right after the other: per prompt when prompts decode one
+at a time, per pass over the whole batch on the batched engine (``batch_size`` > 1 or
+the compiled fast path), over ``timing_passes`` passes (:data:`TIMING_PASSES`; AR first
+in even passes, the method first in odd ones; within a pass prompt by prompt, every
+method's pair of a prompt before the next prompt, so a noisy stretch touches every
+method a little, not one method a lot). ``speedup`` is the median of the paired ratios
+with a distribution-free 95% interval (``speedup_lo`` / ``speedup_hi``), next to the
+ratio of totals (``speedup_totals`` = ``tokens_per_s`` / ``ar_tokens_per_s``, both over
+every timed pass); ``ar_spread`` and ``noisy`` flag a row whose AR timings moved or
+whose two figures disagree (:mod:`speclab.paired_timing`). Hardware-independent figures
+(tau, target calls per token, acceptance, outputs) come from the first pass.
+
+Each run also measures its models' forward cost curves once
+(:mod:`speclab.forward_costs`) and counts the forwards every block ran: ``modelled_s``
+is what those forwards cost on the curves, ``engine_overhead`` = ``(wall_s -
+modelled_s) / wall_s`` the engine's own share of the time.
+
 Each block also records ``peak_gpu_mb``: the most GPU memory PyTorch held while it ran
 (:func:`speclab.timing.peak_gpu_mb`; NaN when the target is not on CUDA).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from speclab import theory
 from speclab.api import Decoder, GenerationResult
 from speclab.decoding.loop import tau
+from speclab.forward_costs import REPEATS, CostModel, ForwardRecorder, engine_overhead
+from speclab.paired_timing import (
+    TIMING_PASSES,
+    Pair,
+    baseline_figures,
+    normalize_ar,
+    speedup_figures,
+)
 from speclab.timing import max_mb, peak_gpu_mb, reset_peak_gpu
 
 
@@ -80,9 +107,21 @@ def spread(values: list[float]) -> float:
     return statistics.stdev(values) if len(values) >= 2 else 0.0
 
 
+def _add_s(a: float, b: float) -> float:
+    """``a + b`` where NaN means "not measured" (NaN only when both are)."""
+    if math.isnan(a):
+        return b
+    return a if math.isnan(b) else a + b
+
+
 @dataclass
 class Totals:
-    """Summed counters over prompts for one method."""
+    """Summed counters over prompts for one method.
+
+    The counters (tokens, calls, acceptance, outputs, per-prompt figures) are those of
+    ONE pass over the prompts (the first); the timed figures (``wall_s``, ``draft_s``,
+    ``verify_s``, ``timed_tokens``, ``modelled_s``) are summed over ``passes`` passes
+    (:meth:`absorb`). Built by :meth:`add` alone, both are the same pass."""
 
     prompts: int = 0
     new_tokens: int = 0
@@ -106,11 +145,22 @@ class Totals:
     batched: bool = False
     #: MiB of GPU memory held at most while the block ran (NaN: not on CUDA / not measured)
     peak_gpu_mb: float = math.nan
+    #: timed passes summed into the timed figures
+    passes: int = 1
+    #: tokens generated over every timed pass (what ``wall_s`` generated)
+    timed_tokens: int = 0
+    #: measured cost of the forwards the timed passes ran (NaN: not measured)
+    modelled_s: float = math.nan
+    #: the forwards the timed passes ran: ``{(model id, rows, new tokens): count}``
+    shapes: Counter = field(default_factory=Counter)
+    #: the method's A/B pairs with AR (:mod:`speclab.paired_timing`; empty: not paired)
+    pairs: list[Pair] = field(default_factory=list)
 
     def add(self, res: GenerationResult) -> None:
         s = res.stats
         self.prompts += 1
         self.new_tokens += s.new_tokens
+        self.timed_tokens += s.new_tokens
         self.committed += sum(s.accepted_lengths)
         self.target_calls += s.target_calls
         self.forwards += s.target_calls
@@ -131,24 +181,45 @@ class Totals:
             s.judged_tokens, s.wall_s))
 
     def merge(self, other: Totals) -> None:
+        """Add ``other``: more prompts of the same passes (another prompt, another actor's
+        shard)."""
         for k in ("prompts", "new_tokens", "committed", "target_calls", "forwards", "draft_calls",
-                  "drafted", "accepted", "judged", "wall_s", "draft_s", "verify_s", "rounds"):
+                  "drafted", "accepted", "judged", "wall_s", "draft_s", "verify_s", "rounds",
+                  "timed_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.at_least = [a + b for a, b in zip(self.at_least, other.at_least)]
         self.outputs += other.outputs
         self.per_prompt += other.per_prompt
         self.batched = self.batched or other.batched
         self.peak_gpu_mb = max_mb(self.peak_gpu_mb, other.peak_gpu_mb)
+        self.passes = max(self.passes, other.passes)
+        self.modelled_s = _add_s(self.modelled_s, other.modelled_s)
+        self.shapes = self.shapes + other.shapes
+        self.pairs = self.pairs + other.pairs
+
+    def absorb(self, other: Totals) -> None:
+        """Add ``other``'s timed figures only: further passes over the same prompts (the
+        counters stay those of the first pass)."""
+        for k in ("wall_s", "draft_s", "verify_s", "timed_tokens", "passes"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+        self.modelled_s = _add_s(self.modelled_s, other.modelled_s)
+        self.shapes = self.shapes + other.shapes
+        self.peak_gpu_mb = max_mb(self.peak_gpu_mb, other.peak_gpu_mb)
 
 
-def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dict) -> Totals:
+def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dict,
+                first: int = 0) -> Totals:
     """Generate for every prompt with one method; ``gen`` holds Decoder.generate kwargs
     (``batch_size`` > 1, or a Decoder on the compiled fast path: the prompts go through
     the batched engine together, and the wall, draft and verify times and the forwards
-    are the batch's). ``peak_gpu_mb``: the block's peak GPU memory (NaN off CUDA)."""
+    are the batch's; ``timing_passes`` is the protocol's, ignored here). Prompt ``i``
+    samples with seed ``seed + first + i`` (``first``: its index in the whole prompt
+    set, so a prompt decoded alone gets the seed it gets in the set).
+    ``peak_gpu_mb``: the block's peak GPU memory (NaN off CUDA)."""
     totals = Totals()
     gen = dict(gen)
-    seed, batch_size = gen.pop("seed", 0), gen.pop("batch_size", 1) or 1
+    gen.pop("timing_passes", None)
+    seed, batch_size = gen.pop("seed", 0) + first, gen.pop("batch_size", 1) or 1
     device = dec.target.device
     reset_peak_gpu(device)
     if batch_size > 1 or dec.compile:  # (the fast path is the batched engine's)
@@ -168,31 +239,181 @@ def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dic
     return totals
 
 
+#: one timed block: ``(prompts, index of the first in the prompt set) -> Totals``
+Block = Callable[[list[list[int]], int], Totals]
+
+
+def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[int]],
+                  passes: int = TIMING_PASSES, batched: bool = False,
+                  record: Callable[[], Counter] | None = None,
+                  between: Callable[[], None] | None = None,
+                  progress: Callable[[str], None] | None = None
+                  ) -> dict[str, tuple[Totals, Totals]]:
+    """The paired protocol (module docstring) over any timed blocks: ``{name: (method
+    totals, its AR totals)}``. Each pass runs, prompt by prompt (``batched``: once over
+    all prompts), every block of ``blocks`` paired with ``baseline`` on the same prompts,
+    the baseline first in even passes and second in odd ones. Totals: counters of the
+    first pass, timings summed over all; the method's ``pairs`` carry every pair with its
+    AR timing normalised by the median AR timing of the same prompt (every method's).
+    ``record()`` (when given) returns the forwards run since it was last called: each
+    block's ``shapes`` (:func:`price` turns them into ``modelled_s``). ``between()`` runs
+    after every prompt's pairs (untimed: e.g. a round of forward cost measurements).
+    ``progress`` gets a line per pass."""
+    if passes < 1:
+        raise ValueError(f"timing_passes: must be >= 1, got {passes}")
+    units = [(-1, prompts, 0)] if batched else [(i, [p], i) for i, p in enumerate(prompts)]
+    final: dict[str, list[Totals]] = {}
+    pairs: dict[str, list[Pair]] = {name: [] for name in blocks}
+    if record is not None:
+        record()  # forget forwards before the first timed block
+
+    def timed(block: Block, ps: list[list[int]], first: int) -> Totals:
+        t = block(ps, first)
+        if record is not None:
+            t.shapes = record()
+        return t
+
+    for k in range(passes):
+        cur = {name: [Totals(), Totals()] for name in blocks}
+        for unit, ps, first in units:
+            for name, block in blocks.items():
+                if k % 2 == 0:
+                    ar = timed(baseline, ps, first)
+                    m = timed(block, ps, first)
+                else:
+                    m = timed(block, ps, first)
+                    ar = timed(baseline, ps, first)
+                cur[name][0].merge(m)
+                cur[name][1].merge(ar)
+                pairs[name].append(Pair(unit, k, ar.wall_s, ar.new_tokens, m.wall_s,
+                                        m.new_tokens))
+            if between is not None:
+                between()
+        for name, (m, ar) in cur.items():
+            if k == 0:
+                final[name] = [m, ar]
+            else:
+                final[name][0].absorb(m)
+                final[name][1].absorb(ar)
+        if progress is not None:
+            progress(f"pass {k + 1}/{passes}: {len(prompts)} prompts x {len(blocks)} "
+                     f"methods, each paired with AR")
+    flat = normalize_ar([p for name in blocks for p in pairs[name]])
+    at = 0
+    for name in blocks:
+        final[name][0].pairs = flat[at: at + len(pairs[name])]
+        at += len(pairs[name])
+    return {name: (m, ar) for name, (m, ar) in final.items()}
+
+
+def price(results: dict[str, tuple[Totals, Totals]], costs: CostModel) -> None:
+    """Set ``modelled_s`` of every totals in ``results`` (:func:`paired_passes`'s): the
+    cost of its recorded forwards (``shapes``) on ``costs``' curves."""
+    for pair in results.values():
+        for t in pair:
+            t.modelled_s = costs.seconds(t.shapes)
+
+
+#: forward cost curves measured so far, per Decoder and run shape (a sweep's trials reuse
+#: their worker's Decoder: its curves are measured once, not once per trial)
+_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _costs_key(prompts: list[list[int]], max_new_tokens: int, batch_size: int) -> tuple:
+    lengths = sorted(len(p) for p in prompts) or [0]
+    return (batch_size, max_new_tokens, lengths[-1], lengths[len(lengths) // 2])
+
+
+def recorder_for(dec: Decoder) -> ForwardRecorder:
+    """A :class:`~speclab.forward_costs.ForwardRecorder` on ``dec``'s target and draft
+    model."""
+    return ForwardRecorder([dec.target.model, dec.draft.model if dec.draft else None])
+
+
 def interleaved_comparison(
     dec: Decoder, runs: list[MethodRun], prompts: list[list[int]], gen: dict, warmup: bool = True,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, passes: int | None = None,
+    forward_costs: bool | CostModel = True,
 ) -> dict[str, dict]:
-    """For each method: AR block then method block on the same prompts.
+    """Every method of ``runs`` paired with AR on the same prompts (:func:`paired_passes`).
 
-    Returns ``{name: {"totals": Totals, "ar": Totals}}`` where ``ar`` is the AR block
-    timed right before that method. ``progress`` gets a line per finished method (its
-    place in the list, tokens, tokens/s against AR's, tau).
+    ``passes``: timed passes (default ``gen["timing_passes"]``, else
+    :data:`TIMING_PASSES`). ``forward_costs``: measure the models' forward cost curves
+    (:class:`speclab.forward_costs.CostSampler`, its rounds spread between the timed
+    pairs; once per Decoder and run shape) and price every block's forwards on them
+    (``modelled_s``); a :class:`~speclab.forward_costs.CostModel` prices on that one;
+    False, or the compiled fast path: ``modelled_s`` NaN. Returns ``{name: {"run":
+    MethodRun, "totals": Totals, "ar": Totals, "costs": CostModel | None}}`` where ``ar``
+    holds the AR timings paired with that method (:func:`pooled_ar` pools every method's:
+    the AR row). ``progress`` gets a line per pass and then per method (its place in the
+    list, tokens, tokens/s against its AR's, tau, speedup with its interval).
     """
+    from speclab.forward_costs import CostSampler
+
+    gen = dict(gen)
+    passes = passes or gen.pop("timing_passes", None) or TIMING_PASSES
+    gen.pop("timing_passes", None)
     if warmup and prompts:
         for run in [MethodRun("ar"), *runs]:
             run_prompts(dec, run, prompts[:1], {**gen, "max_new_tokens": 8})
+    batch_size = gen.get("batch_size", 1) or 1
+    batched = batch_size > 1 or dec.compile
+    costs = forward_costs if isinstance(forward_costs, CostModel) else None
+    sampler = key = None
+    if forward_costs is True and prompts and not dec.compile:
+        key = _costs_key(prompts, gen.get("max_new_tokens", 64), batch_size)
+        costs = _COSTS.get(dec, {}).get(key)
+        if costs is None:
+            sampler = CostSampler(dec, prompts, gen.get("max_new_tokens", 64), batch_size)
+    recorder = recorder_for(dec) if costs is not None or sampler is not None else None
+    between = None
+    if sampler is not None:
+        sampler.round()  # one round now, the rest spread between the pairs
+        spread = sampler.spread(passes * (1 if batched else len(prompts)), REPEATS - 1)
+
+        def between() -> None:
+            spread()
+            recorder.take()  # the measurements' forwards are no method's
+
+    def block(run: MethodRun) -> Block:
+        return lambda ps, first: run_prompts(dec, run, ps, gen, first)
+
+    blocks = {run.name: block(run) for run in runs}
+    with recorder if recorder is not None else contextlib.nullcontext():
+        res = paired_passes(blocks, block(MethodRun("ar")), prompts, passes, batched,
+                            recorder.take if recorder is not None else None, between,
+                            progress)
+    if sampler is not None:
+        costs = sampler.model()
+        _COSTS.setdefault(dec, {})[key] = costs
+    if costs is not None:
+        price(res, costs)
     out = {}
     for i, run in enumerate(runs, start=1):
-        ar = run_prompts(dec, MethodRun("ar"), prompts, gen)
-        totals = run_prompts(dec, run, prompts, gen)
-        out[run.name] = {"run": run, "totals": totals, "ar": ar}
+        totals, ar = res[run.name]
+        out[run.name] = {"run": run, "totals": totals, "ar": ar, "costs": costs}
         if progress is not None:
             def rate(t: Totals) -> float:
-                return t.new_tokens / t.wall_s if t.wall_s else 0.0
+                return t.timed_tokens / t.wall_s if t.wall_s else 0.0
 
+            fig = speedup_figures(totals.pairs)
             progress(f"method {i}/{len(runs)} {run.name}: {len(prompts)} prompts, "
                      f"{totals.new_tokens} tokens, {rate(totals):.1f} tokens/s (AR "
-                     f"{rate(ar):.1f}), tau {tau(totals.committed, totals.target_calls):.2f}")
+                     f"{rate(ar):.1f}), tau {tau(totals.committed, totals.target_calls):.2f}, "
+                     f"speedup {fig['speedup']:.2f}x [{fig['speedup_lo']:.2f}, "
+                     f"{fig['speedup_hi']:.2f}]")
+    return out
+
+
+def pooled_ar(results: dict[str, dict]) -> Totals:
+    """The AR row's totals: the first pass's counters of the first method's AR, the timed
+    figures and pairs of every method's AR (:func:`interleaved_comparison`'s results,
+    possibly merged over actors)."""
+    entries = list(results.values())
+    out = copy.deepcopy(entries[0]["ar"])
+    for e in entries[1:]:
+        out.absorb(e["ar"])
+    out.pairs = [p for e in entries for p in e["totals"].pairs]
     return out
 
 
@@ -204,15 +425,33 @@ def summarize(
     ``c`` = time of one draft forward / time of one target forward (AR per-token time);
     ``predicted_speedup``: Leviathan Theorem 3.8 for chains (measured alpha, gamma, c),
     the SpecDec++ cost model (eq. 2.1 with the measured call counts) for other methods.
+    Wall-clock figures (module docstring): ``tokens_per_s`` and ``ar_tokens_per_s`` over
+    every timed pass, ``speedup`` (median paired ratio) with ``speedup_lo`` /
+    ``speedup_hi`` / ``speedup_coverage`` / ``speedup_pairs``, ``speedup_totals``,
+    ``ar_spread``, ``noisy``, ``timing_note``; ``modelled_s`` and ``engine_overhead``
+    (NaN when the forward costs were not measured). The AR row (``totals is ar``) has
+    speedup 1 with the interval ``[1, 1]``. Totals without pairs (built by hand) get the
+    ratio of totals as ``speedup`` and NaN for the interval and the spread.
     """
     n = max(totals.new_tokens, 1)
-    t_target = ar.wall_s / max(ar.forwards, 1)
-    t_draft = totals.draft_s / totals.draft_calls if totals.draft_calls else 0.0
+    t_target = ar.wall_s / max(ar.forwards * max(ar.passes, 1), 1)
+    t_draft = (totals.draft_s / (totals.draft_calls * max(totals.passes, 1))
+               if totals.draft_calls else 0.0)
     c = t_draft / t_target if t_target else 0.0
     alpha = totals.accepted / totals.judged if totals.judged else 0.0
-    tokens_per_s = totals.new_tokens / totals.wall_s if totals.wall_s else 0.0
-    ar_tps = ar.new_tokens / ar.wall_s if ar.wall_s else 0.0
-    speedup = tokens_per_s / ar_tps if ar_tps else 0.0
+    tokens_per_s = totals.timed_tokens / totals.wall_s if totals.wall_s else 0.0
+    ar_tps = ar.timed_tokens / ar.wall_s if ar.wall_s else 0.0
+    ratio_of_totals = tokens_per_s / ar_tps if ar_tps else 0.0
+    if totals is ar:
+        timing = baseline_figures(ar.pairs)
+    elif totals.pairs:
+        timing = speedup_figures(totals.pairs, ratio_of_totals)
+    else:
+        timing = {"speedup": ratio_of_totals, "speedup_lo": math.nan, "speedup_hi": math.nan,
+                  "speedup_coverage": math.nan, "speedup_pairs": 0,
+                  "speedup_totals": ratio_of_totals, "ar_spread": math.nan, "noisy": False,
+                  "timing_note": ""}
+    speedup = timing["speedup"]
     if run.method == "chain":
         gamma = int(run.params.get("gamma", 4))
         predicted = theory.walltime_improvement(min(alpha, 1.0), gamma, c)
@@ -235,19 +474,25 @@ def summarize(
         "discard_rate": (totals.drafted - totals.accepted) / n,
         "tokens_per_s": tokens_per_s,
         "ar_tokens_per_s": ar_tps,
-        "speedup": speedup,
+        **timing,
+        "passes": totals.passes,
         "c": c,
         "predicted_speedup": predicted,
         "measured_over_predicted": speedup / predicted if predicted else None,
         "draft_s": totals.draft_s,
         "verify_s": totals.verify_s,
         "wall_s": totals.wall_s,
+        "modelled_s": totals.modelled_s,  # NaN: forward costs not measured
+        "engine_overhead": engine_overhead(totals.wall_s, totals.modelled_s),
         "peak_gpu_mb": totals.peak_gpu_mb,  # NaN when the models are not on CUDA
         # acceptance per draft position: the fraction of rounds accepting >= k tokens
         **{f"accept_at_{k + 1}": c / totals.rounds if totals.rounds else 0.0
            for k, c in enumerate(totals.at_least)},
     }
     row.update(prompt_spread(totals, ar))
+    if totals.pairs and totals is not ar and not totals.batched:
+        row["speedup_std"] = spread([r for r in (p.ratio for p in totals.pairs)
+                                     if not math.isnan(r)])  # over every paired ratio
     if reference_outputs is not None:
         row["identical_to_ar"] = totals.outputs == reference_outputs
     return row
@@ -256,8 +501,9 @@ def summarize(
 def prompt_spread(totals: Totals, ar: Totals) -> dict[str, float | None]:
     """``<column>_std`` for tau, target_calls_per_token, acceptance_rate, tokens_per_s
     and speedup: the sample standard deviation over prompts of each prompt's own figure
-    (``speedup``: the prompt's tokens/s over the same prompt's tokens/s in the AR block
-    timed before the method). The wall-clock ones are None when either block ran
+    in the first pass (``speedup``: the prompt's tokens/s over the same prompt's tokens/s
+    in its AR timing; :func:`summarize` replaces it by the spread of every paired ratio
+    when the totals carry pairs). The wall-clock ones are None when either block ran
     batched (one wall time for the whole batch)."""
     per = totals.per_prompt
     out: dict[str, float | None] = {
@@ -279,19 +525,44 @@ def prompt_spread(totals: Totals, ar: Totals) -> dict[str, float | None]:
     return out
 
 
-COLUMNS = [
+def speedup_cell(row: dict) -> str:
+    """``1.84x [1.71, 1.90]``: the median paired ratio and its 95% interval (no interval:
+    the ratio alone)."""
+    s, lo, hi = row.get("speedup"), row.get("speedup_lo"), row.get("speedup_hi")
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "-"
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return f"{s:.2f}x"
+    return f"{s:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
+#: a table column: its key (the header) and a format string or a function of the row
+Column = tuple[str, "str | Callable[[dict], str]"]
+
+COLUMNS: list[Column] = [
     ("method", "{}"), ("tau", "{:.2f}"), ("target_calls_per_token", "{:.3f}"),
-    ("acceptance_rate", "{:.2f}"), ("tokens_per_s", "{:.1f}"), ("speedup", "{:.2f}x"),
+    ("acceptance_rate", "{:.2f}"), ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell),
+    ("speedup_totals", "{:.2f}x"), ("engine_overhead", "{:.0%}"),
     ("predicted_speedup", "{:.2f}x"), ("measured_over_predicted", "{:.2f}"),
-    ("identical_to_ar", "{}"),
+    ("noisy", "{}"), ("identical_to_ar", "{}"),
 ]
+
+
+def cell(row: dict, key: str, fmt) -> str:
+    """One table cell: ``fmt`` (a format string or a function of the row) applied to
+    ``row[key]``; ``-`` for a missing, None or NaN value."""
+    if callable(fmt):
+        return fmt(row)
+    v = row.get(key)
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return fmt.format(v)
 
 
 def format_table(rows: list[dict], columns=COLUMNS) -> str:
     """A plain-text table of ``rows`` (missing cells shown as ``-``)."""
     header = [c for c, _ in columns]
-    cells = [[(fmt.format(r[c]) if c in r and r[c] is not None else "-") for c, fmt in columns]
-             for r in rows]
+    cells = [[cell(r, c, fmt) for c, fmt in columns] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h)
               for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
@@ -306,8 +577,7 @@ def markdown_table(rows: list[dict], columns=COLUMNS) -> str:
     header = [c for c, _ in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        lines.append("| " + " | ".join(fmt.format(r[c]) if c in r and r[c] is not None
-                                        else "-" for c, fmt in columns) + " |")
+        lines.append("| " + " | ".join(cell(r, c, fmt) for c, fmt in columns) + " |")
     return "\n".join(lines)
 
 

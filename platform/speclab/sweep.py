@@ -164,8 +164,12 @@ def evaluate_method(cfg: TuneJob, target: str, draft: str | None,
                     prompts: list[list[int]], references: tuple[str, list[str]] | None,
                     t_draft: float, t_target: float, method: MethodConfig | None = None
                     ) -> dict:
-    """AR then ``method`` (default ``cfg.method``) on ``prompts``; the metrics a trial
-    reports.
+    """``method`` (default ``cfg.method``) paired with AR on ``prompts`` (the paired
+    timing protocol, :func:`speclab.evaluation.interleaved_comparison`, over
+    ``decoding.timing_passes`` passes); the metrics a trial reports: ``speedup`` (the
+    median paired ratio) with ``speedup_lo`` / ``speedup_hi`` (its 95% interval),
+    ``speedup_totals``, ``noisy`` (0/1), ``engine_overhead`` (NaN when not measured) and
+    the hardware-independent figures.
 
     ``references``: (metric name in :data:`speclab.text_metrics.METRICS`, one reference
     text per prompt) adds ``accuracy``, the target alone's ``ar_accuracy`` on the same
@@ -180,8 +184,10 @@ def evaluate_method(cfg: TuneJob, target: str, draft: str | None,
     res = interleaved_comparison(dec, [run], prompts, cfg.decoding.model_dump())[run.name]
     row = summarize(run, res["totals"], res["ar"], res["ar"].outputs)
     lat = t_draft * row["draft_calls_per_token"] + t_target * row["target_calls_per_token"]
-    out = {k: float(row[k]) for k in ("speedup", "tokens_per_s", "tau", "acceptance_rate",
-                                      "discard_rate", "target_calls_per_token")}
+    out = {k: float(row[k]) for k in ("speedup", "speedup_lo", "speedup_hi", "speedup_totals",
+                                      "noisy", "engine_overhead", "tokens_per_s", "tau",
+                                      "acceptance_rate", "discard_rate",
+                                      "target_calls_per_token")}
     out["predicted_speedup"] = t_target / lat if lat > 0 else 0.0
     out["identical_to_ar"] = float(bool(row.get("identical_to_ar")))
     if references is not None:

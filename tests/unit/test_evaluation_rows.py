@@ -59,15 +59,19 @@ def test_rows_carry_the_spread_over_prompts(tiny_pair):
     assert batched["speedup_std"] is None and batched["tokens_per_s_std"] is None
 
 
-def test_the_comparison_reports_each_finished_method(tiny_pair):
-    """A progress line per method (what `evaluate` prints between start and table)."""
+def test_the_comparison_reports_each_pass_and_each_method(tiny_pair):
+    """A progress line per timed pass, then per method (what `evaluate` prints between
+    start and table)."""
     from speclab.evaluation import interleaved_comparison
 
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
     lines: list[str] = []
     runs = [MethodRun("chain", {"gamma": 2}), MethodRun("chain", {"gamma": 3})]
     out = interleaved_comparison(dec, runs, [[3, 9, 27], [5, 6, 7]],
-                                 {"max_new_tokens": 8}, warmup=False, progress=lines.append)
-    assert len(out) == 2 and len(lines) == 2
-    assert lines[0].startswith("method 1/2 chain(gamma=2): 2 prompts, 16 tokens, ")
-    assert lines[1].startswith("method 2/2 chain(gamma=3): ") and "tau " in lines[1]
+                                 {"max_new_tokens": 8, "timing_passes": 2}, warmup=False,
+                                 progress=lines.append, forward_costs=False)
+    assert len(out) == 2 and len(lines) == 4
+    assert lines[0].startswith("pass 1/2: 2 prompts x 2 methods")
+    assert lines[2].startswith("method 1/2 chain(gamma=2): 2 prompts, 16 tokens, ")
+    assert lines[3].startswith("method 2/2 chain(gamma=3): ") and "tau " in lines[3]
+    assert "speedup " in lines[3] and "x [" in lines[3]  # the median with its interval

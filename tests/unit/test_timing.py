@@ -160,7 +160,7 @@ def test_engine_figures_warm_up_before_anything_is_timed(tiny_pair, monkeypatch)
 
     monkeypatch.setattr(probe, "now", clock)
     ps = prompts(2)
-    figures = probe.engine_figures(target, make, ps, 12, 3, cfg.traits())
+    figures = probe.engine_figures(target, make, ps, 12, 3, cfg.traits(), passes=1)
     warmup = reads[0]
     assert warmup > 0  # the warm-up's forwards ran before the first clock read
     assert len(reads) == 3 * len(ps)  # start, AR done, SD done: per prompt

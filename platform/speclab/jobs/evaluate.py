@@ -2,11 +2,14 @@
 
     python -m jobs.evaluate --config experiments/smoke/evaluate.yaml [key=value ...]
 
-Prompts are spread over ``resources.num_actors`` actors; each actor runs every method
-over its prompts one after another with the AR baseline re-run before each method
-(A B A B), so wall-clock ratios never compare runs that shared cores differently. The
-driver merges the counters, prints the table and logs params, metrics, the resolved
-config, the table (CSV/JSON) and plots (PNG) to MLflow.
+Prompts are spread over ``resources.num_actors`` actors; each actor times every method
+in pairs with the AR baseline, prompt by prompt, over ``decoding.timing_passes`` passes
+(:func:`speclab.evaluation.interleaved_comparison`), so a wall-clock ratio only ever
+compares two runs that were adjacent in time on the same cores. The driver merges the
+counters and pairs, prints the table (speedup: the median paired ratio with its 95%
+interval, beside the ratio of totals, the engine's overhead against the measured
+forward costs and a ``noisy`` flag) and logs params, metrics, the resolved config, the
+table (CSV/JSON), the forward cost curves and plots (PNG) to MLflow.
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@
 For every ``retrieval.tasks`` entry (code completion over stdlib files, docstring QA,
 docstring summaries; :mod:`speclab.data.tasks`) the ``methods`` (e.g. ar, rest, pld,
 aasd and AASD without alignment sampling / without conditional verification) decode
-the same prompts in ONE Ray actor, one method after another with the AR baseline
-re-run before each; Hugging Face prompt lookup is timed too
+the same prompts in ONE Ray actor, each paired with the AR baseline prompt by prompt
+over ``decoding.timing_passes`` passes (:func:`speclab.evaluation.interleaved_comparison`);
+Hugging Face prompt lookup is timed too, paired the same way
 (``retrieval.hf_prompt_lookup`` tokens). Per task x method: MAL (mean accepted length
-= tokens per target forward), tokens/s, speedup over AR, and the task's accuracy
-(Edit Sim, token F1 or ROUGE-L against the reference) next to AR's. Logged as one
+= tokens per target forward), tokens/s, speedup over AR (the median paired ratio with
+its 95% interval, beside the ratio of totals), the engine's overhead against the
+measured forward costs, and the task's accuracy (Edit Sim, token F1 or ROUGE-L against
+the reference) next to AR's. Logged as one
 MLflow table and text on the job's run, with ``<task>/best_*`` metrics; every task x
 method is a child run (``method.*`` params, ``method.task``) with the same metric keys.
 """
@@ -55,8 +58,8 @@ def run_tasks(cfg: RetrievalEvalJob, target: str, tasks: dict) -> list[dict]:
     @ray.remote
     def work() -> list[dict]:
         from speclab.api import Decoder
-        from speclab.bench import hf_generate_totals
-        from speclab.evaluation import interleaved_comparison, run_prompts, summarize
+        from speclab.bench import hf_rows
+        from speclab.evaluation import interleaved_comparison, pooled_ar, summarize
         from speclab.text_metrics import METRICS
 
         dec = Decoder.from_pretrained(target, None, cfg.models.dtype, cfg.models.device)
@@ -71,21 +74,18 @@ def run_tasks(cfg: RetrievalEvalJob, target: str, tasks: dict) -> list[dict]:
 
             res = interleaved_comparison(dec, runs, prompts, gen)
             first = res[runs[0].name]["ar"]
-            ar_row = summarize(MethodRun("ar"), first, first, first.outputs)
+            ar = pooled_ar(res)
+            ar_row = summarize(MethodRun("ar"), ar, ar, first.outputs)
             rows.append({"task": task, **ar_row, "accuracy": acc(first.outputs)})
             for run in runs:
                 m = res[run.name]
                 row = summarize(run, m["totals"], m["ar"], first.outputs)
                 rows.append({"task": task, **row, "accuracy": acc(m["totals"].outputs)})
             if hf_n:
-                ar = run_prompts(dec, MethodRun("ar"), prompts, gen)
-                hf = hf_generate_totals(dec, prompts, gen["max_new_tokens"],
-                                        prompt_lookup_num_tokens=hf_n)
-                tps, ar_tps = hf.new_tokens / hf.wall_s, ar.new_tokens / ar.wall_s
-                rows.append({"task": task, "method": f"hf_prompt_lookup({hf_n})",
-                             "tokens_per_s": tps, "speedup": tps / ar_tps,
-                             "identical_to_ar": hf.outputs == first.outputs,
-                             "accuracy": acc(hf.outputs)})
+                for row, outputs in hf_rows(
+                        dec, {f"hf_prompt_lookup({hf_n})": {"prompt_lookup_num_tokens": hf_n}},
+                        prompts, gen, first.outputs, res[runs[0].name]["costs"]):
+                    rows.append({"task": task, **row, "accuracy": acc(outputs)})
         return rows
 
     cpus = cfg.resources.num_cpus_per_actor
@@ -114,7 +114,7 @@ def log_children(cfg: RetrievalEvalJob, rows: list[dict], tracker) -> None:
 def main(argv: list[str] | None = None) -> int:
     job = start_job("retrieval_eval", __doc__, argv, prepare)
     cfg, tracker, (target, tasks) = job.cfg, job.tracker, job.inputs
-    from speclab.evaluation import format_table
+    from speclab.evaluation import format_table, speedup_cell
     from speclab.raylib import init_ray
 
     where = init_ray(job.address, cfg.ray.num_cpus)
@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         rows = run_tasks(cfg, target, tasks)
         cols = [("task", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
-                ("tokens_per_s", "{:.1f}"), ("speedup", "{:.2f}x"), ("accuracy", "{:.3f}"),
-                ("identical_to_ar", "{}")]
+                ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell),
+                ("speedup_totals", "{:.2f}x"), ("engine_overhead", "{:.0%}"),
+                ("accuracy", "{:.3f}"), ("noisy", "{}"), ("identical_to_ar", "{}")]
         text = format_table(rows, cols).replace(" tau ", " MAL ", 1)
         print(text, flush=True)
         t.log_table(rows, "retrieval_results")

@@ -1,9 +1,12 @@
 """Stage: evaluate methods with a target/draft pair on Ray actors (evaluate, distill,
 compare_losses, specdecpp_eval).
 
-Prompts are spread over actors that hold the models; each actor runs every method over
-its prompts one after another with the AR baseline re-run before each method (A B A B).
-The driver merges the counters and prints the table; each method (AR included) becomes
+Prompts are spread over actors that hold the models; each actor runs the paired timing
+protocol over its prompts (:func:`speclab.evaluation.interleaved_comparison`: every
+method paired with AR prompt by prompt over ``decoding.timing_passes`` passes, its
+forwards priced on the forward cost curves it measured first). The driver merges the
+counters and pairs and prints the table (speedup: the median paired ratio with its 95%
+interval, beside the ratio of totals and the engine's overhead); each method (AR included) becomes
 a child run with the same metric keys (:mod:`speclab.pipelines.method_runs`), and the
 active run gets the table (CSV/JSON/TXT), the per-position acceptance table, the plots
 (:mod:`speclab.pipelines.eval_plots`) and ``best_*`` metrics.
@@ -29,7 +32,7 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     """
     import ray
 
-    from speclab.evaluation import MethodRun, Totals, format_table, summarize
+    from speclab.evaluation import MethodRun, Totals, format_table, pooled_ar, summarize
 
     runs = list(methods) if methods is not None else cfg.method_list()
     method_runs = [MethodRun(m.name, m.params(), m.label or "") for m in runs]
@@ -76,13 +79,24 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     first = merged[method_runs[0].name]
     # outputs are in actor-shard order; the AR block of the first method is the reference
     reference = first["ar"].outputs if cfg.decoding.temperature == 0 else None
-    rows = [summarize(MethodRun("ar"), first["ar"], first["ar"], reference)]
+    ar = pooled_ar(merged)  # the AR row: every method's AR timings
+    rows = [summarize(MethodRun("ar"), ar, ar, reference)]
     for run in method_runs:
         m = merged[run.name]
         rows.append(summarize(run, m["totals"], m["ar"], reference))
     print(format_table(rows), flush=True)
+    noisy = [f"{r['method']}: {r['timing_note']}" for r in rows if r.get("noisy")]
+    if noisy:
+        print("[evaluate] noisy timings (read those speedups with care): "
+              + "; ".join(noisy), flush=True)
 
     log_evaluation(tracker, rows, runs, prefix, children)
+    costs = [c for part in parts if (c := next(iter(part.values()), {}).get("costs"))]
+    if costs:  # the forward cost curves behind modelled_s, one per actor
+        import json
+
+        tracker.log_text(json.dumps([c.to_dict() for c in costs], indent=1),
+                         f"{prefix.replace('/', '_')}forward_costs.json")
     return rows
 
 
@@ -103,7 +117,7 @@ def log_evaluation(tracker, rows: list[dict], runs: list[MethodConfig], prefix: 
     """Log :func:`evaluate_pair`'s ``rows`` (AR first, then ``runs``): a child run per
     method (unless ``children`` is False), and on ``tracker``'s run the table, the
     per-position acceptance table, the plots and ``{prefix}best_*`` metrics."""
-    from speclab.evaluation import format_table, markdown_table
+    from speclab.evaluation import format_table, markdown_table, speedup_cell
     from speclab.pipelines.eval_plots import acceptance_table, method_figures
     from speclab.pipelines.method_runs import log_best
 
@@ -117,7 +131,7 @@ def log_evaluation(tracker, rows: list[dict], runs: list[MethodConfig], prefix: 
     if not prefix:  # the run's description on its MLflow page: the summary at a glance
         best = max(rows[1:] or rows, key=lambda r: r.get("speedup") or 0.0)
         tracker.set_tags({"mlflow.note.content": (
-            f"**Best speedup {best.get('speedup') or 0.0:.2f}x** ({best['method']}, tau "
+            f"**Best speedup {speedup_cell(best)}** ({best['method']}, tau "
             f"{best.get('tau') or 0.0:.2f}) over {rows[0]['prompts']} prompts.\n\n"
             f"{markdown_table(rows)}\n\nPlots: `speedup_per_method.png`, "
             "`tau_per_method.png`, `acceptance_per_position.png` (Artifacts).")})

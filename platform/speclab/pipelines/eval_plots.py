@@ -1,13 +1,15 @@
 """Stage: the plots of an evaluation (PNG, logged to the job's parent run).
 
 Every plot has a title that says what is shown and over how many prompts, axis labels
-with units, error bars where the figure varies across prompts (one standard deviation
-over prompts), and method labels wrapped onto several lines instead of cut or rotated
-off the axis (horizontal bars leave them room).
+with units, error bars (a speedup's: its 95% interval, ``speedup_lo`` to ``speedup_hi``,
+from the paired timing protocol of :mod:`speclab.paired_timing`; other figures': one
+standard deviation over prompts), and method labels wrapped onto several lines instead
+of cut or rotated off the axis (horizontal bars leave them room).
 """
 
 from __future__ import annotations
 
+import math
 import textwrap
 
 from speclab.evaluation import ACCEPT_POSITIONS
@@ -35,20 +37,43 @@ def _pyplot():
     return plt
 
 
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not math.isnan(v)
+
+
+def interval_errors(rows: list[dict], metric: str, values: list[float]
+                    ) -> list[list[float]] | None:
+    """``[[below], [above]]`` error bars from ``<metric>_lo`` / ``<metric>_hi`` (the 95%
+    interval) where any row has them (0 for a row without), else None."""
+    if not any(_finite(r.get(f"{metric}_lo")) and _finite(r.get(f"{metric}_hi"))
+               for r in rows):
+        return None
+    below, above = [], []
+    for r, v in zip(rows, values):
+        lo, hi = r.get(f"{metric}_lo"), r.get(f"{metric}_hi")
+        ok = _finite(lo) and _finite(hi)
+        below.append(max(v - lo, 0.0) if ok else 0.0)
+        above.append(max(hi - v, 0.0) if ok else 0.0)
+    return [below, above]
+
+
 def bar_figure(rows: list[dict], metric: str, title: str, xlabel: str,
                reference: float | None = None):
     """Horizontal bars of ``metric`` per row (``row["method"]`` labels, top to bottom),
-    with ``<metric>_std`` as error bars where the rows have it; ``reference`` draws a
-    dashed vertical line (1x for a speedup)."""
+    with error bars: the 95% interval ``<metric>_lo`` .. ``<metric>_hi`` where the rows
+    have it, else ``<metric>_std``; ``reference`` draws a dashed vertical line (1x for a
+    speedup)."""
     plt = _pyplot()
     labels = [wrap_label(str(r["method"])) for r in rows]
     lines = sum(label.count("\n") + 1 for label in labels)
     fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.28 * lines + 0.12 * len(rows)))
     values = [float(r.get(metric) or 0.0) for r in rows]
+    interval = interval_errors(rows, metric, values)
     errs = [r.get(f"{metric}_std") for r in rows]
-    has_err = any(e is not None for e in errs)
-    ax.barh(range(len(rows)), values, xerr=[e or 0.0 for e in errs] if has_err else None,
-            capsize=3, color="tab:blue", alpha=0.85)
+    has_err = interval is not None or any(e is not None for e in errs)
+    xerr = interval if interval is not None else (
+        [e or 0.0 for e in errs] if has_err else None)
+    ax.barh(range(len(rows)), values, xerr=xerr, capsize=3, color="tab:blue", alpha=0.85)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
     for i, v in enumerate(values):  # the value inside the bar's base, clear of whiskers
@@ -56,8 +81,11 @@ def bar_figure(rows: list[dict], metric: str, title: str, xlabel: str,
                     fontsize=7, color="white", fontweight="bold")
     if reference is not None:
         ax.axvline(reference, color="gray", ls="--", lw=1)
-    ax.set_xlabel(xlabel + ("\nbars: all prompts pooled; whiskers: ±1 sd of per-prompt values"
-                            if has_err else ""))
+    if interval is not None:
+        what = "\nbars: median paired ratio; whiskers: its 95% interval"
+    else:
+        what = "\nbars: all prompts pooled; whiskers: ±1 sd of per-prompt values"
+    ax.set_xlabel(xlabel + (what if has_err else ""))
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     return fig
@@ -107,7 +135,7 @@ def method_figures(rows: list[dict], chain_gammas: list[int | None]) -> dict:
             rows, "tokens_per_s", f"Decoding throughput, over {over}",
             "generated tokens per second"),
         "speedup_per_method.png": bar_figure(
-            rows[1:], "speedup", f"Wall-clock speedup over AR timed just before, over {over}",
+            rows[1:], "speedup", f"Wall-clock speedup over AR timed in pairs, over {over}",
             "speedup (x AR tokens/s)", reference=1.0),
     }
     drafting = acceptance_table(rows)
@@ -118,9 +146,13 @@ def method_figures(rows: list[dict], chain_gammas: list[int | None]) -> dict:
     if len(chain) >= 2:
         plt = _pyplot()
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        ax.errorbar([g for g, _ in chain], [r["speedup"] for _, r in chain],
-                    yerr=[r.get("speedup_std") or 0.0 for _, r in chain], fmt="o-",
-                    capsize=3, label="measured (±1 sd over prompts)")
+        values = [r["speedup"] for _, r in chain]
+        interval = interval_errors([r for _, r in chain], "speedup", values)
+        ax.errorbar([g for g, _ in chain], values,
+                    yerr=interval if interval is not None else
+                    [r.get("speedup_std") or 0.0 for _, r in chain], fmt="o-", capsize=3,
+                    label="measured: median paired ratio (95% interval)" if interval
+                    is not None else "measured (±1 sd over prompts)")
         predicted = [(g, r["predicted_speedup"]) for g, r in chain
                      if r["predicted_speedup"] is not None]  # None when batched
         if predicted:

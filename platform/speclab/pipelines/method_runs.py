@@ -4,6 +4,11 @@ in every child, so MLflow's run comparison, parallel-coordinates and chart views
 methods side by side (the layout of a sweep's trials).
 
 The parent keeps the summary table, the config, the plots and ``best_*`` metrics.
+Wall-clock metrics follow the paired timing protocol (:mod:`speclab.paired_timing`):
+every child has ``speedup`` (median paired ratio), ``speedup_lo`` / ``speedup_hi`` (its
+95% interval), ``speedup_totals``, ``ar_spread``, ``noisy`` (0/1), ``modelled_s`` and
+``engine_overhead``; NaN where a figure does not apply (no forward costs measured, a
+Hugging Face baseline's overhead).
 """
 
 from __future__ import annotations
@@ -103,13 +108,20 @@ def method_params(label: str, name: str, params: dict) -> dict:
 def log_best(tracker, rows: list[dict], prefix: str = "",
              metrics: tuple[str, ...] = ("speedup", "tau", "tokens_per_s")) -> None:
     """``{prefix}best_<metric>`` (the largest over ``rows``) for each of ``metrics``
-    present, and tags ``{prefix}best_<metric>_method`` naming the row that holds it."""
+    present, and tags ``{prefix}best_<metric>_method`` naming the row that holds it; the
+    best row's 95% interval too where it has one (``{prefix}best_speedup_lo`` /
+    ``_hi``)."""
     values, tags = {}, {}
     for m in metrics:
-        have = [r for r in rows if isinstance(r.get(m), (int, float))]
+        have = [r for r in rows if isinstance(r.get(m), (int, float))
+                and not math.isnan(r[m])]
         if have:
             best = max(have, key=lambda r: r[m])
             values[f"{prefix}best_{m}"] = best[m]
             tags[f"{prefix}best_{m}_method"] = str(best.get("method"))
+            for end in ("lo", "hi"):
+                v = best.get(f"{m}_{end}")
+                if isinstance(v, (int, float)) and not math.isnan(v):
+                    values[f"{prefix}best_{m}_{end}"] = v
     tracker.log_metrics(values)
     tracker.set_tags(tags)
