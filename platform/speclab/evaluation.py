@@ -136,8 +136,10 @@ class Totals:
     draft_s: float = 0.0
     verify_s: float = 0.0
     rounds: int = 0
-    #: ``at_least[k - 1]``: rounds that accepted at least ``k`` draft tokens
+    #: ``at_least[k - 1]``: rounds that accepted at least ``k`` draft tokens, among the
+    #: ``reach[k - 1]`` rounds whose draft budget could reach position ``k``
     at_least: list[int] = field(default_factory=lambda: [0] * ACCEPT_POSITIONS)
+    reach: list[int] = field(default_factory=lambda: [0] * ACCEPT_POSITIONS)
     outputs: list[list[int]] = field(default_factory=list)
     #: one :class:`PromptFigures` per prompt, in prompt order (the spread over prompts)
     per_prompt: list[PromptFigures] = field(default_factory=list)
@@ -172,9 +174,10 @@ class Totals:
         self.draft_s += s.draft_s
         self.verify_s += s.verify_s
         self.rounds += len(s.accepted_lengths)
-        for n in s.accepted_lengths:  # n committed = n - 1 accepted + 1 from the target
-            for k in range(min(n - 1, ACCEPT_POSITIONS)):
-                self.at_least[k] += 1
+        for accepted, reach in zip(s.round_accepted, s.round_reach, strict=True):
+            for k in range(min(reach, ACCEPT_POSITIONS)):  # rounds that could reach k + 1
+                self.reach[k] += 1
+                self.at_least[k] += accepted > k
         self.outputs.append(res.token_ids)
         self.per_prompt.append(PromptFigures(
             s.new_tokens, sum(s.accepted_lengths), s.target_calls, s.accepted_tokens,
@@ -188,6 +191,7 @@ class Totals:
                   "timed_tokens"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.at_least = [a + b for a, b in zip(self.at_least, other.at_least)]
+        self.reach = [a + b for a, b in zip(self.reach, other.reach)]
         self.outputs += other.outputs
         self.per_prompt += other.per_prompt
         self.batched = self.batched or other.batched
@@ -485,9 +489,10 @@ def summarize(
         "modelled_s": totals.modelled_s,  # NaN: forward costs not measured
         "engine_overhead": engine_overhead(totals.wall_s, totals.modelled_s),
         "peak_gpu_mb": totals.peak_gpu_mb,  # NaN when the models are not on CUDA
-        # acceptance per draft position: the fraction of rounds accepting >= k tokens
-        **{f"accept_at_{k + 1}": c / totals.rounds if totals.rounds else 0.0
-           for k, c in enumerate(totals.at_least)},
+        # acceptance per draft position: the fraction of rounds accepting >= k tokens,
+        # among the rounds whose budget could reach k (NaN: none could, e.g. AR)
+        **{f"accept_at_{k + 1}": c / n if n else math.nan
+           for k, (c, n) in enumerate(zip(totals.at_least, totals.reach, strict=True))},
     }
     row.update(prompt_spread(totals, ar))
     if totals.pairs and totals is not ar and not totals.batched:

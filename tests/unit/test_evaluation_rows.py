@@ -1,6 +1,9 @@
 """Evaluation rows: metric keys within MLflow's limit, acceptance per draft position."""
 
+import math
+
 from speclab.api import Decoder
+from speclab.decoding.loop import accept_at_least
 from speclab.evaluation import MAX_KEY, MethodRun, Totals, summarize
 
 
@@ -17,18 +20,17 @@ def test_long_method_names_get_short_unique_keys():
 def test_rows_carry_acceptance_per_draft_position(tiny_pair):
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
     totals, ar = Totals(), Totals()
-    lengths = []
+    stats = []
     for prompt in ([3, 9, 27], [5, 6, 7, 8]):
         res = dec.generate(prompt_ids=prompt, method="chain", gamma=4, max_new_tokens=24)
         totals.add(res)
-        lengths += res.stats.accepted_lengths
+        stats.append(res.stats)
         ar.add(dec.generate(prompt_ids=prompt, method="ar", max_new_tokens=24))
     row = summarize(MethodRun("chain", {"gamma": 4}), totals, ar)
-    for k in range(1, 7):
-        want = sum(n - 1 >= k for n in lengths) / len(lengths)
+    for k, want in enumerate(accept_at_least(stats, 6), start=1):
         assert row[f"accept_at_{k}"] == want
-    assert row["accept_at_5"] == 0.0  # gamma 4 drafts at most 4 tokens
-    assert summarize(MethodRun("ar"), ar, ar)["accept_at_1"] == 0.0
+    assert row["accept_at_1"] > 0 and row["accept_at_5"] == 0.0  # gamma 4: at most 4
+    assert math.isnan(summarize(MethodRun("ar"), ar, ar)["accept_at_1"])  # no draft
 
 
 def test_rows_carry_the_spread_over_prompts(tiny_pair):
@@ -75,3 +77,23 @@ def test_the_comparison_reports_each_pass_and_each_method(tiny_pair):
     assert lines[2].startswith("method 1/2 chain(gamma=2): 2 prompts, 16 tokens, ")
     assert lines[3].startswith("method 2/2 chain(gamma=3): ") and "tau " in lines[3]
     assert "speedup " in lines[3] and "x [" in lines[3]  # the median with its interval
+
+
+def test_accept_at_k_counts_only_rounds_that_could_reach_k():
+    """Issue 35, item 8: a final round whose budget left one level, and a round cut at an
+    EOS inside its accepted drafts, do not pull ``accept_at_k`` down."""
+    from speclab.api import GenerationResult
+    from speclab.decoding.loop import GenerationStats
+    from speclab.evaluation import MethodRun, Totals, summarize
+
+    # rounds: 4 accepted of budget 60; 3 accepted but EOS kept 1 token; 1 of budget 1
+    s = GenerationStats(new_tokens=8, target_calls=3, accepted_lengths=[5, 1, 2],
+                        round_accepted=[4, 3, 1], round_reach=[60, 57, 1], wall_s=1.0)
+    totals = Totals()
+    totals.add(GenerationResult(list(range(8)), None, s))
+    row = summarize(MethodRun("chain", {"gamma": 4}), totals, totals)
+    assert row["accept_at_1"] == 1.0 and row["accept_at_2"] == 1.0 and row["accept_at_3"] == 1.0
+    assert row["accept_at_4"] == 0.5  # the first round only, of the two that could reach 4
+    assert accept_at_least([s], 4) == [1.0, 1.0, 1.0, 0.5]
+    ar = summarize(MethodRun("ar"), Totals(), Totals())
+    assert math.isnan(ar["accept_at_1"])  # no round could reach a draft position

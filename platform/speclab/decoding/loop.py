@@ -37,7 +37,8 @@ from speclab.decoding.sides import (
 )
 
 __all__ = ["Committed", "DraftSide", "GenerationStats", "Propose", "Proposal", "Start",
-           "TargetSide", "Verify", "VerifyResult", "autoregressive_generate", "commit_tokens",
+           "TargetSide", "Verify", "VerifyResult", "accept_at_least", "autoregressive_generate",
+           "commit_tokens",
            "drive", "eos_set", "generate_tokens", "prefill", "rounds", "tau", "verify_round"]
 
 
@@ -57,6 +58,10 @@ class GenerationStats:
     accepted_tokens: int = 0
     judged_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
+    #: per round: draft tokens the target accepted (before any cut at EOS), and the
+    #: deepest draft position the round could reach (its draft budget; 0: no draft)
+    round_accepted: list[int] = field(default_factory=list)
+    round_reach: list[int] = field(default_factory=list)
     wall_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -118,6 +123,19 @@ def commit_tokens(out: list[int], new: list[int], limit: int, eos: set[int]) -> 
         if t in eos or len(out) >= limit:
             return True
     return False
+
+
+def accept_at_least(stats: list[GenerationStats], positions: int) -> list[float]:
+    """Per draft position ``k = 1..positions``: the fraction of rounds that accepted at
+    least ``k`` draft tokens, among the rounds that could reach ``k`` (a final round whose
+    budget left fewer levels does not count against position ``k``; acceptance is the
+    target's verdict, before any cut at EOS). NaN where no round could reach ``k``."""
+    out = []
+    for k in range(1, positions + 1):
+        pairs = [(a, r) for s in stats for a, r in zip(s.round_accepted, s.round_reach,
+                                                       strict=True) if r >= k]
+        out.append(sum(a >= k for a, _ in pairs) / len(pairs) if pairs else float("nan"))
+    return out
 
 
 def tau(committed: int, rounds: int) -> float:
@@ -203,6 +221,8 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
         stats.verify_s += t2 - t1
         # committed = tokens this round really kept (none past EOS or the limit)
         stats.add_round(v.drafted, v.accepted, v.evaluated, len(out) - n0)
+        stats.round_accepted.append(v.accepted)
+        stats.round_reach.append(budget if tree is not None else 0)
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t_start
         kept = len(out) - n0

@@ -45,7 +45,7 @@ def engine_figures(target: torch.nn.Module, make_drafter: Callable[[], Drafter],
     plain decoding's, as greedy speculative decoding must). An untimed warm-up (both
     kinds, :data:`WARMUP_TOKENS` tokens of the first prompt) runs before anything is
     timed; it counts in no figure."""
-    from speclab.decoding.loop import autoregressive_generate, generate_tokens
+    from speclab.decoding.loop import accept_at_least, autoregressive_generate, generate_tokens
     from speclab.decoding.rules import resolve_rule
     from speclab.decoding.runner import ModelRunner
     from speclab.decoding.sampling import SamplingParams
@@ -68,6 +68,7 @@ def engine_figures(target: torch.nn.Module, make_drafter: Callable[[], Drafter],
         return list(out_ids), stats
 
     lengths: list[int] = []
+    all_stats = []  # the speculative runs' stats (first pass)
     pairs: list[Pair] = []
     same = True
     for k in range(passes):
@@ -84,6 +85,7 @@ def engine_figures(target: torch.nn.Module, make_drafter: Callable[[], Drafter],
             if k == 0:
                 same = same and list(sd) == list(ar)
                 lengths += stats.accepted_lengths
+                all_stats.append(stats)
     runner.release()
     fig = speedup_figures(normalize_ar(pairs))
     nan = float("nan")
@@ -94,6 +96,6 @@ def engine_figures(target: torch.nn.Module, make_drafter: Callable[[], Drafter],
            "engine_speedup_totals": fig["speedup_totals"] if pairs else nan,
            "engine_noisy": float(fig["noisy"]),
            "engine_identical": float(same)}
-    for k in range(1, positions + 1):
-        out[f"engine_accept_at_{k}"] = sum(n - 1 >= k for n in lengths) / max(len(lengths), 1)
+    for k, frac in enumerate(accept_at_least(all_stats, positions), start=1):
+        out[f"engine_accept_at_{k}"] = frac
     return out
