@@ -189,12 +189,24 @@ class TrainScalingConfig(StrictModel):
 
 
 class OutputConfig(StrictModel):
-    """Where a training job writes (checkpoints, data, the final model) and what it
-    registers in the MLflow Model Registry."""
+    """Where a training job writes (checkpoints, data, the final model), what it
+    registers in the MLflow Model Registry, and which public formats the final drafter
+    is also exported to (``export``: distill_eagle / compare_eagle drafters to
+    ``speculators`` or ``eagle``, train_medusa heads to ``medusa``; each export is a
+    folder beside the drafter, logged as an MLflow artifact ``export/<format>``)."""
 
     storage_path: str | None = Field(None, description="default $SPECLAB_HOME/runs")
     run_name: str | None = Field(None, description="default <name>-<timestamp>")
     register_as: str | None = Field(None, description="registered model name")
+    export: list[Literal["speculators", "eagle", "medusa"]] = Field(
+        default_factory=list, description="formats the final drafter is exported to")
+
+    @field_validator("export")
+    @classmethod
+    def _once_each(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"each format at most once, got {v}")
+        return v
 
 
 class DistillConfig(StrictModel):
@@ -261,6 +273,10 @@ class EagleTrainConfig(StrictModel):
     TALF/HASS papers' protocol of fine-tuning an EAGLE-trained drafter."""
 
     layers: int = Field(1, gt=0, description="decoder layers of the drafter")
+    norms: bool = Field(True, description="speclab's layout: an RMS norm at layer 0's input "
+                                          "and before the LM head; false: EAGLE-1/2's "
+                                          "(neither), which the EAGLE and speculators "
+                                          "formats hold (output.export)")
     loss: Literal["eagle", "hass", "talf"] = "eagle"
     w_reg: float = Field(1.0, ge=0.0, allow_inf_nan=False,
                          description="weight of the feature regression (eagle, hass)")

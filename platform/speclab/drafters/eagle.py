@@ -130,7 +130,8 @@ class EagleConfig(TreeKnobs):
     needs_features = True  # the drafter reads the target's last-layer features
     needs_draft_model = False  # the drafter is its own folder, not models.draft
     eagle_model: Any = Field(None, validate_default=True,
-                             description="EAGLE drafter folder or models:/ URI")
+                             description="EAGLE drafter: a speclab folder, an EAGLE-1/2 / HASS / "
+                             "speculators checkpoint, or a models:/ URI")
     builder: Builder = Field("eagle2", description="eagle tree builder: eagle2, optimal, salf")
     tree_top_k: int = Field(4, gt=0, description="EAGLE-2 children per node / beam width")
     batch: int = Field(4, gt=0, description="nodes expanded per draft forward (optimal/SALF)")
@@ -150,9 +151,11 @@ class EagleConfig(TreeKnobs):
     def build(self, ctx) -> EagleDrafter:
         model = self.eagle_model
         if not isinstance(model, EagleModel):
+            # speclab's folder or a public checkpoint (EAGLE-1/2, HASS, speculators), which
+            # takes the target's LM head: loaded where the target's features are
             model = ctx.cached(("eagle", model), lambda: load_eagle(
-                registry_or_folder(self.eagle_model, "eagle_model"), dtype=ctx.dtype,
-                device=ctx.device))  # where the target's features are: no copy per round
+                registry_or_folder(self.eagle_model, "eagle_model"), ctx.target_config,
+                dtype=ctx.dtype, device=ctx.device, target=ctx.target_model))
         if ctx.target_config is not None:
             model.meta.check_target(ctx.target_config)
         return EagleDrafter(model, self.tree_top_k, self.depth, self.nodes,

@@ -126,7 +126,8 @@ class MedusaConfig(MethodSpec):
     needs_features = True  # the drafter reads the target's last-layer features
     needs_draft_model = False  # the heads are their own folder, not models.draft
     medusa_model: Any = Field(None, validate_default=True,
-                              description="Medusa heads folder or models:/ URI")
+                              description="Medusa heads: a speclab or Medusa-format folder, or a "
+                              "models:/ URI")
     tree: TreeShape = Field("sparse", description="sparse (calibrated), cartesian or chain")
     nodes: int = Field(32, gt=0, description="draft nodes of the sparse tree")
     tree_top_k: int = Field(2, gt=0, description="cartesian tree: tokens per head")
@@ -149,7 +150,8 @@ class MedusaConfig(MethodSpec):
         if not isinstance(heads, MedusaHeads):
             heads = ctx.cached(("medusa", heads), lambda: load_medusa(
                 registry_or_folder(self.medusa_model, "medusa_model"), dtype=ctx.dtype,
-                device=ctx.device))  # where the target's features are
+                device=ctx.device, target_config=ctx.target_config))  # speclab's or
+            # Medusa's format, where the target's features are
         if ctx.target_model is not None:  # the target's hash once per Decoder, not per call
             heads.meta.check_target(ctx.target_model, fingerprint=ctx.cached(
                 "target_fingerprint", lambda: target_fingerprint(ctx.target_model)))

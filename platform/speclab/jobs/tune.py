@@ -352,7 +352,8 @@ def eagle_forward_time(dec, cfg: TuneJob, prompt: list[int]) -> float:
     if cfg.sweep.kind != "eagle" and source:
         model = load_eagle(resolve_source(source, "method.eagle_model"))
     else:
-        model = EagleModel.from_target(dec.target.model, cfg.eagle.layers)
+        model = EagleModel.from_target(dec.target.model, cfg.eagle.layers, cfg.eagle.norms,
+                                       cfg.eagle.norms)
     device, dtype = dec.target.device, dec.target.dtype
     runner = ModelRunner(model.to(device, dtype).eval())
 

@@ -9,13 +9,20 @@ target's, frozen: the drafter folder is then self-contained (a Serve draft repli
 not need the target's weights), at the price of storing ``2 * V * H`` extra numbers.
 
 A deviation from EAGLE-1/2 and HASS, whose drafter has no input norm in its first layer
-and no final norm: speclab's keeps both (every saved drafter has their weights, so the
-architecture stays). The training recipe's deviations are listed in
-:mod:`speclab.train.eagle`.
+and no final norm: speclab's keeps both by default (every saved drafter has their
+weights, so the architecture stays). The meta's layout flags ``input_norm``,
+``final_norm`` (and ``fc_bias``) say otherwise: a drafter imported from the EAGLE
+research code, HASS or the speculators format has ``input_norm = final_norm = False``
+(its layer 0 reads ``fc``'s output directly, ``f_hat`` is the last layer's residual
+stream). A ``config.json`` without these keys means today's layout (all True). The
+training recipe's deviations are listed in :mod:`speclab.train.eagle`.
 
 On disk (``save_pretrained`` style): ``config.json`` (an :class:`EagleMeta`: the target
 it was trained for — architecture, hidden size, vocabulary — and the layer shape) and
-``model.safetensors``. :func:`load_eagle` checks the meta against a target config.
+``model.safetensors``. :func:`load_eagle` checks the meta against a target config; it
+also loads the public formats (:mod:`speclab.models.formats`: EAGLE-1/2 / HASS research
+checkpoints, speculators ``eagle``), which need the target's LM head (and embedding when
+the checkpoint has none).
 """
 
 from __future__ import annotations
@@ -45,11 +52,19 @@ class EagleMeta:
     rms_norm_eps: float = 1e-6
     max_positions: int = 2048
     embed_scale: float = 1.0  # the target family's input-embedding multiplier
+    kv_heads: int = 0  # key/value heads of the layers (0: ``heads``, no grouping)
+    head_dim: int = 0  # 0: hidden_size // heads
+    rope_scaling: dict | None = None  # a LLaMA rope_scaling dict (None: plain RoPE)
+    input_norm: bool = True  # RMS norm at layer 0's input (EAGLE-1/2, HASS: none)
+    final_norm: bool = True  # RMS norm before the LM head (EAGLE-1/2, HASS: none)
+    fc_bias: bool = True  # fc has a bias (speculators' fusion_bias, EAGLE's "bias")
     kind: str = KIND
 
     @classmethod
-    def for_target(cls, config, layers: int = 1) -> EagleMeta:
-        """The meta of a drafter for a target with HF ``config``."""
+    def for_target(cls, config, layers: int = 1, input_norm: bool = True,
+                   final_norm: bool = True) -> EagleMeta:
+        """The meta of a drafter for a target with HF ``config`` (speclab's layout by
+        default; ``input_norm = final_norm = False``: EAGLE-1/2's)."""
         arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
         rope = getattr(config, "rope_theta", None)
         if rope is None:  # transformers 5 keeps it in rope_parameters
@@ -62,13 +77,17 @@ class EagleMeta:
                                          or 4 * config.hidden_size),
                    rope_theta=float(rope),
                    rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
-                   max_positions=int(getattr(config, "max_position_embeddings", 2048)))
+                   max_positions=int(getattr(config, "max_position_embeddings", 2048)),
+                   input_norm=input_norm, final_norm=final_norm)
 
     def check_target(self, config, name: str = "eagle_model") -> None:
         """A clear error naming the field ``name`` when ``config`` (a target's HF config)
-        is not the target this drafter was trained for."""
+        is not the target this drafter was trained for. An empty ``target_architecture``
+        (an imported public checkpoint, which does not record it) is not compared."""
         want = EagleMeta.for_target(config, self.layers)
         for field in ("target_architecture", "hidden_size", "vocab_size"):
+            if field == "target_architecture" and not self.target_architecture:
+                continue
             if getattr(self, field) != getattr(want, field):
                 raise ValueError(
                     f"{name}: trained for a target with {field}="
@@ -76,17 +95,25 @@ class EagleMeta:
 
     def layer_config(self) -> LlamaConfig:
         """The LLaMA config of the drafter's decoder layers."""
+        extra = {"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling else {}
+        if self.head_dim:
+            extra["head_dim"] = self.head_dim
         return LlamaConfig(
             vocab_size=self.vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_hidden_layers=self.layers,
-            num_attention_heads=self.heads, num_key_value_heads=self.heads,
+            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads or self.heads,
             max_position_embeddings=self.max_positions, rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta, bos_token_id=None, eos_token_id=None,
-            pad_token_id=None, tie_word_embeddings=False, attn_implementation="sdpa")
+            pad_token_id=None, tie_word_embeddings=False, attn_implementation="sdpa",
+            **extra)
 
 
 class EagleModel(nn.Module):
-    """The drafter ``g`` plus frozen copies of the target's embedding and LM head."""
+    """The drafter ``g`` plus frozen copies of the target's embedding and LM head.
+
+    ``meta.input_norm`` / ``meta.final_norm`` False replace layer 0's input norm / the
+    final norm with identities (EAGLE-1/2's layout; their weights are then absent from
+    the state dict); ``meta.fc_bias`` False drops ``fc``'s bias."""
 
     def __init__(self, meta: EagleMeta) -> None:
         super().__init__()
@@ -94,18 +121,24 @@ class EagleModel(nn.Module):
         self.config = meta.layer_config()
         h, v = meta.hidden_size, meta.vocab_size
         self.embed = nn.Embedding(v, h)
-        self.fc = nn.Linear(2 * h, h)
+        self.fc = nn.Linear(2 * h, h, bias=meta.fc_bias)
         self.decoder = LlamaModel(self.config)
         self.decoder.embed_tokens = None  # inputs come as embeddings (fc's output)
+        if not meta.input_norm:  # EAGLE-1/2: layer 0 reads fc's output as it is
+            self.decoder.layers[0].input_layernorm = nn.Identity()
+        if not meta.final_norm:  # EAGLE-1/2: f_hat is the last layer's residual stream
+            self.decoder.norm = nn.Identity()
         self.lm_head = nn.Linear(h, v, bias=False)
         for frozen in (self.embed, self.lm_head):
             frozen.weight.requires_grad_(False)
 
     @classmethod
-    def from_target(cls, target: nn.Module, layers: int = 1) -> EagleModel:
+    def from_target(cls, target: nn.Module, layers: int = 1, input_norm: bool = True,
+                    final_norm: bool = True) -> EagleModel:
         """A fresh drafter for ``target`` (a HF causal LM): its embedding and LM head
-        copied and frozen, ``g`` randomly initialised."""
-        model = cls(EagleMeta.for_target(target.config, layers))
+        copied and frozen, ``g`` randomly initialised (``input_norm`` / ``final_norm``:
+        the layout, :class:`EagleMeta`)."""
+        model = cls(EagleMeta.for_target(target.config, layers, input_norm, final_norm))
         with torch.no_grad():
             model.embed.weight.copy_(target.get_input_embeddings().weight)
             model.lm_head.weight.copy_(target.get_output_embeddings().weight)
@@ -161,17 +194,24 @@ def is_eagle_folder(folder: str | Path) -> bool:
 
 
 def load_eagle(folder: str | Path, target_config=None, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", field: str = "eagle_model") -> EagleModel:
-    """Load a drafter written by :func:`save_eagle`; with ``target_config`` (the target's
-    HF config) a drafter trained for another target is a ``ValueError`` naming ``field``."""
+               device: str | torch.device = "cpu", field: str = "eagle_model",
+               target: nn.Module | str | None = None) -> EagleModel:
+    """Load an EAGLE drafter: a folder written by :func:`save_eagle`, or a public
+    checkpoint (:func:`speclab.models.formats.detect_drafter_format`: EAGLE-1/2 / HASS
+    research code, speculators ``eagle``). With ``target_config`` (the target's HF config)
+    a drafter trained for another target is a ``ValueError`` naming ``field``. A public
+    checkpoint takes the LM head (and the embedding, when it has none) from ``target``
+    (the loaded target model or its folder); without it that is a ValueError too."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     if not is_eagle_folder(folder):
-        raise ValueError(f"{field}: {folder} holds no EAGLE drafter (config.json with "
-                         f"kind {KIND!r})")
+        from speclab.models.formats import load_public_eagle
+
+        model = load_public_eagle(folder, target, target_config, field)
+        return model.to(device=device, dtype=dtype).eval()
     data = json.loads((folder / "config.json").read_text())
-    meta = EagleMeta(**{k: v for k, v in data.items() if k in EagleMeta.__dataclass_fields__})
+    meta = meta_from_dict(data)
     if target_config is not None:
         meta.check_target(target_config, field)
     model = EagleModel(meta)
@@ -179,8 +219,14 @@ def load_eagle(folder: str | Path, target_config=None, dtype: torch.dtype = torc
     return model.to(device=device, dtype=dtype).eval()
 
 
+def meta_from_dict(data: dict) -> EagleMeta:
+    """The :class:`EagleMeta` of a drafter's ``config.json`` (other keys, e.g. where an
+    imported drafter came from, are ignored; absent layout keys mean today's layout)."""
+    return EagleMeta(**{k: v for k, v in data.items() if k in EagleMeta.__dataclass_fields__})
+
+
 def load_init(folder: str | Path, target_config, layers: int,
-              field: str = "eagle.init_from") -> EagleModel:
+              field: str = "eagle.init_from", norms: bool = True) -> EagleModel:
     """A trained drafter to continue training from: :func:`load_eagle` checked against
     the target (errors name ``field``), with ``layers`` decoder layers and otherwise the
     shape :meth:`EagleModel.from_target` gives for this target."""
@@ -188,7 +234,7 @@ def load_init(folder: str | Path, target_config, layers: int,
     if model.meta.layers != layers:
         raise ValueError(f"{field}: the drafter has {model.meta.layers} layers, "
                          f"eagle.layers is {layers}")
-    want = EagleMeta.for_target(target_config, layers)
+    want = EagleMeta.for_target(target_config, layers, norms, norms)  # eagle.norms
     if model.meta != want:
         raise ValueError(f"{field}: the drafter's shape {asdict(model.meta)} is not that of "
                          f"a drafter for this target, {asdict(want)}")

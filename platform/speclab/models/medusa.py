@@ -13,7 +13,10 @@ On disk (``save_pretrained`` style): ``config.json`` (a :class:`MedusaMeta`: the
 the heads belong to — its name, architecture, sizes and a fingerprint of its LM head —
 and ``K``), ``model.safetensors`` and, once calibrated, ``tree.json``: the heads'
 measured top-``r`` accuracies and the sparse tree built from them
-(:mod:`speclab.drafters.medusa_trees`).
+(:mod:`speclab.drafters.medusa_trees`). :func:`load_medusa` also loads Medusa's own
+format (``config.json`` with ``medusa_num_heads`` and ``medusa_lm_head.safetensors`` /
+``.pt``; :mod:`speclab.models.formats.medusa_format`), whose heads carry no target
+fingerprint (only their shapes are checked against a target).
 """
 
 from __future__ import annotations
@@ -133,16 +136,23 @@ def is_medusa_folder(folder: str | Path) -> bool:
 
 def load_medusa(folder: str | Path, target: nn.Module | None = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                field: str = "medusa_model") -> MedusaHeads:
-    """Load heads written by :func:`save_medusa` (``model.tree``: the ``tree.json``
-    calibration, or None). With ``target`` (the loaded target model) heads trained for
-    another target are a ValueError naming ``field``."""
+                field: str = "medusa_model", target_config=None) -> MedusaHeads:
+    """Load heads written by :func:`save_medusa` or in Medusa's own format
+    (:func:`speclab.models.formats.detect_drafter_format`); ``model.tree``: the
+    ``tree.json`` calibration, or None. With ``target`` (the loaded target model) heads
+    trained for another target are a ValueError naming ``field``; ``target_config`` (the
+    target's HF config) checks a public checkpoint's shapes, naming its file."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
     if not is_medusa_folder(folder):
-        raise ValueError(f"{field}: {folder} holds no Medusa heads (config.json with kind "
-                         f"{KIND!r})")
+        from speclab.models.formats import load_public_medusa
+
+        model = load_public_medusa(folder, target_config if target is None
+                                   else target.config, field)
+        if target is not None:
+            model.meta.check_target(target, field)
+        return model.to(device=device, dtype=dtype).eval()
     data = json.loads((folder / "config.json").read_text())
     meta = MedusaMeta(**{k: v for k, v in data.items() if k in MedusaMeta.__dataclass_fields__})
     if target is not None:

@@ -13,15 +13,25 @@ from speclab.pipelines.signals import Prepared, generate_logged, prepare_target
 def prepare_eagle(cfg: Any) -> Prepared:
     """:func:`prepare_target`, then ``eagle.init_from`` resolved to a local folder (a
     ``models:/`` URI is downloaded) and checked against the target; ``cfg.eagle.init_from``
-    is set to that folder (ValueError when it is not a drafter for this target)."""
+    is set to that folder (ValueError when it is not a drafter for this target). The
+    formats of ``output.export`` are checked to hold the drafter the job will train."""
     prep = prepare_target(cfg)
+    if cfg.output.export:  # before any work: a format that cannot hold the drafter
+        from transformers import AutoConfig
+
+        from speclab.models.eagle import EagleMeta
+        from speclab.models.formats import check_exports
+
+        config = AutoConfig.from_pretrained(prep.target, trust_remote_code=False)
+        check_exports(cfg.output.export, EagleMeta.for_target(
+            config, cfg.eagle.layers, cfg.eagle.norms, cfg.eagle.norms))
     if cfg.eagle.init_from:
         from speclab.models.eagle import load_init
         from speclab.models.loading import load_model, resolve_source
 
         folder = resolve_source(cfg.eagle.init_from, "eagle.init_from")
         load_init(folder, load_model(prep.target, field="models.target").config,
-                  cfg.eagle.layers)
+                  cfg.eagle.layers, norms=cfg.eagle.norms)
         cfg.eagle.init_from = str(folder)
     return prep
 
@@ -33,15 +43,18 @@ def data_kinds(losses: list[str]) -> set[str]:
 
 def save_final_eagle(result, target: str, layers: int, run_dir) -> Path:
     """The last checkpoint's drafter written with :func:`~speclab.models.eagle.save_eagle`
-    to ``run_dir/eagle``."""
+    to ``run_dir/eagle`` (its layout, speclab's or EAGLE-1/2's, read off the state)."""
     import torch
 
     from speclab.models.eagle import EagleModel, save_eagle
     from speclab.models.loading import load_model
 
     with result.checkpoint.as_directory() as d:
-        state = torch.load(Path(d) / "state.pt", weights_only=False)
-    model = EagleModel.from_target(load_model(target, field="models.target"), layers).float()
+        state = torch.load(Path(d) / "state.pt", weights_only=False, map_location="cpu")
+    model = EagleModel.from_target(
+        load_model(target, field="models.target"), layers,
+        input_norm="decoder.layers.0.input_layernorm.weight" in state["model"],
+        final_norm="decoder.norm.weight" in state["model"]).float()
     model.load_state_dict(state["model"])
     return save_eagle(model, Path(run_dir) / "eagle")
 
@@ -50,10 +63,11 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
                                   data_dir: Path, tracker, register_as: str | None,
                                   evaluate: bool = True) -> tuple[Path, list[dict]]:
     """Train an EAGLE drafter (``cfg.eagle``, ``train``, ``scaling``) on Ray Train, save
-    and register it, then (``evaluate``) run ``methods`` against the target, ``eagle``
-    methods with ``eagle_model: trained`` using this drafter. Returns (the drafter's
-    folder, the evaluation rows, AR first)."""
+    it, export it (``output.export``) and register it, then (``evaluate``) run
+    ``methods`` against the target, ``eagle`` methods with ``eagle_model: trained`` using
+    this drafter. Returns (the drafter's folder, the evaluation rows, AR first)."""
     from speclab.pipelines.actor_eval import evaluate_trained, tokenized_prompts
+    from speclab.pipelines.export import export_final
     from speclab.pipelines.fit import fit
     from speclab.train.tasks import EagleTaskConfig
 
@@ -62,6 +76,7 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
     result = fit(task, cfg.scaling, storage, run_name, data_dir, prep.vocab, prep.eos,
                  tracker.run_id, tracker.uri if tracker.run_id else None)
     final = save_final_eagle(result, prep.target, cfg.eagle.layers, storage / run_name)
+    export_final(cfg.output.export, final, prep.target, tracker, "distill_eagle")
     tracker.log_metrics({"train_s": time.perf_counter() - t1,
                          "final_step": result.metrics["step"],
                          "final_val_loss": result.metrics["val_loss"],

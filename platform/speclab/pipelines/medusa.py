@@ -108,6 +108,7 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
 
     from speclab.models.medusa import save_medusa
     from speclab.pipelines.actor_eval import evaluate_trained, tokenized_prompts
+    from speclab.pipelines.export import export_final
     from speclab.pipelines.fit import fit
     from speclab.train.tasks import MedusaTaskConfig
 
@@ -124,6 +125,7 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
                      cfg.medusa.calibration_top, cfg.medusa.sparse_nodes,
                      cfg.distill.prompt_len)
     folder = save_medusa(heads, run_dir / "medusa", tree)
+    export_final(cfg.output.export, folder, str(target), tracker, "train_medusa")
     metrics = {"train_s": time.perf_counter() - t1, "final_step": result.metrics["step"],
                "final_val_loss": result.metrics["val_loss"],
                "final_engine_tau": result.metrics.get("engine_tau", 0.0),

@@ -364,9 +364,11 @@ class EagleTask:
 
         # the target on the worker's device: the engine probe feeds it the drafter's inputs
         self.target_model = load_model(self.target, field="models.target").to(self.device)
-        model = EagleModel.from_target(self.target_model, self.e.layers).float()
+        model = EagleModel.from_target(self.target_model, self.e.layers, self.e.norms,
+                                       self.e.norms).float()
         if self.e.init_from:
-            start = load_init(self.e.init_from, self.target_model.config, self.e.layers)
+            start = load_init(self.e.init_from, self.target_model.config, self.e.layers,
+                              norms=self.e.norms)
             model.load_state_dict(start.float().state_dict())
         return model
 

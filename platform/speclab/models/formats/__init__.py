@@ -1,0 +1,36 @@
+"""Drafter checkpoint formats: public EAGLE / HASS / Medusa / speculators checkpoints in,
+speclab-trained drafters out (issue 36).
+
+========================  ======  =====  ===========================================
+format                    in      out    module
+========================  ======  =====  ===========================================
+speclab (EAGLE, Medusa)   yes     yes    :mod:`speclab.models.eagle`, ``.medusa``
+EAGLE-1/2, HASS research  yes     yes    :mod:`.eagle_research`
+speculators ``eagle``     yes     yes    :mod:`.speculators` (what vLLM serves)
+Medusa                    yes     yes    :mod:`.medusa_format`
+EAGLE-3 (any)             no      no     refused by name (:mod:`.detect`)
+========================  ======  =====  ===========================================
+
+:func:`detect_drafter_format` tells a folder's format; the loaders every drafter name
+goes through (:func:`~speclab.models.eagle.load_eagle`,
+:func:`~speclab.models.medusa.load_medusa`) call :func:`load_public_eagle` /
+:func:`load_public_medusa` for the public ones; :func:`export_drafter` writes any of
+them in another format (``speclab export``).
+"""
+
+from speclab.models.formats.convert import (
+    EXPORT_FORMATS,
+    check_exports,
+    export_drafter,
+    export_problem,
+    load_drafter,
+    load_public_eagle,
+    load_public_medusa,
+)
+from speclab.models.formats.detect import FORMATS, detect_drafter_format
+from speclab.models.formats.files import DrafterFormatError
+from speclab.models.formats.speculators import VLLM_READS
+
+__all__ = ["EXPORT_FORMATS", "FORMATS", "VLLM_READS", "DrafterFormatError", "check_exports",
+           "detect_drafter_format", "export_drafter", "export_problem", "load_drafter",
+           "load_public_eagle", "load_public_medusa"]

@@ -1,0 +1,120 @@
+"""The EAGLE research code's format (SafeAILab/EAGLE ``cnets.py`` / ``ea_model.py``, for
+EAGLE-1 and EAGLE-2; HASS checkpoints use the same one).
+
+A folder holds ``config.json`` — the LLaMA config of the drafter's layers
+(``hidden_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads``,
+``num_hidden_layers``, ``vocab_size``, ``rms_norm_eps``, ``rope_theta``, ``rope_scaling``,
+``max_position_embeddings``, ``hidden_act``; optional ``bias``: fc's bias, default True) —
+and ``pytorch_model.bin`` or ``model.safetensors`` (or a sharded index) with
+
+- ``fc.weight [H, 2H]`` over ``concat(Embed(x_{t+1}), f_t)`` and ``fc.bias [H]`` (if any),
+- ``layers.<i>.self_attn.{q,k,v,o}_proj.weight``, ``layers.<i>.mlp.{gate,up,down}_proj.weight``,
+  ``layers.<i>.post_attention_layernorm.weight``, and ``layers.<i>.input_layernorm.weight``
+  for ``i >= 1`` only (layer 0 has no input norm),
+- ``embed_tokens.weight [V, H]`` (a copy of the target's; absent: the target's is used).
+
+There is no final norm and no LM head: the target's LM head reads the last layer's
+output. Loading builds an :class:`~speclab.models.eagle.EagleModel` with
+``input_norm = final_norm = False``; writing needs a drafter in that layout (a drafter
+with speclab's norms has tensors EAGLE's strict ``load_state_dict`` would refuse).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from speclab.models.eagle import EagleMeta, EagleModel
+from speclab.models.formats.eagle_layers import (
+    assemble,
+    check_target_shape,
+    llama_config_dict,
+    llama_fields,
+    public_tensors,
+)
+from speclab.models.formats.files import (
+    DrafterFormatError,
+    TargetParts,
+    fail,
+    read_config,
+    read_tensors,
+    weight_file,
+)
+
+
+def read_eagle_research(folder: Path, target: TargetParts | None, field: str,
+                        advice: str = "", target_config=None) -> EagleModel:
+    """The drafter in ``folder`` (EAGLE-1/2 / HASS research format) as an EagleModel
+    (``f_hat [B, T, H]``, logits ``[B, T, V]`` from ``features [B, T, H]``, ``ids [B, T]``),
+    its shapes checked against ``target.config`` or ``target_config`` (the target's HF
+    config) when given, its LM head (and missing embedding) taken from ``target``.
+    Errors name the file, the field and what was found (``advice``: appended to a
+    missing-LM-head error)."""
+    folder = Path(folder)
+    cfg = read_config(folder, field)
+    where = folder / "config.json"
+    weights = weight_file(folder)
+    if weights is None:
+        raise fail(field, folder, "has no model.safetensors / pytorch_model.bin")
+    tensors = read_tensors(weights, field)
+    if "embed_layernorm.weight" in tensors or "hidden_layernorm.weight" in tensors:
+        raise fail(field, weights, "holds embed_layernorm / hidden_layernorm (the HASS 'TTT' "
+                   "variant with a norm on the token embedding): speclab's drafter has no "
+                   "such norm")
+    fields = llama_fields(cfg, where, field)
+    layers = cfg.get("num_hidden_layers", 1)
+    have = sorted({int(k.split(".")[1]) for k in tensors
+                   if k.startswith("layers.") and k.split(".")[1].isdigit()})
+    if not isinstance(layers, int) or have != list(range(layers)):
+        raise fail(field, where, f"num_hidden_layers={layers!r}, but {weights.name} holds "
+                   f"layers {have}")
+    bias = "fc.bias" in tensors
+    if "bias" in cfg and bool(cfg["bias"]) != bias:
+        raise fail(field, where, f"bias={cfg['bias']!r}, but {weights.name} "
+                   f"{'holds' if bias else 'has no'} fc.bias")
+    meta = EagleMeta(target_architecture="", layers=layers, input_norm=False,
+                     final_norm=False, fc_bias=bias, **fields)
+    config = target.config if target is not None else target_config
+    if config is not None:  # before the LM head is looked for: the shapes come first
+        check_target_shape(meta, config, where, field)
+    return assemble(meta, tensors, weights, field, target, advice)
+
+
+def eagle_research_problem(meta: EagleMeta) -> str | None:
+    """Why a drafter with ``meta`` cannot be written in this format exactly (None: it
+    can)."""
+    if meta.input_norm or meta.final_norm:
+        which = " and ".join(n for n, on in (("an input norm in layer 0", meta.input_norm),
+                                            ("a final norm", meta.final_norm)) if on)
+        return (f"the drafter has {which} (speclab's layout: config.json input_norm="
+                f"{meta.input_norm}, final_norm={meta.final_norm}); EAGLE-1/2's layer 0 has "
+                f"no input norm and there is no final norm, so these weights have no place "
+                f"in the format (EAGLE's code loads its state dict strictly)")
+    if meta.embed_scale != 1.0:
+        return (f"the drafter scales the token embedding by {meta.embed_scale:g} (its "
+                f"target family's multiplier, embed_scale); EAGLE's code embeds unscaled")
+    if meta.head_dim and meta.head_dim != meta.hidden_size // meta.heads:
+        return (f"head_dim={meta.head_dim}, but EAGLE's code derives head_dim = "
+                f"hidden_size / num_attention_heads = {meta.hidden_size // meta.heads}")
+    return None
+
+
+def write_eagle_research(model: EagleModel, out: Path, field: str = "--format eagle") -> Path:
+    """Write ``model`` as an EAGLE research-code checkpoint: ``config.json`` (LLaMA config
+    plus ``bias``) and ``pytorch_model.bin`` (what every version of EAGLE's
+    ``EaModel.from_pretrained`` reads). A drafter the format cannot hold exactly is a
+    DrafterFormatError naming why (:func:`eagle_research_problem`)."""
+    problem = eagle_research_problem(model.meta)
+    if problem:
+        raise DrafterFormatError(f"{field}: cannot write this drafter in the EAGLE research "
+                                 f"format: {problem}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = llama_config_dict(model.meta, model.meta.layers)
+    cfg.update({"bias": model.meta.fc_bias, "pretraining_tp": 1, "torch_dtype": "float32"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {k: t.float() for k, t in public_tensors(model).items()}
+    torch.save(state, out / "pytorch_model.bin")
+    return out
