@@ -129,28 +129,49 @@ def table_columns(columns: list[tuple[str, str]], device: str) -> list[tuple[str
     return [*columns, ("peak_gpu_mb", "{:.0f}")] if device.startswith("cuda") else columns
 
 
-def reference_setup(num_prompts: int, device: str, dtype: str, compile: bool = False):
-    """The reference pair (built on first use), a Decoder over it and ``num_prompts``
-    held-out stdlib function-header prompts as token ids."""
+#: the pairs ``--pair`` names
+PAIRS = ("reference", "reference-large")
+
+
+def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: bool = False,
+                    pair: str = "reference"):
+    """A reference pair (``reference``, or ``reference-large``, the memory-bound target;
+    built on first use), a Decoder over it and ``num_prompts`` held-out stdlib
+    function-header prompts as token ids. ``dtype`` None: float32 for ``reference``, the
+    large pair's ``run_dtype`` (bfloat16 where it is native) for ``reference-large``."""
     from speclab.api import Decoder
     from speclab.data.corpus import function_header_prompts
-    from speclab.models.reference import ensure_reference_pair
 
-    pair = ensure_reference_pair()
+    if pair not in PAIRS:
+        raise ValueError(f"pair: must be one of {list(PAIRS)}, got {pair!r}")
+    if pair == "reference-large":
+        from speclab.models.reference_large import ensure_reference_large, run_dtype
+
+        found = ensure_reference_large()
+        dtype = dtype or run_dtype(device)
+    else:
+        from speclab.models.reference import ensure_reference_pair
+
+        found, dtype = ensure_reference_pair(), dtype or "float32"
+    pair = found
     dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device, compile=compile)
     return pair, dec, [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
 
 
 def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
               runs: list[MethodRun] | None = None, device: str = "cpu",
-              dtype: str = "float32", passes: int | None = None) -> list[dict]:
+              dtype: str | None = None, passes: int | None = None,
+              pair: str = "reference") -> list[dict]:
     """Run the benchmark (``passes`` timed passes of the paired protocol, default
-    :data:`~speclab.evaluation.TIMING_PASSES`), print the table, write ``bench.json``;
-    returns the rows."""
-    pair, dec, prompts = reference_setup(num_prompts, device, dtype)
+    :data:`~speclab.evaluation.TIMING_PASSES`) on ``pair`` (``reference-large`` adds its
+    EAGLE drafter's row), print the table, write ``bench.json``; returns the rows."""
+    name = pair
+    pair, dec, prompts = reference_setup(num_prompts, device, dtype, pair=name)
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
-    runs = runs or DEFAULT_RUNS
+    runs = runs or DEFAULT_RUNS + ([MethodRun("eagle", {"eagle_model": pair.eagle, "tree_top_k": 4,
+                                                        "depth": 6, "nodes": 16})]
+                                   if name == "reference-large" else [])
     results = interleaved_comparison(dec, runs, prompts, gen, progress=_progress)
     costs = results[runs[0].name]["costs"]
     reference = results[runs[0].name]["ar"].outputs  # AR, each prompt alone
@@ -170,7 +191,8 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "torch_threads": torch.get_num_threads(),
             "machine": platform.platform(), "temperature": 0.0, "device": device,
-            "dtype": dtype, "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
+            "dtype": str(dec.target.dtype).removeprefix("torch."),
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
             else None, **protocol_meta(passes)}
     (out / "bench.json").write_text(json.dumps(
         {"meta": meta, "rows": rows,
@@ -277,9 +299,10 @@ BATCH_COLUMNS = [
 
 def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_tokens: int = 64,
                     out_dir: str = "bench_out", runs: list[MethodRun] | None = None,
-                    device: str = "cpu", dtype: str = "float32", log_mlflow: bool = False,
+                    device: str = "cpu", dtype: str | None = None, log_mlflow: bool = False,
                     tracking_uri: str | None = None, repeats: int = 1,
-                    compile: bool = False, passes: int | None = None) -> list[dict]:
+                    compile: bool = False, passes: int | None = None,
+                    pair: str = "reference") -> list[dict]:
     """The batched engine at each batch size: each method paired with AR at the SAME
     batch size, one pair per pass over the whole batch, over ``passes`` x ``repeats``
     passes (``passes`` default :data:`~speclab.evaluation.TIMING_PASSES`): the median
@@ -296,7 +319,7 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     if num_prompts < max(batch_sizes):
         raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
                          f"of prompts ({num_prompts})")
-    pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile)
+    pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile, pair)
     runs = runs or BATCH_RUNS
     if compile:  # compile every shape before anything is timed (full-length warm-up)
         t0 = now(device)
@@ -339,7 +362,8 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
             "max_new_tokens": max_new_tokens, "batch_sizes": batch_sizes, "repeats": repeats,
             "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
-            "device": device, "dtype": dtype, "temperature": 0.0, "compile": compile,
+            "device": device, "dtype": str(dec.target.dtype).removeprefix("torch."),
+            "temperature": 0.0, "compile": compile,
             "compile_warmup_s": dec.warmup_s, **protocol_meta(passes)}
     costs = {bs: c.to_dict() if c is not None else None for bs, c in costs_by_size.items()}
     (out / "batch_bench.json").write_text(json.dumps(

@@ -5,6 +5,7 @@
     speclab shift --target DIR --method medusa ... --verify typical --temperature 0.7
                                                         # first-token TV of a relaxed rule
     speclab reference                                   # build (or find) the reference pair
+    speclab reference --large                           # ... or reference-large (memory-bound)
     speclab run <job> --config experiments/x.yaml [k=v ...]   # a job on local/embedded Ray
     speclab submit <job> --config ... [--address http://HEAD:8265] [k=v ...]
     speclab serve --config experiments/smoke/serve.yaml [k=v ...]   # HTTP app (Ray Serve)

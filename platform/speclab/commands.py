@@ -17,6 +17,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--force", action="store_true", help="rebuild even if cached")
     p.add_argument("--check", action="store_true",
                    help="measure greedy chain alpha and the target/draft cost ratio")
+    p.add_argument("--large", action="store_true",
+                   help="reference-large instead: the memory-bound target grown from the "
+                        "pair, its draft and EAGLE drafter (with --check: measure the "
+                        "forward costs again and record them in its cost.json)")
     HANDLERS["reference"] = cmd_reference
 
     p = sub.add_parser("bench", help="engine benchmark on the reference pair (table + JSON)")
@@ -24,7 +28,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default="bench_out", help="folder for bench.json")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None,
+                   help="default: float32 (reference), bfloat16 where native (reference-large)")
+    p.add_argument("--pair", default="reference", choices=["reference", "reference-large"],
+                   help="reference (tiny, overhead-bound on CPU) or reference-large "
+                        "(memory-bound; adds an EAGLE row)")
     p.add_argument("--batch-sizes", default=None,
                    help="e.g. 1,4,16: the batched engine at each batch size (speedup over AR "
                         "at the same size, the crossover, batch_bench.json + a plot)")
@@ -61,10 +69,15 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", default="check_model_out", help="folder for check_model.json")
     HANDLERS["check-model"] = cmd_check_model
+    from speclab.export_cli import add_export_parser  # `speclab export` (drafter formats)
+
+    add_export_parser(sub, HANDLERS)
     _add_job_parsers(sub)
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
+    if args.large:
+        return _reference_large(args)
     from speclab.models.reference import ensure_reference_pair
 
     pair = ensure_reference_pair(force=args.force)
@@ -81,6 +94,24 @@ def cmd_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _reference_large(args: argparse.Namespace) -> int:
+    """``speclab reference --large``: build or find reference-large, print its folders and
+    its recorded forward costs (``--check``: measured again now, on this machine, and
+    recorded in its ``cost.json``)."""
+    from speclab.models.reference_large import ensure_reference_large, format_cost, record_cost
+
+    large = ensure_reference_large(force=args.force)
+    print(f"target: {large.target}\ndraft:  {large.draft}\neagle:  {large.eagle}\n"
+          f"eagle for the small reference target: {large.eagle_small}")
+    cost = record_cost(large) if args.check else large.cost
+    print(f"forward cost ({'measured now' if args.check else 'recorded in cost.json'}):\n"
+          + format_cost(cost))
+    goals = cost["goals"]
+    print(f"in {cost['run_dtype']}: 8 tokens <= 1.25x one: {goals['8_tokens_le_1.25x']}; "
+          f"EAGLE drafter <= 1/10 of a target forward: {goals['eagle_le_0.1']}")
+    return 0 if not args.check or all(goals.values()) else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from speclab.bench import run_bench
 
@@ -90,12 +121,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_batch_bench(parse_batch_sizes(args.batch_sizes), args.prompts, args.max_new_tokens,
                         args.out, device=args.device, dtype=args.dtype,
                         log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,
-                        repeats=args.repeats, compile=args.compile)
+                        repeats=args.repeats, compile=args.compile, pair=args.pair)
         return 0
     if args.mlflow is not None or args.compile:
         raise ValueError(f"{'mlflow' if args.mlflow is not None else 'compile'}: only with "
                          "--batch-sizes")
-    run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype)
+    run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype,
+              pair=args.pair)
     return 0
 
 

@@ -1,6 +1,9 @@
 """Resolve a ``models`` config group to local folders (building cached pairs on demand).
 
 ``reference`` -> the trained reference pair (:mod:`speclab.models.reference`);
+``reference-large`` -> the memory-bound large reference target with the reference draft
+(:mod:`speclab.models.reference_large`; ``models.dtype``: its ``run_dtype()``, bfloat16
+where that is native, else float32);
 ``tiny`` -> random tiny models with a real BPE tokenizer (smoke runs, seconds to build);
 anything else is a folder or hub id, passed through.
 """
@@ -60,6 +63,11 @@ def resolve_models(target: str, draft: str | None) -> tuple[str, str | None]:
 
         pair = ensure_reference_pair()
         return pair.target, draft or pair.draft
+    if target == "reference-large":
+        from speclab.models.reference_large import ensure_reference_large
+
+        large = ensure_reference_large()
+        return large.target, draft or large.draft
     if target == "tiny":
         t, d = ensure_tiny_pair()
         return t, draft or d

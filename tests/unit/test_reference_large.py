@@ -1,0 +1,182 @@
+"""``reference-large``'s growth functions on tiny random LLaMAs (the real model is never
+built here): widening (tiled weights, head_dim kept, GQA, tied heads untied) and
+deepening (inserted layers with zero output projections) keep the target's logits, and
+the widened EAGLE drafter proposes what the small one proposes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from speclab.models.reference_large import (
+    LargeSpec,
+    deepen_llama,
+    deepened_layout,
+    widen_eagle,
+    widen_llama,
+    widened_config,
+)
+
+IDS = [3, 17, 41, 5, 60, 22, 9, 33, 48, 1, 27, 14, 52, 7]
+
+
+def _llama(tied: bool = False, seed: int = 0) -> LlamaForCausalLM:
+    """A random 3-layer LLaMA with GQA (4 heads, 2 KV heads of head_dim 8)."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None, tie_word_embeddings=tied,
+                      attn_implementation="sdpa", architectures=["LlamaForCausalLM"])
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # peaked, non-trivial logits; norms away from 1
+        model.get_output_embeddings().weight.mul_(8.0)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def _logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def _cached_logits(model, ids=IDS, split: int = 9) -> torch.Tensor:
+    """Logits of ``ids[split:]`` decoded one by one on top of a cache of ``ids[:split]``
+    (rotary positions and the KV cache in play)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = []
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids[:split]]), past_key_values=cache, use_cache=True)
+        for t in ids[split:]:
+            out.append(model(input_ids=torch.tensor([[t]]), past_key_values=cache,
+                             use_cache=True).logits[0, -1])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_widening_and_deepening_keep_the_logits(tied):
+    small = _llama(tied)
+    want = _logits(small)
+    wide = widen_llama(small, 3)
+    cfg = wide.config
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim) == (96, 144, 12, 6, 8)
+    assert not cfg.tie_word_embeddings
+    torch.testing.assert_close(_logits(wide), want, atol=1e-5, rtol=1e-5)
+    deep = deepen_llama(small, 7)
+    assert deep.config.num_hidden_layers == 7
+    torch.testing.assert_close(_logits(deep), want, atol=1e-5, rtol=1e-5)
+    both = widen_llama(deepen_llama(small, 7), 3)
+    torch.testing.assert_close(_logits(both), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(_cached_logits(both), _cached_logits(small), atol=1e-5,
+                               rtol=1e-5)
+    torch.testing.assert_close(_logits(deepen_llama(widen_llama(small, 3), 7)), want,
+                               atol=1e-5, rtol=1e-5)
+    assert want.abs().max() > 1.0  # the comparison is not between near-zero logits
+
+
+def test_inserted_layers_are_full_layers_that_add_nothing():
+    small = _llama()
+    deep = deepen_llama(small, 7)
+    layout = deepened_layout(3, 7)
+    assert [src for src, ins in layout if not ins] == [0, 1, 2]
+    assert sum(ins for _, ins in layout) == 4 and layout[0] == (0, False)
+    for layer, (src, inserted) in zip(deep.model.layers, layout):
+        orig = small.model.layers[src]
+        torch.testing.assert_close(layer.self_attn.q_proj.weight, orig.self_attn.q_proj.weight)
+        torch.testing.assert_close(layer.mlp.up_proj.weight, orig.mlp.up_proj.weight)
+        zero = layer.self_attn.o_proj.weight.abs().sum() + layer.mlp.down_proj.weight.abs().sum()
+        assert (zero == 0) == inserted
+    with pytest.raises(ValueError, match="depth 2 < the model's 3 layers"):
+        deepen_llama(small, 2)
+
+
+def test_only_llama_models_are_widened():
+    from transformers import Qwen2Config
+
+    with pytest.raises(ValueError, match="only llama models are widened, got 'qwen2'"):
+        widened_config(Qwen2Config(hidden_size=32, num_attention_heads=4), 2)
+
+
+def test_the_widened_eagle_drafter_proposes_what_the_small_one_does():
+    from speclab.models.eagle import EagleMeta, EagleModel
+
+    small = _llama()
+    torch.manual_seed(1)
+    drafter = EagleModel.from_target(small).eval()
+    with torch.no_grad():  # a drafter whose every part matters (fc bias, norms)
+        drafter.fc.bias.normal_()
+        for name, p in drafter.decoder.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(5.0)
+    large = widen_llama(deepen_llama(small, 5), 3)
+    wide = widen_eagle(drafter, 3, large.config)
+    assert wide.meta == EagleMeta.for_target(large.config, 1)
+    with pytest.raises(ValueError, match="widened meta"):
+        widen_eagle(drafter, 2, large.config)
+
+    def feats(model):
+        grabbed = []
+        hook = model.get_output_embeddings().register_forward_pre_hook(
+            lambda _m, args: grabbed.append(args[0][0]))
+        _logits(model)
+        hook.remove()
+        return grabbed[0][None, :-1]
+
+    f_small, f_large = feats(small), feats(large)
+    torch.testing.assert_close(f_large, f_small.repeat(1, 1, 3), atol=1e-5, rtol=1e-5)
+    x = torch.tensor([IDS[1:]])
+    with torch.no_grad():
+        h_small, q_small = drafter(f_small, x)
+        h_wide, q_wide = wide(f_large, x)
+    torch.testing.assert_close(h_wide, h_small.repeat(1, 1, 3), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(q_wide, q_small, atol=1e-4, rtol=1e-4)
+    assert q_small.std() > 0.5  # proposals that depend on the input
+    assert torch.equal(q_wide.argmax(-1), q_small.argmax(-1))
+
+
+def test_engine_decodes_the_grown_pair_as_the_small_one(tmp_path):
+    """Through the engine: EAGLE decoding on the grown target with the widened drafter
+    gives the small pair's tokens AND its rounds (the same proposals accepted)."""
+    from speclab.api import Decoder
+    from speclab.models.eagle import EagleModel, save_eagle
+
+    small = _llama(seed=2)
+    torch.manual_seed(3)
+    drafter = EagleModel.from_target(small).eval()
+    large = widen_llama(deepen_llama(small, 5), 2)
+    small.save_pretrained(tmp_path / "small")
+    large.save_pretrained(tmp_path / "large")
+    save_eagle(drafter, tmp_path / "e_small")
+    save_eagle(widen_eagle(drafter, 2, large.config), tmp_path / "e_large")
+    runs = {}
+    for name in ("small", "large"):
+        dec = Decoder.from_pretrained(str(tmp_path / name))
+        runs[name] = dec.generate(prompt_ids=IDS[:5], max_new_tokens=16, method="eagle",
+                                  eagle_model=str(tmp_path / f"e_{name}"), tree_top_k=2,
+                                  depth=3, nodes=6)
+    assert runs["large"].token_ids == runs["small"].token_ids
+    assert runs["large"].stats.accepted_lengths == runs["small"].stats.accepted_lengths
+
+
+def test_the_cache_key_covers_the_spec_and_the_base_pair():
+    spec = LargeSpec()
+    assert spec.digest("reference-a") != spec.digest("reference-b")
+    assert spec.digest("reference-a") != LargeSpec(depth=spec.depth + 1).digest("reference-a")
+    assert spec.digest("reference-a") == LargeSpec().digest("reference-a")
+
+
+def test_the_cost_table_and_the_run_dtype():
+    from speclab.models.reference_large import format_cost, run_dtype
+
+    assert run_dtype("cpu") in ("bfloat16", "float32")
+    one = {"threads": 2, "prefix": 128, "repeats": 10, "measured_at": "now",
+           "load_avg_1min_before": 0.5, "target_ms": {"1": 20.0, "8": 23.0},
+           "target_ratio": {"1": 1.0, "8": 1.15}, "eagle_ms": 1.6, "eagle_vs_target": 0.08}
+    text = format_cost({"cpu": "x", "cpu_capability": "AVX512", "native_bfloat16": True,
+                        "run_dtype": "bfloat16", "by_dtype": {"bfloat16": one}})
+    assert "| x one token | 1.00 | 1.15 |" in text and "= 0.080 of a target forward" in text
