@@ -22,6 +22,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from speclab.decoding.host import synchronize
+
 T = TypeVar("T")
 
 Device = torch.device | str | None
@@ -47,7 +49,7 @@ def now(device: Device = None) -> float:
     current CUDA device when this process has used CUDA."""
     cuda = _cuda(device)
     if cuda is not None:
-        torch.cuda.synchronize(cuda)
+        synchronize(cuda)
     return time.perf_counter()
 
 
