@@ -298,7 +298,7 @@ class Decoder:
                     ModelRunner(self.draft.model) if self.draft else None, sampling, g)))
 
         target = TargetPool(self.batch_runner(self.target.model, rows, capacity),
-                            traits.drafting and traits.needs_features)
+                            traits.drafting and traits.needs_features, traits.feature_layers)
         draft = DraftPool(make) if traits.drafting else None
         self._warmups, self._live_rows = [], lambda: list(target.rids)
         try:

@@ -25,6 +25,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from speclab.decoding.attention import attention_layout
+from speclab.decoding.features import FeatureHooks, FeatureSpec
 from speclab.decoding.host import ForwardClock, to_device
 from speclab.decoding.tree import additive_mask
 
@@ -51,8 +52,7 @@ class BatchRunner:
         self.live = torch.zeros(0, 0, dtype=torch.bool)  # [B, S]: slot holds one of the row's
         self.calls = 0
         self.clock = ForwardClock(self.device)
-        self.hidden: torch.Tensor | None = None
-        self._hook = None
+        self._hook: FeatureHooks | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -73,13 +73,23 @@ class BatchRunner:
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
-    def track_hidden(self) -> None:
-        """Keep every forward's final hidden states (the LM head's input) in ``hidden``."""
+    def track_hidden(self, spec: FeatureSpec = None) -> None:
+        """Keep every forward's final hidden states (the LM head's input) in ``hidden``
+        and, with ``spec`` (:mod:`speclab.decoding.features`), the layer states
+        :meth:`features` returns."""
         if self._hook is None:
-            def grab(_module, args):
-                self.hidden = args[0].detach()
+            self._hook = FeatureHooks(self.model)
+        self._hook.add(spec)
 
-            self._hook = self.model.get_output_embeddings().register_forward_pre_hook(grab)
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """``[B, T, H]``: the LM head's input in the last forward (when tracked)."""
+        return self.features(None)
+
+    def features(self, spec: FeatureSpec = None) -> torch.Tensor | None:
+        """``[B, T, F]``: the hidden states ``spec`` names in the last forward,
+        concatenated (``spec`` must have been passed to :meth:`track_hidden`)."""
+        return self._hook.get(spec) if self._hook is not None else None
 
     def release(self) -> None:
         """Drop the cache, the rows and the hidden-state hook."""
@@ -192,7 +202,9 @@ class BatchRunner:
 
     def release_rows(self) -> None:
         """Drop every row and the cache (the hidden-state hook stays)."""
-        self.cache, self.slots, self.width, self.hidden = None, [], 0, None
+        self.cache, self.slots, self.width = None, [], 0
+        if self._hook is not None:
+            self._hook.clear()
         self.live = torch.zeros(0, 0, dtype=torch.bool)
         self.slot_pos = torch.zeros(0, 0, dtype=torch.long)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,13 +34,16 @@ class DraftTraits:
     """What a method's drafts need from the round.
 
     ``drafting``: False for plain decoding (the empty drafter); ``needs_features``: the
-    drafter reads the target's features (EAGLE, Medusa); ``prefill_top_k``: top tokens per
+    drafter reads the target's features (EAGLE, Medusa), those ``feature_layers`` names
+    (:mod:`speclab.decoding.features`; None: the last layer's, EAGLE-3: three layers');
+    ``prefill_top_k``: top tokens per
     prompt position it reads from the target's prefill (AASD); ``rule``: the verification
     rule its trees need (None: the request's); ``batched``: it drafts many rows in shared
     draft forwards (else one drafter per row)."""
 
     drafting: bool = True
     needs_features: bool = False
+    feature_layers: Any = None
     prefill_top_k: int = 0
     rule: RuleSpec | None = None
     batched: bool = False

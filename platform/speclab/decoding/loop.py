@@ -271,8 +271,8 @@ def generate_tokens(
     loop = rounds(prompt_ids, max_new_tokens, eos_set(eos_token_id), stats, drafter is not None)
     draft = DraftSide(drafter) if drafter is not None else None
     features = draft is not None and traits.needs_features
-    out = drive(loop, draft, TargetSide(target, params, rule, generator, features),
-                traits.prefill_top_k)
+    out = drive(loop, draft, TargetSide(target, params, rule, generator, features,
+                                        traits.feature_layers), traits.prefill_top_k)
     return out, stats
 
 

@@ -33,6 +33,7 @@ import torch
 
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.drafting import BatchDrafter
+from speclab.decoding.features import FeatureSpec, layer_ids, num_decoder_layers
 from speclab.decoding.host import fetch_lists, fetch_nested
 from speclab.decoding.logprobs import logprob_entries, logprob_inputs, prompt_logprobs
 from speclab.decoding.rules import RuleSpec, judge_rule, prepare_rule
@@ -96,19 +97,23 @@ def _index(rids: list[str], rid: str) -> int:
 class TargetPool:
     """The target side of every live row: one batched cache, a row per sequence."""
 
-    def __init__(self, runner: BatchRunner, features: bool = False) -> None:
-        """``features``: return the last-layer features with prefills and verdicts (the
-        method's drafter reads them)."""
+    def __init__(self, runner: BatchRunner, features: bool = False,
+                 feature_spec: FeatureSpec = None) -> None:
+        """``features``: return the target's features with prefills and verdicts (the
+        method's drafter reads them), by default those ``feature_spec`` names
+        (:mod:`speclab.decoding.features`; None: the last layer's)."""
         self.runner = runner
         self.features = False
+        self.spec = self._resolve(feature_spec)  # the rows' default
         if features:
-            self.track_features()
+            self.track_features(feature_spec)
         self.rids: list[str] = []
         self.roots: list[int] = []
         self.samplings: list[SamplingParams] = []
         self.rules: list[RuleSpec] = []
         self.generators: list[torch.Generator] = []
         self.logprobs: list[int | None] = []
+        self.specs: list[tuple[int, ...]] = []  # each row's features (when returned)
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.rids
@@ -116,15 +121,22 @@ class TargetPool:
     def __len__(self) -> int:
         return len(self.rids)
 
-    def track_features(self) -> None:
-        """From now on return features (a feature drafter's rows arrived)."""
-        self.features = True
-        self.runner.track_hidden()
+    def _resolve(self, spec: FeatureSpec) -> tuple[int, ...]:
+        return layer_ids(spec, num_decoder_layers(self.runner.model.config))
 
-    def start(self, rows: list[NewRow], prefill_top_k: int = 0) -> list[Prefilled]:
+    def track_features(self, spec: FeatureSpec = None) -> None:
+        """From now on return features, keeping those ``spec`` names too (a feature
+        drafter's rows arrived)."""
+        self.features = True
+        self.runner.track_hidden(self._resolve(spec))
+
+    def start(self, rows: list[NewRow], prefill_top_k: int = 0,
+              feature_spec: FeatureSpec | bool = True) -> list[Prefilled]:
         """Prefill ``prompt_ids[:-1]`` of every new row in ONE forward (a row id that is
         already here starts over). Returns per row what the prefill gives it
-        (:class:`Prefilled`)."""
+        (:class:`Prefilled`). ``feature_spec``: the features these rows get (True: the
+        pool's; tracked with :meth:`track_features` first)."""
+        spec = self.spec if feature_spec is True else self._resolve(feature_spec)
         if len({r.rid for r in rows}) != len(rows):
             raise ValueError("rows: a request id appears twice")
         for r in rows:
@@ -140,7 +152,7 @@ class TargetPool:
             if prefill_top_k and n:
                 top = fetch_lists(logits[j, :n].topk(min(prefill_top_k, logits.shape[-1]),
                                                      -1).indices)[0]
-            feats = self.runner.hidden[j, :n].clone() if self.features else None
+            feats = self.runner.features(spec)[j, :n].clone() if self.features else None
             echo = None
             if r.logprobs is not None and r.echo:
                 echo = prompt_logprobs(logits[j, :n] if n else None, r.prompt_ids, r.logprobs)
@@ -151,6 +163,7 @@ class TargetPool:
             self.rules.append(r.rule or RuleSpec("greedy"))
             self.generators.append(r.generator if r.generator is not None else seeded(0))
             self.logprobs.append(r.logprobs)
+            self.specs.append(spec)
         return out
 
     def verify(self, items: list[tuple[str, TokenTree | dict | None]]
@@ -205,7 +218,8 @@ class TargetPool:
             self.runner.keep(b, list(range(prefix[i])) + [prefix[i] + j for j in verdict.path])
             new = committed_tokens(tree, verdict)
             self.roots[b] = new[-1]
-            feats = self.runner.hidden[b, verdict.path].clone() if self.features else None
+            feats = (self.runner.features(self.specs[b])[b, verdict.path].clone()
+                     if self.features else None)
             if self.logprobs[b] is not None:  # node path[i]'s row predicted new[i]
                 asked.append((len(out), b, verdict.path, new))
             out.append(VerifyResult(verdict.path, new, verdict.accepted, verdict.evaluated,
@@ -233,7 +247,7 @@ class TargetPool:
         b = self.rids.index(rid)
         self.runner.drop([b])
         for state in (self.rids, self.roots, self.samplings, self.rules, self.generators,
-                      self.logprobs):
+                      self.logprobs, self.specs):
             state.pop(b)
         if not self.rids:
             self.runner.release_rows()  # an idle pool holds no cache

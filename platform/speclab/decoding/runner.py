@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from speclab.decoding.attention import attention_layout
+from speclab.decoding.features import FeatureHooks, FeatureSpec
 from speclab.decoding.host import ForwardClock, to_device
 from speclab.decoding.tree import TokenTree, additive_mask
 
@@ -37,26 +38,34 @@ class ModelRunner:
         self.key_pos = torch.zeros(0, dtype=torch.long)
         self.calls = 0
         self.clock = ForwardClock(self.device)
-        self.hidden: torch.Tensor | None = None  # [T, H] of the last forward, when tracked
-        self._hook = None
+        self._hook: FeatureHooks | None = None
 
-    def track_hidden(self) -> None:
+    def track_hidden(self, spec: FeatureSpec = None) -> None:
         """Keep the final hidden states (the LM head's input) of every forward in
-        ``hidden`` ``[T, H]`` (SpecDec++'s acceptance head reads them)."""
+        ``hidden`` ``[T, H]`` (SpecDec++'s acceptance head, EAGLE) and, with ``spec``
+        (:mod:`speclab.decoding.features`), the layer states :meth:`features` returns."""
         if self._hook is None:
-            def grab(_module, args):
-                self.hidden = args[0][0].detach()
+            self._hook = FeatureHooks(self.model)
+        self._hook.add(spec)
 
-            head = self.model.get_output_embeddings()
-            self._hook = head.register_forward_pre_hook(grab)
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """``[T, H]``: the LM head's input in the last forward (when tracked)."""
+        return self.features(None)
+
+    def features(self, spec: FeatureSpec = None) -> torch.Tensor | None:
+        """``[T, F]``: the hidden states ``spec`` names in the last forward, concatenated
+        (``spec`` must have been passed to :meth:`track_hidden`)."""
+        out = self._hook.get(spec) if self._hook is not None else None
+        return None if out is None else out[0]
 
     def release(self) -> None:
-        """Drop the cache and the hidden-state hook: the model may be shared by many
+        """Drop the cache and the hidden-state hooks: the model may be shared by many
         runners (one per served request), and a hook left behind would fire forever."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.cache, self.length, self.hidden = None, 0, None
+        self.cache, self.length = None, 0
         self.key_pos = torch.zeros(0, dtype=torch.long)
 
     @property

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from speclab.decoding.features import FeatureSpec
 from speclab.decoding.host import fetch_lists
 from speclab.decoding.rules import RuleSpec, Verdict, apply_rule
 from speclab.decoding.runner import ModelRunner
@@ -123,13 +124,17 @@ class TargetSide:
     """One request on the target: its KV cache, sampling settings, rule and rng."""
 
     def __init__(self, runner: ModelRunner, sampling: SamplingParams, rule: RuleSpec,
-                 generator: torch.Generator | None, features: bool = False) -> None:
+                 generator: torch.Generator | None, features: bool = False,
+                 feature_spec: FeatureSpec = None) -> None:
+        """``features``: return the target's features with the prefill and each verdict,
+        those ``feature_spec`` names (:mod:`speclab.decoding.features`; None: the last
+        layer's)."""
         self.runner, self.sampling, self.rule, self.generator = runner, sampling, rule, generator
         self.root = -1
-        self.features = features
-        self.prefill_features: torch.Tensor | None = None  # [P-1, H] when features
+        self.features, self.spec = features, feature_spec
+        self.prefill_features: torch.Tensor | None = None  # [P-1, F] when features
         if features:
-            runner.track_hidden()
+            runner.track_hidden(feature_spec)
 
     def start(self, prompt_ids: list[int], prefill_top_k: int = 0) -> list[list[int]] | None:
         """Prefill ``prompt_ids[:-1]``. Returns the target's ``prefill_top_k`` best tokens
@@ -139,9 +144,8 @@ class TargetSide:
         logits = prefill(self.runner, prompt_ids, logits=bool(prefill_top_k))
         self.root = int(prompt_ids[-1])
         if self.features:
-            hidden = int(self.runner.model.config.hidden_size)
-            self.prefill_features = (self.runner.hidden.clone() if len(prompt_ids) > 1
-                                     else torch.zeros(0, hidden))
+            self.prefill_features = (self.runner.features(self.spec).clone()
+                                     if len(prompt_ids) > 1 else None)
         if prefill_top_k and logits is not None:
             k = min(prefill_top_k, logits.shape[-1])
             return fetch_lists(logits.topk(k, dim=-1).indices)[0]
@@ -158,7 +162,7 @@ class TargetSide:
                              f"token {self.root}")
         verdict, new = verify_round(self.runner, tree, self.rule, self.sampling, self.generator)
         self.root = new[-1]
-        feats = self.runner.hidden[verdict.path].clone() if self.features else None
+        feats = self.runner.features(self.spec)[verdict.path].clone() if self.features else None
         return VerifyResult(verdict.path, new, verdict.accepted, verdict.evaluated,
                             tree.num_drafted, feats)
 

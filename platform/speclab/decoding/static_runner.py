@@ -182,7 +182,7 @@ class StaticBatchRunner(BatchRunner):
     def capacity(self) -> int:
         return self.fast.capacity
 
-    def track_hidden(self) -> None:
+    def track_hidden(self, spec=None) -> None:
         """Refused: a hook inside the compiled step would break it."""
         raise ValueError("compile: the fast path does not run drafters that read the "
                          "target's features (eagle, medusa); run them without compile")

@@ -29,7 +29,7 @@ from speclab.drafters.base import Drafter
 from speclab.drafters.eagle2 import build_eagle2_tree
 from speclab.drafters.knobs import TreeKnobs
 from speclab.drafters.optimal import build_optimal_tree
-from speclab.models.eagle import EagleModel, load_eagle
+from speclab.models.eagle import is_eagle_model, load_eagle
 from speclab.models.loading import registry_or_folder
 
 Builder = Literal["eagle2", "optimal", "salf"]
@@ -40,7 +40,7 @@ class EagleDrafter(Drafter):
 
     name = "eagle"
 
-    def __init__(self, model: EagleModel, top_k: int, depth: int, nodes: int,
+    def __init__(self, model: torch.nn.Module, top_k: int, depth: int, nodes: int,
                  score_temperature: float = 1.0, builder: Builder = "eagle2", batch: int = 4,
                  threshold: float = 0.0) -> None:
         for field, v in (("tree_top_k", top_k), ("depth", depth), ("nodes", nodes),
@@ -50,7 +50,7 @@ class EagleDrafter(Drafter):
         if score_temperature <= 0:
             raise ValueError(f"score_temperature: must be > 0, got {score_temperature}")
         self.runner = ModelRunner(model)
-        self.hidden = model.meta.hidden_size
+        self.hidden = model.meta.feature_width  # [k * H] for EAGLE-3's fused features
         self.top_k, self.depth, self.nodes = top_k, depth, nodes
         self.score_temperature, self.builder = score_temperature, builder
         self.batch, self.threshold = min(batch, nodes), threshold
@@ -71,7 +71,8 @@ class EagleDrafter(Drafter):
         self.base = 0
 
     def observe(self, features: torch.Tensor) -> None:
-        """Queue the target's features ``[n, H]`` of the next committed positions."""
+        """Queue the target's features ``[n, F]`` of the next committed positions (``F``:
+        ``H``, or ``k * H`` fused layers for EAGLE-3)."""
         if features.ndim != 2 or features.shape[-1] != self.hidden:
             raise ValueError(f"eagle_model: the drafter expects target features of width "
                              f"{self.hidden}, got shape {tuple(features.shape)} (trained for "
@@ -84,7 +85,7 @@ class EagleDrafter(Drafter):
     def _run(self, features: torch.Tensor, tokens: torch.Tensor,
              positions: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, H]`` features + ``[T]`` tokens -> (``f_hat [T, H]``, ``probs [T, V]``)."""
+        """``[T, F]`` features + ``[T]`` tokens -> (``f_hat [T, H]``, ``probs [T, V]``)."""
         f_hat, logits = self.runner.run(tokens, positions, allowed,
                                         features=features.to(self.runner.device)[None])
         return f_hat[0], (logits[0].float() / self.score_temperature).softmax(-1)
@@ -138,19 +139,26 @@ class EagleConfig(TreeKnobs):
     salf_threshold: float = Field(0.3, gt=0.0, lt=1.0,
                                   description="SALF stopping threshold th, in (0, 1)")
 
+    def traits(self):
+        """:meth:`MethodSpec.traits` plus the target features the drafter reads: the last
+        layer's (EAGLE-1/2) or an EAGLE-3 drafter's ``feature_layers``."""
+        from dataclasses import replace
+
+        return replace(super().traits(), feature_layers=eagle_feature_spec(self.eagle_model))
+
     @field_validator("eagle_model")
     @classmethod
     def _given(cls, v: Any) -> Any:
         if v is None or v == "":
             raise ValueError("method 'eagle' needs a drafter (--eagle-model DIR or "
                              "models:/ URI)")
-        if not isinstance(v, str | EagleModel):
+        if not isinstance(v, str) and not is_eagle_model(v):
             raise ValueError(f"must be a folder or models:/ URI, got {type(v).__name__}")
         return v
 
     def build(self, ctx) -> EagleDrafter:
         model = self.eagle_model
-        if not isinstance(model, EagleModel):
+        if not is_eagle_model(model):
             # speclab's folder or a public checkpoint (EAGLE-1/2, HASS, speculators), which
             # takes the target's LM head: loaded where the target's features are
             model = ctx.cached(("eagle", model), lambda: load_eagle(
@@ -162,3 +170,15 @@ class EagleConfig(TreeKnobs):
                             self.score_temperature, self.builder, self.batch,
                             self.salf_threshold)
 
+
+
+def eagle_feature_spec(eagle_model) -> object:
+    """The target features an EAGLE drafter (a loaded model, a folder or a ``models:/``
+    URI) reads (:mod:`speclab.decoding.features`): None for EAGLE-1/2, an EAGLE-3
+    drafter's ``feature_layers`` (``"eagle3"``, the paper's default, for a public EAGLE-3
+    checkpoint that does not name them). Read from the folder's ``config.json``."""
+    if is_eagle_model(eagle_model):
+        return eagle_model.meta.feature_layers
+    from speclab.models.formats import drafter_feature_spec
+
+    return drafter_feature_spec(registry_or_folder(eagle_model, "eagle_model"))

@@ -58,7 +58,16 @@ class EagleMeta:
     input_norm: bool = True  # RMS norm at layer 0's input (EAGLE-1/2, HASS: none)
     final_norm: bool = True  # RMS norm before the LM head (EAGLE-1/2, HASS: none)
     fc_bias: bool = True  # fc has a bias (speculators' fusion_bias, EAGLE's "bias")
+    version: int = 1  # 1: EAGLE-1/2 (and HASS, TALF); 3: EAGLE-3 (speclab.models.eagle3)
+    feature_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states it fuses
+    draft_vocab_size: int = 0  # EAGLE-3: the draft vocabulary (0: the target's)
     kind: str = KIND
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the drafter reads: ``H``, or ``k * H`` for an
+        EAGLE-3 drafter fusing ``k`` layers."""
+        return self.hidden_size * (len(self.feature_layers) if self.feature_layers else 1)
 
     @classmethod
     def for_target(cls, config, layers: int = 1, input_norm: bool = True,
@@ -92,6 +101,10 @@ class EagleMeta:
                 raise ValueError(
                     f"{name}: trained for a target with {field}="
                     f"{getattr(self, field)!r}, but the target has {getattr(want, field)!r}")
+        if self.feature_layers:  # EAGLE-3: the layers it fuses must exist in the target
+            from speclab.decoding.features import layer_ids, num_decoder_layers
+
+            layer_ids(self.feature_layers, num_decoder_layers(config), f"{name}: feature_layers")
 
     def layer_config(self) -> LlamaConfig:
         """The LLaMA config of the drafter's decoder layers."""
@@ -195,7 +208,7 @@ def is_eagle_folder(folder: str | Path) -> bool:
 
 def load_eagle(folder: str | Path, target_config=None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", field: str = "eagle_model",
-               target: nn.Module | str | None = None) -> EagleModel:
+               target: nn.Module | str | None = None) -> nn.Module:
     """Load an EAGLE drafter: a folder written by :func:`save_eagle`, or a public
     checkpoint (:func:`speclab.models.formats.detect_drafter_format`: EAGLE-1/2 / HASS
     research code, speculators ``eagle``). With ``target_config`` (the target's HF config)
@@ -214,7 +227,7 @@ def load_eagle(folder: str | Path, target_config=None, dtype: torch.dtype = torc
     meta = meta_from_dict(data)
     if target_config is not None:
         meta.check_target(target_config, field)
-    model = EagleModel(meta)
+    model = build_eagle(meta)
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
     return model.to(device=device, dtype=dtype).eval()
 
@@ -222,7 +235,27 @@ def load_eagle(folder: str | Path, target_config=None, dtype: torch.dtype = torc
 def meta_from_dict(data: dict) -> EagleMeta:
     """The :class:`EagleMeta` of a drafter's ``config.json`` (other keys, e.g. where an
     imported drafter came from, are ignored; absent layout keys mean today's layout)."""
-    return EagleMeta(**{k: v for k, v in data.items() if k in EagleMeta.__dataclass_fields__})
+    kept = {k: v for k, v in data.items() if k in EagleMeta.__dataclass_fields__}
+    if kept.get("feature_layers") is not None:
+        kept["feature_layers"] = tuple(int(i) for i in kept["feature_layers"])
+    return EagleMeta(**kept)
+
+
+def build_eagle(meta: EagleMeta) -> nn.Module:
+    """An untrained drafter of ``meta``'s architecture: :class:`EagleModel` (EAGLE-1/2,
+    ``version`` 1) or :class:`~speclab.models.eagle3.Eagle3Model` (``version`` 3)."""
+    if meta.version == 3:
+        from speclab.models.eagle3 import Eagle3Model
+
+        return Eagle3Model(meta)
+    if meta.version != 1:
+        raise ValueError(f"eagle_model: unknown EAGLE version {meta.version} (1 or 3)")
+    return EagleModel(meta)
+
+
+def is_eagle_model(model) -> bool:
+    """True for a loaded EAGLE-family drafter (EAGLE-1/2 or EAGLE-3)."""
+    return isinstance(getattr(model, "meta", None), EagleMeta)
 
 
 def load_init(folder: str | Path, target_config, layers: int,

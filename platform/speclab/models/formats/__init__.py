@@ -27,10 +27,10 @@ from speclab.models.formats.convert import (
     load_public_eagle,
     load_public_medusa,
 )
-from speclab.models.formats.detect import FORMATS, detect_drafter_format
+from speclab.models.formats.detect import FORMATS, detect_drafter_format, drafter_feature_spec
 from speclab.models.formats.files import DrafterFormatError
 from speclab.models.formats.speculators import VLLM_READS
 
 __all__ = ["EXPORT_FORMATS", "FORMATS", "VLLM_READS", "DrafterFormatError", "check_exports",
-           "detect_drafter_format", "export_drafter", "export_problem", "load_drafter",
-           "load_public_eagle", "load_public_medusa"]
+           "detect_drafter_format", "drafter_feature_spec", "export_drafter", "export_problem",
+           "load_drafter", "load_public_eagle", "load_public_medusa"]

@@ -95,6 +95,16 @@ def detect_drafter_format(folder: str | Path, field: str = "drafter",
                f"{' ...' if len(keys) > 4 else ''})")
 
 
+def drafter_feature_spec(folder: str | Path, field: str = "eagle_model"):
+    """The target features the EAGLE drafter in ``folder`` reads
+    (:mod:`speclab.decoding.features`): None (the last layer's) for EAGLE-1/2 formats,
+    the ``feature_layers`` of a speclab EAGLE-3 drafter. Only ``config.json`` is read."""
+    cfg = read_config(Path(folder), field)
+    if cfg.get("kind") == SPECLAB_EAGLE and cfg.get("feature_layers"):
+        return tuple(int(i) for i in cfg["feature_layers"])
+    return None
+
+
 def check_kind(fmt: str, want: tuple[str, ...], folder: Path, field: str, what: str) -> None:
     """A DrafterFormatError unless ``fmt`` is one of ``want`` (``what``: the drafter kind
     the field expects, e.g. "an EAGLE drafter")."""
@@ -104,5 +114,5 @@ def check_kind(fmt: str, want: tuple[str, ...], folder: Path, field: str, what: 
                                  f"{what}")
 
 
-__all__ = ["DrafterFormatError", "detect_drafter_format", "FORMATS", "EAGLE_FORMATS",
-           "MEDUSA_FORMATS", "check_kind"]
+__all__ = ["DrafterFormatError", "detect_drafter_format", "drafter_feature_spec", "FORMATS",
+           "EAGLE_FORMATS", "MEDUSA_FORMATS", "check_kind"]

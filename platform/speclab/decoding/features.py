@@ -1,0 +1,127 @@
+"""Which target features a feature drafter reads, and the hooks that keep them.
+
+A feature spec names hidden states of the target by HF ``output_hidden_states`` index:
+``i < L`` is the INPUT of decoder layer ``i`` (``0``: the embeddings) and ``L`` (the
+number of decoder layers) the LM head's input, i.e. the last layer's output after the
+final norm. Specs:
+
+* ``None``: ``(L,)``, the last-layer feature EAGLE-1/2, HASS, TALF and Medusa read;
+* a tuple of indices, e.g. EAGLE-3's low / middle / high layers: the states concatenated
+  in that order, ``[T, len(spec) * H]``;
+* ``"eagle3"``: EAGLE-3's default for a target of ``L`` layers, ``(2, L // 2, L - 3)``
+  (the EAGLE authors' and vLLM's choice), clamped into ``[0, L]`` for shallow targets.
+
+:class:`FeatureHooks` registers forward pre-hooks on a target (the LM head always, the
+decoder layers a spec names on request) and keeps what the last forward fed them; the
+runners (:mod:`.runner`, :mod:`.batch_runner`) expose it as ``hidden`` and
+``features(spec)``. Several specs can be tracked at once (a Serve target shared by an
+EAGLE and an EAGLE-3 draft replica).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+FeatureSpec = Any  # None | "eagle3" | tuple[int, ...]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a HF causal LM (``model.model.layers`` and its relatives);
+    ``ValueError`` naming the class when it has none that speclab can find."""
+    base = getattr(model, "model", None) or getattr(model, "transformer", None) or model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is not None and isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        return decoder.layers
+    raise ValueError(f"models.target: cannot find the decoder layers of "
+                     f"{type(model).__name__} (needed for layer features)")
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / middle / high feature layers for a target of ``num_layers`` layers:
+    ``(2, L // 2, L - 3)``, each clamped into ``[0, L]``."""
+    pick = (2, num_layers // 2, num_layers - 3)
+    return tuple(min(max(i, 0), num_layers) for i in pick)  # type: ignore[return-value]
+
+
+def layer_ids(spec: FeatureSpec, num_layers: int, field: str = "feature_layers"
+              ) -> tuple[int, ...]:
+    """The hidden-state indices a spec names for a target of ``num_layers`` layers;
+    ``ValueError`` naming ``field`` for an index outside ``[0, L]`` or a bad spec."""
+    if spec is None:
+        return (num_layers,)
+    if spec == "eagle3":
+        return eagle3_layers(num_layers)
+    if isinstance(spec, str) or not spec:
+        raise ValueError(f"{field}: a list of layer indices or 'eagle3', got {spec!r}")
+    ids = tuple(int(i) for i in spec)
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"{field}: layer indices {bad} outside [0, {num_layers}] for a "
+                         f"target of {num_layers} layers")
+    return ids
+
+
+def num_decoder_layers(config) -> int:
+    """``num_hidden_layers`` of a target's HF config (``n_layer`` for GPT-2 style)."""
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, name, None)
+        if value:
+            return int(value)
+    raise ValueError(f"models.target: {type(config).__name__} names no layer count")
+
+
+def _states(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class FeatureHooks:
+    """Forward pre-hooks on a target that keep its hidden states of the last forward.
+
+    ``values[i]``: ``[B, T, H]`` hidden state ``i`` (the module docstring's indexing); the
+    LM head's input (``i = L``) is always tracked, decoder-layer inputs once a spec
+    :meth:`add`\\ s them. :meth:`get` concatenates a spec's states."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.num_layers = num_decoder_layers(model.config)
+        self.values: dict[int, torch.Tensor] = {}
+        self.handles: dict[int, Any] = {}
+        self._hook(self.num_layers, model.get_output_embeddings())
+
+    def _hook(self, index: int, module: nn.Module) -> None:
+        def grab(_module, args, kwargs):
+            self.values[index] = _states(args, kwargs).detach()
+
+        self.handles[index] = module.register_forward_pre_hook(grab, with_kwargs=True)
+
+    def add(self, spec: FeatureSpec) -> None:
+        """Also keep the hidden states ``spec`` names (from the next forward on)."""
+        for i in layer_ids(spec, self.num_layers):
+            if i not in self.handles:
+                self._hook(i, decoder_layers(self.model)[i])
+
+    def get(self, spec: FeatureSpec = None) -> torch.Tensor | None:
+        """``[B, T, len(ids) * H]``: the states ``spec`` names, concatenated (None before
+        the first forward)."""
+        ids = layer_ids(spec, self.num_layers)
+        if any(i not in self.values for i in ids):
+            return None
+        parts = [self.values[i] for i in ids]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+    def clear(self) -> None:
+        """Forget the kept states (the hooks stay)."""
+        self.values = {}
+
+    def remove(self) -> None:
+        """Remove every hook (a model may be shared by many runners)."""
+        for handle in self.handles.values():
+            handle.remove()
+        self.handles, self.values = {}, {}
