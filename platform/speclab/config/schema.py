@@ -270,14 +270,32 @@ class EagleTrainConfig(StrictModel):
     regression term, as in the paper). ``eagle`` and ``hass`` add EAGLE's uniform
     ``feature_noise`` to the features the drafter reads in training.
     ``init_from`` starts from a trained EAGLE drafter (a folder or ``models:/`` URI), the
-    TALF/HASS papers' protocol of fine-tuning an EAGLE-trained drafter."""
+    TALF/HASS papers' protocol of fine-tuning an EAGLE-trained drafter.
 
+    ``version: 3`` trains an EAGLE-3 drafter (:mod:`speclab.models.eagle3`): fused features
+    of the target's ``feature_layers`` (None: the paper's low / middle / high), one
+    EAGLE-3 layer, an optional ``draft_vocab`` (the most frequent target tokens of the
+    training data), with loss ``eagle3`` (EAGLE-3's training-time test: the drafter's own
+    outputs fed back for ``ttt_steps`` steps, the steps' cross-entropies weighted
+    ``ttt_decay ** step``; no feature regression) or ``talf``."""
+
+    version: Literal[1, 3] = Field(1, description="1: EAGLE-1/2 drafter (EAGLE, HASS, TALF); "
+                                                  "3: EAGLE-3")
+    feature_layers: list[int] | None = Field(None, min_length=1, description=(
+        "EAGLE-3: the target hidden states fused (HF output_hidden_states indices; None: "
+        "(2, L // 2, L - 3) as in the paper)"))
+    draft_vocab: int = Field(0, ge=0, description="EAGLE-3: draft vocabulary size (0: the "
+                                                  "target's whole vocabulary)")
+    ttt_steps: int = Field(7, gt=0, description="eagle3: training-time test steps (the "
+                                                "paper's 7)")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: step s weighs "
+                                                              "ttt_decay ** (s - 1)")
     layers: int = Field(1, gt=0, description="decoder layers of the drafter")
     norms: bool = Field(True, description="speclab's layout: an RMS norm at layer 0's input "
                                           "and before the LM head; false: EAGLE-1/2's "
                                           "(neither), which the EAGLE and speculators "
                                           "formats hold (output.export)")
-    loss: Literal["eagle", "hass", "talf"] = "eagle"
+    loss: Literal["eagle", "hass", "talf", "eagle3"] = "eagle"
     w_reg: float = Field(1.0, ge=0.0, allow_inf_nan=False,
                          description="weight of the feature regression (eagle, hass)")
     w_cls: float = Field(0.1, ge=0.0, allow_inf_nan=False,
@@ -306,6 +324,23 @@ class EagleTrainConfig(StrictModel):
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "
                                                        "at every report (0: none)")
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
+
+    @model_validator(mode="after")
+    def _version_fits(self):
+        if self.version == 3:
+            if self.loss in ("eagle", "hass"):
+                raise ValueError(f"loss: {self.loss!r} regresses the target's last-layer "
+                                 "feature, which an EAGLE-3 drafter (version 3) does not "
+                                 "predict; use eagle3 or talf")
+            if self.layers != 1:
+                raise ValueError(f"layers: an EAGLE-3 drafter has one layer, got {self.layers}")
+        else:
+            for field in ("feature_layers", "draft_vocab"):
+                if getattr(self, field):
+                    raise ValueError(f"{field}: an EAGLE-3 setting; set eagle.version: 3")
+            if self.loss == "eagle3":
+                raise ValueError("loss: eagle3 trains an EAGLE-3 drafter; set eagle.version: 3")
+        return self
 
 
 class MedusaTrainConfig(StrictModel):

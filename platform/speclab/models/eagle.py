@@ -258,17 +258,28 @@ def is_eagle_model(model) -> bool:
     return isinstance(getattr(model, "meta", None), EagleMeta)
 
 
-def load_init(folder: str | Path, target_config, layers: int,
-              field: str = "eagle.init_from", norms: bool = True) -> EagleModel:
+def trained_meta(config, e) -> EagleMeta:
+    """The meta of the drafter a training job's ``eagle`` group ``e`` (``version``,
+    ``layers``, ``norms``, ``feature_layers``, ``draft_vocab``) makes for a target with HF
+    ``config``: EAGLE-1/2 or, ``version: 3``, EAGLE-3."""
+    if e.version == 3:
+        from speclab.models.eagle3 import eagle3_meta
+
+        return eagle3_meta(config, e.feature_layers, e.draft_vocab)
+    return EagleMeta.for_target(config, e.layers, e.norms, e.norms)
+
+
+def load_init(folder: str | Path, target_config, e, field: str = "eagle.init_from"
+              ) -> nn.Module:
     """A trained drafter to continue training from: :func:`load_eagle` checked against
-    the target (errors name ``field``), with ``layers`` decoder layers and otherwise the
-    shape :meth:`EagleModel.from_target` gives for this target."""
+    the target (errors name ``field``) and against the shape the ``eagle`` group ``e``
+    trains (:func:`trained_meta`)."""
     model = load_eagle(folder, target_config, field=field)
-    if model.meta.layers != layers:
+    if model.meta.version == 1 and e.version == 1 and model.meta.layers != e.layers:
         raise ValueError(f"{field}: the drafter has {model.meta.layers} layers, "
-                         f"eagle.layers is {layers}")
-    want = EagleMeta.for_target(target_config, layers, norms, norms)  # eagle.norms
+                         f"eagle.layers is {e.layers}")
+    want = trained_meta(target_config, e)
     if model.meta != want:
         raise ValueError(f"{field}: the drafter's shape {asdict(model.meta)} is not that of "
-                         f"a drafter for this target, {asdict(want)}")
+                         f"the drafter eagle.* trains for this target, {asdict(want)}")
     return model

@@ -19,42 +19,57 @@ def prepare_eagle(cfg: Any) -> Prepared:
     if cfg.output.export:  # before any work: a format that cannot hold the drafter
         from transformers import AutoConfig
 
-        from speclab.models.eagle import EagleMeta
+        from speclab.models.eagle import trained_meta
         from speclab.models.formats import check_exports
 
         config = AutoConfig.from_pretrained(prep.target, trust_remote_code=False)
-        check_exports(cfg.output.export, EagleMeta.for_target(
-            config, cfg.eagle.layers, cfg.eagle.norms, cfg.eagle.norms))
+        check_exports(cfg.output.export, trained_meta(config, cfg.eagle))
     if cfg.eagle.init_from:
         from speclab.models.eagle import load_init
         from speclab.models.loading import load_model, resolve_source
 
         folder = resolve_source(cfg.eagle.init_from, "eagle.init_from")
-        load_init(folder, load_model(prep.target, field="models.target").config,
-                  cfg.eagle.layers, norms=cfg.eagle.norms)
+        load_init(folder, load_model(prep.target, field="models.target").config, cfg.eagle)
         cfg.eagle.init_from = str(folder)
     return prep
 
 
-def data_kinds(losses: list[str]) -> set[str]:
-    """The generated example kinds the EAGLE-family ``losses`` train on."""
-    return {"feat_tree" if loss == "talf" else "feat" for loss in losses}
+def data_kind_of(loss: str, version: int = 1) -> str:
+    """The generated example kind an EAGLE-family ``loss`` trains on: ``feat`` (last-layer
+    features) or, for an EAGLE-3 drafter (``version`` 3), ``feat3`` (fused layer
+    features); TALF's kinds add the target-built trees (``_tree``)."""
+    base = "feat3" if version == 3 else "feat"
+    return f"{base}_tree" if loss == "talf" else base
 
 
-def save_final_eagle(result, target: str, layers: int, run_dir) -> Path:
+def data_kinds(losses: list[str], version: int = 1) -> set[str]:
+    """The generated example kinds the EAGLE-family ``losses`` train on
+    (:func:`data_kind_of`)."""
+    return {data_kind_of(loss, version) for loss in losses}
+
+
+def save_final_eagle(result, target: str, run_dir) -> Path:
     """The last checkpoint's drafter written with :func:`~speclab.models.eagle.save_eagle`
-    to ``run_dir/eagle`` (its layout, speclab's or EAGLE-1/2's, read off the state)."""
+    to ``run_dir/eagle`` (the checkpoint stores the drafter's meta)."""
     import torch
 
-    from speclab.models.eagle import EagleModel, save_eagle
-    from speclab.models.loading import load_model
+    from speclab.models.eagle import build_eagle, meta_from_dict, save_eagle
 
     with result.checkpoint.as_directory() as d:
         state = torch.load(Path(d) / "state.pt", weights_only=False, map_location="cpu")
-    model = EagleModel.from_target(
-        load_model(target, field="models.target"), layers,
-        input_norm="decoder.layers.0.input_layernorm.weight" in state["model"],
-        final_norm="decoder.norm.weight" in state["model"]).float()
+    meta = state.get("meta")
+    if meta is None:  # a checkpoint written before the meta was stored: EAGLE-1/2
+        from speclab.models.eagle import EagleModel
+        from speclab.models.loading import load_model
+
+        model = EagleModel.from_target(
+            load_model(target, field="models.target"),
+            1 + max(int(k.split(".")[2]) for k in state["model"] if k.startswith(
+                "decoder.layers.")),
+            input_norm="decoder.layers.0.input_layernorm.weight" in state["model"],
+            final_norm="decoder.norm.weight" in state["model"]).float()
+    else:
+        model = build_eagle(meta_from_dict(meta)).float()
     model.load_state_dict(state["model"])
     return save_eagle(model, Path(run_dir) / "eagle")
 
@@ -75,7 +90,7 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
     t1 = time.perf_counter()
     result = fit(task, cfg.scaling, storage, run_name, data_dir, prep.vocab, prep.eos,
                  tracker.run_id, tracker.uri if tracker.run_id else None)
-    final = save_final_eagle(result, prep.target, cfg.eagle.layers, storage / run_name)
+    final = save_final_eagle(result, prep.target, storage / run_name)
     export_final(cfg.output.export, final, prep.target, tracker, "distill_eagle")
     tracker.log_metrics({"train_s": time.perf_counter() - t1,
                          "final_step": result.metrics["step"],
@@ -95,4 +110,5 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
 def generate_features(cfg: Any, prep: Prepared, data_dir: Path, tracker,
                       losses: list[str]) -> None:
     """Stage 1: the ``feat`` / ``feat_tree`` shards ``losses`` need, on Ray actors."""
-    generate_logged(cfg, prep, data_dir, tracker, data_kinds(losses), "distill_eagle")
+    generate_logged(cfg, prep, data_dir, tracker, data_kinds(losses, cfg.eagle.version),
+                    "distill_eagle")

@@ -26,6 +26,7 @@ import os
 import resource
 import tempfile
 import time
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 import torch
@@ -141,8 +142,10 @@ def train_loop(config: dict) -> None:
                     metrics["val_ppl"] = float(torch.exp(torch.tensor(val_loss)))
                 if hasattr(task, "val_metrics"):  # e.g. an EAGLE drafter's top-1 agreement
                     metrics.update(task.val_metrics(core))
+                meta = getattr(core, "meta", None)  # a drafter's architecture (EAGLE)
                 torch.save({"model": core.state_dict(), "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": done,
+                            "meta": asdict(meta) if is_dataclass(meta) else None,
                             "scaler": scaler.state_dict() if scaler is not None else None},
                            Path(tmp) / "state.pt")
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)

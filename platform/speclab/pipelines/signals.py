@@ -247,10 +247,12 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
         for stale in folder.glob("*.tmp"):  # left by a writer killed mid-write
             stale.unlink(missing_ok=True)
         starts, length = plan_starts(d, seed, tokens, kind)
+        settings = data_kind(kind).settings
         _check_plan(folder, {"kind": kind, "examples": d.examples, "shard_size": d.shard_size,
                              "length": length, "seed": seed,
                              "starts_sha256": hashlib.sha256(
-                                 json.dumps(starts).encode()).hexdigest()})
+                                 json.dumps(starts).encode()).hexdigest(),
+                             **(settings(eagle) if settings else {})})
         rows = shard_rows(len(starts), d.shard_size)
         written[kind] = len(rows)
         inputs_of[kind] = (starts, length)

@@ -253,7 +253,7 @@ def eagle_trial(config: dict, *, base: dict, target: str, draft: str | None, dat
         cfg, cfg.train.steps, lambda train: EagleTaskConfig(train=train, eagle=cfg.eagle,
                                                             target=target),
         name, run_dir, data_dir, vocab, eos, held_out)
-    folder = save_final_eagle(result, target, cfg.eagle.layers, Path(run_dir) / "trials" / name)
+    folder = save_final_eagle(result, target, Path(run_dir) / "trials" / name)
     m = parse_method({**cfg.method.model_dump(exclude_none=True), "eagle_model": str(folder)})
     metrics.update(evaluate_method(cfg, target, draft, prompts, None, t_draft, t_target, m))
     metrics["objective"] = objective(metrics, base["sweep"])

@@ -59,30 +59,33 @@ def kd_example(target: ModelRunner, window: list[int], k: int) -> dict:
     return {"tokens": window, "topk_ids": ids, "topk_probs": probs}
 
 
-def feat_example(target: ModelRunner, window: list[int], k: int) -> dict:
-    """``window`` of L+1 tokens: the target's features ``[L, H]`` (float16 bytes) and
-    top-k at each of the inputs ``window[:L]``."""
-    row, _ = _feat_forward(target, window, k)
+def feat_example(target: ModelRunner, window: list[int], k: int, spec=None) -> dict:
+    """``window`` of L+1 tokens: the target's features ``[L, F]`` (float16 bytes) and
+    top-k at each of the inputs ``window[:L]``. ``spec``: which features
+    (:mod:`speclab.decoding.features`; None: the last layer's, ``F = H``; EAGLE-3's
+    fused layers: ``F = k * H``)."""
+    row, _ = _feat_forward(target, window, k, spec)
     return row
 
 
-def _feat_forward(target: ModelRunner, window: list[int], k: int
+def _feat_forward(target: ModelRunner, window: list[int], k: int, spec=None
                   ) -> tuple[dict, torch.Tensor]:
     """:func:`feat_example`'s row and the target's logits ``[L, V]`` (the cache then holds
     the ``L`` inputs)."""
     from speclab.train.eagle import encode_features
 
-    target.track_hidden()
+    target.track_hidden(spec)
     target.reset()
     logits = target.forward(torch.tensor(window[:-1], dtype=torch.long))  # [L, V]
     ids, probs = _topk(logits, k)
-    return {"tokens": window, "features": encode_features(target.hidden),
-            "hidden": int(target.hidden.shape[-1]), "topk_ids": ids,
+    feats = target.features(spec)
+    return {"tokens": window, "features": encode_features(feats),
+            "hidden": int(feats.shape[-1]), "topk_ids": ids,
             "topk_probs": probs}, logits
 
 
 def feat_forest_example(target: ModelRunner, window: list[int], k: int, top_k: int,
-                        depth: int) -> dict:
+                        depth: int, spec=None) -> dict:
     """A :func:`feat_example` plus, for TALF (SALF & TALF, Algorithm 1), a tree built by
     the target rooted at EVERY input ``x_r``, ``r = 1..L-1`` (``R = L - 1`` roots).
 
@@ -96,7 +99,7 @@ def feat_forest_example(target: ModelRunner, window: list[int], k: int, top_k: i
     root) and the target's top-``k`` distribution after each node, ``forest_ids`` (int32)
     and ``forest_probs`` (float16), ``[R, depth, top_k, k]``.
     """
-    row, logits = _feat_forward(target, window, k)
+    row, logits = _feat_forward(target, window, k, spec)
     length = len(window) - 1
     n_roots = length - 1
     roots = torch.arange(1, length)
@@ -269,13 +272,15 @@ class DataKind:
     ``input_len(distill)``: tokens of each input (a corpus window, prompt or context cut
     from the corpus); ``make(ctx, inputs, first)``: the rows (one per input, in order) of
     a chunk of inputs whose first is example number ``first``; ``needs_draft``: ``make``
-    uses ``ctx.draft`` (the job must pass a drafter)."""
+    uses ``ctx.draft`` (the job must pass a drafter); ``settings(eagle)``: the job settings
+    the rows depend on, stamped into the shards' plan (shards made otherwise are refused)."""
 
     name: str
     input_len: Callable[[Any], int]
     make: Callable[[SignalContext, list[list[int]], int], list[dict]]
     needs_draft: bool = False
     doc: str = ""
+    settings: Callable[[Any], dict] | None = None  # job's eagle group -> the plan's extras
 
 
 _DATA_KINDS: dict[str, DataKind] = {}
@@ -329,6 +334,28 @@ def _make_feat_tree(ctx: SignalContext, inputs: list[list[int]], first: int) -> 
             for x in inputs]
 
 
+def fused_spec(eagle) -> object:
+    """The features EAGLE-3 data holds: ``eagle.feature_layers`` or the paper's default."""
+    layers = getattr(eagle, "feature_layers", None)
+    return tuple(layers) if layers else "eagle3"
+
+
+def _fused_settings(eagle) -> dict:
+    return {"feature_layers": list(fused_spec(eagle)) if eagle is not None and
+            getattr(eagle, "feature_layers", None) else "eagle3"}
+
+
+def _make_feat3(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    return [feat_example(ctx.target, x, ctx.distill.top_k, fused_spec(ctx.eagle))
+            for x in inputs]
+
+
+def _make_feat3_tree(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    e = ctx.eagle
+    return [feat_forest_example(ctx.target, x, ctx.distill.top_k, e.talf_top_k, e.talf_depth,
+                                fused_spec(e)) for x in inputs]
+
+
 def _make_medusa(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
     d = ctx.distill
     return medusa_examples(ctx.target, inputs, d.response_len, d.top_k)
@@ -360,6 +387,10 @@ BUILTIN_KINDS: tuple[DataKind, ...] = (
     DataKind("feat", _window, _make_feat, doc="windows + the target's features and top-k"),
     DataKind("feat_tree", _window, _make_feat_tree,
              doc="feat windows + a target-built beam tree at every position (TALF)"),
+    DataKind("feat3", _window, _make_feat3, settings=_fused_settings,
+             doc="windows + the target's fused layer features (EAGLE-3) and top-k"),
+    DataKind("feat3_tree", _window, _make_feat3_tree, settings=_fused_settings,
+             doc="feat3 windows + a target-built beam tree at every position (EAGLE-3 TALF)"),
     DataKind("medusa", _prompt, _make_medusa,
              doc="prompts + greedy continuations with the target's features (Medusa)"),
 )

@@ -38,6 +38,19 @@ counts the earlier ones, whose context is the sequence start). As in HASS the fe
 features are detached (``hass_detach``; False keeps their graph, a variant) and the step
 losses are summed (``hass_reduce: sum``; ``mean`` averages them, a variant).
 
+EAGLE-3 (``eagle3``, an :class:`~speclab.models.eagle3.Eagle3Model`): the drafter reads
+the FUSED features of the target's chosen layers (``feat3`` data) and has no regression
+target; its training-time test is :func:`hass_forward` over ``ttt_steps`` steps (step
+``s`` feeds pair ``j`` the drafter's own step ``s - 1`` output at ``j - 1``, with the same
+per-step key/value sets, so each step sees exactly what decoding at depth ``s - 1``
+sees), the fed-back outputs NOT detached (EAGLE-3 back-propagates through them) and the
+steps' cross-entropies to the target's distribution summed with weights ``ttt_decay **
+(s - 1)`` (0.8 in EAGLE-3's code), over positions ``j >= s - 1``. With a draft vocabulary
+the target's kept top-k is restricted to it and renormalised, as EAGLE-3 restricts the
+target's distribution (:func:`draft_vocab_targets`). No feature noise (EAGLE-3 adds
+none). TALF applies unchanged (:func:`talf_logits` runs depth by depth on a cache, so
+pass 0 may read fused features and later passes the drafter's own).
+
 Feature noise (EAGLE's and HASS's ``AddUniformNoise(std=0.2)``): in training, ``eagle`` and
 ``hass`` add ``(U[0, 1) - 0.5) * feature_noise * ref / L`` to the target features the
 drafter READS (``L`` the window's positions, ``ref`` 512 as in their code:
@@ -158,7 +171,39 @@ def talf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.T
     over the ``T`` roots' and ``R * D * k`` nodes' next tokens to the target's kept top-K
     (renormalised), from :func:`talf_logits`, averaged with :func:`talf_weights`."""
     logits, ids, probs = talf_logits(model, batch)
+    probs = draft_vocab_targets(model, ids, probs)
     return losses.soft_ce(logits, ids, probs, talf_weights(batch).to(logits.device))
+
+
+def draft_vocab_targets(model: torch.nn.Module, ids: torch.Tensor, probs: torch.Tensor
+                        ) -> torch.Tensor:
+    """The target's kept probabilities ``probs [..., K]`` at ``ids [..., K]`` with the
+    entries outside the drafter's draft vocabulary (an EAGLE-3 ``t2d``) zeroed (the losses
+    renormalise what is left); unchanged for a drafter over the whole vocabulary."""
+    t2d = getattr(model, "t2d", None)
+    if t2d is None or bool(t2d.all()):
+        return probs
+    return probs * t2d.to(ids.device)[ids].to(probs.dtype)
+
+
+def eagle3_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: int = 7,
+                decay: float = 0.8) -> torch.Tensor:
+    """EAGLE-3's training-time test on a :func:`collate_feat` batch of fused features
+    (the module docstring): ``sum_s decay ** (s - 1) * CE_s`` over ``steps`` steps of
+    :func:`hass_forward` (fed-back outputs not detached), ``CE_s`` the cross-entropy to the
+    target's kept top-k (restricted to the draft vocabulary) at pairs ``j >= s - 1``.
+    ``features [B, L, F]``, ``tokens [B, L + 1]``, ``topk_ids/probs [B, L, K]``."""
+    tokens, feats = batch["tokens"], batch["features"]
+    b, length, _ = feats.shape
+    t = length - 1
+    ids = batch["topk_ids"][:, 1:]
+    probs = draft_vocab_targets(model, ids, batch["topk_probs"][:, 1:])
+    outputs = hass_forward(model, feats[:, :-1], tokens[:, 1:length], min(steps, t), False)
+    total = 0.0
+    for s, (_, logits) in enumerate(outputs, start=1):
+        valid = (torch.arange(t, device=feats.device) >= s - 1).float().expand(b, t)
+        total = total + decay ** (s - 1) * losses.soft_ce(logits, ids, probs, valid)
+    return total
 
 
 def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
@@ -170,20 +215,24 @@ def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     Pass 0 runs the ``T = L - 1`` context pairs with the target's features (pair ``j``'s
     token ``x_{j+1}`` is the root of tree ``j``); pass ``d`` adds the depth-``d`` nodes,
     whose inputs are the previous pass's outputs at their parents, and scores them."""
+    from transformers import DynamicCache
+
     tokens, feats = batch["tokens"], batch["features"]
-    b, length, hidden = feats.shape
+    b, length, _ = feats.shape
     t = length - 1
     f_tok, parents, roots = (batch["forest_tokens"], batch["forest_parents"],
                              batch["forest_roots"])  # [B, R, D, k], [B, R]
     _, n_roots, depth, k = f_tok.shape
     width = n_roots * k
     allowed = forest_mask(parents, roots, t)
-    neg = torch.finfo(feats.dtype).min
+    neg = torch.finfo(model.fc.weight.dtype).min
     ctx_pos = torch.arange(t, device=feats.device).expand(b, t)
     node_pos = (roots[:, :, None] + 1).expand(b, n_roots, k).reshape(b, width)  # depth 1
-    inp_f, inp_x, pos = [feats[:, :-1]], [tokens[:, 1:length]], [ctx_pos]
-    out_f, logits = model(inp_f[0], inp_x[0], position_ids=ctx_pos)
+    cache = DynamicCache()  # pass d appends its nodes; earlier outputs never change
+    out_f, logits = model(feats[:, :-1], tokens[:, 1:length], position_ids=ctx_pos,
+                          past_key_values=cache, use_cache=True)
     scored, prev = [logits], out_f  # prev: the last pass's outputs at the newest nodes
+    hidden = out_f.shape[-1]  # the drafter's own width (EAGLE-3 reads wider features)
     for d in range(depth):
         if d == 0:  # depth 1: fed the output at the root's pair
             idx = roots[:, :, None].expand(b, n_roots, hidden)
@@ -191,16 +240,13 @@ def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
         else:
             idx = parents[:, :, d, :, None].expand(b, n_roots, k, hidden)
             parent_out = prev.view(b, n_roots, k, hidden).gather(2, idx)
-        inp_f.append(parent_out.reshape(b, width, hidden))
-        inp_x.append(f_tok[:, :, d].reshape(b, width))
-        pos.append(node_pos + d)
-        size = t + (d + 1) * width
-        mask = torch.zeros(b, 1, size, size, dtype=feats.dtype, device=feats.device)
-        mask.masked_fill_(~allowed[:, None, :size, :size], neg)
-        out_f, logits = model(torch.cat(inp_f, 1), torch.cat(inp_x, 1),
-                              position_ids=torch.cat(pos, 1), attention_mask=mask)
-        prev = out_f[:, -width:]
-        scored.append(logits[:, -width:])
+        start, size = t + d * width, t + (d + 1) * width
+        mask = torch.zeros(b, 1, width, size, dtype=out_f.dtype, device=feats.device)
+        mask.masked_fill_(~allowed[:, None, start:size, :size], neg)
+        prev, logits = model(parent_out.reshape(b, width, hidden),
+                             f_tok[:, :, d].reshape(b, width), position_ids=node_pos + d,
+                             attention_mask=mask, past_key_values=cache, use_cache=True)
+        scored.append(logits)
     k_top = batch["forest_ids"].shape[-1]
     ids = torch.cat([batch["topk_ids"][:, 1:]]
                     + [batch["forest_ids"][:, :, d].reshape(b, width, k_top)
@@ -246,7 +292,11 @@ def hass_forward(model: torch.nn.Module, features: torch.Tensor, input_ids: torc
                  use_cache=True)]
     for s in range(2, steps + 1):
         prev = out[-1][0]
-        fed = torch.cat([features[:, :1].to(prev.dtype), prev[:, :-1]], 1)  # pair j <- j-1
+        # pair j <- j-1; pair 0 has no own output (EAGLE-3: its features are wider), and
+        # only rows the loss skips (j < s - 1) ever see it
+        first = (features[:, :1].to(prev.dtype) if features.shape[-1] == prev.shape[-1]
+                 else torch.zeros_like(prev[:, :1]))
+        fed = torch.cat([first, prev[:, :-1]], 1)
         if detach:
             fed = fed.detach()
         allowed = hass_step_mask(t, s, features.device)
@@ -322,8 +372,10 @@ def engine_acceptance(target: torch.nn.Module, model: torch.nn.Module, prompts: 
                       max_new_tokens: int, depth: int = 5) -> dict[str, float]:
     """:func:`~speclab.train.engine_probe.engine_figures` of greedy EAGLE-2 decoding
     (``tree_top_k`` 4, ``depth``, 16 nodes) with the drafter as it is now."""
+    from speclab.decoding.drafting import DraftTraits
     from speclab.drafters.eagle import EagleDrafter
     from speclab.train.engine_probe import engine_figures
 
+    traits = DraftTraits(needs_features=True, feature_layers=model.meta.feature_layers)
     return engine_figures(target, lambda: EagleDrafter(model, top_k=4, depth=depth, nodes=16),
-                          prompts, max_new_tokens, depth)
+                          prompts, max_new_tokens, depth, traits)

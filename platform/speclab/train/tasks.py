@@ -349,8 +349,10 @@ class EagleTask:
     shard held out), from scratch or from the drafter in ``eagle.init_from``."""
 
     def __init__(self, cfg: EagleTaskConfig, data_dir: Path, device: torch.device) -> None:
+        from speclab.pipelines.eagle import data_kind_of
+
         self.tr, self.e, self.target, self.device = cfg.train, cfg.eagle, cfg.target, device
-        self.kind = "feat_tree" if self.e.loss == "talf" else "feat"
+        self.kind = data_kind_of(self.e.loss, self.e.version)
         shards = sorted((Path(data_dir) / self.kind).glob("shard-*.parquet"))
         if len(shards) < 2:
             raise ValueError(f"distill: need >= 2 {self.kind} shards (one is held out), "
@@ -360,15 +362,20 @@ class EagleTask:
 
     def build_model(self) -> torch.nn.Module:
         from speclab.models.eagle import EagleModel, load_init
+        from speclab.models.eagle3 import Eagle3Model
         from speclab.models.loading import load_model
 
         # the target on the worker's device: the engine probe feeds it the drafter's inputs
         self.target_model = load_model(self.target, field="models.target").to(self.device)
-        model = EagleModel.from_target(self.target_model, self.e.layers, self.e.norms,
-                                       self.e.norms).float()
-        if self.e.init_from:
-            start = load_init(self.e.init_from, self.target_model.config, self.e.layers,
-                              norms=self.e.norms)
+        e = self.e
+        if e.version == 3:  # the draft vocabulary: the data's most frequent target tokens
+            ids = draft_vocabulary(self.train, e.draft_vocab) if e.draft_vocab else None
+            model = Eagle3Model.from_target(self.target_model, e.feature_layers, ids).float()
+        else:
+            model = EagleModel.from_target(self.target_model, e.layers, e.norms,
+                                           e.norms).float()
+        if e.init_from:
+            start = load_init(e.init_from, self.target_model.config, e)
             model.load_state_dict(start.float().state_dict())
         return model
 
@@ -389,7 +396,7 @@ class EagleTask:
         g = _gen(self.tr.seed, step, rank)
         idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
         batch = self._collate([self.train[i] for i in idx], g)
-        if self.kind == "feat" and self.e.feature_noise > 0:
+        if self.e.loss in ("eagle", "hass") and self.e.feature_noise > 0:
             batch["feature_noise"] = feature_noise(
                 batch["features"].shape, self.e.feature_noise, self.e.feature_noise_len,
                 g).to(self.device)
@@ -400,11 +407,13 @@ class EagleTask:
         return self._collate(self.val[: self.tr.batch_size * 4], _gen(self.tr.seed, -1, 0))
 
     def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        from speclab.train.eagle import eagle_loss, talf_loss
+        from speclab.train.eagle import eagle3_loss, eagle_loss, talf_loss
 
         e = self.e
         if e.loss == "talf":
             return talf_loss(model, batch)
+        if e.loss == "eagle3":
+            return eagle3_loss(model, batch, e.ttt_steps, e.ttt_decay)
         return eagle_loss(model, batch, e.loss, e.w_reg, e.w_cls, e.hass_k, e.hass_steps,
                           e.w_topk, e.hass_detach, e.hass_reduce)
 
@@ -434,6 +443,27 @@ class EagleTask:
                                          self.e.engine_tokens))
         model.train()
         return out
+
+
+def draft_vocabulary(rows: list[dict], size: int) -> torch.Tensor:
+    """EAGLE-3's draft vocabulary: the ``size`` target tokens most frequent in the
+    training ``rows`` (``feat`` rows: the target's top-1 prediction at every position,
+    then the window's tokens), ties to the lower id, then the lowest unseen ids; ``[size]``
+    ascending. Every rank computes the same from the same rows."""
+    from collections import Counter
+
+    counts: Counter = Counter()
+    for r in rows:
+        counts.update(int(ids[0]) for ids in r["topk_ids"])
+    seen = Counter(int(t) for r in rows for t in r["tokens"])
+    ranked = sorted(set(counts) | set(seen), key=lambda t: (-counts[t], -seen[t], t))
+    chosen = ranked[:size]
+    t = 0
+    while len(chosen) < size:  # fewer distinct tokens than the vocabulary asked for
+        if t not in counts and t not in seen:
+            chosen.append(t)
+        t += 1
+    return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
 class MedusaTask:
