@@ -69,6 +69,16 @@ class _Round:
     features: torch.Tensor | None
 
 
+def features_wire(traits) -> bool | list | str:
+    """The features a method's drafter asks the target for, as they travel in
+    ``start_rows``: False (none), True (the last layer's) or an EAGLE-3 drafter's layers
+    (a list of hidden-state indices, or ``"eagle3"``: the paper's default)."""
+    if not traits.needs_features:
+        return False
+    spec = traits.feature_layers
+    return True if spec is None else spec if isinstance(spec, str) else list(spec)
+
+
 def check_feature_drafters(resources: dict, target_vocab: int,
                            target_source: str | None = None) -> None:
     """At load, refuse an EAGLE drafter or Medusa heads (loaded into ``resources``) that
@@ -79,11 +89,11 @@ def check_feature_drafters(resources: dict, target_vocab: int,
     model); without it, the vocabulary (``target_vocab``) alone."""
     from types import SimpleNamespace
 
-    from speclab.models.eagle import EagleModel
+    from speclab.models.eagle import is_eagle_model
     from speclab.models.medusa import MedusaHeads
 
-    drafters = [(m, "eagle_model" if isinstance(m, EagleModel) else "medusa_model")
-                for m in resources.values() if isinstance(m, EagleModel | MedusaHeads)]
+    drafters = [(m, "eagle_model" if is_eagle_model(m) else "medusa_model")
+                for m in resources.values() if is_eagle_model(m) or isinstance(m, MedusaHeads)]
     if not drafters:
         return
     if target_source is None:
@@ -97,7 +107,7 @@ def check_feature_drafters(resources: dict, target_vocab: int,
 
     config = AutoConfig.from_pretrained(target_source, trust_remote_code=False)
     for model, field in drafters:
-        if isinstance(model, EagleModel):
+        if is_eagle_model(model):
             model.meta.check_target(config, field)
         else:
             fingerprint = _lm_head_fingerprint(target_source, config) \
@@ -166,7 +176,9 @@ class DraftDeployment(RequestStates):
         traits = self.cfg.traits()  # declared by the method's config
         self.drafting = traits.drafting  # False: plain decoding (the empty drafter)
         self.prefill_top_k = traits.prefill_top_k
-        self.features = traits.needs_features
+        # what the target returns with each verdict: False, True (the last layer's
+        # features) or the layers an EAGLE-3 drafter fuses (a list, or "eagle3")
+        self.features = features_wire(traits)
         self.rule = traits.rule.to_dict() if traits.rule else None
         super().__init__(max_sessions, max_cached_tokens, idle_timeout_s)
         self.pool = DraftPool(self._make)

@@ -56,7 +56,7 @@ class _Starts:
     source: str
     rows: list[dict]
     prefill_top_k: int
-    features: bool
+    features: bool | list | str  # serve_apps.draft.features_wire
 
 
 @dataclass
@@ -161,9 +161,14 @@ class TargetDeployment(RequestStates):
                                        echo=bool(r.get("echo")))))
             except (ValueError, TypeError, KeyError) as exc:
                 replies[j] = row_error(ValueError(str(exc)))
-        if step.features and not self.pool.features:
-            self.pool.track_features()
-        started = self.pool.start([r for _, r in rows], step.prefill_top_k) if rows else []
+        spec = None if step.features is True else step.features  # True: the last layer's
+        if step.features:
+            try:  # hooks for layers not tracked yet (an EAGLE-3 drafter's)
+                self.pool.track_features(spec)
+            except (ValueError, TypeError) as exc:
+                return [row_error(ValueError(f"features: {exc}")) for _ in step.rows]
+        started = (self.pool.start([r for _, r in rows], step.prefill_top_k,
+                                   spec if step.features else True) if rows else [])
         for (j, row), p in zip(rows, started, strict=True):
             self.sources[row.rid] = step.source
             self.sessions.put(row.rid, PoolRow(self.pool, row.rid), release_old=False)
@@ -177,12 +182,13 @@ class TargetDeployment(RequestStates):
 
     # ------------------------------------------------------------------ a draft replica's calls
     async def start_rows(self, key: str, source: str, rows: list[dict], prefill_top_k: int = 0,
-                         features: bool = False) -> list[dict]:
+                         features: bool | list | str = False) -> list[dict]:
         """Prefill new requests (``rows``: ``rid``, ``prompt_ids``, ``sampling``, ``rule``,
         ``seed``) of ``source`` (the calling draft replica). Per row ``top``: the
         ``prefill_top_k`` best tokens per prompt position (AASD) and ``features``: the
-        prefill's packed ``[P-1, H]`` last-layer features (feature drafters), or an
-        ``error`` entry."""
+        prefill's packed ``[P-1, F]`` features (feature drafters: ``features`` True for the
+        last layer's, a list of layers or ``"eagle3"`` for EAGLE-3's fused ones, returned
+        with every verdict too), or an ``error`` entry."""
         return await self.batcher.submit(_Starts(source, rows, prefill_top_k, features), source)
 
     async def verify_rows(self, key: str, source: str, items: list) -> list[dict]:

@@ -22,13 +22,19 @@ from tests.integration.test_serve import (  # noqa: F401
 pytestmark = pytest.mark.integration
 
 
-def test_eagle_served_with_features_crossing_deployments(tmp_path, tiny):  # noqa: F811
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_served_with_features_crossing_deployments(tmp_path, tiny, version):  # noqa: F811
+    """EAGLE-1/2 and EAGLE-3 (the target returns the fused features of the layers the
+    draft replica's drafter names; a draft vocabulary of the 32 most frequent tokens)."""
     from speclab.api import Decoder
     from speclab.models.eagle import save_eagle
     from tests.unit.test_eagle import _train
+    from tests.unit.test_eagle3 import train_eagle3
 
     target, _ = tiny
-    folder = save_eagle(_train(target, 120)[0], tmp_path / "eagle")
+    model = (_train(target, 120)[0] if version == 1 else
+             train_eagle3(target, 80, 32))
+    folder = save_eagle(model, tmp_path / "eagle")
     knobs = {"tree_top_k": 3, "depth": 4, "nodes": 10}
     dec = Decoder.from_pretrained(target)
     want = dec.generate(PROMPTS[0], method="eagle", eagle_model=str(folder),

@@ -48,6 +48,28 @@ def _rows(target, windows: int = 24, length: int = 17, seed: int = 0, spec="eagl
     return rows
 
 
+def train_eagle3(target_dir: str, steps: int = 60, draft_vocab: int = 0) -> Eagle3Model:
+    """An EAGLE-3 drafter trained ``steps`` steps (loss ``eagle3``, 3 TTT steps) on the
+    target's fused features over its own greedy continuations, with a draft vocabulary
+    of the ``draft_vocab`` most frequent target tokens (0: all; also used by Serve's
+    tests)."""
+    from speclab.train.tasks import draft_vocabulary
+
+    target = load_model(target_dir)
+    rows = _rows(target, windows=24, length=17)
+    batch = collate_feat(rows)
+    torch.manual_seed(0)
+    ids = draft_vocabulary(rows, draft_vocab) if draft_vocab else None
+    model = Eagle3Model.from_target(target, None, ids).float()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        loss = eagle3_loss(model, batch, steps=3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
 def test_layer_specs_and_the_default_layers():
     assert eagle3_layers(32) == (2, 16, 29)
     assert eagle3_layers(6) == (2, 3, 3)
