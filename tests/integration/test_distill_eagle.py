@@ -20,24 +20,30 @@ pytestmark = pytest.mark.integration
 CONFIG = "experiments/smoke/distill_eagle.yaml"
 
 
+@pytest.mark.parametrize("config,name,kind", [
+    (CONFIG, "speclab-smoke-eagle", "feat"),
+    ("experiments/smoke/distill_eagle3.yaml", "speclab-smoke-eagle3", "feat3")])
 def test_eagle_drafter_trained_registered_and_served_by_the_cli(job_env, tmp_path,
-                                                               monkeypatch):
-    res = run_cmd([python(), "-m", "jobs.distill_eagle", "--config", CONFIG,
+                                                               monkeypatch, config, name, kind):
+    """EAGLE (HASS loss) and EAGLE-3 (fused layer features, a 128-token draft vocabulary,
+    the training-time test): trained, registered, evaluated, then decoded by the CLI from
+    the registry (the CLI reads an EAGLE-3 drafter's layers from its folder)."""
+    res = run_cmd([python(), "-m", "jobs.distill_eagle", "--config", config,
                    f"output.storage_path={tmp_path / 'runs'}", "tracking.experiment=e"],
                   job_env)
     assert res.returncode == 0, res.stderr[-3000:]
-    uri = "models:/speclab-smoke-eagle/1"
+    uri = f"models:/{name}/1"
     assert f"registered as {uri}" in res.stdout
     client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "e")
     m = run.data.metrics
-    assert m["final_step"] == 20 and m["shards.feat"] == 2 and 0 <= m["final_val_top1"] <= 1
+    assert m["final_step"] == 20 and m[f"shards.{kind}"] == 2 and 0 <= m["final_val_top1"] <= 1
     for key in ("val_top1", "engine_tau", "engine_accept_at_1"):  # next to the loss curve
         assert [h.step for h in client.get_metric_history(run.info.run_id, key)] == [10, 20]
     assert m["engine_tau"] >= 1.0 and m["final_engine_tau"] == m["engine_tau"]
     evals = method_children(client, run)
     assert "eagle-salf" in evals, sorted(evals)
     assert all(c.data.metrics["identical_to_ar"] == 1.0 for c in evals.values())
-    assert client.get_model_version("speclab-smoke-eagle", "1").run_id == run.info.run_id
+    assert client.get_model_version(name, "1").run_id == run.info.run_id
 
     from speclab.api import Decoder
     from speclab.models.registry import ensure_tiny_pair
@@ -59,6 +65,11 @@ def test_eagle_drafter_trained_registered_and_served_by_the_cli(job_env, tmp_pat
     (["eagle.loss=medusa"], "eagle.loss"),
     (["eagle.w_cls=-1"], "eagle.w_cls"),
     (["methods=[{name: eagle, builder: beam}]"], "builder"),
+    (["eagle.version=3"], "eagle: loss: 'hass' regresses"),
+    (["eagle.version=3", "eagle.loss=eagle3", "eagle.draft_vocab=100000"],
+     "eagle.draft_vocab: 100000 is not in [0,"),
+    (["eagle.version=3", "eagle.loss=eagle3", "eagle.feature_layers=[1, 99]"],
+     "eagle.feature_layers: layer indices [99]"),
 ])
 def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
     refused_before_work("distill_eagle", CONFIG, overrides, message, job_env,

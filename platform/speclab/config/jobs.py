@@ -319,7 +319,15 @@ class CompareEagleJob(DistillEagleJob):
     distill: DistillConfig = DistillConfig(top_k=16)
 
     def eagle_losses(self) -> list[str]:
-        return list(self.compare.losses)
+        from speclab.config.schema import EAGLE_COMPARE_ROWS
+
+        return [EAGLE_COMPARE_ROWS[row][1] for row in self.compare.losses]
+
+    @model_validator(mode="after")
+    def _rows_train(self):
+        for row in self.compare.losses:  # each row's eagle group, EAGLE-3's settings too
+            self.compare.row_eagle(row, self.eagle)
+        return self
 
 
 class TrainMedusaJob(_Trains, _Evaluates):

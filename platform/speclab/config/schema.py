@@ -374,15 +374,38 @@ class MedusaTrainConfig(StrictModel):
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
 
 
-class EagleCompareConfig(StrictModel):
-    """``compare_eagle``: the EAGLE-family losses trained one after another on the same
-    data. ``finetune_steps`` 0: each loss trains from scratch for ``train.steps``; > 0: an
-    EAGLE-loss base drafter trains for ``train.steps``, then every loss continues from it
-    for ``finetune_steps`` (the SALF & TALF paper's protocol, equal budgets)."""
+#: ``compare.losses`` rows -> (the drafter's ``eagle.version``, its ``eagle.loss``)
+EAGLE_COMPARE_ROWS = {"eagle": (1, "eagle"), "hass": (1, "hass"), "talf": (1, "talf"),
+                      "eagle3": (3, "eagle3"), "eagle3_talf": (3, "talf")}
 
-    losses: list[Literal["eagle", "hass", "talf"]] = Field(
+
+class EagleCompareConfig(StrictModel):
+    """``compare_eagle``: the EAGLE-family drafters trained one after another on the same
+    windows. Rows (:data:`EAGLE_COMPARE_ROWS`): ``eagle``, ``hass``, ``talf`` (EAGLE-1/2
+    drafters) and ``eagle3``, ``eagle3_talf`` (EAGLE-3 drafters, trained with the
+    ``eagle`` group updated by ``eagle3``, e.g. ``{draft_vocab: 512, ttt_steps: 7}``).
+    ``finetune_steps`` 0: each row trains from scratch for ``train.steps``; > 0: a base
+    drafter per version (loss ``eagle``, resp. ``eagle3``) trains for ``train.steps``, then
+    every row continues from its version's base for ``finetune_steps`` (the SALF & TALF
+    paper's protocol, equal budgets)."""
+
+    losses: list[Literal["eagle", "hass", "talf", "eagle3", "eagle3_talf"]] = Field(
         default_factory=lambda: ["eagle", "hass", "talf"], min_length=1)
     finetune_steps: int = Field(0, ge=0)
+    eagle3: dict = Field(default_factory=dict, description="eagle.* settings of the EAGLE-3 "
+                         "rows (feature_layers, draft_vocab, ttt_steps, ttt_decay)")
+
+    def row_eagle(self, row: str, eagle: EagleTrainConfig, **update) -> EagleTrainConfig:
+        """The validated ``eagle`` group of compare row ``row`` (its version and loss;
+        EAGLE-3 rows with ``eagle3``'s settings), updated with ``update``."""
+        version, loss = EAGLE_COMPARE_ROWS[row]
+        data = {**eagle.model_dump(), "version": version, "loss": loss, **update}
+        if version == 3:
+            data.update(self.eagle3)
+        try:
+            return EagleTrainConfig.model_validate(data)
+        except ValueError as exc:
+            raise ValueError(f"compare.eagle3 (row {row!r}): {exc}") from None
 
 
 class CompareConfig(StrictModel):

@@ -1,15 +1,17 @@
-"""Compare EAGLE-family losses: the SALF & TALF paper's Table 2 shape on EAGLE drafters
-(loss ``eagle`` / ``hass`` / ``talf`` x tree method -> tau, speedup, acceptance per draft
-position).
+"""Compare EAGLE-family drafters: the SALF & TALF paper's Table 2 shape on EAGLE drafters
+(row ``eagle`` / ``hass`` / ``talf`` / ``eagle3`` / ``eagle3_talf`` x tree method -> tau,
+speedup, acceptance per draft position).
 
     python -m jobs.compare_eagle --config experiments/compare_eagle.yaml [key=value ...]
 
-The target's ``feat`` (and, for ``talf``, ``feat_tree``) shards are generated once into
-a shared folder. With ``compare.finetune_steps`` 0 every loss in ``compare.losses`` trains
-a drafter from scratch for ``train.steps``; with ``finetune_steps`` > 0 an EAGLE-loss base
-drafter trains for ``train.steps`` first and every loss then continues from it for
-``finetune_steps`` (the paper trains HASS and TALF on top of an EAGLE-trained drafter;
-here the ``eagle`` row gets the same extra steps, so budgets are equal). Each drafter is
+The target's ``feat`` (and, for ``talf``, ``feat_tree``; for EAGLE-3 rows the fused
+``feat3`` / ``feat3_tree``) shards are generated once into a shared folder. With
+``compare.finetune_steps`` 0 every row in ``compare.losses`` trains a drafter from scratch
+for ``train.steps``; with ``finetune_steps`` > 0 a base drafter per version (EAGLE loss,
+EAGLE-3 loss) trains for ``train.steps`` first and every row then continues from its
+version's base for ``finetune_steps`` (the paper trains HASS and TALF on top of an
+EAGLE-trained drafter; here the ``eagle`` and ``eagle3`` rows get the same extra steps, so
+budgets are equal). EAGLE-3 rows take ``compare.eagle3``'s settings. Each drafter is
 registered (``output.register_as``-<loss>) and evaluated with every method in ``methods``
 (``eagle`` methods use it). Each loss is an MLflow child run of the comparison's parent
 run, which gets the table (``loss_comparison.csv/json/txt``), tau per loss and method,
@@ -22,6 +24,7 @@ from __future__ import annotations
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.comparison import comparison_rows, log_comparison
 from speclab.pipelines.eagle import (
+    data_kind_of,
     generate_features,
     prepare_eagle,
     train_register_evaluate_eagle,
@@ -38,35 +41,39 @@ def main(argv: list[str] | None = None) -> int:
     data_dir = storage / run_name / "data"
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[compare_eagle] running on {where}; run dir {storage / run_name}", flush=True)
-    losses, finetune = cfg.compare.losses, cfg.compare.finetune_steps
+    rows, finetune = cfg.compare.losses, cfg.compare.finetune_steps
+    eagles = {row: cfg.compare.row_eagle(row, cfg.eagle) for row in rows}
+    versions = sorted({e.version for e in eagles.values()})
+    base_loss = {1: "eagle", 3: "eagle3"}  # the base drafter of each version
     table: list[dict] = []
     with tracker as parent:
         parent.set_tags({"job": "compare_eagle", "target": prep.target})
-        generate_features(cfg, prep, data_dir, parent, ["eagle", *losses] if finetune
-                          else losses)
-        init_from = cfg.eagle.init_from
+        kinds = {data_kind_of(e.loss, e.version) for e in eagles.values()}
         if finetune:
-            base = cfg.model_copy(update={"eagle": cfg.eagle.model_copy(
-                update={"loss": "eagle"})})
-            print("[compare_eagle] === eagle base ===", flush=True)
-            with parent.child(f"{cfg.name}-base", base.model_dump(mode="json")) as child:
-                child.set_tags({"loss": "eagle", "stage": "base"})
-                init_from, _ = train_register_evaluate_eagle(
-                    base, prep, storage, f"{run_name}-base", data_dir, child, None,
+            kinds |= {data_kind_of(base_loss[v], v) for v in versions}
+        generate_features(cfg, prep, data_dir, parent, kinds)
+        init_from = {v: cfg.eagle.init_from for v in versions}
+        for v in versions if finetune else []:
+            name = base_loss[v]
+            base = cfg.model_copy(update={"eagle": cfg.compare.row_eagle(name, cfg.eagle)})
+            print(f"[compare_eagle] === {name} base ===", flush=True)
+            with parent.child(f"{cfg.name}-base-{name}", base.model_dump(mode="json")) as child:
+                child.set_tags({"loss": name, "stage": "base"})
+                init_from[v], _ = train_register_evaluate_eagle(
+                    base, prep, storage, f"{run_name}-base-{name}", data_dir, child, None,
                     evaluate=False)
-        for loss in losses:
+        for row in rows:
+            e = eagles[row]
             train = cfg.train.model_copy(update={"steps": finetune}) if finetune else cfg.train
-            sub = cfg.model_copy(update={
-                "train": train,
-                "eagle": cfg.eagle.model_copy(update={"loss": loss, "init_from": (
-                    str(init_from) if init_from else None)})})
-            register = f"{cfg.output.register_as}-{loss}" if cfg.output.register_as else None
-            print(f"[compare_eagle] === {loss} ===", flush=True)
-            with parent.child(f"{cfg.name}-{loss}", sub.model_dump(mode="json")) as child:
-                child.set_tags({"loss": loss})
-                _, rows = train_register_evaluate_eagle(sub, prep, storage,
-                                                        f"{run_name}-{loss}", data_dir,
-                                                        child, register)
-            table += comparison_rows(loss, rows)  # methods keep their configured names
+            start = init_from[e.version]
+            sub = cfg.model_copy(update={"train": train, "eagle": cfg.compare.row_eagle(
+                row, cfg.eagle, init_from=str(start) if start else None)})
+            register = f"{cfg.output.register_as}-{row}" if cfg.output.register_as else None
+            print(f"[compare_eagle] === {row} ===", flush=True)
+            with parent.child(f"{cfg.name}-{row}", sub.model_dump(mode="json")) as child:
+                child.set_tags({"loss": row})
+                _, got = train_register_evaluate_eagle(sub, prep, storage, f"{run_name}-{row}",
+                                                       data_dir, child, register)
+            table += comparison_rows(row, got)  # methods keep their configured names
         log_comparison(parent, table)
     return 0

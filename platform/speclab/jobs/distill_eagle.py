@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.eagle import (
+    data_kinds,
     generate_features,
     prepare_eagle,
     train_register_evaluate_eagle,
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     with tracker as t:
         t.set_tags({"job": "distill_eagle", "run_dir": str(storage / run_name),
                     "target": prep.target, "loss": cfg.eagle.loss})
-        generate_features(cfg, prep, data_dir, t, [cfg.eagle.loss])
+        generate_features(cfg, prep, data_dir, t, data_kinds([cfg.eagle.loss],
+                                                            cfg.eagle.version))
         train_register_evaluate_eagle(cfg, prep, storage, run_name, data_dir, t,
                                       cfg.output.register_as)
     return 0

@@ -329,12 +329,28 @@ def record(cfg: TuneJob, results, tracker, sweep_dir: Path,
     return best
 
 
+def _swept(cfg: TuneJob, field: str, default) -> list:
+    swept = cfg.sweep.space.get(field)
+    values = list((swept.grid or swept.choice or []) if swept is not None else [])
+    return list(dict.fromkeys([default, *values]))
+
+
 def swept_losses(cfg: TuneJob) -> list[str]:
     """The EAGLE-family losses an ``eagle`` sweep may train (``eagle.loss`` and the
     values of a swept ``eagle.loss``), so their data is generated once up front."""
-    swept = cfg.sweep.space.get("eagle.loss")
-    values = list((swept.grid or swept.choice or []) if swept is not None else [])
-    return list(dict.fromkeys([cfg.eagle.loss, *values]))
+    return _swept(cfg, "eagle.loss", cfg.eagle.loss)
+
+
+def swept_eagle_kinds(cfg: TuneJob) -> set[str]:
+    """The data kinds an ``eagle`` sweep's trials read: every swept loss with every
+    swept ``eagle.version`` that can train it (EAGLE-3 trains ``eagle3`` and ``talf``,
+    EAGLE-1/2 every loss but ``eagle3``; a combination that cannot train fails its
+    trial, naming the field)."""
+    from speclab.pipelines.eagle import data_kind_of
+
+    return {data_kind_of(loss, v) for loss in swept_losses(cfg)
+            for v in _swept(cfg, "eagle.version", cfg.eagle.version)
+            if (loss in ("eagle3", "talf") if v == 3 else loss != "eagle3")}
 
 
 def eagle_forward_time(dec, cfg: TuneJob, prompt: list[int]) -> float:
@@ -345,20 +361,21 @@ def eagle_forward_time(dec, cfg: TuneJob, prompt: list[int]) -> float:
 
     from speclab.decoding.runner import ModelRunner
     from speclab.evaluation import median_call_time
-    from speclab.models.eagle import EagleModel, load_eagle
+    from speclab.models.eagle import build_eagle, load_eagle, trained_meta
     from speclab.models.loading import resolve_source
 
     source = getattr(cfg.method, "eagle_model", None)
     if cfg.sweep.kind != "eagle" and source:
-        model = load_eagle(resolve_source(source, "method.eagle_model"))
-    else:
-        model = EagleModel.from_target(dec.target.model, cfg.eagle.layers, cfg.eagle.norms,
-                                       cfg.eagle.norms)
+        model = load_eagle(resolve_source(source, "method.eagle_model"),
+                           target=dec.target.model)
+    else:  # the drafter eagle.* trains (EAGLE-1/2 or EAGLE-3), untrained
+        model = build_eagle(trained_meta(dec.target.model.config, cfg.eagle))
     device, dtype = dec.target.device, dec.target.dtype
     runner = ModelRunner(model.to(device, dtype).eval())
 
-    def pairs(tokens: list[int]) -> None:
-        feats = torch.zeros(1, len(tokens), model.meta.hidden_size, dtype=dtype, device=device)
+    def pairs(tokens: list[int]) -> None:  # the target's features: k * H for EAGLE-3
+        feats = torch.zeros(1, len(tokens), model.meta.feature_width, dtype=dtype,
+                            device=device)
         runner.run(torch.tensor(tokens), features=feats)
 
     pairs(prompt[1:])
@@ -439,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             from speclab.pipelines.eagle import generate_features
 
             generate_features(cfg, inputs.train_prep, sweep_dir / "data", t,
-                              swept_losses(cfg))
+                              swept_eagle_kinds(cfg))
         results = _tuner(cfg, inputs, sweep_dir, times, resources, device).fit()
         best = record(cfg, results, t, sweep_dir, inputs.target)
     if best is None:

@@ -15,15 +15,22 @@ def prepare_eagle(cfg: Any) -> Prepared:
     ``models:/`` URI is downloaded) and checked against the target; ``cfg.eagle.init_from``
     is set to that folder (ValueError when it is not a drafter for this target). The
     formats of ``output.export`` are checked to hold the drafter the job will train."""
-    prep = prepare_target(cfg)
-    if cfg.output.export:  # before any work: a format that cannot hold the drafter
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
-        from speclab.models.eagle import trained_meta
+    from speclab.models.eagle import trained_meta
+
+    prep = prepare_target(cfg)
+    config = AutoConfig.from_pretrained(prep.target, trust_remote_code=False)
+    # before any work: the drafter eagle.* asks for must fit the target (EAGLE-3's
+    # feature layers and draft vocabulary), for each compared row too
+    eagles = ([cfg.compare.row_eagle(row, cfg.eagle) for row in cfg.compare.losses]
+              if hasattr(cfg, "compare") else [cfg.eagle])
+    metas = [trained_meta(config, e) for e in eagles]
+    if cfg.output.export:  # a format that cannot hold the drafter
         from speclab.models.formats import check_exports
 
-        config = AutoConfig.from_pretrained(prep.target, trust_remote_code=False)
-        check_exports(cfg.output.export, trained_meta(config, cfg.eagle))
+        for meta in metas:
+            check_exports(cfg.output.export, meta)
     if cfg.eagle.init_from:
         from speclab.models.eagle import load_init
         from speclab.models.loading import load_model, resolve_source
@@ -108,7 +115,7 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
 
 
 def generate_features(cfg: Any, prep: Prepared, data_dir: Path, tracker,
-                      losses: list[str]) -> None:
-    """Stage 1: the ``feat`` / ``feat_tree`` shards ``losses`` need, on Ray actors."""
-    generate_logged(cfg, prep, data_dir, tracker, data_kinds(losses, cfg.eagle.version),
-                    "distill_eagle")
+                      kinds: set[str]) -> None:
+    """Stage 1: the ``feat`` / ``feat_tree`` / ``feat3`` / ``feat3_tree`` shards (``kinds``,
+    from :func:`data_kinds`), on Ray actors."""
+    generate_logged(cfg, prep, data_dir, tracker, kinds, "distill_eagle")

@@ -1,20 +1,26 @@
 """Which format a drafter folder is in: :func:`detect_drafter_format`.
 
-==================  ==========================================================  ============
-format              how it is recognised                                        loads as
-==================  ==========================================================  ============
-``speclab-eagle``   ``config.json`` ``kind: speclab-eagle``                     EagleModel
-``speclab-medusa``  ``config.json`` ``kind: speclab-medusa``                    MedusaHeads
-``speculators``     ``config.json`` ``speculators_model_type: eagle``           EagleModel
-``eagle``           EAGLE-1/2 / HASS research code: a LLaMA ``config.json`` and  EagleModel
-                    ``model.safetensors`` / ``pytorch_model.bin`` with
-                    ``fc.weight`` and ``layers.0.*``
-``medusa``          ``config.json`` ``medusa_num_heads``, ``medusa_lm_head.*``  MedusaHeads
-==================  ==========================================================  ============
+======================  ======================================================  ===========
+format                  how it is recognised                                    loads as
+======================  ======================================================  ===========
+``speclab-eagle``       ``config.json`` ``kind: speclab-eagle``                 EagleModel
+                                                                                / Eagle3Model
+``speclab-medusa``      ``config.json`` ``kind: speclab-medusa``                MedusaHeads
+``speculators``         ``config.json`` ``speculators_model_type: eagle``       EagleModel
+``speculators-eagle3``  ``config.json`` ``speculators_model_type: eagle3``      Eagle3Model
+``eagle``               EAGLE-1/2 / HASS research code: a LLaMA ``config.json``  EagleModel
+                        and ``model.safetensors`` / ``pytorch_model.bin`` with
+                        ``fc.weight`` and ``layers.0.*``
+``eagle3``              EAGLE-3 research code / SpecForge: ``config.json`` with  Eagle3Model
+                        ``draft_vocab_size`` or an ``*Eagle3*`` architecture, or
+                        weights with ``midlayer.*`` / ``d2t`` / ``t2d``
+``medusa``              ``config.json`` ``medusa_num_heads``,                   MedusaHeads
+                        ``medusa_lm_head.*``
+======================  ======================================================  ===========
 
-EAGLE-3 (``speculators_model_type: eagle3``; research checkpoints with
-``draft_vocab_size``, ``d2t`` / ``t2d``, ``midlayer.*`` or a fused ``fc`` over three hidden
-states) is recognised and refused: speclab has no EAGLE-3 drafter yet.
+:func:`drafter_feature_spec` tells which target states an EAGLE-family folder reads
+(speclab's ``feature_layers``; a public EAGLE-3 folder's named layers, or ``"eagle3"``:
+EAGLE-3's default for the target).
 """
 
 from __future__ import annotations
@@ -32,16 +38,17 @@ from speclab.models.formats.files import (
 
 SPECLAB_EAGLE, SPECLAB_MEDUSA = "speclab-eagle", "speclab-medusa"
 SPECULATORS, EAGLE, MEDUSA = "speculators", "eagle", "medusa"
+SPECULATORS_EAGLE3, EAGLE3 = "speculators-eagle3", "eagle3"
 #: every format a drafter folder may be in
-FORMATS = (SPECLAB_EAGLE, SPECLAB_MEDUSA, SPECULATORS, EAGLE, MEDUSA)
-#: the formats that hold an EAGLE feature drafter (speclab's EagleModel)
-EAGLE_FORMATS = (SPECLAB_EAGLE, SPECULATORS, EAGLE)
+FORMATS = (SPECLAB_EAGLE, SPECLAB_MEDUSA, SPECULATORS, SPECULATORS_EAGLE3, EAGLE, EAGLE3,
+           MEDUSA)
+#: the formats that hold an EAGLE-family feature drafter (EagleModel or Eagle3Model)
+EAGLE_FORMATS = (SPECLAB_EAGLE, SPECULATORS, SPECULATORS_EAGLE3, EAGLE, EAGLE3)
+#: the public formats of EAGLE-3 drafters
+EAGLE3_FORMATS = (SPECULATORS_EAGLE3, EAGLE3)
 #: the formats that hold Medusa heads
 MEDUSA_FORMATS = (SPECLAB_MEDUSA, MEDUSA)
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
-
-EAGLE3 = "EAGLE-3 is not supported yet (speclab has no EAGLE-3 drafter; EAGLE-1/2, HASS " \
-         "and speculators 'eagle' checkpoints load)"
 
 
 def detect_drafter_format(folder: str | Path, field: str = "drafter",
@@ -49,10 +56,10 @@ def detect_drafter_format(folder: str | Path, field: str = "drafter",
     """The format of the drafter in ``folder``, one of :data:`FORMATS`.
 
     Raises DrafterFormatError (a ValueError starting with ``field``) naming the file,
-    the field and what was found for an EAGLE-3 checkpoint or a folder that matches no
-    format (``"... holds no <expect>: ..."``). Only ``config.json`` is read, plus the
-    weights' key names for the EAGLE research format (no marker of its own in its
-    config)."""
+    the field and what was found for a folder that matches no format (``"... holds no
+    <expect>: ..."``) or a speculators algorithm other than eagle / eagle3. Only
+    ``config.json`` is read, plus the weights' tensor names for the research formats (no
+    marker of their own in their config)."""
     folder = Path(folder)
     cfg = read_config(folder, field)
     where = folder / "config.json"
@@ -61,48 +68,94 @@ def detect_drafter_format(folder: str | Path, field: str = "drafter",
         return kind
     if "speculators_model_type" in cfg or "speculators_config" in cfg:
         algo = cfg.get("speculators_model_type")
-        if algo == "eagle":
-            return SPECULATORS
-        if algo == "eagle3":
-            raise fail(field, where, f"speculators_model_type='eagle3': {EAGLE3}")
-        raise fail(field, where, f"speculators_model_type={algo!r}: only 'eagle' loads "
-                   f"(speculators' EAGLE-1/2 and HASS drafter)")
+        if algo in ("eagle", "eagle3"):
+            return SPECULATORS if algo == "eagle" else SPECULATORS_EAGLE3
+        raise fail(field, where, f"speculators_model_type={algo!r}: only 'eagle' (speculators' "
+                   f"EAGLE-1/2 and HASS drafter) and 'eagle3' load")
     if "medusa_num_heads" in cfg:
         if not any((folder / name).exists() for name in MEDUSA_FILES):
             raise fail(field, folder, f"config.json has medusa_num_heads="
                        f"{cfg['medusa_num_heads']!r} but neither of {list(MEDUSA_FILES)} "
                        f"is there")
         return MEDUSA
-    if "draft_vocab_size" in cfg:
-        raise fail(field, where, f"draft_vocab_size={cfg['draft_vocab_size']!r} marks an "
-                   f"EAGLE-3 drafter: {EAGLE3}")
+    if _eagle3_config(cfg):
+        return EAGLE3
     weights = weight_file(folder)
     if weights is None:
         raise fail(field, folder, f"holds no {expect}: config.json has no kind, "
                    f"speculators_model_type or medusa_num_heads, and there is no "
                    f"{' / '.join(WEIGHT_FILES)} with EAGLE's fc.weight")
-    keys = set(read_tensors(weights, field))
-    eagle3 = sorted(k for k in keys if k in ("d2t", "t2d") or k.startswith("midlayer."))
-    if eagle3:
-        raise fail(field, weights, f"holds {eagle3[:3]}, the tensors of an EAGLE-3 "
-                   f"drafter: {EAGLE3}")
+    keys = tensor_names(weights, field)
+    if _eagle3_keys(keys):
+        return EAGLE3
     if "fc.weight" in keys and any(k.startswith("layers.0.") for k in keys):
         return EAGLE
     found = sorted(keys)[:4]
     raise fail(field, weights, f"holds no {expect}: config.json has no kind, "
-               f"speculators_model_type or medusa_num_heads, and the weights have no "
-               f"fc.weight + layers.0.* of an EAGLE-1/2 drafter (found {found}"
-               f"{' ...' if len(keys) > 4 else ''})")
+               f"speculators_model_type or medusa_num_heads, and the weights have neither "
+               f"fc.weight + layers.0.* of an EAGLE-1/2 drafter nor the midlayer.* / d2t / "
+               f"t2d of an EAGLE-3 one (found {found}{' ...' if len(keys) > 4 else ''})")
+
+
+def _eagle3_config(cfg: dict) -> bool:
+    """An EAGLE-3 research / SpecForge ``config.json``: ``draft_vocab_size`` or an
+    ``*Eagle3*`` architecture."""
+    archs = cfg.get("architectures") or []
+    return "draft_vocab_size" in cfg or any("eagle3" in str(a).lower() for a in archs)
+
+
+def _eagle3_keys(keys) -> bool:
+    return any(k in ("d2t", "t2d") or k.startswith("midlayer.") for k in keys)
+
+
+def tensor_names(path: Path, field: str) -> set[str]:
+    """The tensor names of a weights file without reading the tensors where the format
+    allows (safetensors headers, a sharded index's weight map, a memory-mapped
+    ``torch.save`` zip read with ``weights_only``)."""
+    import json
+
+    import torch
+
+    path = Path(path)
+    try:
+        if path.name.endswith(".index.json"):
+            return set(json.loads(path.read_text())["weight_map"])
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                return set(f.keys())
+        state = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(state, dict):
+            return set(state)
+    except Exception:  # noqa: BLE001 - unreadable: read_tensors below says why
+        pass
+    return set(read_tensors(path, field))
 
 
 def drafter_feature_spec(folder: str | Path, field: str = "eagle_model"):
-    """The target features the EAGLE drafter in ``folder`` reads
+    """The target features the EAGLE-family drafter in ``folder`` reads
     (:mod:`speclab.decoding.features`): None (the last layer's) for EAGLE-1/2 formats,
-    the ``feature_layers`` of a speclab EAGLE-3 drafter. Only ``config.json`` is read."""
-    cfg = read_config(Path(folder), field)
-    if cfg.get("kind") == SPECLAB_EAGLE and cfg.get("feature_layers"):
-        return tuple(int(i) for i in cfg["feature_layers"])
-    return None
+    the ``feature_layers`` of a speclab EAGLE-3 drafter, the layers a public EAGLE-3
+    checkpoint names (speclab's indices, ascending; :mod:`.eagle3_layers`) or
+    ``"eagle3"`` (EAGLE-3's default for the target) when it names none. Reads
+    ``config.json`` (and, for a folder with no marker there, the weights' tensor
+    names)."""
+    from speclab.models.formats.eagle3_layers import named_layers
+
+    folder = Path(folder)
+    cfg = read_config(folder, field)
+    if cfg.get("kind") == SPECLAB_EAGLE:
+        layers = cfg.get("feature_layers")
+        return tuple(int(i) for i in layers) if layers else None
+    try:
+        fmt = detect_drafter_format(folder, field)
+    except DrafterFormatError:
+        return None  # not a drafter: its loader says why
+    if fmt not in EAGLE3_FORMATS:
+        return None
+    named = named_layers(cfg, folder / "config.json", field, sglang=fmt == EAGLE3)
+    return named if named is not None else "eagle3"
 
 
 def check_kind(fmt: str, want: tuple[str, ...], folder: Path, field: str, what: str) -> None:
@@ -115,4 +168,4 @@ def check_kind(fmt: str, want: tuple[str, ...], folder: Path, field: str, what: 
 
 
 __all__ = ["DrafterFormatError", "detect_drafter_format", "drafter_feature_spec", "FORMATS",
-           "EAGLE_FORMATS", "MEDUSA_FORMATS", "check_kind"]
+           "EAGLE_FORMATS", "EAGLE3_FORMATS", "MEDUSA_FORMATS", "check_kind", "tensor_names"]

@@ -78,10 +78,10 @@ def assemble(meta: EagleMeta, tensors: dict[str, torch.Tensor], file: Path, fiel
     if state["fc.weight"] is None:
         raise fail(field, file, "has no fc.weight (the drafter's input projection)")
     if tuple(state["fc.weight"].shape) == (h, 3 * h):
-        from speclab.models.formats.detect import EAGLE3
-
         raise fail(field, file, f"fc.weight has shape {shape(state['fc.weight'])}, a fused "
-                   f"fc over three hidden states (EAGLE-3): {EAGLE3}")
+                   f"fc over three hidden states (EAGLE-3), under EAGLE-1/2's layer names "
+                   f"(layers.0.*): EAGLE-3 checkpoints name their layer midlayer.* (EAGLE "
+                   f"code, SpecForge) or come with speculators_model_type: eagle3")
     state["fc.weight"] = swap_halves(state["fc.weight"])
     if meta.fc_bias:
         state["fc.bias"] = tensors.pop("fc.bias")

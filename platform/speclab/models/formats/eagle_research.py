@@ -17,6 +17,23 @@ There is no final norm and no LM head: the target's LM head reads the last layer
 output. Loading builds an :class:`~speclab.models.eagle.EagleModel` with
 ``input_norm = final_norm = False``; writing needs a drafter in that layout (a drafter
 with speclab's norms has tensors EAGLE's strict ``load_state_dict`` would refuse).
+
+EAGLE-3 (the EAGLE authors' ``cnets.py`` for EAGLE-3, and what SpecForge's
+``LlamaForCausalLMEagle3`` saves): ``config.json`` is a LLaMA config of the drafter's one
+layer plus ``draft_vocab_size`` (``architectures`` e.g. ``["LlamaForCausalLMEagle3"]``;
+optional ``target_hidden_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``,
+``eagle_aux_hidden_state_layer_ids``); the weights (``pytorch_model.bin`` /
+``model.safetensors``) hold ``fc.weight [H, 3H]``, ``midlayer.{self_attn,mlp}.*``,
+``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight``,
+``norm.weight``, ``lm_head.weight [V_d, H]``, ``d2t [V_d]``, ``t2d [V]`` and, from the
+EAGLE code, ``embed_tokens.weight`` (SpecForge leaves it out: the target's is used). The
+mapping onto :class:`~speclab.models.eagle3.Eagle3Model` is
+:mod:`.eagle3_layers`'. Writing (``--format eagle`` for an EAGLE-3 drafter) gives
+everything EAGLE's strict ``load_state_dict`` wants (embedding included) in
+``pytorch_model.bin``, and names the drafter's target layers both ways (vLLM's top-level
+``eagle_aux_hidden_state_layer_ids``, SpecForge / SGLang's ``eagle_config``); the EAGLE
+code itself always reads EAGLE-3's default layers (2, L // 2, L - 3), so a drafter
+trained on other layers runs there only through vLLM, SGLang or speclab.
 """
 
 from __future__ import annotations
@@ -27,6 +44,7 @@ from pathlib import Path
 import torch
 
 from speclab.models.eagle import EagleMeta, EagleModel
+from speclab.models.formats import eagle3_layers as e3
 from speclab.models.formats.eagle_layers import (
     assemble,
     check_target_shape,
@@ -117,4 +135,65 @@ def write_eagle_research(model: EagleModel, out: Path, field: str = "--format ea
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     state = {k: t.float() for k, t in public_tensors(model).items()}
     torch.save(state, out / "pytorch_model.bin")
+    return out
+
+
+def read_eagle3_research(folder: Path, target: TargetParts | None, field: str,
+                         advice: str = "", target_config=None):
+    """The EAGLE-3 drafter in ``folder`` (the EAGLE authors' / SpecForge's format, module
+    docstring) as an :class:`~speclab.models.eagle3.Eagle3Model`, its shapes checked
+    against ``target.config`` or ``target_config`` when given, its target layers the ones
+    the config names or EAGLE-3's default for the target, its embedding (when the file has
+    none) the target's. Errors name the file, the field and what was found."""
+    folder = Path(folder)
+    cfg = read_config(folder, field)
+    where = folder / "config.json"
+    weights = weight_file(folder)
+    if weights is None:
+        raise fail(field, folder, "has no model.safetensors / pytorch_model.bin")
+    fields = llama_fields(cfg, where, field)
+    layers = cfg.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise fail(field, where, f"num_hidden_layers={layers!r}: the EAGLE-3 drafter of the "
+                   f"EAGLE code and SpecForge has one decoder layer (midlayer)")
+    e3.reject_variants(cfg, fields["hidden_size"], where, field)
+    named = e3.named_layers(cfg, where, field)
+    tensors = read_tensors(weights, field)
+    if not any(k.startswith(e3.RESEARCH_PREFIX) for k in tensors):
+        have = sorted({k.split(".")[0] for k in tensors})
+        why = (f"config.json marks an EAGLE-3 drafter (draft_vocab_size="
+               f"{cfg.get('draft_vocab_size')!r}, architectures={cfg.get('architectures')!r})"
+               if "draft_vocab_size" in cfg or "eagle3" in str(cfg.get("architectures")).lower()
+               else "it holds EAGLE-3's d2t / t2d")
+        raise fail(field, weights, f"has no {e3.RESEARCH_PREFIX}* (the EAGLE-3 layer), but "
+                   f"{why}; found {have[:6]}")
+    return e3.build(cfg, fields, named, tensors, e3.RESEARCH_PREFIX, "", where, weights,
+                    field, target, target_config, advice)
+
+
+def eagle3_research_problem(meta: EagleMeta, num_layers: int | None = None) -> str | None:
+    """Why an EAGLE-3 drafter with ``meta`` cannot be written in the EAGLE-3 research
+    format exactly (None: it can); ``num_layers``: the target's depth when known."""
+    return e3.public_problem(meta, "the EAGLE-3 research format", num_layers)
+
+
+def write_eagle3_research(model, out: Path, field: str = "--format eagle",
+                          num_layers: int | None = None) -> Path:
+    """Write the EAGLE-3 drafter ``model`` as the EAGLE authors' EAGLE-3 checkpoint:
+    ``config.json`` (LLaMA config, ``architectures: [LlamaForCausalLMEagle3]``,
+    ``draft_vocab_size``, the target layers both ways) and ``pytorch_model.bin``
+    (``embed_tokens``, ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``:
+    the EAGLE code's strict state dict). A drafter the format cannot hold exactly is a
+    DrafterFormatError naming why."""
+    problem = eagle3_research_problem(model.meta, num_layers)
+    if problem:
+        raise DrafterFormatError(f"{field}: cannot write this drafter in the EAGLE-3 research "
+                                 f"format: {problem}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = llama_config_dict(model.meta, 1)
+    cfg.update({"architectures": ["LlamaForCausalLMEagle3"], **e3.meta_fields(model.meta),
+                "pretraining_tp": 1, "torch_dtype": "float32"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    torch.save(e3.public_tensors(model, e3.RESEARCH_PREFIX), out / "pytorch_model.bin")
     return out

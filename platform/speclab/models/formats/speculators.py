@@ -31,6 +31,27 @@ leaves them out on save; vLLM shares the target's). ``layernorms: true`` adds
 import, and a speclab drafter with its own two norms cannot be written exactly.
 
 What vLLM reads of such a config (checked by the tests): :data:`VLLM_READS`.
+
+``speculators_model_type: eagle3`` (speculators' ``Eagle3SpeculatorConfig`` /
+``Eagle3DraftModel``, vLLM's ``Eagle3LlamaForCausalLM``)::
+
+    {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+     "transformer_layer_config": {<the LLaMA config of the drafter's layer; vocab_size is
+         the TARGET's vocabulary>},
+     "draft_vocab_size": V_d, "norm_before_residual": false, "norm_before_fc": false,
+     "target_hidden_size": H, "eagle_aux_hidden_state_layer_ids": [a, b, c],
+     "speculators_config": {"algorithm": "eagle3", <as above>}}
+
+``model.safetensors``: ``fc.weight [H, 3H]`` (old speculators: also ``fc.bias``),
+``layers.0.{self_attn,mlp}.*``, ``layers.0.{hidden_norm,input_layernorm,
+post_attention_layernorm}.weight``, ``norm.weight``, ``lm_head.weight [V_d, H]``,
+``d2t [V_d]``, ``t2d [V]``, optionally ``embed_tokens.weight`` (absent: the verifier's;
+speclab always writes it, so the export is the drafter exactly). The mapping is
+:mod:`.eagle3_layers`'. Refused by name: ``norm_before_residual: true`` (the residual
+is ``hidden_norm(h)``, not ``h``) and an absent one (speculators reads false, vLLM
+true), ``norm_before_fc: true``, ``target_hidden_size`` other than ``hidden_size``, a
+``transformer_layer_config`` of another ``model_type`` than llama or of more than one
+layer. What vLLM reads: :data:`VLLM_READS_EAGLE3`.
 """
 
 from __future__ import annotations
@@ -39,6 +60,7 @@ import json
 from pathlib import Path
 
 from speclab.models.eagle import EagleMeta, EagleModel
+from speclab.models.formats import eagle3_layers as e3
 from speclab.models.formats.eagle_layers import (
     assemble,
     check_target_shape,
@@ -81,6 +103,44 @@ VLLM_READS = {
     "layernorms": "EAGLE-1 algorithm update (add_para_norm / skip_prenorm / "
                   "skip_output_norm)",
     "fusion_bias": "EAGLE-1 algorithm update (fc bias)",
+}
+
+
+#: the fields vLLM reads of a ``speculators_model_type: eagle3`` config, with where (vLLM's
+#: ``vllm/transformers_utils/configs/speculators/{base,algos}.py`` (``update_eagle3``),
+#: ``vllm/model_executor/models/llama_eagle3.py``, ``vllm/v1/worker/gpu_model_runner.py``)
+VLLM_READS_EAGLE3 = {
+    **{k: v for k, v in VLLM_READS.items()
+       if k not in ("transformer_layer_config.vocab_size", "layernorms", "fusion_bias")},
+    "speculators_model_type": "base.py extract_transformers_pre_trained_config ('eagle3' -> "
+                              "algos.py update_eagle3: architectures Eagle3LlamaForCausalLM) "
+                              "/ build_vllm_speculative_config (-> method eagle3)",
+    "draft_vocab_size": "algos.py update_eagle3 -> llama_eagle3.py Eagle3LlamaForCausalLM "
+                        "(lm_head rows, draft_id_to_target_id)",
+    "norm_before_residual": "algos.py update_eagle3 (ABSENT MEANS TRUE there) -> "
+                            "llama_eagle3.py LlamaDecoderLayer._residual_norm",
+    "norm_before_fc": "algos.py update_eagle3 (newer vLLM; default false)",
+    "target_hidden_size": "algos.py update_eagle3 (when not null) -> llama_eagle3.py "
+                          "LlamaModel fc input (3 * target_hidden_size)",
+    "eagle_aux_hidden_state_layer_ids": "algos.py update_eagle3 -> gpu_model_runner.py "
+                                        "_get_eagle3_aux_layers_from_config (the target's "
+                                        "set_aux_hidden_state_layers; absent: the target's "
+                                        "get_eagle3_aux_hidden_state_layers, (2, L // 2, "
+                                        "L - 3))",
+    "transformer_layer_config.vocab_size": "llama_eagle3.py (embed_tokens, logits scattered "
+                                           "into the target vocabulary)",
+    "transformer_layer_config.hidden_size": "llama_eagle3.py (fc, the layer, norms)",
+    "transformer_layer_config.num_hidden_layers": "llama_eagle3.py LlamaModel (layers; "
+                                                  "layer 0 reads 2H)",
+    "transformer_layer_config.num_attention_heads": "llama_eagle3.py LlamaAttention",
+    "transformer_layer_config.num_key_value_heads": "llama_eagle3.py LlamaAttention",
+    "transformer_layer_config.head_dim": "llama.py LlamaAttention (head_dim)",
+    "transformer_layer_config.intermediate_size": "llama_eagle3.py LlamaMLP",
+    "transformer_layer_config.hidden_act": "llama_eagle3.py LlamaMLP",
+    "transformer_layer_config.rope_theta": "llama.py LlamaAttention (rotary embedding)",
+    "transformer_layer_config.max_position_embeddings": "llama_eagle3.py LlamaAttention",
+    "transformer_layer_config.attention_bias": "llama_eagle3.py (q/k/v/o bias)",
+    "transformer_layer_config.mlp_bias": "llama_eagle3.py LlamaMLP (bias)",
 }
 
 
@@ -210,4 +270,102 @@ def write_speculators(model: EagleModel, out: Path, verifier: str | None,
             name = "transformer." + name.removeprefix("layers.0.")
         state[name] = t.float().contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def read_speculators_eagle3(folder: Path, target: TargetParts | None, field: str,
+                            advice: str = "", target_config=None):
+    """The ``speculators_model_type: eagle3`` drafter in ``folder`` (module docstring) as
+    an :class:`~speclab.models.eagle3.Eagle3Model`, its shapes checked against
+    ``target.config`` or ``target_config`` when given, its target layers the config's
+    ``eagle_aux_hidden_state_layer_ids`` or EAGLE-3's default for the target; errors name
+    the file and the field."""
+    folder = Path(folder)
+    cfg = read_config(folder, field)
+    where = folder / "config.json"
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise fail(field, where, f"transformer_layer_config={layer!r}: a LLaMA config "
+                   f"dict is needed")
+    kind = layer.get("model_type", "llama")
+    if kind != "llama":
+        raise fail(field, where, f"transformer_layer_config.model_type={kind!r}: speclab's "
+                   f"EAGLE-3 layer is LLaMA's (qwen3's adds q/k norms)")
+    layers = layer.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise fail(field, where, f"transformer_layer_config.num_hidden_layers={layers!r}: "
+                   f"speclab's EAGLE-3 drafter has one decoder layer")
+    if "norm_before_residual" not in cfg:
+        raise fail(field, where, "has no norm_before_residual: speculators reads that as "
+                   "false and vLLM as true, so what the drafter computes is unknown")
+    fields = llama_fields(layer, where, field, "transformer_layer_config.")
+    e3.reject_variants(cfg, fields["hidden_size"], where, field)
+    named = e3.named_layers(cfg, where, field, sglang=False)
+    weights = weight_file(folder)
+    if weights is None:
+        raise fail(field, folder, "has no model.safetensors / pytorch_model.bin")
+    tensors = read_tensors(weights, field)
+    if "input_norm.weight" in tensors:
+        raise fail(field, weights, "holds input_norm.weight (norm_before_fc's RMS norm over "
+                   "the fused target states), which speclab's drafter does not have")
+    verifier = (cfg.get("speculators_config") or {}).get("verifier") or {}
+    arch = str((verifier.get("architectures") or [""])[0])
+    return e3.build(cfg, fields, named, tensors, e3.SPECULATORS_PREFIX, arch, where, weights,
+                    field, target, target_config, advice, "transformer_layer_config.")
+
+
+def speculators_eagle3_problem(meta: EagleMeta, num_layers: int | None = None) -> str | None:
+    """Why an EAGLE-3 drafter with ``meta`` cannot be written in the speculators eagle3
+    format exactly (None: it can); ``num_layers``: the target's depth when known."""
+    return e3.public_problem(meta, "speculators' eagle3", num_layers)
+
+
+def write_speculators_eagle3(model, out: Path, verifier: str | None, verifier_arch: str = "",
+                             speculative_tokens: int = 5, field: str = "--format speculators",
+                             num_layers: int | None = None) -> Path:
+    """Write the EAGLE-3 drafter ``model`` in the speculators eagle3 format
+    (``config.json`` as in the module docstring, ``model.safetensors`` with every tensor,
+    the embedding included). ``verifier`` / ``speculative_tokens`` as in
+    :func:`write_speculators`; a drafter the format cannot hold exactly, or no verifier,
+    is a DrafterFormatError naming why."""
+    from safetensors.torch import save_file
+
+    problem = speculators_eagle3_problem(model.meta, num_layers)
+    if problem:
+        raise DrafterFormatError(f"{field}: cannot write this drafter in the speculators "
+                                 f"eagle3 format: {problem}")
+    if not verifier:
+        raise DrafterFormatError(f"{field}: speculators_config.verifier.name_or_path (the "
+                                 f"target vLLM loads) is unknown: name the target "
+                                 f"(--target)")
+    if speculative_tokens < 1:
+        raise DrafterFormatError(f"speculative_tokens: must be >= 1, got {speculative_tokens}")
+    meta = model.meta
+    ids = e3.meta_fields(meta)
+    cfg = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": llama_config_dict(meta, 1),
+        "draft_vocab_size": ids["draft_vocab_size"],
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "target_hidden_size": meta.hidden_size,
+        e3.VLLM_IDS: ids[e3.VLLM_IDS],
+        "embed_requires_grad": False,
+        "torch_dtype": "float32",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier),
+                         "architectures": [verifier_arch] if verifier_arch else []},
+        },
+    }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(e3.public_tensors(model, e3.SPECULATORS_PREFIX), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     return out

@@ -1,0 +1,337 @@
+"""The tensors and config fields public EAGLE-3 checkpoints share, mapped onto speclab's
+:class:`~speclab.models.eagle3.Eagle3Model` and back.
+
+Every public EAGLE-3 drafter (the EAGLE authors' ``cnets.py``, SpecForge's
+``llama3_eagle.py``, speculators' ``eagle3``, vLLM's ``llama_eagle3.py``) computes what
+speclab's does, with the same tensors::
+
+    h   = fc(concat(state_a, state_b, state_c))         # fc.weight [H, 3H], no bias
+    x   = concat(input_layernorm(Embed(x_{t+1})), hidden_norm(h))   # EMBEDDING FIRST, [2H]
+    h'  = h + o_proj(attention(q, k, v of x))           # q/k/v_proj [*, 2H]
+    out = h' + mlp(post_attention_layernorm(h'))        # fed back for the next draft step
+    logits over the draft vocabulary = lm_head(norm(out)),  draft id i = target id i + d2t[i]
+
+so the mapping is a renaming (no column swap, unlike EAGLE-1/2's ``fc``):
+
+========================================  ===========================================
+public name (``P`` = ``midlayer.`` in the  speclab :class:`Eagle3Model`
+research code / SpecForge, ``layers.0.``
+in speculators)
+========================================  ===========================================
+``embed_tokens.weight [V, H]`` (optional)  ``embed.weight`` (absent: the target's)
+``fc.weight [H, k*H]``, ``fc.bias``        ``fc.weight``, ``fc.bias`` (old speculators)
+``P{self_attn,mlp}.*``, ``P*norm.weight``  ``layer.*``
+``norm.weight``, ``lm_head.weight``        the same ([V_d, H])
+``d2t [V_d]`` int, ``t2d [V]`` bool        the same
+========================================  ===========================================
+
+The target states ``fc`` reads are named by target layer (speclab's indices,
+:mod:`speclab.decoding.features`: ``i`` is the INPUT of decoder layer ``i``):
+
+- ``eagle_aux_hidden_state_layer_ids`` (top level; speculators, vLLM): vLLM captures
+  ``hidden_states + residual`` BEFORE decoder layer ``i`` -> speclab ``i``;
+- ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SpecForge, SGLang): the OUTPUT of
+  decoder layer ``i`` (SpecForge hooks ``layers[i]``'s output, SGLang captures before
+  layer ``i + 1``) -> speclab ``i + 1``;
+- neither: EAGLE-3's default ``(2, L // 2, L - 3)`` of a target of ``L`` layers (the
+  EAGLE code's ``idx == 2 or idx == L // 2 or idx == L - 3`` before layer ``idx``; vLLM's
+  and SGLang's default).
+
+vLLM and SGLang concatenate the states in ascending layer order, each once, whatever
+order the ids are listed in, so speclab reads them sorted and refuses repeats; the final
+norm's output (speclab's index ``L``) is captured by none of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from speclab.models.eagle import EagleMeta
+from speclab.models.formats.eagle_layers import check_target_shape
+from speclab.models.formats.files import DrafterFormatError, TargetParts, fail, shape
+
+#: EAGLE-3's decoder layer tensors, under the layer's prefix (public and speclab alike)
+LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+              "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
+              "mlp.up_proj.weight", "mlp.down_proj.weight", "hidden_norm.weight",
+              "input_layernorm.weight", "post_attention_layernorm.weight")
+#: the public layer prefix of the EAGLE research code / SpecForge and of speculators
+RESEARCH_PREFIX, SPECULATORS_PREFIX = "midlayer.", "layers.0."
+#: where public configs name the target layers (see the module docstring)
+VLLM_IDS, SGLANG_IDS = "eagle_aux_hidden_state_layer_ids", "eagle_config"
+
+
+def _id_list(value, where: Path, field: str, name: str) -> list[int]:
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+        raise fail(field, where, f"{name}={value!r}: a non-empty list of layer indices is "
+                   f"needed")
+    return list(value)
+
+
+def named_layers(cfg: dict, where: Path, field: str, sglang: bool = True
+                 ) -> tuple[int, ...] | None:
+    """The target states (speclab indices, ascending) a public EAGLE-3 ``cfg`` names:
+    top-level ``eagle_aux_hidden_state_layer_ids`` as they are, ``eagle_config``'s
+    (``sglang``: the research / SpecForge format) plus one; None when it names none.
+    Repeats, negative indices and the two disagreeing are errors naming the field."""
+    found = {}  # name -> (as written, speclab indices)
+    if cfg.get(VLLM_IDS) is not None:
+        ids = _id_list(cfg[VLLM_IDS], where, field, VLLM_IDS)
+        found[VLLM_IDS] = (ids, ids)
+    inner = cfg.get(SGLANG_IDS)
+    if sglang and isinstance(inner, dict) and inner.get(VLLM_IDS) is not None:
+        name = f"{SGLANG_IDS}.{VLLM_IDS}"
+        ids = _id_list(inner[VLLM_IDS], where, field, name)
+        found[name] = (ids, [i + 1 for i in ids])
+    if not found:
+        return None
+    if len({tuple(sorted(mine)) for _, mine in found.values()}) > 1:
+        raise fail(field, where, f"{VLLM_IDS}={found[VLLM_IDS][0]} (the input of those "
+                   f"decoder layers, vLLM) and {SGLANG_IDS}.{VLLM_IDS}="
+                   f"{found[f'{SGLANG_IDS}.{VLLM_IDS}'][0]} (the output of those layers, "
+                   f"SpecForge / SGLang) name different target states")
+    name, (raw, ids) = next(iter(found.items()))
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise fail(field, where, f"{name}={raw}: repeated or negative layer ids (vLLM and "
+                   f"SGLang capture each layer once, in ascending order)")
+    return tuple(sorted(ids))
+
+
+def resolve_layers(named: tuple[int, ...] | None, config, where: Path, field: str,
+                   advice: str = "") -> tuple[int, ...]:
+    """The feature layers of a public EAGLE-3 drafter for a target with HF ``config``:
+    ``named`` (checked to be decoder-layer inputs of the target) or EAGLE-3's default
+    for its depth. Without ``config`` only named layers resolve; a default that is not
+    strictly ascending (targets of fewer than 7 layers) has no public equivalent."""
+    from speclab.decoding.features import layer_ids, num_decoder_layers
+
+    if config is None:
+        if named is None:
+            raise fail(field, where, f"names no target layers ({VLLM_IDS} / "
+                       f"{SGLANG_IDS}.{VLLM_IDS}), and no target was given to take "
+                       f"EAGLE-3's default (2, L // 2, L - 3) from{advice}")
+        return named
+    depth = num_decoder_layers(config)
+    if named is None:
+        ids = layer_ids("eagle3", depth)
+        if list(ids) != sorted(set(ids)):
+            raise fail(field, where, f"names no target layers, and EAGLE-3's default for "
+                       f"a target of {depth} layers, (2, L // 2, L - 3) = {ids}, repeats a "
+                       f"layer or is out of order (the public code captures each layer once, "
+                       f"in ascending order: not what fc was given)")
+        return ids
+    bad = [i for i in named if i >= depth]
+    if bad:
+        raise fail(field, where, f"names target layers {bad} (as the input of decoder layer "
+                   f"i), but the target has {depth} decoder layers (0..{depth - 1})")
+    return named
+
+
+def draft_vocab(cfg_value, lm_rows: int, vocab: int, where: Path, weights: Path,
+                field: str, name: str = "draft_vocab_size") -> int:
+    """``V_d``: the config's ``draft_vocab_size`` (None: the LM head's rows), checked
+    against the LM head and the target's vocabulary."""
+    vd = lm_rows if cfg_value is None else cfg_value
+    if not isinstance(vd, int) or isinstance(vd, bool) or not 0 < vd <= vocab:
+        raise fail(field, where, f"{name}={cfg_value!r}: a positive integer up to the "
+                   f"vocabulary ({vocab}) is needed")
+    if vd != lm_rows:
+        raise fail(field, weights, f"lm_head.weight has {lm_rows} rows, but {where.name} "
+                   f"has {name}={vd}")
+    return vd
+
+
+def _vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int, file: Path,
+                field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d2t`` checked (integer; ``arange + d2t`` distinct target ids; zero for a full
+    vocabulary) and the ``t2d`` that goes with it; the file's ``t2d`` must be that (or,
+    for a full vocabulary, all false: the EAGLE code's untouched buffer)."""
+    if d2t.dtype.is_floating_point or d2t.dtype == torch.bool or d2t.ndim != 1:
+        raise fail(field, file, f"d2t has dtype {d2t.dtype} and shape {shape(d2t)}: an "
+                   f"integer [draft_vocab_size] offset is needed")
+    d2t = d2t.long()
+    ids = torch.arange(d2t.shape[0]) + d2t
+    if ids.min() < 0 or ids.max() >= vocab or ids.unique().numel() != ids.numel():
+        raise fail(field, file, f"d2t maps draft ids to target ids outside [0, {vocab}) or "
+                   f"to one target id twice (target id = draft id + d2t[draft id])")
+    if d2t.shape[0] == vocab and bool(d2t.any()):
+        raise fail(field, file, "d2t permutes the full vocabulary (draft_vocab_size = "
+                   "vocab_size): the EAGLE code ignores d2t then, vLLM applies it")
+    want = torch.zeros(vocab, dtype=torch.bool)
+    want[ids] = True
+    if t2d.ndim != 1 or t2d.shape[0] != vocab:
+        raise fail(field, file, f"t2d has shape {shape(t2d)}, expected [{vocab}] (the "
+                   f"target's vocabulary)")
+    if not torch.equal(t2d.bool(), want) and not (d2t.shape[0] == vocab and not t2d.any()):
+        raise fail(field, file, "t2d does not mark the target ids d2t maps the draft "
+                   "vocabulary to")
+    return d2t, want
+
+
+def assemble(meta: EagleMeta, tensors: dict[str, torch.Tensor], prefix: str, file: Path,
+             field: str, target: TargetParts | None, advice: str = ""):
+    """An :class:`~speclab.models.eagle3.Eagle3Model` from public EAGLE-3 tensors (the
+    module docstring's table, layer under ``prefix``); ``embed_tokens.weight`` absent:
+    ``target``'s. Missing tensors, leftovers and wrong shapes are errors naming ``file``,
+    the tensor and the shape found."""
+    from speclab.models.eagle3 import Eagle3Model
+
+    tensors = dict(tensors)
+    if "embed_tokens.weight" not in tensors:
+        if target is None:
+            raise fail(field, file, f"has no embed_tokens.weight: this checkpoint takes the "
+                       f"target's embedding, and no target was given{advice}")
+        tensors["embed_tokens.weight"] = target.embed
+    state = {"embed.weight": tensors.pop("embed_tokens.weight")}
+    names = {"fc.weight": "fc.weight", "norm.weight": "norm.weight",
+             "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d"}
+    if meta.fc_bias:
+        names["fc.bias"] = "fc.bias"
+    names.update({f"{prefix}{k}": f"layer.{k}" for k in LAYER_KEYS})
+    for public, mine in names.items():
+        if public not in tensors:
+            raise fail(field, file, f"has no {public} (a tensor of the EAGLE-3 drafter)")
+        state[mine] = tensors.pop(public)
+    if tensors:
+        left = sorted(tensors)
+        raise fail(field, file, f"holds tensors an EAGLE-3 drafter (one {prefix}* layer) does "
+                   f"not have: {left[:5]}{' ...' if len(left) > 5 else ''}")
+    model = Eagle3Model(meta)
+    want = {k: t.shape for k, t in model.state_dict().items()}
+    public_of = {mine: public for public, mine in names.items()}
+    public_of["embed.weight"] = "embed_tokens.weight (or the target's embedding)"
+    for name, t in state.items():
+        if t.shape != want[name]:
+            raise fail(field, file, f"{public_of[name]} has shape {shape(t)}, expected "
+                       f"{list(want[name])} for hidden_size={meta.hidden_size}, vocab_size="
+                       f"{meta.vocab_size}, draft_vocab_size="
+                       f"{meta.draft_vocab_size or meta.vocab_size}, "
+                       f"{len(meta.feature_layers)} target layers and the config's layer "
+                       f"shape")
+    state["d2t"], state["t2d"] = _vocab_maps(state["d2t"], state["t2d"], meta.vocab_size,
+                                             file, field)
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise DrafterFormatError(f"{field}: internal: tensors not filled: {missing}")
+    with torch.no_grad():
+        model.load_state_dict({k: t if k in ("d2t", "t2d") else t.float()
+                               for k, t in state.items()})
+    return model
+
+
+def build(cfg: dict, fields: dict, named, tensors: dict, prefix: str, arch: str,
+          where: Path, weights: Path, field: str, target: TargetParts | None,
+          target_config, advice: str, field_prefix: str = ""):
+    """The shared tail of both EAGLE-3 readers: shapes against the target, the target
+    layers (``named`` or the default), the draft vocabulary, then :func:`assemble`
+    (``fields``: the LLaMA fields of :func:`~.eagle_layers.llama_fields`;
+    ``field_prefix``: where they sit in ``config.json``, for messages)."""
+    config = target.config if target is not None else target_config
+    if config is not None:  # before anything is looked for: the shapes come first
+        check_target_shape(EagleMeta(target_architecture="", **fields), config, where, field,
+                           (f"{field_prefix}hidden_size", f"{field_prefix}vocab_size"))
+    k = fc_layers(tensors.get("fc.weight"), fields["hidden_size"], weights, field)
+    ids = resolve_layers(named, config, where, field, advice)
+    check_width(ids, k, weights, field)
+    head = tensors.get("lm_head.weight")
+    if head is None or head.ndim != 2:
+        raise fail(field, weights, "has no lm_head.weight [draft_vocab_size, hidden_size] "
+                   "(EAGLE-3's own LM head over the draft vocabulary)")
+    v = fields["vocab_size"]
+    vd = draft_vocab(cfg.get("draft_vocab_size"), int(head.shape[0]), v, where, weights, field)
+    meta = EagleMeta(target_architecture=arch, layers=1, fc_bias="fc.bias" in tensors,
+                     version=3, feature_layers=ids, draft_vocab_size=0 if vd == v else vd,
+                     **fields)
+    return assemble(meta, tensors, prefix, weights, field, target, advice)
+
+
+def fc_layers(fc: torch.Tensor | None, hidden: int, file: Path, field: str) -> int:
+    """How many target states ``fc.weight`` ``[H, k*H]`` fuses (``k``)."""
+    if fc is None:
+        raise fail(field, file, "has no fc.weight (the fusion of the target's states)")
+    if fc.ndim != 2 or fc.shape[0] != hidden or fc.shape[1] % hidden:
+        raise fail(field, file, f"fc.weight has shape {shape(fc)}, expected [{hidden}, k * "
+                   f"{hidden}] (hidden_size={hidden}, k target states)")
+    return fc.shape[1] // hidden
+
+
+def check_width(layers: tuple[int, ...], k: int, file: Path, field: str) -> None:
+    """fc's ``k`` states must be the ``len(layers)`` the config names (or the default)."""
+    if k != len(layers):
+        raise fail(field, file, f"fc.weight fuses {k} target states, but the drafter reads "
+                   f"{len(layers)} target layers {list(layers)}")
+
+
+def public_tensors(model, prefix: str) -> dict[str, torch.Tensor]:
+    """``model``'s (an Eagle3Model) tensors under the public names, layer under ``prefix``
+    (float32 weights, int64 ``d2t``, bool ``t2d``), contiguous on the CPU."""
+    out = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        if name == "embed.weight":
+            name = "embed_tokens.weight"
+        elif name.startswith("layer."):
+            name = prefix + name.removeprefix("layer.")
+        out[name] = t if name in ("d2t", "t2d") else t.float()
+    return out
+
+
+def public_problem(meta: EagleMeta, fmt: str, num_layers: int | None = None) -> str | None:
+    """Why an EAGLE-3 drafter with ``meta`` cannot be written in a public EAGLE-3 format
+    (``fmt``: its name, for messages) exactly (None: it can); ``num_layers``: the target's
+    depth, when known (its index ``L`` is then checked)."""
+    layers = tuple(meta.feature_layers or ())
+    if meta.fc_bias:
+        return (f"the drafter's fc has a bias (fc_bias); {fmt}'s fc has none (vLLM's, "
+                f"SpecForge's and the EAGLE code's are bias-free)")
+    if meta.embed_scale != 1.0:
+        return (f"the drafter scales the token embedding by {meta.embed_scale:g} "
+                f"(embed_scale); the format has no field for it")
+    if len(layers) != 3:
+        return (f"the drafter fuses {len(layers)} target layers {list(layers)}; vLLM's, "
+                f"SGLang's and the EAGLE code's fc reads exactly 3")
+    if list(layers) != sorted(set(layers)):
+        return (f"feature_layers {list(layers)} are not strictly ascending: vLLM and SGLang "
+                f"concatenate the target's states in ascending layer order, each once")
+    if num_layers is not None and layers[-1] >= num_layers:
+        return (f"feature_layers {list(layers)} include {num_layers}, the target's final "
+                f"norm output, which no public runtime captures (they read the input of a "
+                f"decoder layer)")
+    return None
+
+
+def meta_fields(meta: EagleMeta) -> dict:
+    """The EAGLE-3 config fields speclab writes (both public formats): the draft
+    vocabulary and the target layers, named both ways (module docstring)."""
+    layers = list(meta.feature_layers or ())
+    return {"draft_vocab_size": meta.draft_vocab_size or meta.vocab_size,
+            VLLM_IDS: layers,
+            SGLANG_IDS: {VLLM_IDS: [i - 1 for i in layers], "use_aux_hidden_state": True}}
+
+
+def reject_variants(cfg: dict, hidden: int, where: Path, field: str,
+                    prefix: str = "") -> None:
+    """Refuse, by field, the EAGLE-3 variants speclab's drafter does not compute:
+    ``norm_before_residual`` (the residual is the normed state), ``norm_before_fc`` (an
+    RMS norm over the fused states), ``eagle_config.use_aux_hidden_state: false`` (no
+    fused states), ``target_hidden_size`` other than the drafter's."""
+    if cfg.get("norm_before_residual"):
+        raise fail(field, where, f"{prefix}norm_before_residual=true: that variant keeps "
+                   f"hidden_norm(h) as the residual; speclab's EAGLE-3 layer (like the EAGLE "
+                   f"code and SpecForge) adds the attention to h itself")
+    if cfg.get("norm_before_fc"):
+        raise fail(field, where, f"{prefix}norm_before_fc=true: that variant normalises the "
+                   f"fused target states before fc (input_norm), which speclab's drafter "
+                   f"does not have")
+    inner = cfg.get(SGLANG_IDS)
+    if isinstance(inner, dict) and inner.get("use_aux_hidden_state") is False:
+        raise fail(field, where, f"{prefix}{SGLANG_IDS}.use_aux_hidden_state=false: a "
+                   f"drafter without the fused target layers (no fc) is not EAGLE-3's")
+    th = cfg.get("target_hidden_size")
+    if th is not None and th != hidden:
+        raise fail(field, where, f"{prefix}target_hidden_size={th!r}, but the drafter's "
+                   f"hidden_size is {hidden}: speclab's EAGLE-3 drafter has the target's "
+                   f"width")
