@@ -166,18 +166,20 @@ def test_head_training_sweep_with_asha(job_env, tmp_path):
     assert Path(parent.data.tags["best_config"]).exists()
 
 
-def test_eagle_training_sweep_over_hass_knobs(job_env, tmp_path):
-    """2 trials each train a HASS drafter (hass_k 1 / 2) with Ray Train in two chunks,
-    report val_top1 and the engine's tau, then decode method eagle with their own
-    drafter (lossless); the best config evaluates the best trial's drafter."""
+@pytest.mark.parametrize("config,kind", [("experiments/sweeps/eagle_smoke.yaml", "feat"),
+                                         ("experiments/sweeps/eagle3_smoke.yaml", "feat3")])
+def test_eagle_training_sweep_over_hass_knobs(job_env, tmp_path, config, kind):
+    """2 trials each train a HASS drafter (hass_k 1 / 2), or an EAGLE-3 drafter
+    (ttt_steps 1 / 2), with Ray Train in two chunks, report val_top1 and the engine's
+    tau, then decode method eagle with their own drafter (lossless); the best config
+    evaluates the best trial's drafter."""
     storage = tmp_path / "runs"
-    res = run_cmd([python(), "-m", "jobs.tune", "--config",
-                   "experiments/sweeps/eagle_smoke.yaml", "tracking.experiment=te",
+    res = run_cmd([python(), "-m", "jobs.tune", "--config", config, "tracking.experiment=te",
                    f"output.storage_path={storage}", "output.run_name=es"], job_env,
                   timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     _, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "te")
-    assert len(children) == 2 and parent.data.metrics["shards.feat"] == 2
+    assert len(children) == 2 and parent.data.metrics[f"shards.{kind}"] == 2
     assert parent.data.metrics["t_draft_s"] > 0  # the EAGLE drafter's forward, timed
     for c in children:
         m = c.data.metrics

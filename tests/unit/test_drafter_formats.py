@@ -2,8 +2,9 @@
 names and config fields (EAGLE-1/2 / HASS research code, speculators ``eagle``, Medusa)
 load to drafters whose outputs equal a direct computation from the file's tensors; an
 export to a public format and back decodes with the same per-round accepted lengths;
-EAGLE-3, unknown folders and drafters for another target are refused naming the file and
-the field; the speculators config carries what vLLM reads."""
+unknown folders, EAGLE-3 folders whose files contradict their markers and drafters for
+another target are refused naming the file and the field; the speculators config carries
+what vLLM reads."""
 
 import json
 import math
@@ -251,29 +252,34 @@ def test_medusa_checkpoint_computes_what_its_tensors_say(tmp_path, target, layer
 # --- refusals ------------------------------------------------------------------------
 
 
-def test_eagle3_and_unknown_folders_are_refused_naming_file_and_field(tmp_path, tiny_pair):
+def test_eagle3_markers_and_unknown_folders_are_refused_naming_file_and_field(tmp_path,
+                                                                             tiny_pair):
+    """EAGLE-3 folders are recognised (tests/unit/test_drafter_formats_eagle3.py loads
+    them); one whose files contradict its markers is refused naming file and field."""
     e3 = tmp_path / "e3"
     write_eagle_research(e3)
     cfg = json.loads((e3 / "config.json").read_text())
     (e3 / "config.json").write_text(json.dumps({**cfg, "draft_vocab_size": 32}))
-    with pytest.raises(DrafterFormatError, match=r"eagle_model: .*e3/config.json: "
-                       r"draft_vocab_size=32 .*EAGLE-3 is not supported yet"):
+    assert detect_drafter_format(e3) == "eagle3"
+    with pytest.raises(DrafterFormatError, match=r"eagle_model: .*e3/pytorch_model.bin: has "
+                       r"no midlayer.\* .*draft_vocab_size=32"):
         load_eagle(e3)
     spec3 = tmp_path / "s3"
     write_speculators(spec3)
     cfg = json.loads((spec3 / "config.json").read_text())
     (spec3 / "config.json").write_text(json.dumps({**cfg, "speculators_model_type": "eagle3"}))
-    with pytest.raises(DrafterFormatError, match=r"s3/config.json: speculators_model_type="
-                       r"'eagle3': EAGLE-3 is not supported yet"):
-        detect_drafter_format(spec3, "eagle_model")
+    assert detect_drafter_format(spec3, "eagle_model") == "speculators-eagle3"
+    with pytest.raises(DrafterFormatError, match=r"s3/config.json: has no "
+                       r"norm_before_residual"):
+        load_eagle(spec3)
     d2t = tmp_path / "d2t"
     d2t.mkdir()
     (d2t / "config.json").write_text(json.dumps(_llama_cfg(1, HEADS)))
     save_file({"d2t": torch.zeros(4, dtype=torch.long), "fc.weight": torch.zeros(H, 3 * H)},
               str(d2t / "model.safetensors"))
-    with pytest.raises(DrafterFormatError, match=r"d2t/model.safetensors: holds \['d2t'\].*"
-                       r"EAGLE-3"):
-        detect_drafter_format(d2t)
+    assert detect_drafter_format(d2t) == "eagle3"
+    with pytest.raises(DrafterFormatError, match=r"d2t/model.safetensors: has no midlayer"):
+        load_eagle(d2t)
     with pytest.raises(DrafterFormatError, match=r"medusa_model: .*target/model.safetensors"
                        r": holds no Medusa heads"):
         load_medusa(tiny_pair["target"])

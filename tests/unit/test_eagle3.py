@@ -27,7 +27,7 @@ PROMPT = [3, 9, 27, 17, 51, 2]
 
 @pytest.fixture(scope="module")
 def deep_target(tmp_path_factory) -> str:
-    """A 6-layer tiny target: EAGLE-3's default layers are then (2, 3, 3)."""
+    """A 6-layer tiny target: EAGLE-3's default layers are then (1, 3, 5)."""
     root = tmp_path_factory.mktemp("eagle3")
     return str(build_tiny_llama(root / "target", seed=4, vocab_size=64, num_layers=6))
 
@@ -72,7 +72,8 @@ def train_eagle3(target_dir: str, steps: int = 60, draft_vocab: int = 0) -> Eagl
 
 def test_layer_specs_and_the_default_layers():
     assert eagle3_layers(32) == (2, 16, 29)
-    assert eagle3_layers(6) == (2, 3, 3)
+    assert eagle3_layers(6) == (1, 3, 5) and eagle3_layers(7) == (2, 3, 4)
+    assert eagle3_layers(3) == (0, 1, 2) and eagle3_layers(2) == (0, 1, 2)
     assert layer_ids(None, 6) == (6,)
     assert layer_ids([0, 6], 6) == (0, 6)
     with pytest.raises(ValueError, match="eagle.feature_layers: layer indices \\[7\\]"):
@@ -173,7 +174,7 @@ def test_decoder_runs_eagle3_offline_and_batched(deep_target, tmp_path):
     target = load_model(deep_target)
     folder = save_eagle(Eagle3Model.from_target(target).float(), tmp_path / "e3")
     cfg = EagleConfig(eagle_model=str(folder), depth=3, nodes=8)
-    assert cfg.traits().feature_layers == (2, 3, 3)
+    assert cfg.traits().feature_layers == (1, 3, 5)
     dec = Decoder.from_pretrained(deep_target)
     plain = dec.generate(prompt_ids=PROMPT, max_new_tokens=16, method="ar").token_ids
     one = dec.generate(prompt_ids=PROMPT, max_new_tokens=16, method=cfg)

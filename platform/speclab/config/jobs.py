@@ -544,6 +544,11 @@ class TuneJob(_Trains):
         if self.method.name != "eagle":
             raise ValueError(f"method.name: an eagle sweep evaluates method eagle with each "
                              f"trial's drafter, got {self.method.name!r}")
+        losses = [self.eagle.loss] + list(
+            (lambda s: (s.grid or s.choice or []) if s is not None else [])(
+                self.sweep.space.get("eagle.loss")))
+        if "hass" not in losses:  # no trial distills the top-K
+            return self
         ks = [self.eagle.hass_k]
         swept = self.sweep.space.get("eagle.hass_k")
         if swept is not None:

@@ -9,7 +9,8 @@ final norm. Specs:
 * a tuple of indices, e.g. EAGLE-3's low / middle / high layers: the states concatenated
   in that order, ``[T, len(spec) * H]``;
 * ``"eagle3"``: EAGLE-3's default for a target of ``L`` layers, ``(2, L // 2, L - 3)``
-  (the EAGLE authors' and vLLM's choice), clamped into ``[0, L]`` for shallow targets.
+  (the EAGLE authors' and vLLM's choice; distinct layers spread alike for ``L < 7``,
+  :func:`eagle3_layers`).
 
 :class:`FeatureHooks` registers forward pre-hooks on a target (the LM head always, the
 decoder layers a spec names on request) and keeps what the last forward fed them; the
@@ -43,11 +44,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                      f"{type(model).__name__} (needed for layer features)")
 
 
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low / middle / high feature layers for a target of ``num_layers`` layers:
-    ``(2, L // 2, L - 3)``, each clamped into ``[0, L]``."""
-    pick = (2, num_layers // 2, num_layers - 3)
-    return tuple(min(max(i, 0), num_layers) for i in pick)  # type: ignore[return-value]
+def eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high feature layers for a target of ``L = num_layers``
+    layers: ``(2, L // 2, L - 3)`` (the EAGLE authors' and vLLM's choice) from ``L = 7`` on;
+    a shallower target, where those repeat a layer (public runtimes concatenate each state
+    once, in ascending order), gets three distinct layer inputs spread the same way,
+    ``(1, L // 2, L - 1)`` (``(0, 1, 2)`` for ``L = 3``; the ``L + 1`` states for ``L < 3``)."""
+    if num_layers >= 7:
+        return (2, num_layers // 2, num_layers - 3)
+    if num_layers >= 4:
+        return (1, num_layers // 2, num_layers - 1)
+    return tuple(range(min(num_layers + 1, 3)))
 
 
 def layer_ids(spec: FeatureSpec, num_layers: int, field: str = "feature_layers"

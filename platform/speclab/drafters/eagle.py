@@ -131,7 +131,8 @@ class EagleConfig(TreeKnobs):
     needs_features = True  # the drafter reads the target's last-layer features
     needs_draft_model = False  # the drafter is its own folder, not models.draft
     eagle_model: Any = Field(None, validate_default=True,
-                             description="EAGLE drafter: a speclab folder, an EAGLE-1/2 / HASS / "
+                             description="EAGLE drafter: a speclab folder (EAGLE-1/2 or "
+                             "EAGLE-3), an EAGLE-1/2 / HASS / EAGLE-3 (EAGLE, SpecForge) / "
                              "speculators checkpoint, or a models:/ URI")
     builder: Builder = Field("eagle2", description="eagle tree builder: eagle2, optimal, salf")
     tree_top_k: int = Field(4, gt=0, description="EAGLE-2 children per node / beam width")

@@ -30,7 +30,7 @@ def prepare_eagle(cfg: Any) -> Prepared:
         from speclab.models.formats import check_exports
 
         for meta in metas:
-            check_exports(cfg.output.export, meta)
+            check_exports(cfg.output.export, meta, target_config=config)
     if cfg.eagle.init_from:
         from speclab.models.eagle import load_init
         from speclab.models.loading import load_model, resolve_source

@@ -106,7 +106,7 @@ def resolve_layers(named: tuple[int, ...] | None, config, where: Path, field: st
     ``named`` (checked to be decoder-layer inputs of the target) or EAGLE-3's default
     for its depth. Without ``config`` only named layers resolve; a default that is not
     strictly ascending (targets of fewer than 7 layers) has no public equivalent."""
-    from speclab.decoding.features import layer_ids, num_decoder_layers
+    from speclab.decoding.features import num_decoder_layers
 
     if config is None:
         if named is None:
@@ -115,9 +115,9 @@ def resolve_layers(named: tuple[int, ...] | None, config, where: Path, field: st
                        f"EAGLE-3's default (2, L // 2, L - 3) from{advice}")
         return named
     depth = num_decoder_layers(config)
-    if named is None:
-        ids = layer_ids("eagle3", depth)
-        if list(ids) != sorted(set(ids)):
+    if named is None:  # the public formula itself (speclab's default differs below L = 7)
+        ids = (2, depth // 2, depth - 3)
+        if list(ids) != sorted(set(ids)) or ids[0] < 0:
             raise fail(field, where, f"names no target layers, and EAGLE-3's default for "
                        f"a target of {depth} layers, (2, L // 2, L - 3) = {ids}, repeats a "
                        f"layer or is out of order (the public code captures each layer once, "
@@ -296,7 +296,9 @@ def public_problem(meta: EagleMeta, fmt: str, num_layers: int | None = None) -> 
     if list(layers) != sorted(set(layers)):
         return (f"feature_layers {list(layers)} are not strictly ascending: vLLM and SGLang "
                 f"concatenate the target's states in ascending layer order, each once")
-    if num_layers is not None and layers[-1] >= num_layers:
+    if num_layers is not None and layers[-1] > num_layers:
+        return (f"feature_layers {list(layers)} reach past the target's {num_layers} layers")
+    if num_layers is not None and layers[-1] == num_layers:
         return (f"feature_layers {list(layers)} include {num_layers}, the target's final "
                 f"norm output, which no public runtime captures (they read the input of a "
                 f"decoder layer)")
