@@ -249,6 +249,16 @@ def test_eagle3_loss_is_the_decayed_sum_of_step_ces(deep_target):
     torch.testing.assert_close(got, want)
     assert torch.isfinite(got)
 
+    class Wrapped(torch.nn.Module):  # as DDP wraps the drafter on Ray Train workers
+        def __init__(self, module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    torch.testing.assert_close(eagle3_loss(Wrapped(model), batch, steps=3, decay=0.8), want)
+
 
 def test_training_raises_acceptance_and_talf_applies(deep_target):
     """A few steps of EAGLE-3 training lower the loss and raise the engine's tau over an

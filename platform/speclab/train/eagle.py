@@ -180,7 +180,7 @@ def draft_vocab_targets(model: torch.nn.Module, ids: torch.Tensor, probs: torch.
     """The target's kept probabilities ``probs [..., K]`` at ``ids [..., K]`` with the
     entries outside the drafter's draft vocabulary (an EAGLE-3 ``t2d``) zeroed (the losses
     renormalise what is left); unchanged for a drafter over the whole vocabulary."""
-    t2d = getattr(model, "t2d", None)
+    t2d = getattr(getattr(model, "module", model), "t2d", None)  # DDP wraps the drafter
     if t2d is None or bool(t2d.all()):
         return probs
     return probs * t2d.to(ids.device)[ids].to(probs.dtype)
