@@ -1,7 +1,8 @@
-"""jobs.compare_eagle end to end: feat and feat_tree shards generated once, an EAGLE base
-drafter, EAGLE and TALF fine-tuned from it on Ray Train, each a child run with its own
-registered drafter, and the loss x method table with acceptance per draft position on
-the parent run; bad input before any work."""
+"""jobs.compare_eagle end to end: feat, feat_tree, feat3 and feat3_tree shards generated
+once, an EAGLE and an EAGLE-3 base drafter, EAGLE and TALF fine-tuned from the first and
+EAGLE-3 + TALF from the second on Ray Train, each a child run with its own registered
+drafter, and the row x method table with acceptance per draft position on the parent
+run; bad input before any work."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ def test_eagle_losses_compared_as_child_runs(job_env, tmp_path):
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
     children = {r.data.tags["loss"] + r.data.tags.get("stage", ""): r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert sorted(children) == ["eagle", "eaglebase", "talf"]
-    assert parent.data.metrics["shards.feat"] == 2 and parent.data.metrics["shards.feat_tree"] == 2
+    assert sorted(children) == ["eagle", "eagle3_talf", "eagle3base", "eaglebase", "talf"]
+    for kind in ("feat", "feat_tree", "feat3_tree", "feat3"):
+        assert parent.data.metrics[f"shards.{kind}"] == 2
     assert children["eaglebase"].data.metrics["final_step"] == 10
-    for loss in ("eagle", "talf"):  # fine-tuned from the base for compare.finetune_steps
+    assert children["eagle3base"].data.metrics["final_step"] == 10
+    for loss in ("eagle", "talf", "eagle3_talf"):  # from their base, compare.finetune_steps
         m = children[loss].data.metrics
         assert m["final_step"] == 6 and m["engine_tau"] >= 1.0, m
         evals = method_children(client, children[loss])
@@ -49,6 +52,8 @@ def test_eagle_losses_compared_as_child_runs(job_env, tmp_path):
     (["compare.losses=[eagle,medusa]"], "compare.losses"),
     (["eagle.init_from=/nonexistent/drafter"], "eagle.init_from"),
     (["eagle.talf_depth=30"], "eagle.talf_depth (30) must be below distill.seq_len (24)"),
+    (["compare.bases={eagle3: /nonexistent/drafter}"], "compare.bases.eagle3"),
+    (["compare.eagle3={draft_vocab: -1}"], "compare.eagle3 (row 'eagle3_talf')"),
 ])
 def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
     refused_before_work("compare_eagle", CONFIG, overrides, message, job_env,

@@ -232,6 +232,17 @@ def test_training_time_test_steps_are_step_by_step_decoding(deep_target):
                 torch.testing.assert_close(logits[0, j].detach(), want, atol=1e-4, rtol=1e-4)
 
 
+class Wrapped(torch.nn.Module):
+    """The drafter as DDP wraps it on Ray Train workers (no attributes of its own)."""
+
+    def __init__(self, module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
 def test_eagle3_loss_is_the_decayed_sum_of_step_ces(deep_target):
     target = load_model(deep_target)
     torch.manual_seed(0)
@@ -248,14 +259,6 @@ def test_eagle3_loss_is_the_decayed_sum_of_step_ces(deep_target):
     got = eagle3_loss(model, batch, steps=3, decay=0.8)
     torch.testing.assert_close(got, want)
     assert torch.isfinite(got)
-
-    class Wrapped(torch.nn.Module):  # as DDP wraps the drafter on Ray Train workers
-        def __init__(self, module) -> None:
-            super().__init__()
-            self.module = module
-
-        def forward(self, *args, **kwargs):
-            return self.module(*args, **kwargs)
 
     torch.testing.assert_close(eagle3_loss(Wrapped(model), batch, steps=3, decay=0.8), want)
 
@@ -292,6 +295,7 @@ def test_training_raises_acceptance_and_talf_applies(deep_target):
                              for r in rows[:2]])
     assert forest["features"].shape[-1] == 96
     assert torch.isfinite(talf_loss(model, forest))
+    torch.testing.assert_close(talf_loss(Wrapped(model), forest), talf_loss(model, forest))
 
 
 def test_training_config_refuses_what_eagle3_cannot_train():

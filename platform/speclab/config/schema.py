@@ -387,13 +387,17 @@ class EagleCompareConfig(StrictModel):
     ``finetune_steps`` 0: each row trains from scratch for ``train.steps``; > 0: a base
     drafter per version (loss ``eagle``, resp. ``eagle3``) trains for ``train.steps``, then
     every row continues from its version's base for ``finetune_steps`` (the SALF & TALF
-    paper's protocol, equal budgets)."""
+    paper's protocol, equal budgets); ``bases`` names an already trained base instead
+    (e.g. ``{eagle3: models:/speclab-eagle3-reference/1}``)."""
 
     losses: list[Literal["eagle", "hass", "talf", "eagle3", "eagle3_talf"]] = Field(
         default_factory=lambda: ["eagle", "hass", "talf"], min_length=1)
     finetune_steps: int = Field(0, ge=0)
     eagle3: dict = Field(default_factory=dict, description="eagle.* settings of the EAGLE-3 "
                          "rows (feature_layers, draft_vocab, ttt_steps, ttt_decay)")
+    bases: dict[Literal["eagle", "eagle3"], str] = Field(
+        default_factory=dict, description="with finetune_steps: a trained drafter (folder or "
+        "models:/ URI) to use as that version's base instead of training one")
 
     def row_eagle(self, row: str, eagle: EagleTrainConfig, **update) -> EagleTrainConfig:
         """The validated ``eagle`` group of compare row ``row`` (its version and loss;

@@ -21,6 +21,7 @@ the HASS slide's figure).
 
 from __future__ import annotations
 
+from speclab.models.loading import resolve_source
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.comparison import comparison_rows, log_comparison
 from speclab.pipelines.eagle import (
@@ -55,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         init_from = {v: cfg.eagle.init_from for v in versions}
         for v in versions if finetune else []:
             name = base_loss[v]
+            if name in cfg.compare.bases:  # a trained base given: checked by prepare_eagle
+                init_from[v] = resolve_source(cfg.compare.bases[name], f"compare.bases.{name}")
+                print(f"[compare_eagle] {name} base: {init_from[v]}", flush=True)
+                continue
             base = cfg.model_copy(update={"eagle": cfg.compare.row_eagle(name, cfg.eagle)})
             print(f"[compare_eagle] === {name} base ===", flush=True)
             with parent.child(f"{cfg.name}-base-{name}", base.model_dump(mode="json")) as child:

@@ -26,6 +26,14 @@ def prepare_eagle(cfg: Any) -> Prepared:
     eagles = ([cfg.compare.row_eagle(row, cfg.eagle) for row in cfg.compare.losses]
               if hasattr(cfg, "compare") else [cfg.eagle])
     metas = [trained_meta(config, e) for e in eagles]
+    for name, source in getattr(getattr(cfg, "compare", None), "bases", {}).items():
+        from speclab.models.eagle import load_init
+        from speclab.models.loading import load_model, resolve_source
+
+        field = f"compare.bases.{name}"
+        load_init(resolve_source(source, field), load_model(prep.target, field="models.target"
+                                                            ).config,
+                  cfg.compare.row_eagle(name, cfg.eagle), field)
     if cfg.output.export:  # a format that cannot hold the drafter
         from speclab.models.formats import check_exports
 

@@ -225,7 +225,6 @@ def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
     _, n_roots, depth, k = f_tok.shape
     width = n_roots * k
     allowed = forest_mask(parents, roots, t)
-    neg = torch.finfo(model.fc.weight.dtype).min
     ctx_pos = torch.arange(t, device=feats.device).expand(b, t)
     node_pos = (roots[:, :, None] + 1).expand(b, n_roots, k).reshape(b, width)  # depth 1
     cache = DynamicCache()  # pass d appends its nodes; earlier outputs never change
@@ -233,6 +232,7 @@ def talf_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]
                           past_key_values=cache, use_cache=True)
     scored, prev = [logits], out_f  # prev: the last pass's outputs at the newest nodes
     hidden = out_f.shape[-1]  # the drafter's own width (EAGLE-3 reads wider features)
+    neg = torch.finfo(out_f.dtype).min
     for d in range(depth):
         if d == 0:  # depth 1: fed the output at the root's pair
             idx = roots[:, :, None].expand(b, n_roots, hidden)
