@@ -382,7 +382,7 @@ class EagleTask:
     def _collate(self, rows: list[dict], g: torch.Generator) -> dict:
         from speclab.train.eagle import collate_feat, collate_forest
 
-        if self.kind == "feat_tree":  # eagle.talf_roots trees per window, drawn with g
+        if self.kind.endswith("_tree"):  # eagle.talf_roots trees per window, drawn with g
             batch = collate_forest(rows, self.e.talf_roots, g)
         else:
             batch = collate_feat(rows)
