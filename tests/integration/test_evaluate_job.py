@@ -66,7 +66,8 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> 
 #: aside) and checks in depth: running them again here would only double the suite's time
 RUN_BY_OWN_TEST = {
     "compare_eagle": "test_compare_eagle.py", "distill": "test_distill.py",
-    "distill_eagle": "test_distill_eagle.py", "train_head": "test_train_head.py",
+    "distill_eagle": "test_distill_eagle.py", "distill_eagle3": "test_distill_eagle.py",
+    "train_head": "test_train_head.py",
     "train_medusa": "test_train_medusa.py", "train_target": "test_train_target.py",
     "tune": "test_tune.py", "train_recommender": "test_recommend.py",
     "serve": "test_serve.py",  # a server, not a job
