@@ -26,25 +26,21 @@ def prepare_eagle(cfg: Any) -> Prepared:
     eagles = ([cfg.compare.row_eagle(row, cfg.eagle) for row in cfg.compare.losses]
               if hasattr(cfg, "compare") else [cfg.eagle])
     metas = [trained_meta(config, e) for e in eagles]
-    for name, source in getattr(getattr(cfg, "compare", None), "bases", {}).items():
-        from speclab.models.eagle import load_init
-        from speclab.models.loading import load_model, resolve_source
+    from speclab.models.eagle import load_init
+    from speclab.models.loading import resolve_source
 
-        field = f"compare.bases.{name}"
-        load_init(resolve_source(source, field), load_model(prep.target, field="models.target"
-                                                            ).config,
-                  cfg.compare.row_eagle(name, cfg.eagle), field)
+    for name, source in getattr(getattr(cfg, "compare", None), "bases", {}).items():
+        field = f"compare.bases.{name}"  # a given base: a drafter of the row's shape
+        load_init(resolve_source(source, field), config, cfg.compare.row_eagle(name, cfg.eagle),
+                  field)
     if cfg.output.export:  # a format that cannot hold the drafter
         from speclab.models.formats import check_exports
 
         for meta in metas:
             check_exports(cfg.output.export, meta, target_config=config)
     if cfg.eagle.init_from:
-        from speclab.models.eagle import load_init
-        from speclab.models.loading import load_model, resolve_source
-
         folder = resolve_source(cfg.eagle.init_from, "eagle.init_from")
-        load_init(folder, load_model(prep.target, field="models.target").config, cfg.eagle)
+        load_init(folder, config, cfg.eagle)
         cfg.eagle.init_from = str(folder)
     return prep
 
