@@ -25,12 +25,12 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from speclab.decoding.attention import attention_layout
-from speclab.decoding.features import FeatureHooks, FeatureSpec
+from speclab.decoding.features import FeatureHooks, FeatureSpec, TracksFeatures
 from speclab.decoding.host import ForwardClock, to_device
 from speclab.decoding.tree import additive_mask
 
 
-class BatchRunner:
+class BatchRunner(TracksFeatures):
     """Runs one HF causal LM over ``B`` rows with per-row lengths and one shared cache.
 
     ``calls`` counts model forwards and ``seconds`` their wall time (CUDA events on a
@@ -73,14 +73,6 @@ class BatchRunner:
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
-    def track_hidden(self, spec: FeatureSpec = None) -> None:
-        """Keep every forward's final hidden states (the LM head's input) in ``hidden``
-        and, with ``spec`` (:mod:`speclab.decoding.features`), the layer states
-        :meth:`features` returns."""
-        if self._hook is None:
-            self._hook = FeatureHooks(self.model)
-        self._hook.add(spec)
-
     @property
     def hidden(self) -> torch.Tensor | None:
         """``[B, T, H]``: the LM head's input in the last forward (when tracked)."""
@@ -89,7 +81,7 @@ class BatchRunner:
     def features(self, spec: FeatureSpec = None) -> torch.Tensor | None:
         """``[B, T, F]``: the hidden states ``spec`` names in the last forward,
         concatenated (``spec`` must have been passed to :meth:`track_hidden`)."""
-        return self._hook.get(spec) if self._hook is not None else None
+        return self._tracked(spec)
 
     def release(self) -> None:
         """Drop the cache, the rows and the hidden-state hook."""

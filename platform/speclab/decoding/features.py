@@ -132,3 +132,22 @@ class FeatureHooks:
         for handle in self.handles.values():
             handle.remove()
         self.handles, self.values = {}, {}
+
+
+class TracksFeatures:
+    """What both runners (:mod:`.runner`, :mod:`.batch_runner`) share: ``track_hidden``
+    (install :class:`FeatureHooks` on ``self.model``) and the kept states of the last
+    forward, ``[B, T, F]`` (:meth:`_tracked`). The runner sets ``_hook = None`` first."""
+
+    model: nn.Module
+    _hook: FeatureHooks | None
+
+    def track_hidden(self, spec: FeatureSpec = None) -> None:
+        """Keep every forward's final hidden states (the LM head's input; SpecDec++'s
+        acceptance head, EAGLE, Medusa) and, with ``spec``, the layer states it names."""
+        if self._hook is None:
+            self._hook = FeatureHooks(self.model)
+        self._hook.add(spec)
+
+    def _tracked(self, spec: FeatureSpec) -> torch.Tensor | None:
+        return self._hook.get(spec) if self._hook is not None else None

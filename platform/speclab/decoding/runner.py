@@ -13,12 +13,12 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from speclab.decoding.attention import attention_layout
-from speclab.decoding.features import FeatureHooks, FeatureSpec
+from speclab.decoding.features import FeatureHooks, FeatureSpec, TracksFeatures
 from speclab.decoding.host import ForwardClock, to_device
 from speclab.decoding.tree import TokenTree, additive_mask
 
 
-class ModelRunner:
+class ModelRunner(TracksFeatures):
     """Runs one HF causal LM over a single sequence with a persistent ``DynamicCache``.
 
     ``calls`` counts forwards and ``seconds`` their wall time (CUDA events on a GPU: no
@@ -40,14 +40,6 @@ class ModelRunner:
         self.clock = ForwardClock(self.device)
         self._hook: FeatureHooks | None = None
 
-    def track_hidden(self, spec: FeatureSpec = None) -> None:
-        """Keep the final hidden states (the LM head's input) of every forward in
-        ``hidden`` ``[T, H]`` (SpecDec++'s acceptance head, EAGLE) and, with ``spec``
-        (:mod:`speclab.decoding.features`), the layer states :meth:`features` returns."""
-        if self._hook is None:
-            self._hook = FeatureHooks(self.model)
-        self._hook.add(spec)
-
     @property
     def hidden(self) -> torch.Tensor | None:
         """``[T, H]``: the LM head's input in the last forward (when tracked)."""
@@ -56,7 +48,7 @@ class ModelRunner:
     def features(self, spec: FeatureSpec = None) -> torch.Tensor | None:
         """``[T, F]``: the hidden states ``spec`` names in the last forward, concatenated
         (``spec`` must have been passed to :meth:`track_hidden`)."""
-        out = self._hook.get(spec) if self._hook is not None else None
+        out = self._tracked(spec)
         return None if out is None else out[0]
 
     def release(self) -> None:

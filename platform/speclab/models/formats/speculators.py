@@ -220,6 +220,19 @@ def speculators_problem(meta: EagleMeta) -> str | None:
     return None
 
 
+def _speculators_config(algorithm: str, speculative_tokens: int, verifier: str,
+                        verifier_arch: str) -> dict:
+    """The ``speculators_config`` block of an exported config: one greedy proposal method
+    of ``speculative_tokens`` tokens and the verifier (the target) vLLM loads."""
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy",
+                                  "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(verifier),
+                         "architectures": [verifier_arch] if verifier_arch else []}}
+
+
 def write_speculators(model: EagleModel, out: Path, verifier: str | None,
                       verifier_arch: str = "", speculative_tokens: int = 5,
                       field: str = "--format speculators") -> Path:
@@ -249,15 +262,8 @@ def write_speculators(model: EagleModel, out: Path, verifier: str | None,
         "layernorms": False,
         "fusion_bias": meta.fc_bias,
         "torch_dtype": "float32",
-        "speculators_config": {
-            "algorithm": "eagle",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier),
-                         "architectures": [verifier_arch] if verifier_arch else []},
-        },
+        "speculators_config": _speculators_config("eagle", speculative_tokens, verifier,
+                                                  verifier_arch),
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -353,15 +359,8 @@ def write_speculators_eagle3(model, out: Path, verifier: str | None, verifier_ar
         e3.VLLM_IDS: ids[e3.VLLM_IDS],
         "embed_requires_grad": False,
         "torch_dtype": "float32",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(verifier),
-                         "architectures": [verifier_arch] if verifier_arch else []},
-        },
+        "speculators_config": _speculators_config("eagle3", speculative_tokens, verifier,
+                                                  verifier_arch),
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
