@@ -62,6 +62,16 @@ from speclab.models.formats.files import (
 )
 
 
+def _read_config_and_weights(folder: Path, field: str) -> tuple[dict, Path, Path]:
+    """A research-format folder's ``config.json`` (as a dict), its path, and its weight
+    file (a DrafterFormatError naming the folder when there is none)."""
+    cfg = read_config(folder, field)
+    weights = weight_file(folder)
+    if weights is None:
+        raise fail(field, folder, "has no model.safetensors / pytorch_model.bin")
+    return cfg, folder / "config.json", weights
+
+
 def read_eagle_research(folder: Path, target: TargetParts | None, field: str,
                         advice: str = "", target_config=None) -> EagleModel:
     """The drafter in ``folder`` (EAGLE-1/2 / HASS research format) as an EagleModel
@@ -71,11 +81,7 @@ def read_eagle_research(folder: Path, target: TargetParts | None, field: str,
     Errors name the file, the field and what was found (``advice``: appended to a
     missing-LM-head error)."""
     folder = Path(folder)
-    cfg = read_config(folder, field)
-    where = folder / "config.json"
-    weights = weight_file(folder)
-    if weights is None:
-        raise fail(field, folder, "has no model.safetensors / pytorch_model.bin")
+    cfg, where, weights = _read_config_and_weights(folder, field)
     tensors = read_tensors(weights, field)
     if "embed_layernorm.weight" in tensors or "hidden_layernorm.weight" in tensors:
         raise fail(field, weights, "holds embed_layernorm / hidden_layernorm (the HASS 'TTT' "
@@ -146,11 +152,7 @@ def read_eagle3_research(folder: Path, target: TargetParts | None, field: str,
     the config names or EAGLE-3's default for the target, its embedding (when the file has
     none) the target's. Errors name the file, the field and what was found."""
     folder = Path(folder)
-    cfg = read_config(folder, field)
-    where = folder / "config.json"
-    weights = weight_file(folder)
-    if weights is None:
-        raise fail(field, folder, "has no model.safetensors / pytorch_model.bin")
+    cfg, where, weights = _read_config_and_weights(folder, field)
     fields = llama_fields(cfg, where, field)
     layers = cfg.get("num_hidden_layers", 1)
     if layers != 1:

@@ -144,6 +144,18 @@ VLLM_READS_EAGLE3 = {
 }
 
 
+def _read_layer_config(folder: Path, field: str) -> tuple[dict, Path, dict]:
+    """A speculators folder's ``config.json`` (as a dict), its path, and its
+    ``transformer_layer_config`` (a DrafterFormatError naming both when not a dict)."""
+    where = Path(folder) / "config.json"
+    cfg = read_config(Path(folder), field)
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise fail(field, where, f"transformer_layer_config={layer!r}: a LLaMA config "
+                   f"dict is needed")
+    return cfg, where, layer
+
+
 def read_speculators(folder: Path, target: TargetParts | None, field: str,
                      advice: str = "", target_config=None) -> EagleModel:
     """The ``speculators_model_type: eagle`` drafter in ``folder`` as an EagleModel, its
@@ -151,12 +163,7 @@ def read_speculators(folder: Path, target: TargetParts | None, field: str,
     and LM head taken from ``target`` (``fusion_fc.weight [H, 2H]`` becomes ``fc``,
     ``transformer.*`` layer 0); errors name the file and the field."""
     folder = Path(folder)
-    cfg = read_config(folder, field)
-    where = folder / "config.json"
-    layer = cfg.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise fail(field, where, f"transformer_layer_config={layer!r}: a LLaMA config "
-                   f"dict is needed")
+    cfg, where, layer = _read_layer_config(folder, field)
     arch = cfg.get("transformer_layer_architecture", "LlamaDecoderLayer")
     kind = layer.get("model_type", "llama")
     if arch not in ("LlamaDecoderLayer", "auto") or kind != "llama":
@@ -287,12 +294,7 @@ def read_speculators_eagle3(folder: Path, target: TargetParts | None, field: str
     ``eagle_aux_hidden_state_layer_ids`` or EAGLE-3's default for the target; errors name
     the file and the field."""
     folder = Path(folder)
-    cfg = read_config(folder, field)
-    where = folder / "config.json"
-    layer = cfg.get("transformer_layer_config")
-    if not isinstance(layer, dict):
-        raise fail(field, where, f"transformer_layer_config={layer!r}: a LLaMA config "
-                   f"dict is needed")
+    cfg, where, layer = _read_layer_config(folder, field)
     kind = layer.get("model_type", "llama")
     if kind != "llama":
         raise fail(field, where, f"transformer_layer_config.model_type={kind!r}: speclab's "
