@@ -227,10 +227,17 @@ def speculators_problem(meta: EagleMeta) -> str | None:
     return None
 
 
-def _speculators_config(algorithm: str, speculative_tokens: int, verifier: str,
-                        verifier_arch: str) -> dict:
+def _speculators_config(algorithm: str, speculative_tokens: int, verifier: str | None,
+                        verifier_arch: str, field: str) -> dict:
     """The ``speculators_config`` block of an exported config: one greedy proposal method
-    of ``speculative_tokens`` tokens and the verifier (the target) vLLM loads."""
+    of ``speculative_tokens`` tokens and the verifier (the target) vLLM loads; a
+    DrafterFormatError without a verifier (naming ``field``) or tokens."""
+    if not verifier:
+        raise DrafterFormatError(f"{field}: speculators_config.verifier.name_or_path (the "
+                                 f"target vLLM loads) is unknown: name the target "
+                                 f"(--target)")
+    if speculative_tokens < 1:
+        raise DrafterFormatError(f"speculative_tokens: must be >= 1, got {speculative_tokens}")
     return {"algorithm": algorithm,
             "proposal_methods": [{"proposal_type": "greedy",
                                   "speculative_tokens": int(speculative_tokens),
@@ -254,12 +261,6 @@ def write_speculators(model: EagleModel, out: Path, verifier: str | None,
     if problem:
         raise DrafterFormatError(f"{field}: cannot write this drafter in the speculators "
                                  f"eagle format: {problem}")
-    if not verifier:
-        raise DrafterFormatError(f"{field}: speculators_config.verifier.name_or_path (the "
-                                 f"target vLLM loads) is unknown: name the target "
-                                 f"(--target)")
-    if speculative_tokens < 1:
-        raise DrafterFormatError(f"speculative_tokens: must be >= 1, got {speculative_tokens}")
     meta = model.meta
     cfg = {
         "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
@@ -270,7 +271,7 @@ def write_speculators(model: EagleModel, out: Path, verifier: str | None,
         "fusion_bias": meta.fc_bias,
         "torch_dtype": "float32",
         "speculators_config": _speculators_config("eagle", speculative_tokens, verifier,
-                                                  verifier_arch),
+                                                  verifier_arch, field),
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -342,12 +343,6 @@ def write_speculators_eagle3(model, out: Path, verifier: str | None, verifier_ar
     if problem:
         raise DrafterFormatError(f"{field}: cannot write this drafter in the speculators "
                                  f"eagle3 format: {problem}")
-    if not verifier:
-        raise DrafterFormatError(f"{field}: speculators_config.verifier.name_or_path (the "
-                                 f"target vLLM loads) is unknown: name the target "
-                                 f"(--target)")
-    if speculative_tokens < 1:
-        raise DrafterFormatError(f"speculative_tokens: must be >= 1, got {speculative_tokens}")
     meta = model.meta
     ids = e3.meta_fields(meta)
     cfg = {
@@ -362,7 +357,7 @@ def write_speculators_eagle3(model, out: Path, verifier: str | None, verifier_ar
         "embed_requires_grad": False,
         "torch_dtype": "float32",
         "speculators_config": _speculators_config("eagle3", speculative_tokens, verifier,
-                                                  verifier_arch),
+                                                  verifier_arch, field),
     }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
