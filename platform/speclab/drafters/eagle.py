@@ -18,6 +18,7 @@ optimal tree / SALF (``builder: optimal | salf``), the builders the draft-LM met
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import torch
@@ -180,6 +181,18 @@ def eagle_feature_spec(eagle_model) -> object:
     checkpoint that does not name them). Read from the folder's ``config.json``."""
     if is_eagle_model(eagle_model):
         return eagle_model.meta.feature_layers
+    if eagle_model.startswith(("models:/", "runs:/")):
+        return _registered_feature_spec(eagle_model)
     from speclab.models.formats import drafter_feature_spec
 
-    return drafter_feature_spec(registry_or_folder(eagle_model, "eagle_model"))
+    return drafter_feature_spec(eagle_model)
+
+
+@functools.lru_cache(maxsize=64)
+def _registered_feature_spec(uri: str) -> object:
+    """:func:`eagle_feature_spec` of a registry URI, downloaded once per process (a URI
+    names one drafter for the process's lifetime, as the drafters it loads are cached by
+    that string too): traits are read on every generate call."""
+    from speclab.models.formats import drafter_feature_spec
+
+    return drafter_feature_spec(registry_or_folder(uri, "eagle_model"))
