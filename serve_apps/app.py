@@ -81,6 +81,9 @@ def _options(rc, name: str, routed: bool, access_log: bool) -> dict:
     opts = {"name": name, "max_ongoing_requests": rc.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": rc.num_cpus, "num_gpus": rc.num_gpus},
             "logging_config": {"enable_access_log": access_log}}
+    if rc.omp_wait_policy is not None:  # read by OpenMP when the replica's process starts
+        opts["ray_actor_options"]["runtime_env"] = {
+            "env_vars": {"OMP_WAIT_POLICY": rc.omp_wait_policy.upper()}}
     if rc.autoscaling is not None:
         a = rc.autoscaling
         opts["autoscaling_config"] = {
@@ -129,7 +132,9 @@ def app_from_config(cfg: ServeJob):
                        cfg.device_of("draft"), rec_draft=rec_draft,
                        plugins=plugin_modules(cfg.method),
                        torch_threads=sv.draft.torch_threads, buckets=buckets,
-                       direct_rounds=sv.direct_rounds, target_source=target, **common)
+                       direct_rounds=sv.direct_rounds, target_source=target,
+                       draft_ahead=sv.draft_ahead, ahead_warmup=sv.ahead_warmup,
+                       ahead_min_hit_rate=sv.ahead_min_hit_rate, **common)
     return i.bind(target_app, draft_app, settings)
 
 

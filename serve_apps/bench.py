@@ -2,8 +2,9 @@
 in-process engine on the same prompts.
 
     .venv/bin/python -m serve_apps.bench --config experiments/serve_reference.yaml \\
-        [--methods ar,chain] [--clients 1,4,16] [--requests 8] [--max-tokens 48] \\
-        [--out bench_out/serve_bench.json]
+        [--methods ar,chain,eagle,medusa] [--clients 1,4,16] [--requests 8] \\
+        [--max-tokens 48] [--eagle-model URI] [--medusa-model URI] \\
+        [--out bench_out/serve_bench.json] [key=value ...]
 
 For each method, one after another (nothing else runs meanwhile): the in-process
 :class:`speclab.api.Decoder` decodes the load test's 8 prompts one at a time (greedy;
@@ -69,6 +70,23 @@ def in_process(cfg, method: dict, prompts: list[str], max_tokens: int) -> dict:
             "tau": statistics.mean(taus), "outputs": outs}
 
 
+def bench_method(cfg, name: str, eagle_model: str | None = None,
+                 medusa_model: str | None = None) -> dict:
+    """The method config of row ``name``: the config's own method when it is that one,
+    EAGLE / Medusa with the drafter given on the command line, else the method's
+    defaults."""
+    if name == cfg.method.name:
+        return cfg.method.model_dump(mode="json")
+    for method, field, given in (("eagle", "eagle_model", eagle_model),
+                                 ("medusa", "medusa_model", medusa_model)):
+        if name == method:
+            if given is None:
+                raise ValueError(f"--{method}-model: the {method!r} row needs a trained "
+                                 f"drafter (a folder or a models:/ URI)")
+            return {"name": method, field: given}
+    return {"name": name}
+
+
 def start_server(config: str, overrides: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     """``speclab serve`` in its own process group on a free port; waits until ready."""
     port = _free_port()
@@ -113,12 +131,21 @@ def breakdown(results: list[dict]) -> dict:
     """Mean seconds per round: where the time of a request's rounds went. The target
     call (``target_call_s``) is the hop (``hop_s``), the target's forward
     (``target_model_s``, the model alone) and the rest of its verify step
-    (``target_rule_s``: rules, masks, pruning; 0 where a replica does not report it)."""
+    (``target_rule_s``: rules, masks, pruning; 0 where a replica does not report it);
+    ``ahead_s`` is the drafting of the next round done during the call (hidden behind it
+    unless it outlasted the target: then it shows in ``hop_s``), with the share of rounds
+    drafted ahead and their hit rate."""
     ok = [r for r in results if r["status"] == 200]
     rounds = sum(r["stats"]["timing"]["rounds"] for r in ok) or 1
     t = {k: sum(r["stats"]["timing"].get(k, 0.0) for r in ok) / rounds
          for k in ("queue_s", "draft_model_s", "target_call_s", "target_model_s",
-                   "target_rule_s")}
+                   "target_rule_s", "ahead_s")}
+    # drafting ahead (speclab.decoding.lookahead): rounds that had a tree drafted ahead,
+    # and the share of them whose tree was ready when the verdict came
+    ahead = sum(r["stats"]["timing"].get("ahead_rounds", 0) for r in ok)
+    t["ahead_rounds_share"] = ahead / rounds
+    t["ahead_hit_rate"] = (sum(r["stats"]["timing"].get("ahead_hits", 0) for r in ok) / ahead
+                           if ahead else None)
     per_req = {"http_and_proxy_s": statistics.mean(
         r["latency_s"] - r["stats"]["timing"]["ingress_s"] for r in ok),
         "ingress_to_replica_s": statistics.mean(
@@ -140,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=8, help="requests per client")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default="bench_out/serve_bench.json")
+    p.add_argument("--eagle-model", help="the 'eagle' row's drafter (folder or models:/ URI; "
+                                         "EAGLE-1/2 or EAGLE-3)")
+    p.add_argument("--medusa-model", help="the 'medusa' row's heads (folder or models:/ URI)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     a = p.parse_args(argv)
     from speclab.config import ServeJob
@@ -156,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     rows, report = [], {"config": a.config, "max_tokens": a.max_tokens, "methods": {}}
     for name in a.methods.split(","):
-        method = cfg.method.model_dump(mode="json") if name == cfg.method.name else {"name": name}
+        try:
+            method = bench_method(cfg, name, a.eagle_model, a.medusa_model)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         local = in_process(cfg, method, PROMPTS, a.max_tokens)
         print(f"[{name}] in process: {local['tokens_per_s']:.1f} tok/s, tau "
               f"{local['tau']:.2f}", flush=True)
@@ -190,15 +224,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['target_calls_per_token']:>9.3f} {s['errors']:>6} "
               f"{str(s['identical_to_in_process']):>5}")
     print("\nper round (ms): queue, draft model, target call (hop + target model + target "
-          "rules), target model, target rules, rows per target forward")
+          "rules), target model, target rules, drafting ahead during the call, rows per "
+          "target forward; rounds drafted ahead and their hit rate")
     for name, n, s, _ in rows:
         r = s["per_round"]
         q = s["per_request"]
         print(f"{name:<8} {n:>3} clients: queue {1e3 * r['queue_s']:.2f}, draft "
               f"{1e3 * r['draft_model_s']:.2f}, call {1e3 * r['target_call_s']:.2f} (hop "
               f"{1e3 * r['hop_s']:.2f}), target {1e3 * r['target_model_s']:.2f}, rules "
-              f"{1e3 * r['target_rule_s']:.2f}, rows "
-              f"{r['rows_per_target_forward']:.1f}; per request: http+proxy "
+              f"{1e3 * r['target_rule_s']:.2f}, ahead {1e3 * r['ahead_s']:.2f}, rows "
+              f"{r['rows_per_target_forward']:.1f}; drafted ahead "
+              f"{r['ahead_rounds_share']:.0%}, hits "
+              f"{'-' if r['ahead_hit_rate'] is None else format(r['ahead_hit_rate'], '.0%')}"
+              f"; per request: http+proxy "
               f"{1e3 * q['http_and_proxy_s']:.1f}, ingress->replica "
               f"{1e3 * q['ingress_to_replica_s']:.1f}, prefill {1e3 * q['prefill_s']:.1f}")
     names = list(report["methods"])

@@ -53,7 +53,11 @@ class Timing:
     batch to close (``queue_s``), its share of draft model time (``draft_model_s``: the
     batch's propose time), the target call (``target_call_s``: hop + the target's batch),
     the target's forward inside it (``target_model_s``, the model alone) and the rest of
-    the target's verify step (``target_rule_s``: trees from the wire, rules, pruning)."""
+    the target's verify step (``target_rule_s``: trees from the wire, rules, pruning).
+    Drafting ahead (:mod:`speclab.decoding.lookahead`): ``ahead_s`` the drafting done
+    while the target verified (hidden behind ``target_call_s``, its batch's share),
+    ``ahead_rounds`` the rounds that had a tree drafted ahead and ``ahead_hits`` those
+    whose tree was ready (no draft time of their own)."""
 
     rounds: int = 0
     queue_s: float = 0.0
@@ -61,6 +65,9 @@ class Timing:
     target_call_s: float = 0.0
     target_model_s: float = 0.0
     target_rule_s: float = 0.0
+    ahead_s: float = 0.0
+    ahead_rounds: int = 0
+    ahead_hits: int = 0
     replica_s: float = 0.0  # the whole request on the driving replica
     batch_rows: list[int] = field(default_factory=list)  # rows verified with it, per round
 
@@ -68,8 +75,11 @@ class Timing:
         """Add one round's figures (a step result's ``timing``)."""
         self.rounds += 1
         for key in ("queue_s", "draft_model_s", "target_call_s", "target_model_s",
-                    "target_rule_s"):
+                    "target_rule_s", "ahead_s"):
             setattr(self, key, getattr(self, key) + float(step.get(key, 0.0)))
+        if step.get("ahead_hit") is not None:
+            self.ahead_rounds += 1
+            self.ahead_hits += int(bool(step["ahead_hit"]))
         self.batch_rows.append(int(step.get("rows", 1)))
 
     def to_dict(self) -> dict:

@@ -154,7 +154,9 @@ class DraftDeployment(RequestStates):
                  rec_draft: str | None = None, plugins: list[str] | None = None,
                  max_batch: int = 64, batch_wait_ms: float = 5.0, torch_threads: int = 1,
                  buckets: int = 1, direct_rounds: bool = True,
-                 attn_implementation: str = "auto", target_source: str | None = None) -> None:
+                 attn_implementation: str = "auto", target_source: str | None = None,
+                 draft_ahead: bool = True, ahead_warmup: int = 8,
+                 ahead_min_hit_rate: float = 0.2) -> None:
         torch.set_num_threads(torch_threads)
         for module in plugins or []:
             importlib.import_module(module)
@@ -181,7 +183,11 @@ class DraftDeployment(RequestStates):
         self.features = features_wire(traits)
         self.rule = traits.rule.to_dict() if traits.rule else None
         super().__init__(max_sessions, max_cached_tokens, idle_timeout_s)
-        self.pool = DraftPool(self._make)
+        self.pool = DraftPool(self._make, ahead_warmup, ahead_min_hit_rate)
+        # draft each request's next round while the target verifies this one
+        # (speclab.decoding.lookahead), for greedy requests of a rewindable drafter
+        self.draft_ahead = draft_ahead
+        self._draft_row_s = 0.0
         if self.drafting:  # a drafter it cannot build (heads, datastore) fails the deploy
             DraftSide(build_drafter(self.cfg, self._context(SamplingParams(), None))).release()
             # one trained for another target is refused before serving, as offline
@@ -264,9 +270,24 @@ class DraftDeployment(RequestStates):
             calls.append(self._call(key, "verify_rows", self.source, items))
             parts.append(("verify", mine))
         t1 = time.perf_counter()
-        replies = await asyncio.gather(*calls, return_exceptions=True)
+        pending = [asyncio.ensure_future(c) for c in calls]
+        # 3. while the target verifies: draft the next round of the requests just sent
+        ahead_s, ahead = 0.0, []
+        if self.draft_ahead and ready:
+            await asyncio.sleep(0)  # every call is on its way before this replica drafts
+            t2 = time.perf_counter()
+            ahead = self.pool.draft_ahead([s.rid for _, s in ready])
+            ahead_s = time.perf_counter() - t2
+        t3 = time.perf_counter()
+        replies = await asyncio.gather(*pending, return_exceptions=True)
         call_s = time.perf_counter() - t1
-        # 3. hand each request its answer
+        # drafting ahead held the batch up by how much it outlasted the target's work
+        busy = [r["target_model_s"] + r.get("target_rule_s", 0.0) for reply in replies
+                if isinstance(reply, list) for r in reply if isinstance(r, dict)
+                and "target_model_s" in r]
+        late_s = max(t3 - t1 - max(busy, default=0.0), 0.0) if ahead else 0.0
+        self._charge(ready, proposals, ahead, draft_s, late_s)
+        # 4. hand each request its answer
         joined = []
         for (kind, mine), reply in zip(parts, replies, strict=True):
             for j, entry in enumerate(mine):
@@ -283,7 +304,8 @@ class DraftDeployment(RequestStates):
                     out[i] = (entry[2], VerifyResult.from_dict(res["verdict"]), {
                         "draft_model_s": draft_s, "target_call_s": call_s,
                         "target_model_s": res["target_model_s"],
-                        "target_rule_s": res.get("target_rule_s", 0.0), "rows": res["rows"]})
+                        "target_rule_s": res.get("target_rule_s", 0.0), "rows": res["rows"],
+                        "ahead_s": ahead_s, "ahead_hit": entry[2].ahead})
         if joined:
             self.pool.join([NewRow(s.rid, s.req.prompt_ids, SamplingParams(**s.req.sampling),
                                    None, seeded(s.req.seed), res["top"],
@@ -292,6 +314,29 @@ class DraftDeployment(RequestStates):
                 self.sessions.put(s.rid, PoolRow(self.pool, s.rid), release_old=False)
                 out[i] = res  # the target's start reply (prompt_logprobs for echo)
         return out
+
+    def _charge(self, ready: list, proposals: list, ahead: list[str], draft_s: float,
+                late_s: float) -> None:
+        """Book drafting ahead's gains and costs per request (they decide whether it goes
+        on, :meth:`DraftPool.can_draft_ahead`): a hit saved its share of what drafting
+        this batch's other trees cost (``draft_s`` over the rows drafted), and every
+        request drafted ahead pays its share of ``late_s``, the time drafting ahead held
+        up the batch after the target had replied."""
+        hits = [s.rid for (_, s), p in zip(ready, proposals, strict=True) if p.ahead]
+        drafted = len(ready) - len(hits)
+        per_row = draft_s / drafted if drafted else self._draft_row_s
+        if drafted:
+            self._draft_row_s = per_row  # the last measured cost of drafting one row
+        for rid in hits:
+            if rid in self.pool:
+                self.pool.ahead_stats(rid).charge(saved_s=per_row)
+                self.metrics.ahead(True, per_row)
+        for p in proposals:
+            if p.ahead is False:
+                self.metrics.ahead(False, 0.0)
+        for rid in ahead:
+            if rid in self.pool:
+                self.pool.ahead_stats(rid).charge(lost_s=late_s / len(ahead))
 
     def _rng_state(self, rid: str) -> bytes | None:
         """Request ``rid``'s rng state when it samples (None at temperature 0: no draws)."""

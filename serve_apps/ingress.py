@@ -376,13 +376,17 @@ class Ingress:
                 "total_tokens": n_prompt + n_new}
 
     def _sd(self, dec: Decoding) -> dict:
-        """The ``speclab`` extension field: the request's SD statistics."""
+        """The ``speclab`` extension field: the request's SD statistics (with the rounds
+        drafted ahead and their hits, :mod:`speclab.decoding.lookahead`)."""
         st = dec.stats
+        timing = st.get("timing", {})
         return {"method": self.s["method"], "tau": st.get("tau", 0.0),
                 "target_calls": st.get("target_calls", 0),
                 "draft_calls": st.get("draft_calls", 0),
                 "accepted_lengths": st.get("accepted_lengths", []),
-                "acceptance_rate": st.get("acceptance_rate", 0.0)}
+                "acceptance_rate": st.get("acceptance_rate", 0.0),
+                "ahead_rounds": timing.get("ahead_rounds", 0),
+                "ahead_hits": timing.get("ahead_hits", 0)}
 
     def _events(self, route: str, rid: str, dec: Decoding, head: dict,
                 choice: callable) -> StreamingResponse:

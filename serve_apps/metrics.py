@@ -14,7 +14,9 @@ latency (``speclab_request_latency_seconds``; exact sums in ``speclab_requests``
 ``speclab_request_seconds``), tokens, errors by status (every answer with status >= 400,
 validation and routing errors included), and per model deployment the rows per batched
 step (``speclab_batch_size``; exact: ``speclab_batch_rows`` / ``speclab_batch_steps``)
-and the wait for a batch to close (``speclab_batch_wait_seconds``). Ray rebuilds a
+and the wait for a batch to close (``speclab_batch_wait_seconds``), and per draft
+replica its rounds drafted ahead (``speclab_draft_ahead_hits`` / ``_misses`` /
+``_saved_seconds``, :mod:`speclab.decoding.lookahead`). Ray rebuilds a
 histogram's ``_sum`` from bucket midpoints, so only the counters give exact means.
 
 The ingress also renders its decoding counters itself under a standalone vLLM server's
@@ -55,6 +57,21 @@ class ServeMetrics:
         self.wait_total = metrics.Counter(
             "speclab_batch_waited_seconds",
             description="Seconds batches waited to close, summed exactly.")
+        # a draft replica's rounds drafted ahead (speclab.decoding.lookahead)
+        self.ahead_hits = metrics.Counter(
+            "speclab_draft_ahead_hits",
+            description="Rounds whose tree was drafted while the target verified the last.")
+        self.ahead_misses = metrics.Counter(
+            "speclab_draft_ahead_misses",
+            description="Rounds drafted ahead on a guess the verdict did not match.")
+        self.ahead_saved = metrics.Counter(
+            "speclab_draft_ahead_saved_seconds",
+            description="Draft model seconds the hits saved (estimated per round).")
+
+    def ahead(self, hit: bool, saved_s: float) -> None:
+        """Record a round drafted ahead: a hit (saving ``saved_s``) or a miss."""
+        (self.ahead_hits if hit else self.ahead_misses).inc()
+        _inc(self.ahead_saved, saved_s)
 
     def batch(self, size: int, wait_s: float) -> None:
         """Record one batch of ``size`` steps that waited ``wait_s`` to close."""

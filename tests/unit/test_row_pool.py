@@ -26,7 +26,7 @@ CASES = [("chain", {"gamma": 3}), ("salf", {"nodes": 12, "batch": 3, "salf_thres
          ("tree", {"tree_top_k": 2, "depth": 3, "nodes": 6}), ("pld", {})]
 
 
-def _pools(dec: Decoder, method: dict) -> tuple[TargetPool, DraftPool]:
+def _pools(dec: Decoder, method: dict, **ahead) -> tuple[TargetPool, DraftPool]:
     cfg = parse_method(method)
     draft = dec.draft.model if dec.draft is not None else None
 
@@ -37,7 +37,7 @@ def _pools(dec: Decoder, method: dict) -> tuple[TargetPool, DraftPool]:
         return make_batch_drafter(cfg, ctx(sampling, None),
                                   lambda g: build_drafter(cfg, ctx(sampling, g)))
 
-    return TargetPool(BatchRunner(dec.target.model)), DraftPool(make)
+    return TargetPool(BatchRunner(dec.target.model)), DraftPool(make, **ahead)
 
 
 @pytest.mark.parametrize("name,params", CASES)
@@ -288,3 +288,52 @@ def test_channel_answers_only_callers_with_the_secret():
             await ChannelClient(where["path"], where["secret"]).call("verify_rows")
 
     _run(main())
+
+
+@pytest.mark.parametrize("name,params", CASES)
+def test_drafting_ahead_while_the_target_verifies_changes_no_token(tiny_pair, name, params):
+    """Each round, once the trees are "sent", the pool drafts the next round of every
+    sent request on a guessed verdict (as the draft replica does while the target
+    verifies): tokens stay exactly those of decoding alone, hits hand out trees without
+    a draft forward, misses rewind and draft again; a drafter that cannot rewind (pld)
+    drafts nothing ahead."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    ps = prompts(3)
+    want = {f"r{i}": dec.generate(prompt_ids=p, method=name, max_new_tokens=24,
+                                  **params).token_ids for i, p in enumerate(ps)}
+    # (a hit rate of 0 keeps it on: the random tiny pair agrees less than a trained one)
+    target, drafts = _pools(dec, {"name": name, **params}, ahead_min_hit_rate=0.0)
+    greedy = SamplingParams()
+    new = [NewRow(f"r{i}", p, greedy, RuleSpec("greedy"), seeded(0)) for i, p in enumerate(ps)]
+    tops = target.start(new, 0)
+    drafts.join([NewRow(r.rid, r.prompt_ids, greedy, None, seeded(1), t.top, t.features)
+                 for r, t in zip(new, tops, strict=True)])
+    live = {r.rid: {"path": None, "new": [], "out": []} for r in new}
+    got, flags = {}, []
+    while live:
+        ready = sorted(live)
+        items = [(rid, live[rid]["path"], live[rid]["new"], 24 - len(live[rid]["out"]) - 1,
+                  None) for rid in ready]
+        calls = drafts.calls
+        proposals = drafts.propose(items)
+        if all(p.ahead for p in proposals):  # every tree was ready: no draft forward
+            assert drafts.calls == calls
+        flags += [p.ahead for p in proposals]
+        wire = [(rid, p.tree.to_wire() if p.tree is not None else None)
+                for rid, p in zip(ready, proposals, strict=True)]
+        ahead = drafts.draft_ahead(ready)
+        assert ahead == ([] if name == "pld" else [r for r in ready
+                                                   if drafts.ahead_stats(r).plan()])
+        for rid, v in zip(ready, target.verify(wire), strict=True):
+            st = live[rid]
+            st["path"], st["new"] = v.path, v.new
+            if commit_tokens(st["out"], v.new, 24, eos_set(dec.eos_token_id)):
+                got[rid] = st["out"]
+                del live[rid]
+                assert target.end(rid) and drafts.end(rid)
+    assert got == want
+    assert not drafts.ahead
+    if name == "pld":
+        assert set(flags) == {None}
+    else:  # the close pair agrees often enough for both outcomes
+        assert flags.count(True) > 0 and flags.count(False) > 0

@@ -679,6 +679,9 @@ class ReplicaConfig(StrictModel):
     num_gpus: float = Field(0.0, ge=0.0, description="1 puts each replica on its own GPU")
     max_ongoing_requests: int = Field(64, gt=0)
     torch_threads: int = Field(1, gt=0, description="torch CPU threads per replica")
+    omp_wait_policy: Literal["active", "passive"] | None = Field(
+        None, description="OpenMP threads of an idle replica spin (active) or sleep "
+                          "(passive); None: the OpenMP default (spin a while)")
     autoscaling: AutoscalingSettings | None = Field(
         None, description="scale between min and max replicas on ongoing requests")
 
@@ -711,6 +714,14 @@ class ServeConfig(StrictModel):
     direct_rounds: bool = Field(
         True, description="draft -> target round calls over a Unix socket when both "
                           "replicas share a node (else Serve handle calls)")
+    draft_ahead: bool = Field(
+        True, description="draft a request's next round while the target verifies this "
+                          "one (greedy requests, model drafters; outputs unchanged)")
+    ahead_warmup: int = Field(8, gt=0, description="rounds drafted ahead before the hit "
+                                                    "rate can switch it off for a request")
+    ahead_min_hit_rate: float = Field(
+        0.2, ge=0.0, le=1.0, description="drafting ahead stops for a request below this "
+                                         "hit rate (or whose hits saved less than it cost)")
     api_key: str | None = Field(None, description="required as 'Authorization: Bearer <key>'")
     access_log: bool = Field(
         False, description="Serve's per-call access log lines (each costs CPU in the "

@@ -56,6 +56,8 @@ class Drafter(ABC):
     cache) keeps only what was committed."""
 
     name = "drafter"
+    #: whether :meth:`rewind` can undo a round (drafting ahead needs it)
+    rewindable = False
 
     @abstractmethod
     def reset(self) -> None:
@@ -75,6 +77,12 @@ class Drafter(ABC):
         ``prefill_top_k > 0`` (AASD's alignment sampling). Default: :meth:`reset`."""
         del prefill_top
         self.reset()
+
+    def rewind(self, keep: int) -> None:
+        """Forget everything after the first ``keep`` committed tokens (a round drafted
+        on a guessed verdict that did not come; the next :meth:`propose` gets the real
+        tokens and no accepted path). Only for drafters that declare ``rewindable``."""
+        raise NotImplementedError(f"{self.name}: cannot rewind")
 
     def observe(self, features: torch.Tensor) -> None:
         """The target's features ``[n, H]`` at the next ``n`` committed positions: after
@@ -116,15 +124,30 @@ class BatchDrafter(ABC):
 
     @abstractmethod
     def propose(self, paths: list[list[int] | None], news: list[list[int]],
-                budgets: list[int], features: list[torch.Tensor | None]) -> list[TokenTree | None]:
+                budgets: list[int], features: list[torch.Tensor | None], deeper: int = 0
+                ) -> list[TokenTree | None]:
         """Per row: commit last round's accepted ``paths[b]`` / tokens ``news[b]`` (and the
         target's features on that path), then draft a tree of at most ``budgets[b]``
         levels (None when the budget is 0: the row is left out of this call and keeps
-        its state)."""
+        its state). ``deeper``: levels a drafter may add to its method's own length
+        (drafting ahead, whose first level guesses the bonus token; drafters that
+        cannot, ignore it)."""
 
     @abstractmethod
     def drop(self, rows: list[int]) -> None:
         """Rows ``rows`` leave the batch."""
+
+    @property
+    def rewindable(self) -> bool:
+        """Whether :meth:`rewind` works (drafting ahead needs it)."""
+        return False
+
+    def rewind(self, row: int, keep: int) -> None:
+        """Row ``row`` keeps only its first ``keep`` committed tokens and forgets its last
+        tree (a round drafted on a guessed verdict that did not come, see
+        :mod:`speclab.decoding.lookahead`); its next :meth:`propose` gets the real tokens
+        and no path."""
+        raise NotImplementedError(f"{type(self).__name__}: cannot rewind")
 
     @property
     @abstractmethod
@@ -160,12 +183,20 @@ class PerRowDrafters(BatchDrafter):
             side.start(ids, top, feats)
             self.sides.append(side)
 
-    def propose(self, paths, news, budgets, features):
+    def propose(self, paths, news, budgets, features, deeper=0):
+        del deeper  # a Drafter's length is its own
         out: list[TokenTree | None] = []
         for side, path, new, budget, feats in zip(self.sides, paths, news, budgets, features,
                                                   strict=True):
             out.append(side.propose(path, new, budget, feats).tree if budget > 0 else None)
         return out
+
+    @property
+    def rewindable(self) -> bool:
+        return bool(self.sides) and all(s.drafter.rewindable for s in self.sides)
+
+    def rewind(self, row: int, keep: int) -> None:
+        self.sides[row].rewind(keep)
 
     def drop(self, rows: list[int]) -> None:
         for b in sorted(rows, reverse=True):

@@ -36,6 +36,7 @@ from speclab.decoding.drafting import BatchDrafter
 from speclab.decoding.features import FeatureSpec, layer_ids, num_decoder_layers
 from speclab.decoding.host import fetch_lists, fetch_nested
 from speclab.decoding.logprobs import logprob_entries, logprob_inputs, prompt_logprobs
+from speclab.decoding.lookahead import Ahead, RowAhead
 from speclab.decoding.rules import RuleSpec, judge_rule, prepare_rule
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.sides import Proposal, VerifyResult, check_prompt, committed_tokens
@@ -269,13 +270,27 @@ class _DraftGroup:
 
 class DraftPool:
     """The draft side of every live request: per sampling setting, one batched drafter
-    with a row per request."""
+    with a row per request.
 
-    def __init__(self, make: Callable[[SamplingParams], BatchDrafter]) -> None:
-        """``make(sampling)``: a fresh batched drafter for requests with ``sampling``."""
+    It can also draft a request's next round while the target verifies this one
+    (:meth:`draft_ahead`, :mod:`speclab.decoding.lookahead`): :meth:`propose` then hands
+    out the tree drafted ahead when the verdict matches its guess."""
+
+    def __init__(self, make: Callable[[SamplingParams], BatchDrafter],
+                 ahead_warmup: int = 8, ahead_min_hit_rate: float = 0.2) -> None:
+        """``make(sampling)``: a fresh batched drafter for requests with ``sampling``;
+        ``ahead_warmup`` / ``ahead_min_hit_rate``: drafting ahead stops for a request
+        whose hit rate after that many rounds is below the rate, or whose hits saved less
+        time than drafting ahead cost (:meth:`~speclab.decoding.lookahead.RowAhead.
+        worth_it`)."""
+        if ahead_warmup < 1 or not 0.0 <= ahead_min_hit_rate <= 1.0:
+            raise ValueError("ahead_warmup must be >= 1 and ahead_min_hit_rate in [0, 1], got "
+                             f"{ahead_warmup}, {ahead_min_hit_rate}")
         self.make = make
         self.groups: dict[str, _DraftGroup] = {}
         self.where: dict[str, str] = {}  # request id -> its group
+        self.ahead: dict[str, RowAhead] = {}  # request id -> its drafting-ahead state
+        self.ahead_warmup, self.ahead_min_hit_rate = ahead_warmup, ahead_min_hit_rate
         self._done_calls = 0  # forwards of groups that are gone
 
     def __contains__(self, rid: str) -> bool:
@@ -307,40 +322,110 @@ class DraftPool:
                 g.generators.append(gen)
                 g.calls0.append(g.drafter.calls)
                 self.where[r.rid] = key
+                self.ahead[r.rid] = RowAhead(committed=len(r.prompt_ids))
 
     def propose(self, items: list[tuple[str, list[int] | None, list[int], int,
                                         torch.Tensor | None]]) -> list[Proposal | Exception]:
         """Per item (request id, last accepted ``path``, committed tokens ``new``,
         ``budget``, the target's features on the path): commit the last round, then
-        draft a tree (a batched draft forward per step over each group's rows). Returns
-        per item the tree (None at budget 0) and the request's draft forwards so far, or
-        the exception its group's drafter raised (the other groups are unaffected).
-        KeyError for a request id that is not here."""
+        draft a tree (a batched draft forward per step over each group's rows). A request
+        whose next round was drafted ahead (:meth:`draft_ahead`) and whose verdict
+        matched the guess gets that tree at once (``Proposal.ahead`` True; False: a miss,
+        drafted again). Returns per item the tree (None at budget 0) and the request's
+        draft forwards so far, or the exception its group's drafter raised (the other
+        groups are unaffected). KeyError for a request id that is not here."""
         out: dict[str, Proposal] = {}
         by_group: dict[str, list[tuple]] = {}
-        for item in items:
-            if item[0] not in self.where:
-                raise KeyError(item[0])
-            by_group.setdefault(self.where[item[0]], []).append(item)
+        for rid, path, new, budget, f in items:
+            if rid not in self.where:
+                raise KeyError(rid)
+            g, st = self.groups[self.where[rid]], self.ahead[rid]
+            had = st.pending
+            tree = st.take(path, new, budget) if had is not None else None
+            if tree is not None:  # a hit: the drafter already holds the guessed path
+                st.record(True)
+                st.committed += len(had.tokens)
+                out[rid] = Proposal(tree, g.drafter.calls - g.calls0[g.rids.index(rid)],
+                                    ahead=True)
+                continue
+            mine, tokens = st.translate(path, new)
+            if had is not None:  # a miss: forget the guess, commit what the target did
+                st.record(False)
+                g.drafter.rewind(g.rids.index(rid), st.committed)
+                mine = None
+            by_group.setdefault(self.where[rid], []).append(
+                (rid, mine, tokens, budget, f, None if had is None else False))
         for key, group_items in by_group.items():
             g = self.groups[key]
-            n = len(g.rids)
-            paths: list[list[int] | None] = [None] * n
-            news: list[list[int]] = [[] for _ in range(n)]
-            budgets, feats = [0] * n, [None] * n
-            for rid, path, new, budget, f in group_items:
-                b = g.rids.index(rid)
-                paths[b], news[b], budgets[b], feats[b] = path, list(new), budget, f
             try:  # a group's failure is its own: the other groups' rows go on
-                trees = g.drafter.propose(paths, news, budgets, feats)
+                trees = self._draft(g, group_items)
             except Exception as exc:  # a fault boundary: this group's rows only
                 for rid, *_ in group_items:
                     out[rid] = exc
                 continue
-            for rid, *_ in group_items:
+            for rid, _, tokens, budget, _, ahead in group_items:
                 b = g.rids.index(rid)
-                out[rid] = Proposal(trees[b], g.drafter.calls - g.calls0[b])
+                st = self.ahead[rid]
+                st.committed += len(tokens)
+                st.sent_tree(trees[b], budget)
+                out[rid] = Proposal(trees[b], g.drafter.calls - g.calls0[b], ahead=ahead)
         return [out[item[0]] for item in items]
+
+    @staticmethod
+    def _draft(g: _DraftGroup, items: list[tuple], deeper: int = 0) -> list:
+        """One ``propose`` call of group ``g``'s drafter for ``items`` (request id, path
+        and tokens as the drafter sees them, budget, features, ...); the group's other
+        rows keep their state."""
+        n = len(g.rids)
+        paths: list[list[int] | None] = [None] * n
+        news: list[list[int]] = [[] for _ in range(n)]
+        budgets, feats = [0] * n, [None] * n
+        for rid, path, new, budget, f, *_ in items:
+            b = g.rids.index(rid)
+            paths[b], news[b], budgets[b], feats[b] = path, list(new), budget, f
+        return g.drafter.propose(paths, news, budgets, feats, deeper) if deeper else \
+            g.drafter.propose(paths, news, budgets, feats)
+
+    def can_draft_ahead(self, rid: str) -> bool:
+        """Whether request ``rid``'s next round may be drafted ahead: greedy drafting, a
+        drafter that can forget a wrong guess (``BatchDrafter.rewindable``), and drafting
+        ahead still paying off for it."""
+        g = self.groups[self.where[rid]]
+        st = self.ahead[rid]
+        if st.on and not st.worth_it(self.ahead_warmup, self.ahead_min_hit_rate):
+            st.on = False
+        return st.on and g.sampling.greedy and g.drafter.rewindable
+
+    def draft_ahead(self, rids: list[str]) -> list[str]:
+        """Draft the next round of requests ``rids`` (those just sent to the target that
+        :meth:`can_draft_ahead`) assuming their sent tree's likeliest path is accepted,
+        in one batched drafter call per group. Returns the request ids drafted ahead. A
+        group whose drafter fails drafts nothing ahead (its rows draft as usual next)."""
+        by_group: dict[str, list[tuple]] = {}
+        for rid in rids:
+            if rid not in self.where or not self.can_draft_ahead(rid):
+                continue
+            plan = self.ahead[rid].plan()
+            if plan is None:
+                continue
+            path, mine, tokens, levels = plan
+            by_group.setdefault(self.where[rid], []).append((rid, mine, tokens, levels, None,
+                                                             path))
+        done = []
+        for key, group_items in by_group.items():
+            g = self.groups[key]
+            try:  # one level more: the bonus guesses, then a tree of the method's length
+                trees = self._draft(g, group_items, deeper=1)
+            except Exception:  # the rows rewind on their next round and draft as usual
+                trees = [None] * len(g.rids)
+            for rid, _, tokens, _, _, path in group_items:
+                self.ahead[rid].pending = Ahead(path, tokens, trees[g.rids.index(rid)])
+                done.append(rid)
+        return done
+
+    def ahead_stats(self, rid: str) -> RowAhead:
+        """Request ``rid``'s drafting-ahead state and statistics (KeyError if not here)."""
+        return self.ahead[rid]
 
     def length(self, rid: str) -> int:
         """Positions of draft state request ``rid`` holds."""
@@ -355,6 +440,7 @@ class DraftPool:
         g = self.groups[key]
         b = g.rids.index(rid)
         g.drafter.drop([b])
+        self.ahead.pop(rid, None)
         for state in (g.rids, g.generators, g.calls0):
             state.pop(b)
         if not g.rids:

@@ -38,11 +38,14 @@ from speclab.decoding.wire import pack_tensor, unpack_tensor
 
 @dataclass
 class Proposal:
-    """A draft tree (a :class:`TokenTree`, or its wire dict between deployments) and the
-    draft model forwards the request has used so far."""
+    """A draft tree (a :class:`TokenTree`, or its wire dict between deployments), the
+    draft model forwards the request has used so far and, in a pool that drafts ahead
+    (:mod:`speclab.decoding.lookahead`), whether this round was drafted ahead: True (a
+    hit, the tree was ready), False (a miss, drafted again), None (not drafted ahead)."""
 
     tree: TokenTree | dict
     draft_calls: int = 0
+    ahead: bool | None = None
 
 
 @dataclass
@@ -207,6 +210,13 @@ class DraftSide:
         self.committed += new_tokens
         self.last_tree = self.drafter.propose(self.committed, budget)
         return Proposal(self.last_tree, self.drafter.calls - self.calls0)
+
+    def rewind(self, keep: int) -> None:
+        """Keep only the first ``keep`` committed tokens and forget the last tree (a
+        guessed round is undone; :meth:`Drafter.rewind`)."""
+        self.committed = self.committed[:keep]
+        self.last_tree = None
+        self.drafter.rewind(keep)
 
     def cached_tokens(self) -> int:
         """KV positions this request holds (for Serve's state bounds)."""

@@ -25,10 +25,18 @@ class ModelDrafter(Drafter):
     position); :meth:`accept` gathers the prefix plus the accepted, processed nodes.
     """
 
+    rewindable = True
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.slot: dict[int, int] = {}
         self.base = 0
+
+    def rewind(self, keep: int) -> None:
+        """The cache keeps at most the first ``keep`` committed tokens; :meth:`sync` feeds
+        the rest with the next proposal."""
+        self.runner.crop(min(self.runner.length, keep))
+        self.slot, self.base = {}, 0
 
     @property
     def calls(self) -> int:

@@ -72,6 +72,18 @@ class BatchModelDrafter(BatchDrafter):
             for state in (self.committed, self.generators, self.last, self.base, self.slots):
                 state.pop(b)
 
+    @property
+    def rewindable(self) -> bool:
+        return True
+
+    def rewind(self, row: int, keep: int) -> None:
+        """Row ``row``'s committed tokens and cache keep their first ``keep``; its last
+        tree is forgotten (:meth:`sync` feeds the rest with its next proposal)."""
+        self.committed[row] = self.committed[row][:keep]
+        self.runner.crop(row, min(self.runner.length(row), keep))
+        self.last[row] = None
+        self.base[row], self.slots[row] = 0, {}
+
     def accept(self, paths: list[list[int] | None]) -> None:
         """Keep, per row, the committed prefix plus the accepted nodes already processed."""
         for b, (tree, path) in enumerate(zip(self.last, paths, strict=True)):
@@ -109,7 +121,7 @@ class BatchModelDrafter(BatchDrafter):
         logits = self.runner.forward(tokens, positions, allowed)
         return {b: logits[b, :len(nodes)] for b, (_tree, nodes) in requests.items()}
 
-    def propose(self, paths, news, budgets, features):
+    def propose(self, paths, news, budgets, features, deeper=0):
         del features
         self.accept(paths)
         for b, new in enumerate(news):
@@ -117,7 +129,7 @@ class BatchModelDrafter(BatchDrafter):
         rows = [b for b, budget in enumerate(budgets) if budget > 0]
         trees: list[TokenTree | None] = [None] * len(budgets)
         if rows:
-            drafted = self.draft(rows, self.sync(rows), [budgets[b] for b in rows])
+            drafted = self.draft(rows, self.sync(rows), [budgets[b] for b in rows], deeper)
             for b, tree in zip(rows, drafted, strict=True):
                 trees[b] = tree
         self.runner.maybe_compact()
@@ -127,22 +139,24 @@ class BatchModelDrafter(BatchDrafter):
         return trees
 
     @abstractmethod
-    def draft(self, rows: list[int], root_logits: torch.Tensor, budgets: list[int]
-              ) -> list[TokenTree]:
-        """Trees for rows ``rows`` (``root_logits`` ``[len(rows), V]``, their budgets), with
-        batched :meth:`expand` calls; ``slots`` must map each tree's processed nodes."""
+    def draft(self, rows: list[int], root_logits: torch.Tensor, budgets: list[int],
+              deeper: int = 0) -> list[TokenTree]:
+        """Trees for rows ``rows`` (``root_logits`` ``[len(rows), V]``, their budgets; up
+        to ``deeper`` levels beyond the method's length), with batched :meth:`expand`
+        calls; ``slots`` must map each tree's processed nodes."""
 
 
 class BatchTreeDrafter(BatchModelDrafter):
     """Tree drafting for many rows: every row's builder (``steps(root_token, root_probs,
-    budget)``) advances in lockstep, and each step's expansions of ALL rows run in ONE
+    budget, deeper)``: at most ``budget`` levels, ``deeper`` beyond the method's depth)
+    advances in lockstep, and each step's expansions of ALL rows run in ONE
     draft forward. Rows whose tree is done (e.g. SALF stopping early) leave the lockstep.
     Nodes are ranked by ``softmax(logits / score_temperature)``; a builder reads the
     ``k`` best children of each expanded node (:class:`~speclab.decoding.drafting.
     TopChildren`), every row's read in ONE fetch per draft forward."""
 
     def __init__(self, runner: BatchRunner, name: str,
-                 steps: Callable[[int, TopChildren, int], TreeSteps], k: int,
+                 steps: Callable[[int, TopChildren, int, int], TreeSteps], k: int,
                  score_temperature: float = 1.0) -> None:
         if score_temperature <= 0:
             raise ValueError(f"score_temperature: must be > 0, got {score_temperature}")
@@ -150,10 +164,10 @@ class BatchTreeDrafter(BatchModelDrafter):
         self.name, self.steps, self.score_temperature = name, steps, score_temperature
         self.k = k
 
-    def draft(self, rows, root_logits, budgets):
+    def draft(self, rows, root_logits, budgets, deeper=0):
         st = self.score_temperature
         roots = split_top_children(list((root_logits / st).softmax(-1)), self.k)
-        running = {b: self.steps(self.committed[b][-1], roots[j], budgets[j])
+        running = {b: self.steps(self.committed[b][-1], roots[j], budgets[j], deeper)
                    for j, b in enumerate(rows)}
         results: dict[int, tuple[TokenTree, dict[int, int]]] = {}
         replies: dict[int, TopChildren | None] = dict.fromkeys(rows)

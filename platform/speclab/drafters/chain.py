@@ -96,10 +96,10 @@ class BatchChainDrafter(BatchModelDrafter):
         super().__init__(runner)
         self.gamma, self.params = gamma, params
 
-    def draft(self, rows, root_logits, budgets):
+    def draft(self, rows, root_logits, budgets, deeper=0):
         trees = [TokenTree(self.committed[b][-1]) for b in rows]
         node = [0] * len(rows)
-        steps = [min(self.gamma, budget) for budget in budgets]
+        steps = [min(self.gamma + deeper, budget) for budget in budgets]
         logits = list(root_logits)
         for i in range(max(steps)):
             now = [j for j in range(len(rows)) if i < steps[j]]  # rows still drafting

@@ -117,9 +117,9 @@ class TreeConfig(TreeKnobs):
                                  self.score_temperature)
 
     def build_batch(self, ctx) -> BatchTreeDrafter:
-        def steps(root: int, probs: TopChildren, budget: int) -> TreeSteps:
+        def steps(root: int, probs: TopChildren, budget: int, deeper: int = 0) -> TreeSteps:
             return eagle2_tree_steps(root, probs, self.tree_top_k,
-                                     min(self.depth, max(budget, 1)), self.nodes)
+                                     min(self.depth + deeper, max(budget, 1)), self.nodes)
 
         return BatchTreeDrafter(ctx.make_batch_runner(), "tree", steps, self.tree_top_k,
                                 self.score_temperature)

@@ -216,10 +216,10 @@ class OptimalConfig(TreeKnobs):
         OptimalTreeDrafter.check_knobs(self.nodes, self.batch, self.stop_threshold(),
                                        self.depth, self.score_temperature)
 
-        def steps(root: int, probs: TopChildren, budget: int):
+        def steps(root: int, probs: TopChildren, budget: int, deeper: int = 0):
             res = yield from optimal_tree_steps(root, probs, self.nodes, self.batch,
                                                 self.stop_threshold(),
-                                                min(self.depth, max(budget, 1)))
+                                                min(self.depth + deeper, max(budget, 1)))
             return res.tree, res.old_to_new
 
         return BatchTreeDrafter(ctx.make_batch_runner(), self.name, steps, self.nodes,
