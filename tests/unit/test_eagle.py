@@ -408,3 +408,52 @@ def test_serve_refuses_a_drafter_of_another_target_at_load(tiny_pair, tmp_path):
     with pytest.raises(ValueError, match="eagle_model: trained for a target with "
                                          "vocab_size=100, but the target has 64"):
         deploy(big)  # without the target's folder: its vocabulary alone
+
+
+def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, trained):
+    """The draft pool drafts each round ahead (as the Serve draft replica does while the
+    target verifies): the EAGLE drafter stands its own outputs in for the guessed path's
+    target features. Every tree it drafts for real afterwards is exactly the tree of a
+    fresh drafter given the target's features of every committed position (the
+    stand-ins were dropped), hits and misses both happen, and the tokens are the
+    target's."""
+    from speclab.decoding.batch_runner import BatchRunner
+    from speclab.decoding.drafting import PerRowDrafters
+    from speclab.decoding.row_pool import DraftPool, NewRow, TargetPool, seeded
+    from speclab.decoding.rules import RuleSpec
+    from speclab.drafters.eagle import EagleDrafter
+
+    model = trained[0]
+    target = load_model(tiny_pair["target"])
+    knobs = {"top_k": 3, "depth": 4, "nodes": 8}
+    want = Decoder.from_pretrained(tiny_pair["target"]).generate(
+        prompt_ids=PROMPT, method="ar", max_new_tokens=40).token_ids
+    tpool = TargetPool(BatchRunner(target), features=True)
+    dpool = DraftPool(lambda s: PerRowDrafters(lambda g: EagleDrafter(model, **knobs)),
+                      ahead_min_hit_rate=0.0)
+    greedy = SamplingParams()
+    start = tpool.start([NewRow("r", PROMPT, greedy, RuleSpec("greedy"), seeded(0))])[0]
+    dpool.join([NewRow("r", PROMPT, greedy, None, seeded(0), None, start.features)])
+    ref = ModelRunner(target)
+    ref.track_hidden()
+    out, path, new, feats, flags = [], None, [], None, []
+    while len(out) < 40:
+        budget = 40 - len(out) - 1
+        p = dpool.propose([("r", path, new, budget, feats)])[0]
+        flags.append(p.ahead)
+        if not p.ahead and p.tree is not None:  # drafted for real: as a fresh drafter
+            # given the target's features
+            committed = PROMPT + out
+            ref.reset()
+            ref.forward(torch.tensor(committed[:-1]))
+            fresh = EagleDrafter(model, **knobs)
+            fresh.start(committed)
+            fresh.observe(ref.hidden)
+            alone = fresh.propose(committed, budget)
+            assert (p.tree.tokens, p.tree.parents) == (alone.tokens, alone.parents), len(out)
+        dpool.draft_ahead(["r"])
+        v = tpool.verify([("r", p.tree)])[0]
+        path, new, feats = v.path, v.new, v.features
+        out += v.new
+    assert out[:40] == want
+    assert flags.count(True) > 0 and flags.count(False) > 0, flags

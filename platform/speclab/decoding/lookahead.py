@@ -12,6 +12,11 @@ drafter guesses several), and round ``r+1``'s tree is the subtree under it
 (:func:`subtree`). A verdict that took another path or another bonus is a miss: the
 drafter forgets what it drafted ahead (``BatchDrafter.rewind``) and drafts as usual.
 
+A feature drafter (EAGLE) drafts ahead on its own predicted features of the guessed
+path (the target's arrive with the verdict); after a hit its state holds those stand-ins,
+so at its next real draft it rewinds to where it last drafted on the target's features
+and takes the committed tokens since then with the target's features (``sync_at``).
+
 The target verifies every tree it receives, so the output does not depend on hits and
 misses: at temperature 0 it equals plain decoding exactly. Drafting ahead is done for
 greedy drafting only: a sampled request's single random generator travels with its
@@ -94,6 +99,12 @@ class RowAhead:
     view: list[int] | None = None  # None: the sent tree IS the drafter's last tree
     sent: TokenTree | None = None
     pending: Ahead | None = None
+    # a feature drafter's hits drafted on its own features: where its state was last
+    # drafted on the target's (its committed count), the tokens committed since and the
+    # target's features of them, fed to it at its next real draft (see DraftPool.propose)
+    sync_at: int | None = None
+    unsynced: list[int] = field(default_factory=list)
+    deferred: list = field(default_factory=list)
     hits: int = 0
     rounds: int = 0
     saved_s: float = 0.0

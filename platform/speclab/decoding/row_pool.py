@@ -344,15 +344,26 @@ class DraftPool:
             tree = st.take(path, new, budget) if had is not None else None
             if tree is not None:  # a hit: the drafter already holds the guessed path
                 st.record(True)
+                if f is not None:  # drafted on its own features: the target's come later
+                    st.sync_at = st.committed if st.sync_at is None else st.sync_at
+                    st.unsynced += had.tokens
+                    st.deferred.append(f)
                 st.committed += len(had.tokens)
                 out[rid] = Proposal(tree, g.drafter.calls - g.calls0[g.rids.index(rid)],
                                     ahead=True)
                 continue
             mine, tokens = st.translate(path, new)
-            if had is not None:  # a miss: forget the guess, commit what the target did
+            if had is not None:
                 st.record(False)
-                g.drafter.rewind(g.rids.index(rid), st.committed)
-                mine = None
+            if had is not None or st.sync_at is not None:
+                # forget the guess (and what was drafted on the drafter's own features):
+                # the drafter takes the committed tokens since, with the target's features
+                back = st.committed if st.sync_at is None else st.sync_at
+                g.drafter.rewind(g.rids.index(rid), back)
+                mine, tokens = None, st.unsynced + tokens
+                if st.deferred:
+                    f = torch.cat([*st.deferred, f]) if f is not None else torch.cat(st.deferred)
+                st.committed, st.sync_at, st.unsynced, st.deferred = back, None, [], []
             by_group.setdefault(self.where[rid], []).append(
                 (rid, mine, tokens, budget, f, None if had is None else False))
         for key, group_items in by_group.items():

@@ -11,7 +11,11 @@ position ``base - 1 + depth``, expanded with tree attention like any draft LM.
 
 After verification the drafter's cache is cropped back to the committed pairs: the
 accepted tokens are re-processed next round with the TARGET's features of the accepted
-path (:meth:`EagleDrafter.observe`), which is what EAGLE trains on. The tree itself is
+path (:meth:`EagleDrafter.observe`), which is what EAGLE trains on. Drafting ahead
+(:mod:`speclab.decoding.lookahead`: the next round drafted on a guessed verdict while the
+target verifies) has no target features for the guessed path yet: the drafter's own
+outputs at the path's nodes stand in for them, and :meth:`EagleDrafter.rewind` drops
+those pairs once the target's features arrive. The tree itself is
 EAGLE-2's dynamic tree (``builder: eagle2``, reranked by the drafter's confidence) or the
 optimal tree / SALF (``builder: optimal | salf``), the builders the draft-LM methods use.
 """
@@ -57,6 +61,10 @@ class EagleDrafter(Drafter):
         self.batch, self.threshold = min(batch, nodes), threshold
         self.pending = torch.zeros(0, self.hidden)
         self.base = 0
+        self.hid: dict[int, torch.Tensor] = {}  # the last tree's node -> drafter output
+        self.guess: list[torch.Tensor] | None = None  # stand-ins for an accepted path's
+
+    rewindable = True
 
     @property
     def calls(self) -> int:
@@ -70,6 +78,16 @@ class EagleDrafter(Drafter):
         self.runner.reset()
         self.pending = torch.zeros(0, self.hidden)
         self.base = 0
+        self.hid, self.guess = {}, None
+
+    def rewind(self, keep: int) -> None:
+        """Keep the pairs of the first ``keep`` committed tokens (at most ``keep - 1``) and
+        the pending features still owed for them; the pairs processed with the drafter's
+        own features in place of the target's (drafting ahead) go."""
+        self.runner.crop(min(self.runner.length, max(keep - 1, 0)))
+        self.pending = self.pending[:max(keep - 1 - self.runner.length, 0)]
+        self.base = self.runner.length
+        self.hid, self.guess = {}, None
 
     def observe(self, features: torch.Tensor) -> None:
         """Queue the target's features ``[n, F]`` of the next committed positions (``F``:
@@ -82,6 +100,10 @@ class EagleDrafter(Drafter):
 
     def accept(self, tree: TokenTree, path: list[int]) -> None:
         self.runner.crop(self.base)  # accepted nodes return with the target's features
+        # until they do (drafting ahead on a guessed verdict), the drafter's own outputs
+        # at the root and the path's inner nodes predict them
+        if all(node in self.hid for node in (0, *path[1:-1])):
+            self.guess = [self.hid[node] for node in (0, *path[1:-1])]
 
     def _run(self, features: torch.Tensor, tokens: torch.Tensor,
              positions: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
@@ -93,7 +115,12 @@ class EagleDrafter(Drafter):
 
     def propose(self, committed: list[int], budget: int) -> TokenTree:
         n, m, c = len(committed), self.runner.length, self.pending.shape[0]
+        guess, self.guess = self.guess, None
+        if c == 0 and guess is not None and n - 1 - m == len(guess):
+            # drafting ahead: the guessed path's features are the drafter's own outputs
+            self.pending, c = torch.stack(guess).float().cpu(), len(guess)
         if c == 0:  # a 1-token prompt: no target feature yet, let the target go first
+            self.hid = {}
             return TokenTree(committed[-1])
         if m + c != n - 1:
             raise RuntimeError(f"eagle: {c} pending features for {n - 1 - m} committed "
@@ -116,12 +143,15 @@ class EagleDrafter(Drafter):
 
         depth = min(self.depth, max(budget, 1))
         if self.builder == "eagle2":
-            tree, _ = build_eagle2_tree(committed[-1], probs[-1], expand, self.top_k, depth,
-                                        self.nodes)
-            return tree
-        threshold = self.threshold if self.builder == "salf" else 0.0
-        return build_optimal_tree(committed[-1], probs[-1], expand, self.nodes, self.batch,
-                                  threshold, depth).tree
+            tree, old_to_new = build_eagle2_tree(committed[-1], probs[-1], expand, self.top_k,
+                                                 depth, self.nodes)
+        else:
+            threshold = self.threshold if self.builder == "salf" else 0.0
+            res = build_optimal_tree(committed[-1], probs[-1], expand, self.nodes, self.batch,
+                                     threshold, depth)
+            tree, old_to_new = res.tree, res.old_to_new
+        self.hid = {old_to_new[o]: h for o, h in hid.items() if o in old_to_new}
+        return tree
 
 
 class EagleConfig(TreeKnobs):
