@@ -9,6 +9,7 @@ from pydantic import Field
 
 from speclab.config.method import MethodSpec
 from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.drafting import top_children
 from speclab.decoding.host import fetch, fetch_lists
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams, sample, warp_probs
@@ -86,17 +87,26 @@ class ChainDrafter(ModelDrafter):
 
 class BatchChainDrafter(BatchModelDrafter):
     """:class:`ChainDrafter` for many rows: each draft step is ONE forward over every row
-    still drafting (rows with a smaller budget stop early)."""
+    still drafting (rows with a smaller budget stop early).
+
+    Drafting ahead (``deeper`` levels, :mod:`speclab.decoding.lookahead`; greedy) the
+    first level guesses the bonus token the target will add: it holds the
+    ``bonus_guesses`` likeliest tokens, each followed by its own greedy chain of
+    ``gamma`` (all rows' chains advance in ONE forward per step), so the round after a
+    fully accepted chain is ready whenever the target's bonus is among them."""
 
     name = "chain"
 
-    def __init__(self, runner: BatchRunner, gamma: int, params: SamplingParams) -> None:
+    def __init__(self, runner: BatchRunner, gamma: int, params: SamplingParams,
+                 bonus_guesses: int = 3) -> None:
         if gamma < 1:
             raise ValueError(f"gamma: must be >= 1, got {gamma}")
         super().__init__(runner)
-        self.gamma, self.params = gamma, params
+        self.gamma, self.params, self.bonus_guesses = gamma, params, bonus_guesses
 
     def draft(self, rows, root_logits, budgets, deeper=0):
+        if deeper and self.params.greedy and self.bonus_guesses > 1:
+            return self._fan_out(rows, root_logits, budgets, deeper)
         trees = [TokenTree(self.committed[b][-1]) for b in rows]
         node = [0] * len(rows)
         steps = [min(self.gamma + deeper, budget) for budget in budgets]
@@ -112,6 +122,31 @@ class BatchChainDrafter(BatchModelDrafter):
             if more:
                 out = self.expand(more)
                 logits = [out[b][-1] if b in out else None for b in rows]
+        return trees
+
+
+    def _fan_out(self, rows: list[int], root_logits: torch.Tensor, budgets: list[int],
+                 deeper: int) -> list[TokenTree]:
+        """Greedy trees of ``bonus_guesses`` first-level tokens, each with a chain below
+        it (at most ``gamma + deeper`` levels per row, within its budget)."""
+        trees = [TokenTree(self.committed[b][-1]) for b in rows]
+        levels = [min(self.gamma + deeper, budget) for budget in budgets]
+        top = top_children(root_logits.float().softmax(-1), self.bonus_guesses)
+        leaves = []
+        for j, tree in enumerate(trees):
+            tree.set_children_kind(0, DETERMINISTIC)
+            leaves.append([tree.add(t, 0, p) for p, t in top.row(j, self.bonus_guesses)])
+        for level in range(1, max(levels, default=0)):
+            more = {b: (trees[j], leaves[j]) for j, b in enumerate(rows) if level < levels[j]}
+            if not more:
+                break
+            out = self.expand(more)
+            best = fetch_lists(*(out[b].argmax(-1) for b in more))
+            for (b, (tree, nodes)), ids in zip(more.items(), best, strict=True):
+                j = rows.index(b)
+                for node in nodes:
+                    tree.set_children_kind(node, DETERMINISTIC)
+                leaves[j] = [tree.add(t, node, 1.0) for node, t in zip(nodes, ids, strict=True)]
         return trees
 
 
