@@ -26,12 +26,12 @@ def test_eagle_losses_compared_as_child_runs(job_env, tmp_path):
     parent = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)
     children = {r.data.tags["loss"] + r.data.tags.get("stage", ""): r for r in runs
                 if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
-    assert sorted(children) == ["eagle", "eagle3_talf", "eagle3base", "eaglebase", "talf"]
+    assert sorted(children) == ["eagle3_talf", "eagle3base", "eaglebase", "talf"]
     for kind in ("feat", "feat_tree", "feat3_tree", "feat3"):
         assert parent.data.metrics[f"shards.{kind}"] == 2
     assert children["eaglebase"].data.metrics["final_step"] == 10
     assert children["eagle3base"].data.metrics["final_step"] == 10
-    for loss in ("eagle", "talf", "eagle3_talf"):  # from their base, compare.finetune_steps
+    for loss in ("talf", "eagle3_talf"):  # from their base, compare.finetune_steps
         m = children[loss].data.metrics
         assert m["final_step"] == 6 and m["engine_tau"] >= 1.0, m
         evals = method_children(client, children[loss])
@@ -43,9 +43,9 @@ def test_eagle_losses_compared_as_child_runs(job_env, tmp_path):
     assert {"loss_comparison.csv", "loss_comparison.txt", "tau_by_loss.png",
             "acceptance_per_position.png"} <= arts, arts
     rows = [ln.split() for ln in res.stdout.splitlines()]
-    assert {(r[0], r[1]) for r in rows if r[:2] in (["eagle", "eagle-salf"],
-                                                     ["talf", "eagle-salf"])} == {
-        ("eagle", "eagle-salf"), ("talf", "eagle-salf")}
+    assert {(r[0], r[1]) for r in rows if r[:2] in (["talf", "eagle-salf"],
+                                                     ["eagle3_talf", "eagle-salf"])} == {
+        ("talf", "eagle-salf"), ("eagle3_talf", "eagle-salf")}
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -166,13 +166,15 @@ def test_head_training_sweep_with_asha(job_env, tmp_path):
     assert Path(parent.data.tags["best_config"]).exists()
 
 
-@pytest.mark.parametrize("config,kind", [("experiments/sweeps/eagle_smoke.yaml", "feat"),
-                                         ("experiments/sweeps/eagle3_smoke.yaml", "feat3")])
+@pytest.mark.parametrize("config,kind", [("experiments/sweeps/eagle3_smoke.yaml", "feat3")])
 def test_eagle_training_sweep_over_hass_knobs(job_env, tmp_path, config, kind):
-    """2 trials each train a HASS drafter (hass_k 1 / 2), or an EAGLE-3 drafter
-    (ttt_steps 1 / 2), with Ray Train in two chunks, report val_top1 and the engine's
-    tau, then decode method eagle with their own drafter (lossless); the best config
-    evaluates the best trial's drafter."""
+    """2 trials each train an EAGLE-3 drafter (ttt_steps 1 / 2) with Ray Train in two
+    chunks, report val_top1 and the engine's tau, then decode method eagle with their
+    own drafter (lossless); the best config evaluates the best trial's drafter. The
+    HASS-knob sweep (experiments/sweeps/eagle_smoke.yaml: hass_k 1 / 2) runs the same
+    job code with the feat data kind; it is not run here to keep CI within its time
+    (its config is checked by test_eagle_sweep_needs_the_eagle_method and the layout
+    tests)."""
     storage = tmp_path / "runs"
     res = run_cmd([python(), "-m", "jobs.tune", "--config", config, "tracking.experiment=te",
                    f"output.storage_path={storage}", "output.run_name=es"], job_env,
@@ -209,7 +211,8 @@ def test_unknown_swept_field_fails_before_ray(job_env, tmp_path):
 
 def test_atspeed_alpha_n_sweep_trains_drafters_and_writes_a_recommend_eval_config(
         job_env, tmp_path):
-    """The AtSpeed alpha x N sweep at toy size: 4 trials each train an AtSpeed-R drafter
+    """The AtSpeed alpha x N sweep at toy size (one alpha, two N: the sweep's machinery,
+    not its grid, costs CI time): 2 trials each train an AtSpeed-R drafter
     (Ray Train, two chunks for ASHA), report AS@K / WS@K; the best config re-runs the
     best trial's drafter through recommend_eval without training anything."""
     storage = tmp_path / "runs"
@@ -218,12 +221,12 @@ def test_atspeed_alpha_n_sweep_trains_drafters_and_writes_a_recommend_eval_confi
                    "rec.users=150", "rec.items=120", "train.steps=40", "train.report_every=20",
                    "rec_eval.draft_steps=40", "rec_eval.align_examples=100",
                    "rec_eval.test_users=6", f"output.storage_path={storage}",
-                   "output.run_name=at", "sweep.space={rec_eval.align_alpha: {grid: [0.2, 0.8]}, "
+                   "output.run_name=at", "sweep.space={rec_eval.align_alpha: {grid: [0.5]}, "
                    "rec_eval.ns: {grid: [[3], [6]]}}"], job_env)
     assert res.returncode == 0, res.stderr[-3000:]
     client, parent, children = _runs(job_env["MLFLOW_TRACKING_URI"], "ta")
     trials = [c for c in children if c.data.tags.get("status")]  # not the target's run
-    assert len(trials) == 4
+    assert len(trials) == 2
     for c in trials:
         assert c.data.tags["status"] == "ok"
         m = c.data.metrics
