@@ -36,6 +36,7 @@ from serve_apps.router import target_key
 from serve_apps.sessions import PoolRow, RequestStates, SessionGone
 from speclab.config.method import parse_method
 from speclab.decoding.drafting import BatchDrafter
+from speclab.decoding.lookahead import AheadTrial
 from speclab.decoding.loop import Propose, Start, Verify
 from speclab.decoding.row_pool import (
     DraftPool,
@@ -187,6 +188,7 @@ class DraftDeployment(RequestStates):
         # draft each request's next round while the target verifies this one
         # (speclab.decoding.lookahead), for greedy requests of a rewindable drafter
         self.draft_ahead = draft_ahead
+        self.trial = AheadTrial()  # with or without, measured in turns on this replica
         self._draft_row_s = 0.0
         if self.drafting:  # a drafter it cannot build (heads, datastore) fails the deploy
             DraftSide(build_drafter(self.cfg, self._context(SamplingParams(), None))).release()
@@ -273,7 +275,8 @@ class DraftDeployment(RequestStates):
         pending = [asyncio.ensure_future(c) for c in calls]
         # 3. while the target verifies: draft the next round of the requests just sent
         ahead_s, ahead = 0.0, []
-        if self.draft_ahead and ready:
+        mode = self.draft_ahead and self.trial.on()  # measured: does it pay here?
+        if mode and ready:
             await asyncio.sleep(0)  # every call is on its way before this replica drafts
             t2 = time.perf_counter()
             ahead = self.pool.draft_ahead([s.rid for _, s in ready])
@@ -287,6 +290,11 @@ class DraftDeployment(RequestStates):
                 and "target_model_s" in r]
         late_s = max(t3 - t1 - max(busy, default=0.0), 0.0) if ahead else 0.0
         self._charge(ready, proposals, ahead, draft_s, late_s)
+        if self.draft_ahead and ready:
+            committed = sum(len(r["verdict"]["new"]) for reply in replies
+                            if isinstance(reply, list) for r in reply
+                            if isinstance(r, dict) and "verdict" in r)
+            self.trial.record(mode, committed, draft_s + call_s)
         # 4. hand each request its answer
         joined = []
         for (kind, mine), reply in zip(parts, replies, strict=True):

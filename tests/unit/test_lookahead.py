@@ -2,6 +2,7 @@
 path, subtrees, the translation between sent and drafted trees, hits and misses, and
 the rule that switches drafting ahead off."""
 
+import pytest
 import torch
 
 from speclab.decoding.lookahead import Ahead, RowAhead, guess_path, subtree
@@ -95,3 +96,24 @@ def test_drafting_ahead_stops_when_hits_are_rare_or_cost_more_than_they_save():
     assert row.worth_it(warmup=8, min_hit_rate=0.2)  # 2 in 9, saving time
     row.charge(lost_s=0.01)
     assert not row.worth_it(warmup=8, min_hit_rate=0.2)  # it cost more than it saved
+
+
+def test_the_replica_keeps_drafting_ahead_only_where_it_measured_faster():
+    from speclab.decoding.lookahead import AheadTrial
+
+    trial = AheadTrial(block=2, hold=3)
+    modes = []
+    for rate_on, rate_off in ((10.0, 20.0), (30.0, 20.0)):  # tokens per second
+        for _ in range(4):  # a block with, a block without
+            mode = trial.on()
+            modes.append(mode)
+            trial.record(mode, int(rate_on if mode else rate_off), 1.0)
+        assert trial.rates == {True: rate_on, False: rate_off}
+        held = []
+        for _ in range(3):
+            held.append(trial.on())
+            trial.record(held[-1], 1, 1.0)
+        assert held == [rate_on > rate_off] * 3
+    assert modes == [True, True, False, False] * 2
+    with pytest.raises(ValueError, match="block"):
+        AheadTrial(block=0)

@@ -27,7 +27,8 @@ draft at the same time without correlating the draft with the verification.
 sees (subtrees) and the drafter's own trees (rooted one guessed path earlier), the tree
 drafted ahead, and the hit statistics that switch drafting ahead off for a request where
 it loses time (:meth:`RowAhead.worth_it`). :class:`~speclab.decoding.row_pool.DraftPool`
-drives it; nothing here runs a model.
+drives it; :class:`AheadTrial` decides, by measuring in turns, whether a replica drafts
+ahead at all. Nothing here runs a model.
 """
 
 from __future__ import annotations
@@ -174,3 +175,43 @@ class RowAhead:
         if self.rounds < warmup:
             return True
         return self.hits >= min_hit_rate * self.rounds and self.saved_s >= self.lost_s
+
+
+class AheadTrial:
+    """Whether a draft replica drafts ahead at all, decided by measuring it: drafting
+    ahead runs beside the target's forward, and where the two share a machine (CPU
+    cores, caches, memory bandwidth) it can slow the target down by more than the hits
+    save. The replica alternates ``block`` batches with drafting ahead and ``block``
+    without, compares the tokens committed per second of batch time (drafting + the
+    target call), keeps the faster mode for ``hold`` batches, then measures again."""
+
+    def __init__(self, block: int = 32, hold: int = 256) -> None:
+        if block < 1 or hold < 0:
+            raise ValueError(f"block must be >= 1 and hold >= 0, got {block}, {hold}")
+        self.block, self.hold = block, hold
+        self.sums = {True: [0, 0.0], False: [0, 0.0]}  # mode -> [tokens, seconds]
+        self.counts = {True: 0, False: 0}
+        self.chosen: bool | None = None  # the mode held after the last comparison
+        self.held = 0
+        self.rates: dict[bool, float] = {}  # tokens/s of each mode, last comparison
+
+    def on(self) -> bool:
+        """The mode of the next batch."""
+        if self.chosen is not None and self.held < self.hold:
+            return self.chosen
+        return self.counts[True] < self.block  # a block with, then a block without
+
+    def record(self, ahead: bool, tokens: int, seconds: float) -> None:
+        """A batch ran in mode ``ahead``, committing ``tokens`` in ``seconds``."""
+        if self.chosen is not None and self.held < self.hold:
+            self.held += 1
+            return
+        self.counts[ahead] += 1
+        self.sums[ahead][0] += tokens
+        self.sums[ahead][1] += seconds
+        if min(self.counts.values()) >= self.block:
+            self.rates = {m: t / s if s > 0 else 0.0 for m, (t, s) in self.sums.items()}
+            self.chosen = self.rates[True] > self.rates[False]
+            self.held = 0
+            self.sums = {True: [0, 0.0], False: [0, 0.0]}
+            self.counts = {True: 0, False: 0}
