@@ -420,9 +420,9 @@ def test_generate_returns_tokens_and_the_sd_stats(server, offline):
     st = body["stats"]
     assert_same_rounds({**st, **st["timing"]}, stats)
     assert st["draft_calls"] > 0
-    # rounds after the first were drafted ahead while the target verified (at least
-    # until the random pair's low hit rate switched it off)
-    assert len(st["accepted_lengths"]) > st["timing"]["ahead_rounds"] > 0
+    # rounds drafted ahead while the target verified, if the replica's measurement
+    # (AheadTrial) still has it on after the requests of the tests above
+    assert len(st["accepted_lengths"]) > st["timing"]["ahead_rounds"]
     assert st["timing"]["ahead_rounds"] >= st["timing"]["ahead_hits"] >= 0
     # sampling goes through the same loop (lossless rule, seeded)
     r = requests.post(server["url"] + "/generate", json={

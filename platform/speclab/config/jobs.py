@@ -573,6 +573,8 @@ class TuneJob(_Trains):
         if sweep is None:  # one trial's config (speclab.sweep.trial_config): every group
             return tuple(cls.model_fields)
         kind = sweep.get("kind", "decode") if isinstance(sweep, dict) else "decode"
+        if not isinstance(kind, str):  # a bad kind (a list...) is refused by its field
+            kind = "decode"
         return (*_COMMON, "sweep", *TUNE_GROUPS.get(kind, TUNE_GROUPS["decode"]))
 
     def method_list(self) -> list[MethodSpec]:
