@@ -285,15 +285,13 @@ class DraftDeployment(RequestStates):
         replies = await asyncio.gather(*pending, return_exceptions=True)
         call_s = time.perf_counter() - t1
         # drafting ahead held the batch up by how much it outlasted the target's work
-        busy = [r["target_model_s"] + r.get("target_rule_s", 0.0) for reply in replies
-                if isinstance(reply, list) for r in reply if isinstance(r, dict)
-                and "target_model_s" in r]
+        verdicts = [r for reply in replies if isinstance(reply, list) for r in reply
+                    if isinstance(r, dict) and "verdict" in r]
+        busy = [r["target_model_s"] + r.get("target_rule_s", 0.0) for r in verdicts]
         late_s = max(t3 - t1 - max(busy, default=0.0), 0.0) if ahead else 0.0
         self._charge(ready, proposals, ahead, draft_s, late_s)
         if self.draft_ahead and ready:
-            committed = sum(len(r["verdict"]["new"]) for reply in replies
-                            if isinstance(reply, list) for r in reply
-                            if isinstance(r, dict) and "verdict" in r)
+            committed = sum(len(r["verdict"]["new"]) for r in verdicts)
             self.trial.record(mode, committed, draft_s + call_s)
         # 4. hand each request its answer
         joined = []
