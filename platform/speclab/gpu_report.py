@@ -7,7 +7,9 @@ subprocess with its share of the time budget (a step that overruns is stopped an
 reported as such, the others still run):
 
 1. ``pytest tests/gpu`` (every CUDA test: engine, sampling, readiness, timing, compile,
-   Ray Train, Serve, Tune), outcome and duration per test from its JUnit XML;
+   Ray Train, Serve, Tune), outcome, duration and error per test from the JSON-lines log
+   the tests' conftest writes as they run (so a session stopped at its budget, or one
+   that hangs at exit after its last test, still reports every test that ran);
 2. ``speclab bench`` on the GPU in bfloat16 (AR, chain, EAGLE-2 tree, optimal, SALF and
    the Hugging Face baselines; tau, target calls per token, tokens/s, speedup with its
    interval, peak GPU memory) on the reference pair and, with ``--pair``, on
@@ -27,10 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,36 +51,59 @@ def cuda_device() -> str | None:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
-def run_step(name: str, cmd: list[str], timeout_s: float, log_dir: Path) -> dict:
-    """Run one step in its own process group; its output goes to ``<log_dir>/<name>.log``."""
+def run_step(name: str, cmd: list[str], timeout_s: float, log_dir: Path,
+             env: dict | None = None, finished=None, exit_grace_s: float = 30.0) -> dict:
+    """Run one step in its own process group; its output goes to ``<log_dir>/<name>.log``.
+    ``finished()`` (optional, polled each second) says the step's work is done: a process
+    still running ``exit_grace_s`` later is stopped and reported as ``hung at exit``."""
     log = log_dir / f"{name}.log"
     t0 = time.perf_counter()
+    deadline, done_at, rc = t0 + max(timeout_s, 1.0), None, None
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=os.environ.copy())
-        try:
-            rc = proc.wait(timeout=max(timeout_s, 1.0))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 15)
-            proc.wait(timeout=30)
-            rc = "timeout"
+                                start_new_session=True, env={**os.environ, **(env or {})})
+        while rc is None:
+            try:
+                rc = proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                now = time.perf_counter()
+                if done_at is None and finished is not None and finished():
+                    done_at = now
+                if now > deadline or (done_at is not None and now > done_at + exit_grace_s):
+                    rc = "timeout" if done_at is None else "hung at exit"
+                    stop_group(proc)
     return {"step": name, "command": " ".join(cmd), "returncode": rc,
             "wall_s": round(time.perf_counter() - t0, 1), "log": str(log)}
 
 
-def junit_results(path: Path) -> list[dict]:
-    """Per test: name, outcome (passed / failed / skipped / error), seconds."""
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """Stop a step's process group: SIGINT first (pytest then still writes its JUnit XML
+    with the tests that ran, a bench its finished rows), SIGKILL after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def test_log(path: Path) -> tuple[int | None, list[dict]]:
+    """The JSON-lines test log ``tests/gpu/conftest.py`` writes: (tests collected or None,
+    one record per test: test, phase, outcome, seconds, error)."""
     if not path.exists():
-        return []
-    out = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome = "passed"
-        for kind in ("failure", "error", "skipped"):
-            if case.find(kind) is not None:
-                outcome = {"failure": "failed"}.get(kind, kind)
-        out.append({"test": f"{case.get('classname')}::{case.get('name')}",
-                    "outcome": outcome, "seconds": float(case.get("time") or 0.0)})
-    return out
+        return None, []
+    collected, tests = None, []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "collected" in rec:
+            collected = rec["collected"]
+        else:
+            tests.append(rec)
+    return collected, tests
 
 
 def bench_rows(path: Path) -> list[dict]:
@@ -86,6 +112,12 @@ def bench_rows(path: Path) -> list[dict]:
         return []
     data = json.loads(path.read_text())
     return data.get("rows", data if isinstance(data, list) else [])
+
+
+def all_reported(path: Path) -> bool:
+    """Whether every collected test has its outcome in the test log."""
+    collected, tests = test_log(path)
+    return collected is not None and len({t["test"] for t in tests}) >= collected
 
 
 def markdown(rows: list[dict], columns: tuple[str, ...]) -> str:
@@ -110,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=600.0, help="all steps together")
     ap.add_argument("--pair", action="append", default=None,
                     help="bench pairs (default: reference and reference-large)")
+    ap.add_argument("--prompts", type=int, default=8, help="bench prompts at batch 1")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--test-args", default="",
+                    help="extra pytest arguments, e.g. '-n 4 --dist loadfile' with "
+                         "pytest-xdist installed")
     args = ap.parse_args(argv)
     gpu = cuda_device()
     if gpu is None:
@@ -117,27 +154,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    py, speclab = sys.executable, str(Path(sys.executable).parent / "speclab")
+    py = sys.executable
+    speclab = [py, "-m", "speclab.cli"]  # also where speclab is on PYTHONPATH, not installed
     pairs = args.pair or ["reference", "reference-large"]
-    bench = ["--device", "cuda", "--dtype", "bfloat16", "--prompts", "8",
-             "--max-new-tokens", "64"]
-    steps = [("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu",
-                             f"--junitxml={out / 'cuda_tests.xml'}"], 0.45)]
+    bench = ["--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens",
+             str(args.max_new_tokens)]
+    steps = [("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+                             "tests/gpu", *shlex.split(args.test_args)], 0.55)]
     for pair in pairs:
-        steps.append((f"bench_{pair}", [speclab, "bench", *bench, "--pair", pair,
-                                         "--out", str(out / pair)], 0.15))
+        steps.append((f"bench_{pair}", [*speclab, "bench", *bench, "--pair", pair,
+                                         "--prompts", str(args.prompts),
+                                         "--out", str(out / pair)], 0.1))
     for mode in ("eager", "compiled"):
-        steps.append((f"batch_{mode}", [speclab, "bench", *bench, "--batch-sizes", "1,16",
+        steps.append((f"batch_{mode}", [*speclab, "bench", *bench, "--prompts", "16",
+                                        "--batch-sizes", "1,16",
                                         "--out", str(out / f"batch_{mode}"),
                                         *(["--compile"] if mode == "compiled" else [])],
-                      0.1))
+                      0.125))
+    log_path = out / "cuda_tests.jsonl"
     results, deadline, saved = [], time.perf_counter() + args.budget_s, 0.0
     for name, cmd, share in steps:  # a step may use its share plus what earlier ones saved
         budget = min(deadline - time.perf_counter(), share * args.budget_s + saved)
         print(f"gpu-report: {name} ({budget:.0f} s budget)", flush=True)
-        results.append(run_step(name, cmd, budget, out))
+        if name == "cuda_tests":
+            log_path.unlink(missing_ok=True)
+            results.append(run_step(name, cmd, budget, out, {"SPECLAB_TEST_LOG": str(log_path)},
+                                    finished=lambda: all_reported(log_path)))
+        else:
+            results.append(run_step(name, cmd, budget, out))
         saved = max(budget - results[-1]["wall_s"], 0.0)
-    tests = junit_results(out / "cuda_tests.xml")
+    collected, tests = test_log(log_path)
     report = {"gpu": gpu, "steps": results, "cuda_tests": tests,
               "bench": {p: bench_rows(out / p / "bench.json") for p in pairs},
               "batch": {m: bench_rows(out / f"batch_{m}" / "batch_bench.json")
@@ -145,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_report.json").write_text(json.dumps(report, indent=2, default=str))
     counts = {k: sum(t["outcome"] == k for t in tests)
               for k in ("passed", "failed", "error", "skipped")}
+    counts["collected"] = collected
     md = [f"# GPU report: {gpu}\n", "## Steps\n",
           markdown(results, ("step", "returncode", "wall_s", "log")),
           f"\n## CUDA tests: {counts}\n", markdown(tests, ("test", "outcome", "seconds"))]
+    md += [f"\n### {t['test']} ({t['outcome']})\n\n```\n{t['error']}\n```\n"
+           for t in tests if t.get("error")]
     for pair, rows in report["bench"].items():
         md += [f"\n## Benchmark: {pair} (bfloat16, batch 1)\n", markdown(rows, BENCH_COLUMNS)]
     for mode, rows in report["batch"].items():

@@ -1,4 +1,33 @@
 """Fixtures of the CUDA tests: the integration tests' ``job_env`` (a job subprocess's own
-SPECLAB_HOME and SQLite MLflow store), re-exported for the jobs run on a GPU here."""
+SPECLAB_HOME and SQLite MLflow store), re-exported for the jobs run on a GPU here.
+
+With ``SPECLAB_TEST_LOG`` set (``make gpu-report`` sets it), every test's outcome is
+appended to that JSON-lines file as soon as it is known (with pytest-xdist, by the
+controlling process), so a session that hangs or is stopped still leaves its results:
+``{"collected": n}`` once, then ``{"test", "outcome", "seconds", "error"}`` per test."""
+
+import json
+import os
 
 from tests.integration.conftest import job_env  # noqa: F401  (a fixture)
+
+
+def _log(record: dict) -> None:
+    path = os.environ.get("SPECLAB_TEST_LOG")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def pytest_collection_finish(session) -> None:
+    _log({"collected": len(session.items)})
+
+
+def pytest_runtest_logreport(report) -> None:
+    """One line per test: its call's outcome, or a failing or skipping setup / teardown."""
+    if report.when == "call" or report.outcome != "passed":
+        _log({"test": report.nodeid, "phase": report.when,
+              "outcome": {"failed": "error" if report.when != "call" else "failed"}.get(
+                  report.outcome, report.outcome),
+              "seconds": round(report.duration, 2),
+              "error": report.longreprtext[-4000:] if report.failed else None})

@@ -14,13 +14,19 @@ def test_without_a_gpu_it_says_so_and_exits_0(capsys, monkeypatch, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_reads_junit_and_bench_json_into_tables(tmp_path):
-    (tmp_path / "t.xml").write_text(
-        '<testsuites><testsuite><testcase classname="tests.gpu.a" name="ok" time="1.5"/>'
-        '<testcase classname="tests.gpu.a" name="bad" time="2"><failure/></testcase>'
-        '<testcase classname="tests.gpu.b" name="skip" time="0"><skipped/></testcase>'
-        '</testsuite></testsuites>')
-    tests = gpu_report.junit_results(tmp_path / "t.xml")
+def test_reads_the_test_log_and_bench_json_into_tables(tmp_path):
+    log = tmp_path / "t.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in [
+        {"collected": 3},
+        {"test": "tests/gpu/a.py::ok", "phase": "call", "outcome": "passed", "seconds": 1.5},
+        {"test": "tests/gpu/a.py::bad", "phase": "call", "outcome": "failed", "seconds": 2,
+         "error": "AssertionError"}]) + "\n")
+    assert not gpu_report.all_reported(log)
+    with log.open("a") as f:
+        f.write(json.dumps({"test": "tests/gpu/b.py::skip", "phase": "setup",
+                            "outcome": "skipped", "seconds": 0}) + "\n")
+    collected, tests = gpu_report.test_log(log)
+    assert collected == 3 and gpu_report.all_reported(log)
     assert [t["outcome"] for t in tests] == ["passed", "failed", "skipped"]
     (tmp_path / "bench.json").write_text(json.dumps(
         {"rows": [{"method": "chain", "tau": 2.5, "speedup": 1.8, "other": 1}]}))
@@ -29,3 +35,31 @@ def test_reads_junit_and_bench_json_into_tables(tmp_path):
     assert table.splitlines()[0] == "| method | tau | speedup |"
     assert "| chain | 2.5 | 1.8 |" in table
     assert gpu_report.bench_rows(tmp_path / "missing.json") == []
+
+
+def test_a_step_that_hangs_after_its_work_is_stopped_and_named(tmp_path):
+    """``finished()`` true while the process still runs: stopped after the exit grace."""
+    import sys
+
+    r = gpu_report.run_step("hang", [sys.executable, "-c", "import time; time.sleep(60)"],
+                            30, tmp_path, finished=lambda: True, exit_grace_s=1.0)
+    assert r["returncode"] == "hung at exit" and r["wall_s"] < 10
+    r = gpu_report.run_step("slow", [sys.executable, "-c", "import time; time.sleep(60)"],
+                            1, tmp_path)
+    assert r["returncode"] == "timeout" and r["wall_s"] < 10
+
+
+def test_the_cuda_tests_log_their_outcomes_as_they_run(tmp_path):
+    """The conftest hook writes one record per test (here on the CPU, where the CUDA
+    tests skip): what the report reads when a session is stopped before its end."""
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "log.jsonl"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    "tests/gpu/test_cuda_timing.py"], cwd=gpu_report.ROOT, check=False,
+                   env={**os.environ, "SPECLAB_TEST_LOG": str(log)}, capture_output=True)
+    collected, tests = gpu_report.test_log(log)
+    assert collected and len(tests) == collected
+    assert {t["outcome"] for t in tests} <= {"passed", "skipped", "failed", "error"}
