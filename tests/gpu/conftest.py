@@ -9,6 +9,8 @@ controlling process), so a session that hangs or is stopped still leaves its res
 import json
 import os
 
+import pytest
+
 from tests.integration.conftest import job_env  # noqa: F401  (a fixture)
 
 
@@ -21,6 +23,14 @@ def _log(record: dict) -> None:
 
 def pytest_collection_finish(session) -> None:
     _log({"collected": len(session.items)})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """With pytest-xdist the controller collects nothing: the first worker's count."""
+    path = os.environ.get("SPECLAB_TEST_LOG")
+    if path and node.gateway.id == "gw0":
+        _log({"collected": len(ids)})
 
 
 def pytest_runtest_logreport(report) -> None:

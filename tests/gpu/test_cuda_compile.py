@@ -3,11 +3,14 @@ the batched engine over static caches (``decoding/static_runner.py``: one
 :class:`FastPath` per (model, rows), its step ``torch.compile``'d with
 ``mode="reduce-overhead"`` on CUDA, i.e. CUDA graphs), about a minute each on one H100:
 
-- prompts of 5, 70, 10, 140 and 20 tokens (plain decoding; the capacity each call needs
-  is 128, 192, 128, 256 and 128 slots): a call that fits the cache it finds compiles
-  nothing, records no CUDA graph and replays one per forward; GPU memory stays flat
-  across such calls, and a call that needs a bigger cache grows it by the difference
-  of the two caches only (the old one is freed);
+- prompts of 5, 70, 10, 20, 140 and 20 tokens (plain decoding; the capacity each call
+  needs is 128, 192, 128, 128, 256 and 128 slots): a call that fits the cache it finds
+  compiles nothing, records no CUDA graph and replays one per forward; GPU memory stays
+  flat across such calls, and a call that needs a bigger cache grows it by the
+  difference of the two caches only (the old one is freed). The first call that replays
+  after a recording may hold up to :data:`FIRST_REPLAY` more (measured on an H200 with
+  torch 2.11: 32 MiB, the same after each recording, given back when the next cache
+  replaces it; the first version of this test assumed 2 MiB and failed there);
 - a draft model too (chain): after a warm-up pass, the same calls compile nothing, record
   no CUDA graph, replay one per forward and give the eager engine's tokens.
 
@@ -35,11 +38,14 @@ from speclab.api import Decoder
 from speclab.decoding.static_runner import FastPath
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-LENGTHS = (5, 70, 10, 140, 20)
+LENGTHS = (5, 70, 10, 20, 140, 20)
 NEW_TOKENS = 16
-CAPACITIES = [128, 192, 192, 256, 256]  # of the one static cache after each call
-REUSING = (2, 4)  # the calls that fit the cache an earlier call left
+CAPACITIES = [128, 192, 192, 192, 256, 256]  # of the one static cache after each call
+REUSING = (2, 3, 5)  # the calls that fit the cache an earlier call left
+FIRST_REPLAYS = (2, 5)  # ... right after a call that recorded
+NEW_CACHES = (0, 1, 4)  # a new capacity: a new cache, compiled anew
 SLACK = 2 * 2**20  # bytes: what a call may leave beyond its cache (graph outputs, ...)
+FIRST_REPLAY = 64 * 2**20  # bytes: what the first replay after a recording may add
 
 
 def prompt(n: int) -> list[int]:
@@ -132,16 +138,18 @@ def test_prompts_of_any_length_reuse_the_compiled_graphs_and_the_memory(wide_mod
     assert all(r["caches"] == 1 for r in rows), table  # one static cache per (model, rows)
     assert all(len(r["tokens"]) == NEW_TOKENS for r in rows), table
     assert sum(r["skips"] for r in rows) == 0, table  # no forward fell back from CUDA graphs
-    for i in (0, 1, 3):  # a new capacity: a new cache, compiled anew
+    for i in NEW_CACHES:
         assert rows[i]["graphs"] > 0, table
     for i in REUSING:  # the cache fits: no compile, no recording, a replay per forward
         r = rows[i]
         assert r["graphs"] == 0 and r["frames"] == 0, table
         assert r["records"] == 0 and r["replays"] >= r["runs"] >= NEW_TOKENS - 1, table
-        assert r["mem"] - rows[i - 1]["mem"] <= SLACK, table  # no growth
-    for i in (1, 3):  # growing the cache costs the difference: the old one was freed
+        grew = r["mem"] - rows[i - 1]["mem"]
+        assert grew <= (FIRST_REPLAY if i in FIRST_REPLAYS else SLACK), table  # no growth
+    for i in NEW_CACHES[1:]:  # growing the cache costs the difference: the old one freed
         grown = rows[i]["cache_bytes"] - rows[i - 1]["cache_bytes"]
-        assert rows[i]["mem"] - rows[i - 1]["mem"] <= grown + SLACK, table
+        held = FIRST_REPLAY if i - 1 in REUSING else 0  # the replays' extra, given back
+        assert rows[i]["mem"] - rows[i - 1]["mem"] <= grown + SLACK + held, table
 
 
 @pytest.mark.gpu
