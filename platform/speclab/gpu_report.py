@@ -33,8 +33,11 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+from speclab.proctree import ProcessTree, stop_process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the printed columns of a bench row (those present), in this order
@@ -55,13 +58,18 @@ def run_step(name: str, cmd: list[str], timeout_s: float, log_dir: Path,
              env: dict | None = None, finished=None, exit_grace_s: float = 30.0) -> dict:
     """Run one step in its own process group; its output goes to ``<log_dir>/<name>.log``.
     ``finished()`` (optional, polled each second) says the step's work is done: a process
-    still running ``exit_grace_s`` later is stopped and reported as ``hung at exit``."""
+    still running ``exit_grace_s`` later is stopped and reported as ``hung at exit``.
+    Whatever the step started is gone when this returns (:func:`stop_step`), so the next
+    step is timed on an idle machine."""
     log = log_dir / f"{name}.log"
     t0 = time.perf_counter()
     deadline, done_at, rc = t0 + max(timeout_s, 1.0), None, None
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, env={**os.environ, **(env or {})})
+        tree = ProcessTree(proc)
+        watcher = threading.Thread(target=tree.watch, daemon=True)
+        watcher.start()  # knows the jobs' Ray workers even once their parents are gone
         while rc is None:
             try:
                 rc = proc.wait(timeout=1.0)
@@ -71,24 +79,30 @@ def run_step(name: str, cmd: list[str], timeout_s: float, log_dir: Path,
                     done_at = now
                 if now > deadline or (done_at is not None and now > done_at + exit_grace_s):
                     rc = "timeout" if done_at is None else "hung at exit"
-                    stop_group(proc)
+        tree.stop_watching(watcher)
+        left = stop_step(proc, tree)
     return {"step": name, "command": " ".join(cmd), "returncode": rc,
-            "wall_s": round(time.perf_counter() - t0, 1), "log": str(log)}
+            "wall_s": round(time.perf_counter() - t0, 1), "log": str(log),
+            **({"survivors": left} if left else {})}
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """Stop a step's process group: SIGINT first (pytest then still writes its JUnit XML
-    with the tests that ran, a bench its finished rows), SIGKILL after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGINT, grace_s), (signal.SIGKILL, 30.0)):
+def stop_step(proc: subprocess.Popen, tree: ProcessTree, grace_s: float = 20.0) -> str:
+    """Stop a step and everything it started, in or out of its process group (a test's
+    job in a session of its own, Ray's workers). SIGINT to the leader first (pytest then
+    still logs and runs its tests' own clean-up, which stops their jobs), then SIGTERM and
+    SIGKILL to the whole tree. Returns what survived, as text ('' when nothing did): a
+    first GPU run lost its benchmark to two killed tests' training jobs still running."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
+            proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            continue
+            pass
+    try:
+        stop_process_tree(proc, grace=10, tree=tree)
+    except AssertionError as err:
+        return str(err)
+    return ""
 
 
 def test_log(path: Path) -> tuple[int | None, list[dict]]:

@@ -63,3 +63,23 @@ def test_the_cuda_tests_log_their_outcomes_as_they_run(tmp_path):
     collected, tests = gpu_report.test_log(log)
     assert collected and len(tests) == collected
     assert {t["outcome"] for t in tests} <= {"passed", "skipped", "failed", "error"}
+
+
+def test_a_stopped_step_leaves_nothing_running(tmp_path):
+    """A step's child in a session of its own (as a test's job is) is stopped with the
+    step: the next step is timed on an idle machine."""
+    import os
+    import sys
+
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+            "'import time; time.sleep(120)'], start_new_session=True); "
+            "print(c.pid, flush=True); time.sleep(120)")
+    r = gpu_report.run_step("orphan", [sys.executable, "-c", code], 3, tmp_path)
+    assert r["returncode"] == "timeout" and "survivors" not in r
+    child = int((tmp_path / "orphan.log").read_text().split()[0])
+    try:
+        os.kill(child, 0)
+        state = open(f"/proc/{child}/stat").read().split(")")[1].split()[0]
+        assert state == "Z", f"pid {child} still runs"
+    except (ProcessLookupError, FileNotFoundError):
+        pass
