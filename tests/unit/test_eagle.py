@@ -123,13 +123,16 @@ def test_greedy_output_is_the_targets(tiny_pair, trained, tmp_path, builder):
     assert res.stats.tau > 1.5  # a trained drafter is really accepted
 
 
-def test_batched_rows_equal_rows_alone(tiny_pair, trained, tmp_path):
-    """Feature drafters in the batched engine (one drafter per row, one target forward)."""
+@pytest.mark.parametrize("builder", ["eagle2", "salf"])
+def test_batched_rows_equal_rows_alone(tiny_pair, trained, tmp_path, builder):
+    """Feature drafters in the batched engine (every row's drafter step in one forward,
+    one target forward): each row's tokens and accepted lengths (so its trees) are the
+    ones it gets alone."""
     folder = str(save_eagle(trained[0], tmp_path / "e"))
     dec = Decoder.from_pretrained(tiny_pair["target"])
     ps = [PROMPT, [7], [5, 6, 7, 8], [9, 9]]
-    kw = {"method": "eagle", "eagle_model": folder, "builder": "salf", "nodes": 8, "batch": 2,
-          "max_new_tokens": 30}
+    kw = {"method": "eagle", "eagle_model": folder, "builder": builder, "nodes": 8,
+          "batch": 2, "tree_top_k": 3, "depth": 4, "max_new_tokens": 30}
     alone = [dec.generate(prompt_ids=p, **kw) for p in ps]
     res = dec.generate(prompts=ps, batch_size=3, **kw)
     assert [r.token_ids for r in res] == [a.token_ids for a in alone]
@@ -410,18 +413,23 @@ def test_serve_refuses_a_drafter_of_another_target_at_load(tiny_pair, tmp_path):
         deploy(big)  # without the target's folder: its vocabulary alone
 
 
-def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, trained):
+@pytest.mark.parametrize("batched", [False, True])
+def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, trained,
+                                                                   batched):
     """The draft pool drafts each round ahead (as the Serve draft replica does while the
     target verifies): the EAGLE drafter stands its own outputs in for the guessed path's
     target features. Every tree it drafts for real afterwards is exactly the tree of a
     fresh drafter given the target's features of every committed position (the
     stand-ins were dropped), hits and misses both happen, and the tokens are the
-    target's."""
+    target's. ``batched``: the batched drafter (what Serve's draft replica builds) in
+    place of one drafter per row."""
+    from types import SimpleNamespace
+
     from speclab.decoding.batch_runner import BatchRunner
     from speclab.decoding.drafting import PerRowDrafters
     from speclab.decoding.row_pool import DraftPool, NewRow, TargetPool, seeded
     from speclab.decoding.rules import RuleSpec
-    from speclab.drafters.eagle import EagleDrafter
+    from speclab.drafters.eagle import EagleConfig, EagleDrafter
 
     model = trained[0]
     target = load_model(tiny_pair["target"])
@@ -429,8 +437,10 @@ def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, tr
     want = Decoder.from_pretrained(tiny_pair["target"]).generate(
         prompt_ids=PROMPT, method="ar", max_new_tokens=40).token_ids
     tpool = TargetPool(BatchRunner(target), features=True)
-    dpool = DraftPool(lambda s: PerRowDrafters(lambda g: EagleDrafter(model, **knobs)),
-                      ahead_min_hit_rate=0.0)
+    cfg = EagleConfig(eagle_model=model, tree_top_k=3, depth=4, nodes=8)
+    make = ((lambda s: cfg.build_batch(SimpleNamespace(target_config=target.config)))
+            if batched else (lambda s: PerRowDrafters(lambda g: EagleDrafter(model, **knobs))))
+    dpool = DraftPool(make, ahead_min_hit_rate=0.0)
     greedy = SamplingParams()
     start = tpool.start([NewRow("r", PROMPT, greedy, RuleSpec("greedy"), seeded(0))])[0]
     dpool.join([NewRow("r", PROMPT, greedy, None, seeded(0), None, start.features)])
@@ -450,7 +460,8 @@ def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, tr
             fresh.start(committed)
             fresh.observe(ref.hidden)
             alone = fresh.propose(committed, budget)
-            assert (p.tree.tokens, p.tree.parents) == (alone.tokens, alone.parents), len(out)
+            assert p.tree.tokens == alone.tokens, len(out)
+            assert p.tree.parents == alone.parents, len(out)
         dpool.draft_ahead(["r"])
         v = tpool.verify([("r", p.tree)])[0]
         path, new, feats = v.path, v.new, v.features

@@ -127,11 +127,8 @@ class BatchRunner(TracksFeatures):
         else:
             k_pos = torch.cat([self.slot_pos, pos], dim=1)
             mask = self.layout.model_mask(seen, pos, k_pos, self.dtype, self.device)
-        extra = {"logits_to_keep": 1} if last_only and self._hook is None else {}
-        out = self.model(input_ids=to_device(ids, self.device),
-                         position_ids=to_device(pos, self.device),
-                         attention_mask=mask, past_key_values=self.cache, use_cache=True,
-                         **extra)
+        logits = self.call_model(to_device(ids, self.device), to_device(pos, self.device), mask,
+                                 last_only and self._hook is None)
         new_slots = torch.arange(s, s + t_new)
         self.slots = [torch.cat([sl, new_slots[:nb]]) for sl, nb in zip(self.slots, n)]
         self.live = torch.cat([self.live, query], dim=1)
@@ -139,6 +136,17 @@ class BatchRunner(TracksFeatures):
         self.width = s + t_new
         self.clock.stop()
         self.calls += 1
+        return logits
+
+    def call_model(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+                   last_only: bool) -> torch.Tensor:
+        """The model call of :meth:`forward` on its padded inputs (``ids`` / ``pos``
+        ``[B, T]``, the additive ``mask``) over the cache; returns ``[B, T, V]`` float32
+        logits (``[B, 1, V]`` with ``last_only``). A runner over a model with other
+        inputs (a feature drafter) overrides it."""
+        extra = {"logits_to_keep": 1} if last_only else {}
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                         past_key_values=self.cache, use_cache=True, **extra)
         return out.logits.float()
 
     # ------------------------------------------------------------------ rows

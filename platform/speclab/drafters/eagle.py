@@ -188,19 +188,47 @@ class EagleConfig(TreeKnobs):
             raise ValueError(f"must be a folder or models:/ URI, got {type(v).__name__}")
         return v
 
-    def build(self, ctx) -> EagleDrafter:
+    def _model(self, ctx) -> torch.nn.Module:
+        """The drafter: ``eagle_model`` itself when loaded, else loaded once per context
+        (speclab's folder or a public checkpoint, EAGLE-1/2, HASS, speculators, which
+        takes the target's LM head) where the target's features are; checked against
+        the target."""
         model = self.eagle_model
         if not is_eagle_model(model):
-            # speclab's folder or a public checkpoint (EAGLE-1/2, HASS, speculators), which
-            # takes the target's LM head: loaded where the target's features are
             model = ctx.cached(("eagle", model), lambda: load_eagle(
                 registry_or_folder(self.eagle_model, "eagle_model"), ctx.target_config,
                 dtype=ctx.dtype, device=ctx.device, target=ctx.target_model))
         if ctx.target_config is not None:
             model.meta.check_target(ctx.target_config)
-        return EagleDrafter(model, self.tree_top_k, self.depth, self.nodes,
+        return model
+
+    def build(self, ctx) -> EagleDrafter:
+        return EagleDrafter(self._model(ctx), self.tree_top_k, self.depth, self.nodes,
                             self.score_temperature, self.builder, self.batch,
                             self.salf_threshold)
+
+    def build_batch(self, ctx):
+        """:class:`~speclab.drafters.eagle_batch.BatchEagleDrafter`: the same trees,
+        every row's drafter step in one forward."""
+        from speclab.drafters.eagle2 import eagle2_tree_steps
+        from speclab.drafters.eagle_batch import BatchEagleDrafter
+        from speclab.drafters.optimal import optimal_tree_steps
+
+        model = self._model(ctx)
+        batch = min(self.batch, self.nodes)
+        threshold = self.salf_threshold if self.builder == "salf" else 0.0
+
+        def steps(root: int, probs, budget: int, deeper: int = 0):
+            depth = min(self.depth + deeper, max(budget, 1))
+            if self.builder == "eagle2":
+                return (yield from eagle2_tree_steps(root, probs, self.tree_top_k, depth,
+                                                     self.nodes))
+            res = yield from optimal_tree_steps(root, probs, self.nodes, batch, threshold,
+                                                depth)
+            return res.tree, res.old_to_new
+
+        k = self.tree_top_k if self.builder == "eagle2" else self.nodes
+        return BatchEagleDrafter(model, steps, k, self.score_temperature)
 
 
 

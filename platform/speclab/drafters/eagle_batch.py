@@ -1,0 +1,230 @@
+"""Batched EAGLE drafting: every row's tree step in ONE drafter forward (method ``eagle``
+in the batched engine and in Serve's draft replica).
+
+:class:`BatchEagleDrafter` is the batched :class:`~speclab.drafters.eagle.EagleDrafter`:
+the same pairs, positions and trees row by row (see that module's docstring), with the
+rows' drafter forwards shared the way :class:`~speclab.drafters.batched.BatchTreeDrafter`
+shares a draft LM's:
+
+* a sync forward feeds each row the committed tokens its cache lacks, each with the
+  target's feature of the position before it (queued by ``propose``'s ``features``), and
+  gives every row's root distribution and root output ``f_hat``;
+* each tree step expands every row's chosen nodes in one forward, a node's input
+  feature being its parent's output ``f_hat`` (per row and node, kept by the node's
+  logical cache position, so it survives the builders' renumbering and compaction);
+* after a verdict a row's cache is cropped back to its committed pairs (the accepted
+  tokens come back with the target's features), and drafting ahead on a guessed
+  verdict uses the drafter's own outputs on the guessed path in their place
+  (:meth:`rewind` forgets them), as the per-row drafter does.
+
+EAGLE-3 drafters read the target's fused ``[k * H]`` features in a sync and their own
+``[H]`` outputs in tree steps (and in a sync on a guessed path): a sync whose rows carry
+both widths runs one forward per width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.drafting import TopChildren, TreeSteps
+from speclab.decoding.runner import tree_node_inputs
+from speclab.decoding.tree import TokenTree
+from speclab.drafters.batched import BatchTreeDrafter
+
+
+class FeatureBatchRunner(BatchRunner):
+    """A :class:`BatchRunner` over an EAGLE drafter (``model(features, input_ids, ...)``
+    returning ``(f_hat, logits)``): :meth:`forward` takes one ``[n_b, F]`` feature
+    tensor per row with the tokens, and keeps the outputs as :attr:`f_hat`."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self._features: list[torch.Tensor | None] | None = None
+        self.f_hat: torch.Tensor | None = None  # [B, T, H] of the last forward
+
+    def forward(self, tokens: list[torch.Tensor],
+                positions: list[torch.Tensor | None] | None = None,
+                allowed: list[torch.Tensor | None] | None = None,
+                last_only: bool = False,
+                features: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """:meth:`BatchRunner.forward` with ``features[b]`` ``[n_b, F]`` the input feature
+        of each of row ``b``'s tokens (None or absent: a row with no tokens; every row's
+        must have the same width ``F``). Returns ``[B, T, V]`` float32 logits; the
+        outputs ``[B, T, H]`` are :attr:`f_hat`."""
+        self._features = features
+        try:
+            return super().forward(tokens, positions, allowed, last_only=False)
+        finally:
+            self._features = None
+
+    def call_model(self, ids, pos, mask, last_only):
+        del last_only  # the drafter computes every position's logits
+        widths = {int(f.shape[-1]) for f in self._features or () if f is not None and len(f)}
+        if len(widths) > 1:
+            raise ValueError(f"eagle: one forward's rows carry features of widths "
+                             f"{sorted(widths)}")
+        width = widths.pop() if widths else int(self.model.meta.hidden_size)
+        feats = torch.zeros(*ids.shape, width)
+        for b, f in enumerate(self._features or ()):
+            if f is not None and len(f):
+                feats[b, :f.shape[0]] = f.float()
+        f_hat, logits = self.model(features=feats.to(self.device), input_ids=ids,
+                                   position_ids=pos, attention_mask=mask,
+                                   past_key_values=self.cache, use_cache=True)
+        self.f_hat = f_hat
+        return logits.float()
+
+
+class BatchEagleDrafter(BatchTreeDrafter):
+    """EAGLE-2 / optimal / SALF trees from an EAGLE drafter for many rows (module
+    docstring). ``steps`` builds one row's tree as a generator (as for
+    :class:`BatchTreeDrafter`), ``k`` children are read per expanded node."""
+
+    def __init__(self, model: torch.nn.Module, steps: Callable[[int, TopChildren, int, int],
+                                                               TreeSteps],
+                 k: int, score_temperature: float = 1.0) -> None:
+        super().__init__(FeatureBatchRunner(model), "eagle", steps, k, score_temperature)
+        self.width = int(model.meta.feature_width)  # the target's features: H or k * H
+        self.pending: list[torch.Tensor] = []  # per row: [c, F] target features owed
+        self.f_hat: list[dict[int, torch.Tensor]] = []  # per row: logical position -> [H]
+        self.guess: list[list[torch.Tensor] | None] = []  # per row: own outputs on a path
+
+    def join(self, prompts, generators, prefill_tops, features) -> None:
+        del prefill_tops
+        self.runner.add_rows([[] for _ in prompts], logits=False)
+        for p, g, f in zip(prompts, generators, features, strict=True):
+            self.committed.append(list(p))
+            self.generators.append(g)
+            self.last.append(None)
+            self.base.append(0)
+            self.slots.append({})
+            self.pending.append(torch.zeros(0, self.width))
+            self.f_hat.append({})
+            self.guess.append(None)
+            if f is not None:
+                self._observe(len(self.committed) - 1, f)
+
+    def drop(self, rows: list[int]) -> None:
+        super().drop(rows)
+        for b in sorted(rows, reverse=True):
+            for state in (self.pending, self.f_hat, self.guess):
+                state.pop(b)
+
+    def _observe(self, b: int, features: torch.Tensor) -> None:
+        """Queue the target's features ``[n, F]`` of row ``b``'s next committed positions."""
+        if features.ndim != 2 or features.shape[-1] != self.width:
+            raise ValueError(f"eagle_model: the drafter expects target features of width "
+                             f"{self.width}, got shape {tuple(features.shape)} (trained for "
+                             f"another target?)")
+        self.pending[b] = torch.cat([self.pending[b], features.float().cpu()])
+
+    def rewind(self, row: int, keep: int) -> None:
+        """Keep row ``row``'s pairs of its first ``keep`` committed tokens (at most
+        ``keep - 1``) and the target features still owed for them; what was drafted on
+        the drafter's own outputs (drafting ahead) goes."""
+        runner = self.runner
+        runner.crop(row, min(runner.length(row), max(keep - 1, 0)))
+        self.pending[row] = self.pending[row][:max(keep - 1 - runner.length(row), 0)]
+        self.committed[row] = self.committed[row][:keep]
+        self.last[row], self.guess[row], self.f_hat[row] = None, None, {}
+        self.base[row], self.slots[row] = runner.length(row), {}
+
+    def accept(self, paths: list[list[int] | None]) -> None:
+        """Crop each verified row to its committed pairs; keep the drafter's own outputs
+        at the root and the accepted path's inner nodes (a guessed verdict's features)."""
+        for b, (tree, path) in enumerate(zip(self.last, paths, strict=True)):
+            if tree is None or path is None:
+                continue
+            self.runner.crop(b, self.base[b])
+            pos = [self.slots[b].get(node) for node in (0, *path[1:-1])]
+            own = [self.f_hat[b].get(p) for p in pos]
+            self.guess[b] = None if any(f is None for f in own) else own
+
+    def _inputs(self, b: int) -> torch.Tensor | None:
+        """Row ``b``'s features for the committed tokens its cache lacks: the target's,
+        or on a guessed path the drafter's own outputs; None when it has none yet (a
+        1-token prompt: the target goes first)."""
+        n, m = len(self.committed[b]), self.runner.length(b)
+        guess, self.guess[b] = self.guess[b], None
+        if not len(self.pending[b]) and guess is not None and n - 1 - m == len(guess):
+            self.pending[b] = torch.stack(guess).float().cpu()
+        c = self.pending[b].shape[0]
+        if c == 0:
+            return None
+        if m + c != n - 1:
+            raise RuntimeError(f"eagle: {c} pending features for {n - 1 - m} committed "
+                               f"positions after the {m} the drafter holds")
+        return self.pending[b]
+
+    def sync(self, rows: list[int]) -> torch.Tensor:
+        """Feed rows ``rows`` their owed pairs (one forward per feature width, usually
+        one); returns their ``[len(rows), V]`` root logits."""
+        by_width: dict[int, list[int]] = {}
+        feats = {b: self.pending[b] for b in rows}
+        for b in rows:
+            by_width.setdefault(int(feats[b].shape[-1]), []).append(b)
+        roots: dict[int, torch.Tensor] = {}
+        for group in by_width.values():
+            tokens = [torch.zeros(0, dtype=torch.long) for _ in range(self.runner.rows)]
+            features: list[torch.Tensor | None] = [None] * self.runner.rows
+            for b in group:
+                m, n = self.runner.length(b), len(self.committed[b])
+                tokens[b] = torch.tensor(self.committed[b][m + 1:n], dtype=torch.long)
+                features[b] = feats[b]
+            logits = self.runner.forward(tokens, features=features)
+            for b in group:
+                last = int(tokens[b].shape[0]) - 1
+                roots[b] = logits[b, last]
+                self.pending[b] = torch.zeros(0, self.width)
+                self.base[b] = self.runner.length(b)
+                self.slots[b] = {0: self.base[b] - 1}
+                self.f_hat[b] = {self.base[b] - 1: self.runner.f_hat[b, last]}
+        return torch.stack([roots[b] for b in rows])
+
+    def expand(self, requests: dict[int, tuple[TokenTree, list[int]]]) -> dict[int, torch.Tensor]:
+        """Expand ``requests[b] = (tree, nodes)`` of several rows in ONE forward, each
+        node fed its parent's output; returns ``{b: [len(nodes), V] logits}``."""
+        rows = self.runner.rows
+        tokens = [torch.zeros(0, dtype=torch.long) for _ in range(rows)]
+        positions: list[torch.Tensor | None] = [None] * rows
+        allowed: list[torch.Tensor | None] = [None] * rows
+        features: list[torch.Tensor | None] = [None] * rows
+        for b, (tree, nodes) in requests.items():
+            features[b] = torch.stack([self.f_hat[b][self.slots[b][tree.parents[i]]]
+                                       for i in nodes])
+            tokens[b], positions[b], allowed[b] = tree_node_inputs(
+                self.runner.length(b), tree, nodes, self.base[b], self.slots[b])
+        logits = self.runner.forward(tokens, positions, allowed, features=features)
+        for b, (_tree, nodes) in requests.items():
+            for j, node in enumerate(nodes):
+                self.f_hat[b][self.slots[b][node]] = self.runner.f_hat[b, j]
+        return {b: logits[b, :len(nodes)] for b, (_tree, nodes) in requests.items()}
+
+    def propose(self, paths, news, budgets, features, deeper=0):
+        self.accept(paths)
+        for b, (new, f) in enumerate(zip(news, features, strict=True)):
+            self.committed[b] += new
+            if f is not None:
+                self._observe(b, f)
+        trees: list[TokenTree | None] = [None] * len(budgets)
+        ready = []
+        for b, budget in enumerate(budgets):
+            if budget <= 0:
+                continue
+            if self._inputs(b) is None:  # no target feature yet: the target goes first
+                self.f_hat[b], self.slots[b] = {}, {}
+                trees[b] = TokenTree(self.committed[b][-1])
+            else:
+                ready.append(b)
+        if ready:
+            drafted = self.draft(ready, self.sync(ready), [budgets[b] for b in ready], deeper)
+            for b, tree in zip(ready, drafted, strict=True):
+                trees[b] = tree
+        self.runner.maybe_compact()
+        for b, tree in enumerate(trees):  # rows left out of this call keep their last tree
+            if tree is not None or paths[b] is not None or news[b] or budgets[b] > 0:
+                self.last[b] = tree
+        return trees
