@@ -15,7 +15,8 @@ parent always outranks its children and ``G`` stays a connected tree.
 from __future__ import annotations
 
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import attrgetter
 from typing import Literal
 
 import torch
@@ -30,12 +31,16 @@ from speclab.drafters.eagle2 import ExpandFn
 from speclab.drafters.knobs import TreeKnobs
 
 
-@dataclass(order=True)
+@dataclass
 class _Cand:
     key: tuple[float, int]  # (-path_prob, insertion order): smaller is better
-    parent: int = field(compare=False)
-    token: int = field(compare=False)
-    q: float = field(compare=False)
+    parent: int
+    token: int
+    q: float
+
+
+_by_key = attrgetter("key")  # sorting by it compares the key tuples in C (a dataclass
+# with order=True compared in Python: 2% of an optimal tree's decoding time, profiled)
 
 
 @dataclass
@@ -109,7 +114,7 @@ def optimal_tree_steps(
 
     sums.append(1.0)  # iteration 0 expands the root alone (pr = 1)
     push_children(0, top_children(root_probs, nodes), 0)
-    queue.sort()
+    queue.sort(key=_by_key)
     del queue[nodes:]
     while queue:
         popped = queue[:batch]
@@ -134,7 +139,7 @@ def optimal_tree_steps(
             top = top_children((yield work, expandable), nodes)
             for row, node in enumerate(expandable):
                 push_children(node, top, row)
-            queue.sort()
+            queue.sort(key=_by_key)
             del queue[nodes:]
         if queue and eps_key is not None and queue[0].key > eps_key:
             break  # G is full and no candidate left can enter it
