@@ -105,7 +105,7 @@ def stop_step(proc: subprocess.Popen, tree: ProcessTree, grace_s: float = 20.0) 
     return ""
 
 
-def test_log(path: Path) -> tuple[int | None, list[dict]]:
+def read_test_log(path: Path) -> tuple[int | None, list[dict]]:
     """The JSON-lines test log ``tests/gpu/conftest.py`` writes: (tests collected or None,
     one record per test: test, phase, outcome, seconds, error)."""
     if not path.exists():
@@ -130,7 +130,7 @@ def bench_rows(path: Path) -> list[dict]:
 
 def all_reported(path: Path) -> bool:
     """Whether every collected test has its outcome in the test log."""
-    collected, tests = test_log(path)
+    collected, tests = read_test_log(path)
     return collected is not None and len({t["test"] for t in tests}) >= collected
 
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results.append(run_step(name, cmd, budget, out))
         saved = max(budget - results[-1]["wall_s"], 0.0)
-    collected, tests = test_log(log_path)
+    collected, tests = read_test_log(log_path)
     report = {"gpu": gpu, "steps": results, "cuda_tests": tests,
               "bench": {p: bench_rows(out / p / "bench.json") for p in pairs},
               "batch": {m: bench_rows(out / f"batch_{m}" / "batch_bench.json")

@@ -25,7 +25,7 @@ def test_reads_the_test_log_and_bench_json_into_tables(tmp_path):
     with log.open("a") as f:
         f.write(json.dumps({"test": "tests/gpu/b.py::skip", "phase": "setup",
                             "outcome": "skipped", "seconds": 0}) + "\n")
-    collected, tests = gpu_report.test_log(log)
+    collected, tests = gpu_report.read_test_log(log)
     assert collected == 3 and gpu_report.all_reported(log)
     assert [t["outcome"] for t in tests] == ["passed", "failed", "skipped"]
     (tmp_path / "bench.json").write_text(json.dumps(
@@ -60,7 +60,7 @@ def test_the_cuda_tests_log_their_outcomes_as_they_run(tmp_path):
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                     "tests/gpu/test_cuda_timing.py"], cwd=gpu_report.ROOT, check=False,
                    env={**os.environ, "SPECLAB_TEST_LOG": str(log)}, capture_output=True)
-    collected, tests = gpu_report.test_log(log)
+    collected, tests = gpu_report.read_test_log(log)
     assert collected and len(tests) == collected
     assert {t["outcome"] for t in tests} <= {"passed", "skipped", "failed", "error"}
 

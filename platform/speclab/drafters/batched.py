@@ -121,13 +121,27 @@ class BatchModelDrafter(BatchDrafter):
         logits = self.runner.forward(tokens, positions, allowed)
         return {b: logits[b, :len(nodes)] for b, (_tree, nodes) in requests.items()}
 
+    def observe(self, row: int, features: torch.Tensor | None) -> None:
+        """The target's features ``[n, F]`` (or None) of row ``row``'s newly committed
+        positions: a feature drafter's input; a draft LM reads none."""
+
+    def bare_tree(self, row: int) -> TokenTree | None:
+        """A tree for a row that cannot draft this round (its root alone), or None: the
+        row drafts. A draft LM always can."""
+        return None
+
     def propose(self, paths, news, budgets, features, deeper=0):
-        del features
         self.accept(paths)
-        for b, new in enumerate(news):
+        for b, (new, f) in enumerate(zip(news, features, strict=True)):
             self.committed[b] += new
-        rows = [b for b, budget in enumerate(budgets) if budget > 0]
+            self.observe(b, f)
         trees: list[TokenTree | None] = [None] * len(budgets)
+        rows = []
+        for b, budget in enumerate(budgets):
+            if budget > 0:
+                trees[b] = self.bare_tree(b)
+                if trees[b] is None:
+                    rows.append(b)
         if rows:
             drafted = self.draft(rows, self.sync(rows), [budgets[b] for b in rows], deeper)
             for b, tree in zip(rows, drafted, strict=True):

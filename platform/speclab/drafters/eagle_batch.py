@@ -104,8 +104,7 @@ class BatchEagleDrafter(BatchTreeDrafter):
             self.pending.append(torch.zeros(0, self.width))
             self.f_hat.append({})
             self.guess.append(None)
-            if f is not None:
-                self._observe(len(self.committed) - 1, f)
+            self.observe(len(self.committed) - 1, f)
 
     def drop(self, rows: list[int]) -> None:
         super().drop(rows)
@@ -113,8 +112,10 @@ class BatchEagleDrafter(BatchTreeDrafter):
             for state in (self.pending, self.f_hat, self.guess):
                 state.pop(b)
 
-    def _observe(self, b: int, features: torch.Tensor) -> None:
+    def observe(self, b: int, features: torch.Tensor | None) -> None:
         """Queue the target's features ``[n, F]`` of row ``b``'s next committed positions."""
+        if features is None:
+            return
         if features.ndim != 2 or features.shape[-1] != self.width:
             raise ValueError(f"eagle_model: the drafter expects target features of width "
                              f"{self.width}, got shape {tuple(features.shape)} (trained for "
@@ -142,6 +143,14 @@ class BatchEagleDrafter(BatchTreeDrafter):
             pos = [self.slots[b].get(node) for node in (0, *path[1:-1])]
             own = [self.f_hat[b].get(p) for p in pos]
             self.guess[b] = None if any(f is None for f in own) else own
+
+    def bare_tree(self, b: int) -> TokenTree | None:
+        """Row ``b``'s root alone when it has no target feature yet (a 1-token prompt:
+        the target goes first), else None (it drafts, on :meth:`_inputs`)."""
+        if self._inputs(b) is not None:
+            return None
+        self.f_hat[b], self.slots[b] = {}, {}
+        return TokenTree(self.committed[b][-1])
 
     def _inputs(self, b: int) -> torch.Tensor | None:
         """Row ``b``'s features for the committed tokens its cache lacks: the target's,
@@ -202,29 +211,3 @@ class BatchEagleDrafter(BatchTreeDrafter):
             for j, node in enumerate(nodes):
                 self.f_hat[b][self.slots[b][node]] = self.runner.f_hat[b, j]
         return {b: logits[b, :len(nodes)] for b, (_tree, nodes) in requests.items()}
-
-    def propose(self, paths, news, budgets, features, deeper=0):
-        self.accept(paths)
-        for b, (new, f) in enumerate(zip(news, features, strict=True)):
-            self.committed[b] += new
-            if f is not None:
-                self._observe(b, f)
-        trees: list[TokenTree | None] = [None] * len(budgets)
-        ready = []
-        for b, budget in enumerate(budgets):
-            if budget <= 0:
-                continue
-            if self._inputs(b) is None:  # no target feature yet: the target goes first
-                self.f_hat[b], self.slots[b] = {}, {}
-                trees[b] = TokenTree(self.committed[b][-1])
-            else:
-                ready.append(b)
-        if ready:
-            drafted = self.draft(ready, self.sync(ready), [budgets[b] for b in ready], deeper)
-            for b, tree in zip(ready, drafted, strict=True):
-                trees[b] = tree
-        self.runner.maybe_compact()
-        for b, tree in enumerate(trees):  # rows left out of this call keep their last tree
-            if tree is not None or paths[b] is not None or news[b] or budgets[b] > 0:
-                self.last[b] = tree
-        return trees
