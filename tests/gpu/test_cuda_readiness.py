@@ -39,6 +39,13 @@ def test_feature_drafters_load_on_the_targets_device_and_dtype(tiny_pair, tmp_pa
     param = next(drafter.parameters())
     assert param.device.type == "cuda" and param.dtype == torch.bfloat16
     assert len(res.token_ids) == len(ar.token_ids)
+    # batched EAGLE (every row's drafter step in one forward) on CUDA: a batch's rows
+    # decode as they do alone (float32, where batching cannot move a near tie)
+    dec32 = Decoder.from_pretrained(tiny_pair["target"], device="cuda")
+    prompts = [[1, 2, 3], [7], [5, 6, 7, 8, 9]]
+    kw = {"method": "eagle", "eagle_model": folder, "max_new_tokens": 16}
+    alone = [dec32.generate(prompt_ids=q, **kw).token_ids for q in prompts]
+    assert [r.token_ids for r in dec32.generate(prompts=prompts, batch_size=3, **kw)] == alone
 
 
 def test_a_long_prompts_prefill_allocates_no_prompt_logits(tmp_path):

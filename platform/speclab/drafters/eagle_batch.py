@@ -67,11 +67,13 @@ class FeatureBatchRunner(BatchRunner):
             raise ValueError(f"eagle: one forward's rows carry features of widths "
                              f"{sorted(widths)}")
         width = widths.pop() if widths else int(self.model.meta.hidden_size)
-        feats = torch.zeros(*ids.shape, width)
+        # built on the device: a tree step's features are the drafter's own outputs,
+        # already there, so copying them costs no wait for the device
+        feats = torch.zeros(*ids.shape, width, device=self.device)
         for b, f in enumerate(self._features or ()):
             if f is not None and len(f):
-                feats[b, :f.shape[0]] = f.float()
-        f_hat, logits = self.model(features=feats.to(self.device), input_ids=ids,
+                feats[b, :f.shape[0]] = f.to(self.device, torch.float32)
+        f_hat, logits = self.model(features=feats, input_ids=ids,
                                    position_ids=pos, attention_mask=mask,
                                    past_key_values=self.cache, use_cache=True)
         self.f_hat = f_hat
