@@ -92,11 +92,7 @@ class EagleDrafter(Drafter):
     def observe(self, features: torch.Tensor) -> None:
         """Queue the target's features ``[n, F]`` of the next committed positions (``F``:
         ``H``, or ``k * H`` fused layers for EAGLE-3)."""
-        if features.ndim != 2 or features.shape[-1] != self.hidden:
-            raise ValueError(f"eagle_model: the drafter expects target features of width "
-                             f"{self.hidden}, got shape {tuple(features.shape)} (trained for "
-                             f"another target?)")
-        self.pending = torch.cat([self.pending, features.float().cpu()])
+        self.pending = torch.cat([self.pending, checked_features(features, self.hidden)])
 
     def accept(self, tree: TokenTree, path: list[int]) -> None:
         self.runner.crop(self.base)  # accepted nodes return with the target's features
@@ -114,17 +110,12 @@ class EagleDrafter(Drafter):
         return f_hat[0], (logits[0].float() / self.score_temperature).softmax(-1)
 
     def propose(self, committed: list[int], budget: int) -> TokenTree:
-        n, m, c = len(committed), self.runner.length, self.pending.shape[0]
+        n, m = len(committed), self.runner.length
         guess, self.guess = self.guess, None
-        if c == 0 and guess is not None and n - 1 - m == len(guess):
-            # drafting ahead: the guessed path's features are the drafter's own outputs
-            self.pending, c = torch.stack(guess).float().cpu(), len(guess)
-        if c == 0:  # a 1-token prompt: no target feature yet, let the target go first
+        self.pending = owed_features(self.pending, guess, n, m)
+        if not len(self.pending):  # a 1-token prompt: no target feature yet, target first
             self.hid = {}
             return TokenTree(committed[-1])
-        if m + c != n - 1:
-            raise RuntimeError(f"eagle: {c} pending features for {n - 1 - m} committed "
-                               f"positions after the {m} the drafter holds")
         tokens = torch.tensor(committed[m + 1: n], dtype=torch.long)
         f_hat, probs = self._run(self.pending, tokens)
         self.pending = torch.zeros(0, self.hidden)
@@ -152,6 +143,33 @@ class EagleDrafter(Drafter):
             tree, old_to_new = res.tree, res.old_to_new
         self.hid = {old_to_new[o]: h for o, h in hid.items() if o in old_to_new}
         return tree
+
+
+def checked_features(features: torch.Tensor, width: int) -> torch.Tensor:
+    """The target's features ``[n, F]`` for a drafter reading ``F = width`` (``H``, or
+    ``k * H`` fused layers for EAGLE-3), as float32 on the CPU; ValueError naming
+    ``eagle_model`` for another shape (a drafter trained for another target)."""
+    if features.ndim != 2 or features.shape[-1] != width:
+        raise ValueError(f"eagle_model: the drafter expects target features of width "
+                         f"{width}, got shape {tuple(features.shape)} (trained for "
+                         f"another target?)")
+    return features.float().cpu()
+
+
+def owed_features(pending: torch.Tensor, guess: list[torch.Tensor] | None, committed: int,
+                  held: int) -> torch.Tensor:
+    """The input features of the pairs a drafter holding ``held`` pairs owes for
+    ``committed`` tokens: the target's queued ``pending`` ``[c, F]`` or, with none queued
+    (drafting ahead), its own outputs ``guess`` on a guessed path of exactly that length;
+    empty when it has neither (a 1-token prompt). RuntimeError when the count of queued
+    features does not match."""
+    if not len(pending) and guess is not None and committed - 1 - held == len(guess):
+        pending = torch.stack(guess).float().cpu()
+    c = pending.shape[0]
+    if c and held + c != committed - 1:
+        raise RuntimeError(f"eagle: {c} pending features for {committed - 1 - held} "
+                           f"committed positions after the {held} the drafter holds")
+    return pending
 
 
 class EagleConfig(TreeKnobs):
@@ -210,25 +228,18 @@ class EagleConfig(TreeKnobs):
     def build_batch(self, ctx):
         """:class:`~speclab.drafters.eagle_batch.BatchEagleDrafter`: the same trees,
         every row's drafter step in one forward."""
-        from speclab.drafters.eagle2 import eagle2_tree_steps
+        from speclab.drafters.eagle2 import eagle2_steps
         from speclab.drafters.eagle_batch import BatchEagleDrafter
-        from speclab.drafters.optimal import optimal_tree_steps
+        from speclab.drafters.optimal import optimal_steps
 
-        model = self._model(ctx)
-        batch = min(self.batch, self.nodes)
-        threshold = self.salf_threshold if self.builder == "salf" else 0.0
-
-        def steps(root: int, probs, budget: int, deeper: int = 0):
-            depth = min(self.depth + deeper, max(budget, 1))
-            if self.builder == "eagle2":
-                return (yield from eagle2_tree_steps(root, probs, self.tree_top_k, depth,
-                                                     self.nodes))
-            res = yield from optimal_tree_steps(root, probs, self.nodes, batch, threshold,
-                                                depth)
-            return res.tree, res.old_to_new
-
-        k = self.tree_top_k if self.builder == "eagle2" else self.nodes
-        return BatchEagleDrafter(model, steps, k, self.score_temperature)
+        if self.builder == "eagle2":
+            steps, k = eagle2_steps(self.tree_top_k, self.depth, self.nodes), self.tree_top_k
+        else:
+            threshold = self.salf_threshold if self.builder == "salf" else 0.0
+            steps = optimal_steps(self.nodes, min(self.batch, self.nodes), threshold,
+                                  self.depth)
+            k = self.nodes
+        return BatchEagleDrafter(self._model(ctx), steps, k, self.score_temperature)
 
 
 

@@ -73,6 +73,17 @@ def eagle2_tree_steps(root_token: int, root_probs: torch.Tensor | TopChildren, t
     return select_subtree(work, [0, *order])
 
 
+def eagle2_steps(top_k: int, depth: int, nodes: int
+                 ) -> Callable[[int, TopChildren, int, int], TreeSteps]:
+    """A batched drafter's ``steps(root, probs, budget, deeper)`` for EAGLE-2 trees: at
+    most ``budget`` levels of ``depth``, ``deeper`` beyond it (drafting ahead)."""
+    def steps(root: int, probs: TopChildren, budget: int, deeper: int = 0) -> TreeSteps:
+        return eagle2_tree_steps(root, probs, top_k, min(depth + deeper, max(budget, 1)),
+                                 nodes)
+
+    return steps
+
+
 class Eagle2TreeDrafter(ModelDrafter):
     """EAGLE-2 tree drafting with a draft LM (nodes ranked by :meth:`score_probs`)."""
 
@@ -117,9 +128,6 @@ class TreeConfig(TreeKnobs):
                                  self.score_temperature)
 
     def build_batch(self, ctx) -> BatchTreeDrafter:
-        def steps(root: int, probs: TopChildren, budget: int, deeper: int = 0) -> TreeSteps:
-            return eagle2_tree_steps(root, probs, self.tree_top_k,
-                                     min(self.depth + deeper, max(budget, 1)), self.nodes)
-
-        return BatchTreeDrafter(ctx.make_batch_runner(), "tree", steps, self.tree_top_k,
-                                self.score_temperature)
+        return BatchTreeDrafter(ctx.make_batch_runner(), "tree",
+                                eagle2_steps(self.tree_top_k, self.depth, self.nodes),
+                                self.tree_top_k, self.score_temperature)

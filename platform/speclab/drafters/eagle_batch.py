@@ -33,6 +33,7 @@ from speclab.decoding.drafting import TopChildren, TreeSteps
 from speclab.decoding.runner import tree_node_inputs
 from speclab.decoding.tree import TokenTree
 from speclab.drafters.batched import BatchTreeDrafter
+from speclab.drafters.eagle import checked_features, owed_features
 
 
 class FeatureBatchRunner(BatchRunner):
@@ -116,13 +117,9 @@ class BatchEagleDrafter(BatchTreeDrafter):
 
     def observe(self, b: int, features: torch.Tensor | None) -> None:
         """Queue the target's features ``[n, F]`` of row ``b``'s next committed positions."""
-        if features is None:
-            return
-        if features.ndim != 2 or features.shape[-1] != self.width:
-            raise ValueError(f"eagle_model: the drafter expects target features of width "
-                             f"{self.width}, got shape {tuple(features.shape)} (trained for "
-                             f"another target?)")
-        self.pending[b] = torch.cat([self.pending[b], features.float().cpu()])
+        if features is not None:
+            self.pending[b] = torch.cat([self.pending[b],
+                                         checked_features(features, self.width)])
 
     def rewind(self, row: int, keep: int) -> None:
         """Keep row ``row``'s pairs of its first ``keep`` committed tokens (at most
@@ -158,25 +155,17 @@ class BatchEagleDrafter(BatchTreeDrafter):
         """Row ``b``'s features for the committed tokens its cache lacks: the target's,
         or on a guessed path the drafter's own outputs; None when it has none yet (a
         1-token prompt: the target goes first)."""
-        n, m = len(self.committed[b]), self.runner.length(b)
         guess, self.guess[b] = self.guess[b], None
-        if not len(self.pending[b]) and guess is not None and n - 1 - m == len(guess):
-            self.pending[b] = torch.stack(guess).float().cpu()
-        c = self.pending[b].shape[0]
-        if c == 0:
-            return None
-        if m + c != n - 1:
-            raise RuntimeError(f"eagle: {c} pending features for {n - 1 - m} committed "
-                               f"positions after the {m} the drafter holds")
-        return self.pending[b]
+        self.pending[b] = owed_features(self.pending[b], guess, len(self.committed[b]),
+                                        self.runner.length(b))
+        return self.pending[b] if len(self.pending[b]) else None
 
     def sync(self, rows: list[int]) -> torch.Tensor:
         """Feed rows ``rows`` their owed pairs (one forward per feature width, usually
         one); returns their ``[len(rows), V]`` root logits."""
         by_width: dict[int, list[int]] = {}
-        feats = {b: self.pending[b] for b in rows}
         for b in rows:
-            by_width.setdefault(int(feats[b].shape[-1]), []).append(b)
+            by_width.setdefault(int(self.pending[b].shape[-1]), []).append(b)
         roots: dict[int, torch.Tensor] = {}
         for group in by_width.values():
             tokens = [torch.zeros(0, dtype=torch.long) for _ in range(self.runner.rows)]
@@ -184,7 +173,7 @@ class BatchEagleDrafter(BatchTreeDrafter):
             for b in group:
                 m, n = self.runner.length(b), len(self.committed[b])
                 tokens[b] = torch.tensor(self.committed[b][m + 1:n], dtype=torch.long)
-                features[b] = feats[b]
+                features[b] = self.pending[b]
             logits = self.runner.forward(tokens, features=features)
             for b in group:
                 last = int(tokens[b].shape[0]) - 1

@@ -14,7 +14,7 @@ parent always outranks its children and ``G`` stays a connected tree.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Literal
@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from speclab.decoding.drafting import TopChildren, run_steps, top_children
+from speclab.decoding.drafting import TopChildren, TreeSteps, run_steps, top_children
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.tree import DETERMINISTIC, TokenTree, select_subtree
 from speclab.drafters.base import ModelDrafter
@@ -147,6 +147,19 @@ def optimal_tree_steps(
     return OptimalTreeResult(tree, old_to_new, sums)
 
 
+def optimal_steps(nodes: int, batch: int, threshold: float, depth: int
+                  ) -> Callable[[int, TopChildren, int, int], TreeSteps]:
+    """A batched drafter's ``steps(root, probs, budget, deeper)`` for optimal / SALF
+    trees (``threshold`` 0: never stop early): at most ``budget`` levels of ``depth``,
+    ``deeper`` beyond it (drafting ahead)."""
+    def steps(root: int, probs: TopChildren, budget: int, deeper: int = 0) -> TreeSteps:
+        res = yield from optimal_tree_steps(root, probs, nodes, batch, threshold,
+                                            min(depth + deeper, max(budget, 1)))
+        return res.tree, res.old_to_new
+
+    return steps
+
+
 class OptimalTreeDrafter(ModelDrafter):
     """Optimal-tree / SALF drafting with a draft LM (nodes ranked by :meth:`score_probs`)."""
 
@@ -221,12 +234,7 @@ class OptimalConfig(TreeKnobs):
         OptimalTreeDrafter.check_knobs(self.nodes, self.batch, self.stop_threshold(),
                                        self.depth, self.score_temperature)
 
-        def steps(root: int, probs: TopChildren, budget: int, deeper: int = 0):
-            res = yield from optimal_tree_steps(root, probs, self.nodes, self.batch,
-                                                self.stop_threshold(),
-                                                min(self.depth + deeper, max(budget, 1)))
-            return res.tree, res.old_to_new
-
+        steps = optimal_steps(self.nodes, self.batch, self.stop_threshold(), self.depth)
         return BatchTreeDrafter(ctx.make_batch_runner(), self.name, steps, self.nodes,
                                 self.score_temperature)
 
