@@ -1,7 +1,11 @@
-"""TokenTree masks, positions, tries and subtree selection on hand-built trees."""
+"""TokenTree masks, positions, tries and subtree selection on hand-built and random trees."""
+
+import random
 
 import torch
 
+from speclab.decoding.host import inference, longs
+from speclab.decoding.runner import tree_node_inputs
 from speclab.decoding.tree import TokenTree, additive_mask, select_subtree
 
 
@@ -79,3 +83,61 @@ def test_additive_mask_values():
     m = additive_mask(allowed, torch.float32)
     assert m.shape == (1, 1, 1, 2)
     assert m[0, 0, 0, 0] == 0 and m[0, 0, 0, 1] == torch.finfo(torch.float32).min
+
+
+def _random_tree(rng: random.Random, n: int) -> TokenTree:
+    tree = TokenTree(rng.randrange(50))
+    for _ in range(n):
+        tree.add(rng.randrange(50), rng.randrange(len(tree)))
+    return tree
+
+
+def test_masks_equal_their_definition_on_random_trees():
+    """The byte-buffer mask builders (ancestor_matrix, attention_mask, the draft side's
+    tree_node_inputs) against the definition: a node sees the prefix, its ancestors and
+    itself."""
+    rng = random.Random(0)
+    for n in (0, 1, 5, 17):
+        tree = _random_tree(rng, n)
+        size = len(tree)
+        want = torch.zeros(size, size, dtype=torch.bool)
+        for i in range(size):
+            for j in tree.path_to(i):
+                want[i, j] = True
+        assert torch.equal(tree.ancestor_matrix(), want)
+        full = tree.attention_mask(prefix_len=3)
+        assert full.shape == (size, 3 + size) and full[:, :3].all()
+        assert torch.equal(full[:, 3:], want)
+        # the draft side appends nodes 1.. in two forwards after a prefix of 4 (root at 3)
+        slot, base = {0: 3}, 4
+        first, second = list(range(1, size // 2 + 1)), list(range(size // 2 + 1, size))
+        for nodes, length in ((first, base), (second, base + len(first))):
+            if not nodes:
+                continue
+            tokens, positions, allowed = tree_node_inputs(length, tree, nodes, base, slot)
+            assert tokens.tolist() == [tree.tokens[i] for i in nodes]
+            assert positions.tolist() == [base - 1 + tree.depths[i] for i in nodes]
+            want_rows = torch.zeros(len(nodes), length + len(nodes), dtype=torch.bool)
+            want_rows[:, :base] = True
+            for r, node in enumerate(nodes):
+                for j in tree.path_to(node)[1:]:
+                    want_rows[r, slot[j]] = True
+            if allowed is None:  # only a single node that sees every position is causal
+                assert len(nodes) == 1 and want_rows.all()
+            else:
+                assert torch.equal(allowed, want_rows)
+
+
+def test_longs_and_inference_helpers():
+    assert longs([]).shape == (0,) and longs([]).dtype == torch.long
+    t = longs([3, -1, 2**40])
+    assert t.dtype == torch.long and t.tolist() == [3, -1, 2**40]
+
+    @inference
+    def inside() -> bool:
+        return torch.is_inference_mode_enabled()
+
+    assert not torch.is_inference_mode_enabled() and inside()
+    with torch.inference_mode():
+        assert inside()
+    assert not torch.is_inference_mode_enabled()

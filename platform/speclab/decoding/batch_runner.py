@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from speclab.decoding.attention import attention_layout
 from speclab.decoding.features import FeatureHooks, FeatureSpec, TracksFeatures
-from speclab.decoding.host import ForwardClock, to_device
+from speclab.decoding.host import ForwardClock, inference, to_device
 from speclab.decoding.tree import additive_mask
 
 
@@ -91,7 +91,7 @@ class BatchRunner(TracksFeatures):
         self.release_rows()
 
     # ------------------------------------------------------------------ forwards
-    @torch.inference_mode()
+    @inference
     def forward(self, tokens: list[torch.Tensor],
                 positions: list[torch.Tensor | None] | None = None,
                 allowed: list[torch.Tensor | None] | None = None,
@@ -150,7 +150,7 @@ class BatchRunner(TracksFeatures):
         return out.logits.float()
 
     # ------------------------------------------------------------------ rows
-    @torch.inference_mode()
+    @inference
     def add_rows(self, sequences: list[list[int]], logits: bool = True) -> torch.Tensor | None:
         """Append rows holding ``sequences`` (prefilled together in ONE forward, then merged
         into the cache). Returns their ``[R, T, V]`` logits (row ``r``'s are
@@ -181,7 +181,7 @@ class BatchRunner(TracksFeatures):
         self.cache, self.slots, self.width = old_cache, old_slots + self.slots, width
         return logits
 
-    @torch.inference_mode()
+    @inference
     def drop(self, rows: list[int]) -> None:
         """Remove rows ``rows`` from the batch (their cache goes)."""
         if not rows:
@@ -208,14 +208,14 @@ class BatchRunner(TracksFeatures):
         self.live = torch.zeros(0, 0, dtype=torch.bool)
         self.slot_pos = torch.zeros(0, 0, dtype=torch.long)
 
-    @torch.inference_mode()
+    @inference
     def keep(self, row: int, positions: list[int]) -> None:
         """Row ``row`` keeps only its logical positions ``positions`` (ascending), in order."""
         self.slots[row] = self.slots[row][torch.tensor(positions, dtype=torch.long)]
         self.live[row] = False
         self.live[row, self.slots[row]] = True
 
-    @torch.inference_mode()
+    @inference
     def crop(self, row: int, length: int) -> None:
         """Row ``row`` drops every logical position from ``length`` on."""
         self.live[row, self.slots[row][length:]] = False
@@ -227,7 +227,7 @@ class BatchRunner(TracksFeatures):
         if self.width > 2 * longest + 16:
             self.compact()
 
-    @torch.inference_mode()
+    @inference
     def compact(self) -> None:
         """Gather every row's live slots to the front of the cache (width = longest row)."""
         if self.cache is None or not self.slots:

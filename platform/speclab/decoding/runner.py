@@ -14,8 +14,8 @@ from transformers import DynamicCache, PreTrainedModel
 
 from speclab.decoding.attention import attention_layout
 from speclab.decoding.features import FeatureHooks, FeatureSpec, TracksFeatures
-from speclab.decoding.host import ForwardClock, to_device
-from speclab.decoding.tree import TokenTree, additive_mask
+from speclab.decoding.host import ForwardClock, inference, longs, to_device
+from speclab.decoding.tree import TokenTree, additive_mask, visibility_mask
 
 
 class ModelRunner(TracksFeatures):
@@ -77,8 +77,7 @@ class ModelRunner(TracksFeatures):
         self.length = 0
         self.key_pos = torch.zeros(0, dtype=torch.long)
 
-    @torch.inference_mode()
-    def forward(
+    def forward(  # no inference_mode of its own: run's covers the model call
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
@@ -99,7 +98,7 @@ class ModelRunner(TracksFeatures):
         extra = {"logits_to_keep": 1} if last_only and self._hook is None else {}
         return self.run(tokens, positions, allowed, **extra).logits[0].float()
 
-    @torch.inference_mode()
+    @inference
     def run(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
             allowed: torch.Tensor | None = None, **inputs):
         """:meth:`forward`'s model call, returning the model's raw output (batch of 1);
@@ -134,7 +133,7 @@ class ModelRunner(TracksFeatures):
         self.calls += 1
         return out
 
-    @torch.inference_mode()
+    @inference
     def keep(self, keep: list[int]) -> None:
         """Keep only cache positions ``keep`` (ascending), in that order.
 
@@ -144,7 +143,7 @@ class ModelRunner(TracksFeatures):
         # ascending and distinct, so keep[i] == i holds exactly up to the first move
         same = bisect.bisect_left(range(len(keep)), True, key=lambda i: keep[i] != i)
         if same < len(keep):
-            src = torch.tensor(keep[same:], dtype=torch.long)
+            src = longs(keep[same:])
             idx = to_device(src, self.device)
             for layer in self.cache.layers:
                 layer.keys[..., same:len(keep), :] = layer.keys.index_select(-2, idx)
@@ -152,7 +151,7 @@ class ModelRunner(TracksFeatures):
             self.key_pos[same:len(keep)] = self.key_pos[src]
         self.crop(len(keep))
 
-    @torch.inference_mode()
+    @inference
     def crop(self, length: int) -> None:
         """Drop every cache position from ``length`` on."""
         if length < self.length:
@@ -170,17 +169,20 @@ def tree_node_inputs(length: int, tree: TokenTree, nodes: list[int], base: int,
     n = len(nodes)
     for row, node in enumerate(nodes):
         slot[node] = length + row
-    allowed = torch.zeros(n, length + n, dtype=torch.bool)
-    allowed[:, :base] = True
-    for row, node in enumerate(nodes):
-        anc = node
-        while anc > 0:
-            allowed[row, slot[anc]] = True
-            anc = tree.parents[anc]
-    tokens = torch.tensor([tree.tokens[i] for i in nodes], dtype=torch.long)
-    positions = torch.tensor([base - 1 + tree.depths[i] for i in nodes])
-    causal = n == 1 and bool(allowed.all())  # e.g. the next node of a chain
-    return tokens, positions, None if causal else allowed
+    seen: list[list[int]] = []  # per node: the cache positions of itself and its ancestors
+    parents = tree.parents
+    for node in nodes:
+        cols = []
+        while node > 0:
+            cols.append(slot[node])
+            node = parents[node]
+        seen.append(cols)
+    # one node that sees every position after the prefix (e.g. the next node of a chain)
+    causal = n == 1 and set(range(base, length + 1)) <= set(seen[0])
+    allowed = None if causal else visibility_mask(length + n, base, seen)
+    tokens = longs([tree.tokens[i] for i in nodes])
+    positions = longs([base - 1 + tree.depths[i] for i in nodes])
+    return tokens, positions, allowed
 
 
 def forward_tree_nodes(runner: ModelRunner, tree: TokenTree, nodes: list[int], base: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from speclab.decoding.drafting import Drafter, accepted_positions
+from speclab.decoding.host import longs
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
 from speclab.decoding.tree import TokenTree
 
@@ -53,7 +54,7 @@ class ModelDrafter(Drafter):
         """Process committed tokens missing from the cache; returns ``[V]`` root logits."""
         if self.runner.length >= len(committed):  # root already processed: re-run it
             self.runner.crop(len(committed) - 1)
-        pending = torch.tensor(committed[self.runner.length :], dtype=torch.long)
+        pending = longs(committed[self.runner.length :])
         logits = self.runner.forward(pending, last_only=True)[-1]
         self.base = self.runner.length
         self.slot = {0: self.base - 1}

@@ -24,6 +24,7 @@ from speclab.decoding.drafting import (
     accepted_positions,
     split_top_children,
 )
+from speclab.decoding.host import longs
 from speclab.decoding.runner import tree_node_inputs
 from speclab.decoding.tree import TokenTree
 
@@ -98,7 +99,7 @@ class BatchModelDrafter(BatchDrafter):
             committed = self.committed[b]
             if self.runner.length(b) >= len(committed):  # root already processed: re-run it
                 self.runner.crop(b, len(committed) - 1)
-            tokens[b] = torch.tensor(committed[self.runner.length(b):], dtype=torch.long)
+            tokens[b] = longs(committed[self.runner.length(b):])
         logits = self.runner.forward(tokens)
         out = []
         for b in rows:
