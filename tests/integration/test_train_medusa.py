@@ -60,6 +60,8 @@ def test_medusa_heads_trained_calibrated_registered_and_used_by_the_cli(job_env,
     heads2 = next((tmp_path / "runs").glob("*-medusa2")) / "medusa"
     tree = json.loads((heads2 / "tree.json").read_text())
     assert len(tree["sparse"]) == 8 and len(tree["accuracies"]) == 3
+    # calibrated on held-out function headers continued by the variant's target
+    assert tree["calibration"] == "prompts" and tree["calibration_sequences"] == 6
     meta = json.loads((heads2 / "config.json").read_text())
     assert meta["target"].endswith("-medusa2/target") and Path(meta["target"]).is_dir()
 

@@ -2,6 +2,8 @@
 each round, losslessness (greedy identity for every tree shape, chi-square at T > 0),
 typical acceptance, and the MEDUSA-1 / MEDUSA-2 losses."""
 
+import json
+
 import pytest
 import torch
 
@@ -376,7 +378,7 @@ def test_calibration_scores_the_heads_on_the_targets_own_tokens(tiny_pair, train
     with torch.no_grad():
         own, every = _own_accuracy(heads, batch, 5), _own_accuracy(heads, batch, 0)
     assert own[0] > every[0] + 0.05  # the prompt's random tokens bias the estimate down
-    tree = calibrate(heads, target, rows, 3, 6, prompt_len=5)
+    tree = calibrate(heads, target, [(r["tokens"], 5) for r in rows], 3, 6, "shard")
     assert [a[0] for a in tree["accuracies"]] == pytest.approx(own, abs=1e-6)
     assert tree["sparse"] == [list(p) for p in sparse_template(tree["accuracies"], 6)]
 
@@ -431,3 +433,68 @@ def test_serve_refuses_heads_of_another_target_at_load(tiny_pair, trained, tmp_p
     for path in (tiny_pair["target"], str(tmp_path / "tied")):
         model = load_model(path)
         assert _lm_head_fingerprint(path, model.config) == target_fingerprint(model)
+
+
+def test_calibration_continues_held_out_prompts_of_the_evaluations_kind(tmp_path):
+    """Issue 35, item 3: ``medusa.calibration: prompts`` (the default) scores the heads on
+    held-out prompts of the evaluation's kind (never the evaluated ones) continued greedily
+    by the target, stopping at EOS, with only the continuation's labels counted, over
+    sequences of different lengths; a JSONL set with nothing beyond the evaluated prompts
+    is refused naming the field."""
+    from types import SimpleNamespace
+
+    from speclab.config.schema import DataConfig, DecodingConfig, MedusaTrainConfig
+    from speclab.data.prompts import held_out_prompts, load_prompts
+    from speclab.models.registry import ensure_tiny_pair
+    from speclab.pipelines.medusa import calibrate, calibration_sequences
+
+    evaluated = set(load_prompts("stdlib_functions", 16, 200))
+    held = held_out_prompts("stdlib_functions", 8, 16, 200)
+    assert len(held) == 8 and not evaluated & set(held)
+
+    target, _ = ensure_tiny_pair(tmp_path / "models")  # with a tokenizer
+    texts = ["def add(a, b):", "class Foo:", "import os\nimport sys", "for i in range(3):",
+             "    return x", "x = [1, 2, 3]\n"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    cfg = SimpleNamespace(data=DataConfig(prompts="jsonl", path=str(path), num_prompts=2),
+                          medusa=MedusaTrainConfig(heads=3, calibration_prompts=3),
+                          decoding=DecodingConfig(max_new_tokens=10), distill=None)
+    dec = Decoder.from_pretrained(target)
+    model = dec.target.model
+    plain = [dec.generate(t, method="ar", max_new_tokens=10).token_ids for t in texts[2:5]]
+    model.generation_config.eos_token_id = plain[0][3]  # the first held-out row stops early
+    seqs = calibration_sequences(cfg, target, model, tmp_path / "unused")
+    ids = [dec.encode(t) for t in texts[2:5]]
+    assert [s[1] for s in seqs] == [len(i) for i in ids]  # scored past the prompt
+    assert seqs[0][0] == ids[0] + plain[0][:4]  # stops at (and keeps) EOS
+    for (tokens, _), prompt, cont in zip(seqs[1:], ids[1:], plain[1:]):
+        assert tokens[: len(prompt)] == prompt
+        got = tokens[len(prompt):]
+        assert got == cont[: len(got)] and (len(got) == 10 or got[-1] == plain[0][3])
+
+    heads = MedusaHeads.from_target(model, target, 3)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    heads.eval()
+    tree = calibrate(heads, model, seqs, 4, 6)
+    hits, total = torch.zeros(3), torch.zeros(3)  # by hand, one ragged sequence at a time
+    with torch.no_grad():
+        for tokens, first in seqs:
+            t = torch.tensor([tokens])
+            logits = heads(model.model(input_ids=t[:, :-1]).last_hidden_state)
+            for k in range(1, 4):
+                for pos in range(t.shape[1] - 1 - k):
+                    if pos + k + 1 >= first:
+                        hits[k - 1] += int(logits[k - 1, 0, pos].argmax() == t[0, pos + k + 1])
+                        total[k - 1] += 1
+    assert [a[0] for a in tree["accuracies"]] == pytest.approx((hits / total).tolist())
+    assert tree["calibration"] == "prompts" and tree["calibration_sequences"] == 3
+    assert tree["calibration_labels"] == total.tolist()
+
+    short = SimpleNamespace(**{**vars(cfg), "data": DataConfig(
+        prompts="jsonl", path=str(path), num_prompts=6)})
+    with pytest.raises(ValueError, match="medusa.calibration: 'prompts' needs prompts"):
+        calibration_sequences(short, target, model, tmp_path / "unused")

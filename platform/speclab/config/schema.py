@@ -349,10 +349,17 @@ class MedusaTrainConfig(StrictModel):
     (frozen backbone, loss ``sum_k decay^k CE_k``) and ``medusa2`` (joint fine-tuning,
     ``L_LM + lambda0 * L_MEDUSA-1``, the backbone frozen for ``heads_warmup`` steps, then
     trained at ``backbone_lr_scale`` times ``train.lr``). After training the heads'
-    top-``calibration_top`` accuracies are measured on the held-out shard's continuations
-    (the target's own tokens; labels inside the corpus prompts are skipped, as Medusa
-    does) and the ``sparse_nodes``-node sparse tree built from them is stored with the
-    heads. The heads' loss skips the prompts' labels too unless ``prompt_labels``."""
+    top-``calibration_top`` accuracies are measured on the target's own tokens (labels
+    inside prompts are skipped, as Medusa does) and the ``sparse_nodes``-node sparse
+    tree built from them is stored with the heads. ``calibration``: ``prompts`` (the
+    default) continues ``calibration_prompts`` held-out prompts of the evaluation's kind
+    (``data``: the stdlib validation split's function headers, or the JSONL file's
+    prompts after the evaluated ones) greedily for ``decoding.max_new_tokens`` tokens,
+    stopping at EOS, so the expected tau describes the decoding the heads will do;
+    ``shard`` scores the held-out training shard (corpus windows continued for
+    ``distill.response_len`` tokens, past EOS too: more predictable than real prompts,
+    so its expected tau runs high). The heads' loss skips the prompts' labels too unless
+    ``prompt_labels``."""
 
     heads: int = Field(4, gt=0, description="Medusa heads K")
     variants: list[Literal["medusa1", "medusa2"]] = Field(
@@ -367,6 +374,11 @@ class MedusaTrainConfig(StrictModel):
                                      description="MEDUSA-2: backbone lr / train.lr")
     prompt_labels: bool = Field(False, description="also train the heads on labels inside "
                                                    "the corpus prompts (Medusa masks them)")
+    calibration: Literal["prompts", "shard"] = Field(
+        "prompts", description="what the heads are calibrated on: held-out prompts of the "
+                               "evaluation's kind, or the held-out training shard")
+    calibration_prompts: int = Field(32, gt=0, description="held-out prompts continued "
+                                                           "for calibration: 'prompts'")
     calibration_top: int = Field(10, gt=0, description="ranks per head measured")
     sparse_nodes: int = Field(32, gt=0, description="nodes of the stored sparse tree")
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "

@@ -41,3 +41,15 @@ def load_prompts(kind: str, num_prompts: int, context_chars: int = 300, path: st
     if kind == "jsonl":
         return load_jsonl_prompts(path, num_prompts)
     return [p.text for p in function_header_prompts("test", num_prompts, context_chars, seed)]
+
+
+def held_out_prompts(kind: str, num_prompts: int, skip: int, context_chars: int = 300,
+                     path: str | None = None, seed: int = 0) -> list[str]:
+    """Prompts of ``kind`` that an evaluation of the first ``skip`` prompts of the same
+    ``data`` group never sees: stdlib function headers from the validation split (the
+    evaluation reads the test split), or the JSONL file's prompts after its first
+    ``skip``. Up to ``num_prompts``; may be empty for a short JSONL file."""
+    if kind == "jsonl":
+        return load_jsonl_prompts(path)[skip: skip + num_prompts]
+    return [p.text for p in
+            function_header_prompts("validation", num_prompts, context_chars, seed)]

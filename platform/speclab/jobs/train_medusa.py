@@ -16,7 +16,9 @@ Train loop, checkpoints and FailureConfig as every training job; at every report
 logs ``loss``, ``val_loss``, each head's held-out top-1 accuracy and the ENGINE's figures
 with the heads as they are (``engine_tau``, ``engine_accept_at_<k>``,
 ``engine_speedup``). Then the heads' top-``medusa.calibration_top`` accuracies are
-measured on the held-out shard, the ``medusa.sparse_nodes``-node sparse tree is built
+measured (``medusa.calibration``: held-out prompts of the evaluation's kind continued
+greedily by the variant's target, or the held-out shard), the
+``medusa.sparse_nodes``-node sparse tree is built
 from them and stored with the heads (``tree.json``), the heads are registered
 (``output.register_as``-<variant>) and ``methods`` are evaluated against plain decoding
 of the variant's target. For ``medusa2`` the run also logs how far the new target moved

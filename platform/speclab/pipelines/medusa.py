@@ -1,6 +1,6 @@
 """Stage: Medusa heads trained on Ray Train (MEDUSA-1 or MEDUSA-2), calibrated (head
-accuracies -> the sparse tree stored with them), saved, registered and evaluated
-(train_medusa)."""
+accuracies on held-out prompts' greedy continuations -> the sparse tree stored with
+them), saved, registered and evaluated (train_medusa)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,14 @@ def save_final_medusa(result, variant: str, target: str, heads: int, run_dir: Pa
     return joint.backbone.eval(), joint.heads, folder
 
 
-def calibrate(heads, target_model, rows: list[dict], top: int, nodes: int,
-              prompt_len: int = 0) -> dict:
+def calibrate(heads, target_model, sequences: list[tuple[list[int], int]], top: int,
+              nodes: int, source: str = "prompts") -> dict:
     """``tree.json``'s content: the heads' top-``top`` accuracies measured with
-    ``target_model``'s features on ``rows`` (held-out ``medusa`` sequences) at the labels
-    past the first ``prompt_len`` tokens (the corpus prompt: only the target's own tokens
-    count, as in Medusa), the ``nodes``-node sparse tree built from them, and every tree
-    shape's expected tau."""
+    ``target_model``'s features on ``sequences`` (``(tokens, first_label)``: a sequence
+    and the index of its first scored label, so only the target's own tokens count, as
+    in Medusa; lengths may differ), the ``nodes``-node sparse tree built from them, and
+    every tree shape's expected tau. ``source`` names the sequences' origin in the
+    result (``medusa.calibration``)."""
     import torch
 
     from speclab.drafters.medusa_trees import (
@@ -54,20 +55,58 @@ def calibrate(heads, target_model, rows: list[dict], top: int, nodes: int,
         expected_length,
         sparse_template,
     )
-    from speclab.train.medusa import own_token_accuracies
+    from speclab.train.medusa import hit_rates, own_token_hits
 
-    tokens = torch.tensor([r["tokens"] for r in rows], dtype=torch.long)
-    with torch.no_grad():
-        feats = target_model.model(input_ids=tokens[:, :-1]).last_hidden_state
-    acc = own_token_accuracies(heads, feats, tokens, top, prompt_len)
     k = heads.meta.heads
+    hits, counts = torch.zeros(k, top), torch.zeros(k)
+    groups: dict[tuple[int, int], list[list[int]]] = {}  # same shape: one forward
+    for tokens, first in sequences:
+        groups.setdefault((len(tokens), first), []).append(tokens)
+    for (_, first), rows in groups.items():
+        tokens = torch.tensor(rows, dtype=torch.long)
+        with torch.no_grad():
+            feats = target_model.model(input_ids=tokens[:, :-1]).last_hidden_state
+        h, c = own_token_hits(heads, feats, tokens, top, first)
+        hits, counts = hits + h, counts + c
+    acc = hit_rates(hits, counts)
     sparse = sparse_template(acc, nodes)
     shapes = {"chain": chain_template(k), "cartesian_2": cartesian_template(2, k),
               f"sparse_{nodes}": sparse}
-    return {"accuracies": acc, "calibration_sequences": len(rows),
-            "calibration_first_label": prompt_len,
+    return {"accuracies": acc, "calibration": source,
+            "calibration_sequences": len(sequences),
+            "calibration_labels": counts.tolist(),
             "sparse_nodes": nodes, "sparse": [list(p) for p in sparse],
             "expected_tau": {name: expected_length(t, acc) for name, t in shapes.items()}}
+
+
+def calibration_sequences(cfg: Any, target: str, target_model, held_out: Path
+                          ) -> list[tuple[list[int], int]]:
+    """What ``medusa.calibration`` scores, as ``(tokens, first_label)`` pairs.
+    ``prompts``: ``medusa.calibration_prompts`` held-out prompts of the evaluation's kind
+    (:func:`~speclab.data.prompts.held_out_prompts`), tokenised with ``target``'s
+    tokenizer and continued greedily by ``target_model`` (plain decoding, the engine's)
+    for ``decoding.max_new_tokens`` tokens, stopping at EOS; scored past the prompt.
+    ``shard``: the ``held_out`` training shard's rows, scored past ``distill.prompt_len``."""
+    if cfg.medusa.calibration == "shard":
+        import pyarrow.parquet as pq
+
+        return [(r["tokens"], cfg.distill.prompt_len)
+                for r in pq.read_table(held_out).to_pylist()]
+    from speclab.api import Decoder
+    from speclab.data.prompts import held_out_prompts
+    from speclab.models.loading import load_tokenizer
+
+    texts = held_out_prompts(cfg.data.prompts, cfg.medusa.calibration_prompts,
+                             cfg.data.num_prompts, cfg.data.context_chars, cfg.data.path,
+                             cfg.data.seed)
+    if not texts:
+        raise ValueError(f"medusa.calibration: 'prompts' needs prompts in data.path beyond "
+                         f"the {cfg.data.num_prompts} evaluated ones (data.num_prompts); "
+                         f"add some or set medusa.calibration: shard")
+    dec = Decoder(target_model, tokenizer=load_tokenizer(target, field="models.target"))
+    ids = dec.encode_all(texts)
+    out = dec.generate(prompts=ids, method="ar", max_new_tokens=cfg.decoding.max_new_tokens)
+    return [(p + r.token_ids, len(p)) for p, r in zip(ids, out) if r.token_ids]
 
 
 def quality_change(cfg: Any, original: str, tuned_model, prompts: list[list[int]]
@@ -100,12 +139,10 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
                                    data_dir: Path, tracker, variant: str,
                                    register_as: str | None) -> tuple[Path, str, list[dict]]:
     """Train ``variant``'s heads (``cfg.medusa``, ``train``, ``scaling``) on Ray Train,
-    calibrate them on the held-out shard, save and register them, then run ``methods``
+    calibrate them (``medusa.calibration``), save and register them, then run ``methods``
     against plain decoding of the variant's target (the original, or MEDUSA-2's
     fine-tuned one), ``medusa`` methods with ``medusa_model: trained`` using these heads.
     Returns (the heads' folder, the target's folder, the evaluation rows, AR first)."""
-    import pyarrow.parquet as pq
-
     from speclab.models.medusa import save_medusa
     from speclab.pipelines.actor_eval import evaluate_trained, tokenized_prompts
     from speclab.pipelines.export import export_final
@@ -121,9 +158,10 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
     target_model, heads, target = save_final_medusa(result, variant, prep.target,
                                                     cfg.medusa.heads, run_dir)
     held_out = sorted((data_dir / "medusa").glob("shard-*.parquet"))[-1]
-    tree = calibrate(heads, target_model, pq.read_table(held_out).to_pylist(),
+    tree = calibrate(heads, target_model,
+                     calibration_sequences(cfg, str(target), target_model, held_out),
                      cfg.medusa.calibration_top, cfg.medusa.sparse_nodes,
-                     cfg.distill.prompt_len)
+                     cfg.medusa.calibration)
     folder = save_medusa(heads, run_dir / "medusa", tree)
     export_final(cfg.output.export, folder, str(target), tracker, "train_medusa")
     metrics = {"train_s": time.perf_counter() - t1, "final_step": result.metrics["step"],

@@ -65,6 +65,37 @@ def head_losses(head_logits: torch.Tensor, tokens: torch.Tensor, first_label: in
 
 
 @torch.no_grad()
+def own_token_hits(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Tensor,
+                   top: int = 10, first_label: int = 0, chunk: int = 32
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The counts behind :func:`own_token_accuracies`: ``hits [K, top]`` (positions whose
+    label ``x_{t+k+1}``, index ``>= first_label``, is head ``k``'s ``r``-th most likely
+    token) and ``counts [K]`` (positions scored per head), so that sequences of several
+    lengths and prompt lengths add up. ``features [B, L, H]`` at inputs ``tokens[:, :L]``;
+    ``tokens [B, L+1]``."""
+    n_heads, length = heads.meta.heads, features.shape[1]
+    hits = torch.zeros(n_heads, top)
+    counts = torch.zeros(n_heads)
+    for begin in range(0, features.shape[0], chunk):
+        logits = heads(features[begin: begin + chunk])  # [K, b, L, V]
+        rows = tokens[begin: begin + chunk]
+        for k in range(1, n_heads + 1):
+            start, stop = _label_span(length, k, first_label)
+            if stop > start:
+                ranked = logits[k - 1, :, start:stop].topk(top, dim=-1).indices  # [b, n, top]
+                truth = rows[:, k + 1 + start: k + 1 + stop, None]
+                hits[k - 1] += (ranked == truth).float().sum((0, 1)).cpu()
+                counts[k - 1] += ranked.shape[0] * ranked.shape[1]
+    return hits, counts
+
+
+def hit_rates(hits: torch.Tensor, counts: torch.Tensor) -> list[list[float]]:
+    """``acc[k-1][r]`` = ``hits[k-1, r] / counts[k-1]`` (zeros where nothing was scored)."""
+    return [(hits[k] / counts[k]).tolist() if counts[k] else [0.0] * hits.shape[1]
+            for k in range(hits.shape[0])]
+
+
+@torch.no_grad()
 def own_token_accuracies(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Tensor,
                          top: int = 10, first_label: int = 0, chunk: int = 32
                          ) -> list[list[float]]:
@@ -76,21 +107,7 @@ def own_token_accuracies(heads: MedusaHeads, features: torch.Tensor, tokens: tor
     [B, L+1]``. ``first_label`` 0 counts every position
     (:func:`speclab.models.medusa.head_accuracies`). Sequences go through the heads
     ``chunk`` at a time."""
-    n_heads, length = heads.meta.heads, features.shape[1]
-    hits = torch.zeros(n_heads, top)
-    counts = [0] * n_heads
-    for begin in range(0, features.shape[0], chunk):
-        logits = heads(features[begin: begin + chunk])  # [K, b, L, V]
-        rows = tokens[begin: begin + chunk]
-        for k in range(1, n_heads + 1):
-            start, stop = _label_span(length, k, first_label)
-            if stop > start:
-                ranked = logits[k - 1, :, start:stop].topk(top, dim=-1).indices  # [b, n, top]
-                truth = rows[:, k + 1 + start: k + 1 + stop, None]
-                hits[k - 1] += (ranked == truth).float().sum((0, 1)).cpu()
-                counts[k - 1] += ranked.shape[0] * ranked.shape[1]
-    return [(hits[k] / counts[k]).tolist() if counts[k] else [0.0] * top
-            for k in range(n_heads)]
+    return hit_rates(*own_token_hits(heads, features, tokens, top, first_label, chunk))
 
 
 def weighted(per_head: list[torch.Tensor], decay: float) -> torch.Tensor:
