@@ -31,6 +31,8 @@ from speclab.evaluation import (
     Totals,
     format_table,
     interleaved_comparison,
+    overhead_cell,
+    overheads,
     paired_passes,
     pooled_ar,
     price,
@@ -39,7 +41,7 @@ from speclab.evaluation import (
     speedup_cell,
     summarize,
 )
-from speclab.forward_costs import CostModel, engine_overhead
+from speclab.forward_costs import CostModel
 from speclab.paired_timing import AR_SPREAD_BOUND, speedup_figures
 from speclab.timing import now, peak_gpu_mb, reset_peak_gpu
 
@@ -116,7 +118,7 @@ def hf_rows(dec, baselines: dict[str, dict], prompts: list[list[int]], gen: dict
                "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
                **speedup_figures(tot.pairs, tps / ar_tps if ar_tps else 0.0),
                "passes": tot.passes, "wall_s": tot.wall_s, "modelled_s": tot.modelled_s,
-               "engine_overhead": engine_overhead(tot.wall_s, tot.modelled_s),
+               **overheads(tot, ar),
                "peak_gpu_mb": tot.peak_gpu_mb}
         if reference is not None:
             row["identical_to_ar"] = tot.outputs == reference
@@ -292,7 +294,7 @@ BATCH_COLUMNS = [
     ("batch_size", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
     ("target_calls_per_token", "{:.3f}"), ("target_forwards_per_token", "{:.3f}"),
     ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell), ("speedup_totals", "{:.2f}x"),
-    ("ar_scaling", "{:.2f}x"), ("engine_overhead", "{:.0%}"),
+    ("ar_scaling", "{:.2f}x"), ("engine_overhead", overhead_cell),
     ("measured_over_predicted", "{:.2f}"), ("noisy", "{}"), ("identical_to_alone", "{}"),
 ]
 

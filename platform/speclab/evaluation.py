@@ -16,8 +16,11 @@ whose two figures disagree (:mod:`speclab.paired_timing`). Hardware-independent 
 
 Each run also measures its models' forward cost curves once
 (:mod:`speclab.forward_costs`) and counts the forwards every block ran: ``modelled_s``
-is what those forwards cost on the curves, ``engine_overhead`` = ``(wall_s -
-modelled_s) / wall_s`` the engine's own share of the time.
+is what those forwards cost on the curves; the engine's own share of the time,
+``(wall - modelled) / wall``, is taken per timed block: ``engine_overhead`` is its median
+over the blocks with a 95% interval (``engine_overhead_lo`` / ``engine_overhead_hi``),
+``engine_overhead_totals`` the share of the summed times
+(:func:`speclab.paired_timing.overhead_figures`).
 
 Each block also records ``peak_gpu_mb``: the most GPU memory PyTorch held while it ran
 (:func:`speclab.timing.peak_gpu_mb`; NaN when the target is not on CUDA).
@@ -31,7 +34,7 @@ import math
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from speclab import theory
 from speclab.api import Decoder, GenerationResult
@@ -42,6 +45,7 @@ from speclab.paired_timing import (
     Pair,
     baseline_figures,
     normalize_ar,
+    overhead_figures,
     speedup_figures,
 )
 from speclab.timing import max_mb, peak_gpu_mb, reset_peak_gpu
@@ -290,7 +294,7 @@ def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[
                 cur[name][0].merge(m)
                 cur[name][1].merge(ar)
                 pairs[name].append(Pair(unit, k, ar.wall_s, ar.new_tokens, m.wall_s,
-                                        m.new_tokens))
+                                        m.new_tokens, shapes=m.shapes, ar_shapes=ar.shapes))
             if between is not None:
                 between()
         for name, (m, ar) in cur.items():
@@ -311,11 +315,14 @@ def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[
 
 
 def price(results: dict[str, tuple[Totals, Totals]], costs: CostModel) -> None:
-    """Set ``modelled_s`` of every totals in ``results`` (:func:`paired_passes`'s): the
-    cost of its recorded forwards (``shapes``) on ``costs``' curves."""
+    """Set ``modelled_s`` of every totals in ``results`` (:func:`paired_passes`'s) and of
+    each of its pairs' blocks: the cost of the recorded forwards (``shapes``) on
+    ``costs``' curves."""
     for pair in results.values():
         for t in pair:
             t.modelled_s = costs.seconds(t.shapes)
+            t.pairs = [replace(p, modelled_s=costs.seconds(p.shapes),
+                               ar_modelled_s=costs.seconds(p.ar_shapes)) for p in t.pairs]
 
 
 #: forward cost curves measured so far, per Decoder and run shape (a sweep's trials reuse
@@ -421,6 +428,18 @@ def pooled_ar(results: dict[str, dict]) -> Totals:
     return out
 
 
+def overheads(totals: Totals, ar: Totals) -> dict[str, float]:
+    """``engine_overhead`` (median over the timed blocks), its interval and
+    ``engine_overhead_totals`` (:func:`speclab.paired_timing.overhead_figures`; the AR
+    row, ``totals is ar``, from its own blocks); without priced pairs, the totals' share
+    for all three figures' centre and NaN bounds."""
+    if totals.pairs and not all(math.isnan(p.modelled_s) for p in totals.pairs):
+        return overhead_figures(totals.pairs, ar_side=totals is ar)
+    share = engine_overhead(totals.wall_s, totals.modelled_s)
+    return {"engine_overhead": share, "engine_overhead_lo": math.nan,
+            "engine_overhead_hi": math.nan, "engine_overhead_totals": share}
+
+
 def summarize(
     run: MethodRun, totals: Totals, ar: Totals, reference_outputs: list[list[int]] | None = None
 ) -> dict:
@@ -433,7 +452,8 @@ def summarize(
     every timed pass, ``speedup`` (median paired ratio) with ``speedup_lo`` /
     ``speedup_hi`` / ``speedup_coverage`` / ``speedup_pairs``, ``speedup_totals``,
     ``ar_spread``, ``noisy``, ``timing_note``; ``modelled_s`` and ``engine_overhead``
-    (NaN when the forward costs were not measured). The AR row (``totals is ar``) has
+    with ``engine_overhead_lo`` / ``_hi`` / ``_totals`` (:func:`overheads`; NaN when the
+    forward costs were not measured). The AR row (``totals is ar``) has
     speedup 1 with the interval ``[1, 1]``. Totals without pairs (built by hand) get the
     ratio of totals as ``speedup`` and NaN for the interval and the spread.
     """
@@ -487,7 +507,7 @@ def summarize(
         "verify_s": totals.verify_s,
         "wall_s": totals.wall_s,
         "modelled_s": totals.modelled_s,  # NaN: forward costs not measured
-        "engine_overhead": engine_overhead(totals.wall_s, totals.modelled_s),
+        **overheads(totals, ar),
         "peak_gpu_mb": totals.peak_gpu_mb,  # NaN when the models are not on CUDA
         # acceptance per draft position: the fraction of rounds accepting >= k tokens,
         # among the rounds whose budget could reach k (NaN: none could, e.g. AR)
@@ -541,13 +561,25 @@ def speedup_cell(row: dict) -> str:
     return f"{s:.2f}x [{lo:.2f}, {hi:.2f}]"
 
 
+def overhead_cell(row: dict) -> str:
+    """``engine_overhead`` as ``9% [7, 11]`` (its interval in percent) or ``9%``; ``-``
+    when not measured."""
+    o, lo, hi = (row.get(k) for k in ("engine_overhead", "engine_overhead_lo",
+                                      "engine_overhead_hi"))
+    if o is None or math.isnan(o):
+        return "-"
+    if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
+        return f"{o:.0%}"
+    return f"{o:.0%} [{lo * 100:.0f}, {hi * 100:.0f}]"
+
+
 #: a table column: its key (the header) and a format string or a function of the row
 Column = tuple[str, "str | Callable[[dict], str]"]
 
 COLUMNS: list[Column] = [
     ("method", "{}"), ("tau", "{:.2f}"), ("target_calls_per_token", "{:.3f}"),
     ("acceptance_rate", "{:.2f}"), ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell),
-    ("speedup_totals", "{:.2f}x"), ("engine_overhead", "{:.0%}"),
+    ("speedup_totals", "{:.2f}x"), ("engine_overhead", overhead_cell),
     ("predicted_speedup", "{:.2f}x"), ("measured_over_predicted", "{:.2f}"),
     ("noisy", "{}"), ("identical_to_ar", "{}"),
 ]

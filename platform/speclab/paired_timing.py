@@ -36,13 +36,23 @@ AR tokens ``a_k`` in ``t_k`` seconds):
   row says so. (Without noise the two can still differ: the ratio of totals weighs
   each pair by its seconds, the median does not; prompts with very different speedups
   can put the ratio of totals outside the median's interval, and the flag says so.)
+
+The engine's own share of the wall time (:mod:`speclab.forward_costs` prices each
+block's forwards on measured cost curves: the block's ``modelled_s``) is read off the
+same pairs: per block ``o_k = (s_k - modelled_k) / s_k``; ``engine_overhead`` is the
+median of the ``o_k`` with the same order-statistics interval (``engine_overhead_lo`` /
+``engine_overhead_hi``), and ``engine_overhead_totals`` is ``(sum s - sum modelled) /
+sum s``. The cost curves are medians of repeated forwards, so a sum of wall times that
+includes a shared machine's stalls, set against them, counts every stall as the
+engine's; the median over blocks leaves a stall to the blocks it touched.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 #: the interval's target coverage
 CONFIDENCE = 0.95
@@ -62,7 +72,10 @@ class Pair:
 
     ``unit``: what both decoded (a prompt's index; ``-1``: the whole batch); ``ar_norm``:
     ``ar_s`` over the median AR time of the same unit across every pair of the
-    comparison (NaN until :func:`normalize_ar` sets it)."""
+    comparison (NaN until :func:`normalize_ar` sets it). ``shapes`` / ``ar_shapes``:
+    the forwards each side ran (``{(model id, rows, new tokens): count}``, empty when
+    not recorded); ``modelled_s`` / ``ar_modelled_s``: their measured cost (NaN until
+    priced)."""
 
     unit: int
     pass_index: int
@@ -71,6 +84,10 @@ class Pair:
     s: float
     tokens: int
     ar_norm: float = math.nan
+    shapes: Counter = field(default_factory=Counter, compare=False, repr=False)
+    ar_shapes: Counter = field(default_factory=Counter, compare=False, repr=False)
+    modelled_s: float = math.nan
+    ar_modelled_s: float = math.nan
 
     @property
     def ratio(self) -> float:
@@ -142,7 +159,7 @@ def normalize_ar(pairs: Sequence[Pair]) -> list[Pair]:
     for p in pairs:
         r = ref.get(p.unit, math.nan)
         norm = p.ar_s / r if r and r > 0 and p.ar_s > 0 else math.nan
-        out.append(Pair(p.unit, p.pass_index, p.ar_s, p.ar_tokens, p.s, p.tokens, norm))
+        out.append(replace(p, ar_norm=norm))
     return out
 
 
@@ -200,3 +217,23 @@ def baseline_figures(pairs: Sequence[Pair], bound: float = AR_SPREAD_BOUND
             "speedup_pairs": len(pairs), "speedup_totals": 1.0, "ar_spread": spread,
             "noisy": noisy,
             "timing_note": f"AR timings spread {spread:.2f} > {bound:.2f}" if noisy else ""}
+
+
+def overhead_figures(pairs: Sequence[Pair], ar_side: bool = False) -> dict[str, float]:
+    """The engine's share of the wall time over ``pairs`` (see the module docstring): the
+    method's blocks, or with ``ar_side`` their AR blocks. ``engine_overhead`` (the median
+    of the per-block shares), ``engine_overhead_lo`` / ``engine_overhead_hi`` (its
+    interval, :func:`median_interval`) and ``engine_overhead_totals`` (over the summed
+    times); NaN where no block was priced."""
+    walls, models = [], []
+    for p in pairs:
+        wall, model = (p.ar_s, p.ar_modelled_s) if ar_side else (p.s, p.modelled_s)
+        if wall > 0 and not math.isnan(model):
+            walls.append(wall)
+            models.append(model)
+    shares = [(w - m) / w for w, m in zip(walls, models)]
+    lo, hi, _ = median_interval(shares)
+    total = sum(walls)
+    return {"engine_overhead": median(shares), "engine_overhead_lo": lo,
+            "engine_overhead_hi": hi,
+            "engine_overhead_totals": (total - sum(models)) / total if total else math.nan}

@@ -28,6 +28,7 @@ from speclab.paired_timing import (
     median,
     median_interval,
     normalize_ar,
+    overhead_figures,
     quantile,
     speedup_figures,
 )
@@ -226,7 +227,8 @@ def test_rows_carry_the_new_keys_with_nan_where_they_do_not_apply():
 
     rows = _compare(Clock(), {"a": 2.0}, passes=2)
     keys = ("speedup", "speedup_lo", "speedup_hi", "speedup_totals", "speedup_coverage",
-            "ar_spread", "noisy", "modelled_s", "engine_overhead", "passes")
+            "ar_spread", "noisy", "modelled_s", "engine_overhead", "engine_overhead_lo",
+            "engine_overhead_hi", "engine_overhead_totals", "passes")
     for row in rows:
         assert set(keys) <= set(row)
     ar, m = rows
@@ -301,6 +303,36 @@ def test_modelled_seconds_price_every_forward_a_block_ran(tiny_pair):
     assert m.modelled_s > 2 * m.target_calls * 1e-3  # draft forwards are priced too
     assert res["costs"] is costs and ar.passes == m.passes == 2
     assert sum(m.shapes.values()) > sum(ar.shapes.values())  # (drafts and verifies)
+    # every timed block priced on its own: the pairs add up to the totals
+    assert len(m.pairs) == 4
+    assert sum(p.modelled_s for p in m.pairs) == pytest.approx(m.modelled_s)
+    assert sum(p.ar_modelled_s for p in m.pairs) == pytest.approx(ar.modelled_s)
+    row = summarize(MethodRun("chain", {"gamma": 2}), m, ar)
+    shares = sorted((p.s - p.modelled_s) / p.s for p in m.pairs)
+    assert row["engine_overhead"] == pytest.approx((shares[1] + shares[2]) / 2)
+    assert (row["engine_overhead_lo"], row["engine_overhead_hi"]) == (shares[0], shares[-1])
+    assert row["engine_overhead_totals"] == pytest.approx(
+        (m.wall_s - m.modelled_s) / m.wall_s)
+
+
+def test_a_stall_moves_the_overhead_of_the_totals_not_the_median():
+    """Issue 33: blocks whose forwards cost 0.9 s of 1.0 s (10% the engine's) and one
+    block stalled for 3 s by another process: the share of the summed times counts the
+    stall as the engine's (30%), the median over blocks does not, and its interval still
+    holds 10%; the AR side reads its own blocks; unpriced blocks give NaN."""
+    pairs = [Pair(i, 0, 2.0, 10, 1.0, 10, modelled_s=0.9, ar_modelled_s=1.9)
+             for i in range(9)]
+    pairs.append(Pair(9, 0, 2.0, 10, 4.0, 10, modelled_s=0.9, ar_modelled_s=1.9))
+    got = overhead_figures(pairs)
+    assert got["engine_overhead"] == pytest.approx(0.1)
+    assert got["engine_overhead_lo"] <= 0.1 + 1e-9 <= got["engine_overhead_hi"] + 2e-9
+    assert got["engine_overhead_totals"] == pytest.approx(1 - 9 * 0.9 / 13 - 0.9 / 13)
+    assert got["engine_overhead_totals"] > 0.3
+    ar = overhead_figures(pairs, ar_side=True)
+    assert ar["engine_overhead"] == pytest.approx(0.05)
+    assert ar["engine_overhead_totals"] == pytest.approx(0.05)
+    bare = overhead_figures([Pair(0, 0, 1.0, 5, 1.0, 5)])
+    assert all(math.isnan(v) for v in bare.values())
 
 
 def test_engine_overhead_on_a_tiny_pair(tiny_pair):

@@ -114,7 +114,7 @@ def log_children(cfg: RetrievalEvalJob, rows: list[dict], tracker) -> None:
 def main(argv: list[str] | None = None) -> int:
     job = start_job("retrieval_eval", __doc__, argv, prepare)
     cfg, tracker, (target, tasks) = job.cfg, job.tracker, job.inputs
-    from speclab.evaluation import format_table, speedup_cell
+    from speclab.evaluation import format_table, overhead_cell, speedup_cell
     from speclab.raylib import init_ray
 
     where = init_ray(job.address, cfg.ray.num_cpus)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_tasks(cfg, target, tasks)
         cols = [("task", "{}"), ("method", "{}"), ("tau", "{:.2f}"),
                 ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell),
-                ("speedup_totals", "{:.2f}x"), ("engine_overhead", "{:.0%}"),
+                ("speedup_totals", "{:.2f}x"), ("engine_overhead", overhead_cell),
                 ("accuracy", "{:.3f}"), ("noisy", "{}"), ("identical_to_ar", "{}")]
         text = format_table(rows, cols).replace(" tau ", " MAL ", 1)
         print(text, flush=True)
