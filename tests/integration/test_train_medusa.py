@@ -47,6 +47,7 @@ def test_medusa_heads_trained_calibrated_registered_and_used_by_the_cli(job_env,
         assert all(c.data.metrics["identical_to_ar"] == 1.0 for c in evals.values())
         assert any(k.startswith("medusa-sparse") for k in evals), sorted(evals)
         assert m["expected_tau.sparse_8"] >= m["expected_tau.chain"] >= 1.0
+        assert m["replayed_tau.sparse_8"] >= 1.0 and m["replayed_tau.chain"] >= 1.0
     q = children["medusa2"].data.metrics
     assert q["quality.ppl_original"] > 1 and q["quality.ppl_tuned"] > 1
     assert 0 <= q["quality.top1_agreement"] <= 1

@@ -16,6 +16,7 @@ from speclab.drafters.medusa_trees import (
     cartesian_template,
     chain_template,
     expected_length,
+    replayed_length,
     sparse_template,
 )
 from speclab.models.loading import load_model
@@ -439,8 +440,9 @@ def test_calibration_continues_held_out_prompts_of_the_evaluations_kind(tmp_path
     """Issue 35, item 3: ``medusa.calibration: prompts`` (the default) scores the heads on
     held-out prompts of the evaluation's kind (never the evaluated ones) continued greedily
     by the target, stopping at EOS, with only the continuation's labels counted, over
-    sequences of different lengths; a JSONL set with nothing beyond the evaluated prompts
-    is refused naming the field."""
+    sequences of different lengths; the tree shapes' ``replayed_tau`` equals the tau that
+    greedy decoding with the heads measures on those prompts; a JSONL set with nothing
+    beyond the evaluated prompts is refused naming the field."""
     from types import SimpleNamespace
 
     from speclab.config.schema import DataConfig, DecodingConfig, MedusaTrainConfig
@@ -493,8 +495,34 @@ def test_calibration_continues_held_out_prompts_of_the_evaluations_kind(tmp_path
     assert [a[0] for a in tree["accuracies"]] == pytest.approx((hits / total).tolist())
     assert tree["calibration"] == "prompts" and tree["calibration_sequences"] == 3
     assert tree["calibration_labels"] == total.tolist()
+    # the replayed tau is what greedy decoding with those heads measures on those prompts
+    folder = str(save_medusa(heads, tmp_path / "heads", tree))
+    same_eos = Decoder(model, tokenizer=dec.tokenizer)
+    for shape, knobs in (("chain", {"tree": "chain"}),
+                         ("cartesian_2", {"tree": "cartesian", "tree_top_k": 2})):
+        lengths = [n for p in ids for n in same_eos.generate(
+            prompt_ids=p, method="medusa", medusa_model=folder, max_new_tokens=10,
+            **knobs).stats.accepted_lengths]
+        assert tree["replayed_tau"][shape] == pytest.approx(sum(lengths) / len(lengths))
 
     short = SimpleNamespace(**{**vars(cfg), "data": DataConfig(
         prompts="jsonl", path=str(path), num_prompts=6)})
     with pytest.raises(ValueError, match="medusa.calibration: 'prompts' needs prompts"):
         calibration_sequences(short, target, model, tmp_path / "unused")
+
+
+def test_replayed_length_walks_the_rounds_as_decoding_does():
+    """A round at position j accepts the deepest template prefix of its ranks and the next
+    round starts past its bonus token: the long accepted run at position 0 is ONE round
+    (a mean over every position would count positions 1-3 as rounds too); independent
+    heads are not assumed."""
+    chain = chain_template(3)
+    seq = [(0, 0, 0), (0, 0, 9), (0, 9, 9), (9, 9, 9), (1, 0, 9), (0, 9, 9)]
+    # rounds: j=0 accepts 3 (4 tokens) -> j=4: rank 1 is off the chain, 0 (1 token) -> j=5:
+    # accepts 1 (2 tokens)
+    assert replayed_length(chain, [seq]) == pytest.approx((4 + 1 + 2) / 3)
+    wide = cartesian_template(2, 3)  # rank 1 at depth 1 is in this tree
+    # j=0 (4 tokens), then j=4 accepts (1, 0) (3 tokens) and the sequence ends
+    assert replayed_length(wide, [seq]) == pytest.approx((4 + 3) / 2)
+    assert replayed_length(wide, [seq, seq[3:]]) == pytest.approx((4 + 3 + 1 + 3) / 4)
+    assert replayed_length(chain, []) == 1.0

@@ -14,7 +14,9 @@ so a tree is built parent-first by walking the list. Three shapes (the slides' l
   independence assumption Medusa makes. A path's estimate is never above its parent's,
   so taking paths best first keeps every parent.
 
-:func:`expected_length` is a template's estimated tokens per round under those accuracies.
+:func:`expected_length` is a template's estimated tokens per round under those accuracies
+(Medusa's estimate: independent heads); :func:`replayed_length` is the same figure
+replayed on calibration positions, with the heads' joint behaviour.
 """
 
 from __future__ import annotations
@@ -64,3 +66,28 @@ def expected_length(template: Template, acc: list[list[float]]) -> float:
             value *= acc[j][r] if r < len(acc[j]) else 0.0
         total += value
     return total
+
+
+def replayed_length(template: Template, sequences: list[list[tuple[int, ...]]]) -> float:
+    """Tokens per round the template gives when its rounds are replayed on calibration
+    sequences, as greedy decoding runs them: ``sequences[i][j][k]`` is the rank of the
+    right token among head ``k + 1``'s predictions at the ``j``-th position of sequence
+    ``i`` (the first position: its first round's; any rank outside the template when
+    the right token is not among them). A round at position ``j`` accepts ``d_j``
+    drafts, the depth of the deepest template path that is a prefix of the ranks there
+    (siblings take different tokens, so at most one path per depth is right; a
+    template holds every prefix of its paths), commits ``d_j + 1`` tokens, and the next
+    round starts at ``j + d_j + 1``. Returns committed tokens / rounds over every
+    sequence (1.0 for none). Unlike :func:`expected_length` it assumes no independence
+    between the heads, and unlike a mean over all positions it weighs positions as
+    rounds meet them (a long accepted run is one round, not many)."""
+    paths = set(template)
+    tokens = rounds = 0
+    for ranks in sequences:
+        j = 0
+        while j < len(ranks):
+            r, d = ranks[j], 0
+            while d < len(r) and r[: d + 1] in paths:
+                d += 1
+            tokens, rounds, j = tokens + d + 1, rounds + 1, j + d + 1
+    return tokens / rounds if rounds else 1.0

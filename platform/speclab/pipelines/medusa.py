@@ -45,20 +45,25 @@ def calibrate(heads, target_model, sequences: list[tuple[list[int], int]], top: 
     ``target_model``'s features on ``sequences`` (``(tokens, first_label)``: a sequence
     and the index of its first scored label, so only the target's own tokens count, as
     in Medusa; lengths may differ), the ``nodes``-node sparse tree built from them, and
-    every tree shape's expected tau. ``source`` names the sequences' origin in the
-    result (``medusa.calibration``)."""
+    every tree shape's tau two ways: ``expected_tau`` (Medusa's estimate, the product of
+    the heads' accuracies along each path: independent heads) and ``replayed_tau`` (each
+    shape replayed on the calibration positions: the heads' joint behaviour,
+    :func:`~speclab.drafters.medusa_trees.replayed_length`). ``source`` names the
+    sequences' origin in the result (``medusa.calibration``)."""
     import torch
 
     from speclab.drafters.medusa_trees import (
         cartesian_template,
         chain_template,
         expected_length,
+        replayed_length,
         sparse_template,
     )
-    from speclab.train.medusa import hit_rates, own_token_hits
+    from speclab.train.medusa import hit_rates, own_token_hits, own_token_ranks
 
     k = heads.meta.heads
     hits, counts = torch.zeros(k, top), torch.zeros(k)
+    ranks: list[list[tuple[int, ...]]] = []  # per sequence, per position
     groups: dict[tuple[int, int], list[list[int]]] = {}  # same shape: one forward
     for tokens, first in sequences:
         groups.setdefault((len(tokens), first), []).append(tokens)
@@ -68,6 +73,7 @@ def calibrate(heads, target_model, sequences: list[tuple[list[int], int]], top: 
             feats = target_model.model(input_ids=tokens[:, :-1]).last_hidden_state
         h, c = own_token_hits(heads, feats, tokens, top, first)
         hits, counts = hits + h, counts + c
+        ranks += own_token_ranks(heads, feats, tokens, top, first)
     acc = hit_rates(hits, counts)
     sparse = sparse_template(acc, nodes)
     shapes = {"chain": chain_template(k), "cartesian_2": cartesian_template(2, k),
@@ -76,7 +82,9 @@ def calibrate(heads, target_model, sequences: list[tuple[list[int], int]], top: 
             "calibration_sequences": len(sequences),
             "calibration_labels": counts.tolist(),
             "sparse_nodes": nodes, "sparse": [list(p) for p in sparse],
-            "expected_tau": {name: expected_length(t, acc) for name, t in shapes.items()}}
+            "expected_tau": {name: expected_length(t, acc) for name, t in shapes.items()},
+            "replayed_tau": {name: replayed_length(t, ranks) for name, t in shapes.items()},
+            "replayed_positions": sum(len(r) for r in ranks)}
 
 
 def calibration_sequences(cfg: Any, target: str, target_model, held_out: Path
@@ -168,6 +176,7 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
                "final_val_loss": result.metrics["val_loss"],
                "final_engine_tau": result.metrics.get("engine_tau", 0.0),
                **{f"expected_tau.{k}": v for k, v in tree["expected_tau"].items()},
+               **{f"replayed_tau.{k}": v for k, v in tree["replayed_tau"].items()},
                **{f"head{k}_acc_top{r + 1}": sum(a[: r + 1]) for k, a in
                   enumerate(tree["accuracies"], start=1) for r in (0, 4)
                   if r < len(a)}}
@@ -179,7 +188,7 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
     tracker.log_metrics(metrics)
     uri = tracker.log_model(folder, register_as)
     print(f"[train_medusa] {variant} heads saved to {folder}" + (
-        f", registered as {uri}" if uri else "") + f"; expected tau {tree['expected_tau']}",
-        flush=True)
+        f", registered as {uri}" if uri else "") + f"; expected tau {tree['expected_tau']}"
+        f", replayed tau {tree['replayed_tau']}", flush=True)
     rows = evaluate_trained(cfg, str(target), prompts, tracker, "medusa_model", str(folder))
     return folder, str(target), rows

@@ -89,6 +89,35 @@ def own_token_hits(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Ten
     return hits, counts
 
 
+@torch.no_grad()
+def own_token_ranks(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Tensor,
+                    top: int = 10, first_label: int = 0) -> list[list[tuple[int, ...]]]:
+    """Per sequence, per position ``t`` (in order) at which a greedy decoding's round can
+    start, from the first one, ``t = first_label - 2`` (its root ``x_{t+1}`` ends the
+    prompt, head 1's label ``x_{t+2}`` is the first token past it), to ``t = L - 2``:
+    the rank of ``x_{t+k+1}`` among head ``k``'s ``top`` most likely tokens, ``k =
+    1..K``; ``top`` when it is not among them or lies beyond what the round could still
+    draft (``k > L - t - 2``: the last token of the sequence is a round's bonus at the
+    latest, as when decoding stops at the token budget or EOS).
+    :func:`speclab.drafters.medusa_trees.replayed_length` replays a tree's rounds on
+    them. ``features [B, L, H]`` at inputs ``tokens[:, :L]``; ``tokens [B, L+1]``."""
+    n_heads, length = heads.meta.heads, features.shape[1]
+    start, stop = max(first_label - 2, 0), length - 1
+    if stop <= start:
+        return [[] for _ in range(features.shape[0])]
+    logits = heads(features[:, start:stop])  # [K, B, n, V]
+    ranked = logits.topk(top, dim=-1).indices  # [K, B, n, top]
+    padded = torch.cat([tokens, tokens.new_full((tokens.shape[0], n_heads), -1)], dim=1)
+    labels = torch.stack([padded[:, start + k + 1: stop + k + 1]
+                          for k in range(1, n_heads + 1)])  # [K, B, n]
+    hit = ranked == labels[..., None]
+    rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, top))
+    t = torch.arange(start, stop)
+    k = torch.arange(1, n_heads + 1)[:, None]
+    rank[(k > length - t - 2)[:, None].expand_as(rank)] = top  # past the budget
+    return [[tuple(r) for r in row] for row in rank.permute(1, 2, 0).tolist()]
+
+
 def hit_rates(hits: torch.Tensor, counts: torch.Tensor) -> list[list[float]]:
     """``acc[k-1][r]`` = ``hits[k-1, r] / counts[k-1]`` (zeros where nothing was scored)."""
     return [(hits[k] / counts[k]).tolist() if counts[k] else [0.0] * hits.shape[1]
