@@ -103,3 +103,14 @@ def test_medusa_heads_trained_calibrated_registered_and_used_by_the_cli(job_env,
 def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
     refused_before_work("train_medusa", CONFIG, overrides, message, job_env,
                         tmp_path / "runs")
+
+
+def test_calibration_prompts_missing_fail_before_work(job_env, tmp_path):
+    """``medusa.calibration: prompts`` with a JSONL set holding only the evaluated prompts
+    is refused before any data is generated or any head trained, naming the field."""
+    path = tmp_path / "two.jsonl"
+    path.write_text('{"prompt": "def f(x):"}\n{"prompt": "class A:"}\n')
+    refused_before_work("train_medusa", CONFIG,
+                        ["data.prompts=jsonl", f"data.path={path}", "data.num_prompts=2"],
+                        "medusa.calibration: 'prompts' needs prompts in data.path", job_env,
+                        tmp_path / "runs")

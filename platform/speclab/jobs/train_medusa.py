@@ -31,12 +31,12 @@ from __future__ import annotations
 
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.comparison import comparison_rows, log_comparison
-from speclab.pipelines.medusa import train_register_evaluate_medusa
-from speclab.pipelines.signals import generate_logged, prepare_target
+from speclab.pipelines.medusa import prepare_medusa, train_register_evaluate_medusa
+from speclab.pipelines.signals import generate_logged
 
 
 def main(argv: list[str] | None = None) -> int:
-    job = start_job("train_medusa", __doc__, argv, prepare_target)  # bad inputs fail here
+    job = start_job("train_medusa", __doc__, argv, prepare_medusa)  # bad inputs fail here
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
     from speclab.raylib import init_ray

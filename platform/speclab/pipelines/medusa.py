@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from speclab.pipelines.signals import Prepared
+from speclab.pipelines.signals import Prepared, prepare_target
 
 
 def save_final_medusa(result, variant: str, target: str, heads: int, run_dir: Path
@@ -87,11 +87,38 @@ def calibrate(heads, target_model, sequences: list[tuple[list[int], int]], top: 
             "replayed_positions": sum(len(r) for r in ranks)}
 
 
+def held_out_calibration_prompts(cfg: Any) -> list[str]:
+    """The texts ``medusa.calibration: prompts`` continues: ``medusa.calibration_prompts``
+    held-out prompts of the evaluation's kind
+    (:func:`~speclab.data.prompts.held_out_prompts`). ValueError naming
+    ``medusa.calibration`` when there are none (a JSONL file holding only the evaluated
+    prompts), so :func:`prepare_medusa` refuses it before any work."""
+    from speclab.data.prompts import held_out_prompts
+
+    texts = held_out_prompts(cfg.data.prompts, cfg.medusa.calibration_prompts,
+                             cfg.data.num_prompts, cfg.data.context_chars, cfg.data.path,
+                             cfg.data.seed)
+    if not texts:
+        raise ValueError(f"medusa.calibration: 'prompts' needs prompts in data.path beyond "
+                         f"the {cfg.data.num_prompts} evaluated ones (data.num_prompts); "
+                         f"add some or set medusa.calibration: shard")
+    return texts
+
+
+def prepare_medusa(cfg: Any) -> Prepared:
+    """``train_medusa``'s checks before any work: the target and corpus
+    (:func:`~speclab.pipelines.signals.prepare_target`) and, for ``medusa.calibration:
+    prompts``, the held-out calibration prompts."""
+    if cfg.medusa.calibration == "prompts":
+        held_out_calibration_prompts(cfg)
+    return prepare_target(cfg)
+
+
 def calibration_sequences(cfg: Any, target: str, target_model, held_out: Path
                           ) -> list[tuple[list[int], int]]:
     """What ``medusa.calibration`` scores, as ``(tokens, first_label)`` pairs.
     ``prompts``: ``medusa.calibration_prompts`` held-out prompts of the evaluation's kind
-    (:func:`~speclab.data.prompts.held_out_prompts`), tokenised with ``target``'s
+    (:func:`held_out_calibration_prompts`), tokenised with ``target``'s
     tokenizer and continued greedily by ``target_model`` (plain decoding, the engine's)
     for ``decoding.max_new_tokens`` tokens, stopping at EOS; scored past the prompt.
     ``shard``: the ``held_out`` training shard's rows, scored past ``distill.prompt_len``."""
@@ -101,16 +128,9 @@ def calibration_sequences(cfg: Any, target: str, target_model, held_out: Path
         return [(r["tokens"], cfg.distill.prompt_len)
                 for r in pq.read_table(held_out).to_pylist()]
     from speclab.api import Decoder
-    from speclab.data.prompts import held_out_prompts
     from speclab.models.loading import load_tokenizer
 
-    texts = held_out_prompts(cfg.data.prompts, cfg.medusa.calibration_prompts,
-                             cfg.data.num_prompts, cfg.data.context_chars, cfg.data.path,
-                             cfg.data.seed)
-    if not texts:
-        raise ValueError(f"medusa.calibration: 'prompts' needs prompts in data.path beyond "
-                         f"the {cfg.data.num_prompts} evaluated ones (data.num_prompts); "
-                         f"add some or set medusa.calibration: shard")
+    texts = held_out_calibration_prompts(cfg)
     dec = Decoder(target_model, tokenizer=load_tokenizer(target, field="models.target"))
     ids = dec.encode_all(texts)
     out = dec.generate(prompts=ids, method="ar", max_new_tokens=cfg.decoding.max_new_tokens)
