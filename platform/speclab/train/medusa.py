@@ -9,9 +9,11 @@ Labels inside the prompt are corpus text, not the target's own tokens. As Medusa
 prompts from the head loss and scores its heads on the model's own tokens, a head's
 label ``x_{t+k+1}`` counts only when it lies in the continuation (index ``>= first_label``,
 the prompt's length): in the heads' losses (unless ``medusa.prompt_labels``, a variant
-that also trains on the corpus labels) and always in the calibration
-(:func:`own_token_accuracies`: ``tree.json``, the sparse tree, ``expected_tau.*`` and
-``val_head<k>_top1``).
+that also trains on the corpus labels) and always when the heads are scored:
+``val_head<k>_top1`` during training (:func:`own_token_accuracies`), and the calibration
+(:func:`own_token_hits` and :func:`own_token_ranks`: ``tree.json``, the sparse tree,
+``expected_tau.*`` and ``replayed_tau.*``), which by default scores held-out prompts
+continued by the target (:mod:`speclab.pipelines.medusa`).
 
 * MEDUSA-1 (frozen backbone; the slides' formula): ``sum_k lambda_k CE(p_t^(k),
   x_{t+k+1})`` with ``lambda_k = decay^k``, on the stored features, so a step never runs
