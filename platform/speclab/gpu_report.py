@@ -66,7 +66,8 @@ def run_step(name: str, cmd: list[str], timeout_s: float, log_dir: Path,
     deadline, done_at, rc = t0 + max(timeout_s, 1.0), None, None
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **(env or {})})
+                                start_new_session=True, env={**os.environ, **(env or {})},
+                                preexec_fn=_default_sigint)
         tree = ProcessTree(proc)
         watcher = threading.Thread(target=tree.watch, daemon=True)
         watcher.start()  # knows the jobs' Ray workers even once their parents are gone
@@ -84,6 +85,14 @@ def run_step(name: str, cmd: list[str], timeout_s: float, log_dir: Path,
     return {"step": name, "command": " ".join(cmd), "returncode": rc,
             "wall_s": round(time.perf_counter() - t0, 1), "log": str(log),
             **({"survivors": left} if left else {})}
+
+
+def _default_sigint() -> None:
+    """In a step's process before it starts: SIGINT back to its default action. A shell
+    starts background commands with SIGINT ignored, children inherit that, and Python
+    then never installs its KeyboardInterrupt handler: :func:`stop_step`'s SIGINT would
+    be lost and every stop would wait out its grace."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def stop_step(proc: subprocess.Popen, tree: ProcessTree, grace_s: float = 20.0) -> str:

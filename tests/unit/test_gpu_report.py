@@ -39,11 +39,9 @@ def test_reads_the_test_log_and_bench_json_into_tables(tmp_path):
 
 def test_a_step_that_hangs_after_its_work_is_stopped_and_named(tmp_path):
     """``finished()`` true while the process still runs: stopped after the exit grace;
-    a step past its timeout: stopped, named ``timeout``. Both well before their 60 s
-    sleep ends. (The first step says it is running before ``finished()`` turns true, so
-    its SIGINT meets a started interpreter; one that lands while Python still starts up,
-    as the second's may on a loaded machine, is lost, and the step waits out the SIGINT
-    grace, 20 s, before SIGTERM.)"""
+    a step past its timeout: stopped, named ``timeout``; both by their SIGINT, well
+    before its 20 s grace, even when this test itself runs with SIGINT ignored (a shell's
+    background job: the step gets SIGINT's default action back)."""
     import sys
 
     ready = tmp_path / "ready"
@@ -54,7 +52,7 @@ def test_a_step_that_hangs_after_its_work_is_stopped_and_named(tmp_path):
     assert r["returncode"] == "hung at exit" and r["wall_s"] < 10
     r = gpu_report.run_step("slow", [sys.executable, "-c", "import time; time.sleep(60)"],
                             1, tmp_path)
-    assert r["returncode"] == "timeout" and r["wall_s"] < 45
+    assert r["returncode"] == "timeout" and r["wall_s"] < 10
 
 
 def test_the_cuda_tests_log_their_outcomes_as_they_run(tmp_path):
