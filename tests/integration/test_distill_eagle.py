@@ -25,9 +25,10 @@ CONFIG = "experiments/smoke/distill_eagle.yaml"
     ("experiments/smoke/distill_eagle3.yaml", "speclab-smoke-eagle3", "feat3")])
 def test_eagle_drafter_trained_registered_and_served_by_the_cli(job_env, tmp_path,
                                                                monkeypatch, config, name, kind):
-    """EAGLE (HASS loss) and EAGLE-3 (fused layer features, a 128-token draft vocabulary,
-    the training-time test): trained, registered, evaluated, then decoded by the CLI from
-    the registry (the CLI reads an EAGLE-3 drafter's layers from its folder)."""
+    """EAGLE (HASS loss) and EAGLE-3 (fused layer features over the target's own text, a
+    128-token draft vocabulary, the training-time test): trained, registered, evaluated,
+    then decoded by the CLI from the registry (the CLI reads an EAGLE-3 drafter's layers
+    from its folder)."""
     res = run_cmd([python(), "-m", "jobs.distill_eagle", "--config", config,
                    f"output.storage_path={tmp_path / 'runs'}", "tracking.experiment=e"],
                   job_env)
@@ -37,6 +38,13 @@ def test_eagle_drafter_trained_registered_and_served_by_the_cli(job_env, tmp_pat
     client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "e")
     m = run.data.metrics
     assert m["final_step"] == 20 and m[f"shards.{kind}"] == 2 and 0 <= m["final_val_top1"] <= 1
+    # the EAGLE-3 smoke trains on the target's own text (eagle.data: target), stamped in
+    # its shards' plan
+    plans = list((tmp_path / "runs").rglob(f"{kind}/plan.json"))
+    assert len(plans) == 1, plans
+    plan = json.loads(plans[0].read_text())
+    assert (plan.get("data"), run.data.params["eagle.data"]) == (
+        ("target", "target") if kind == "feat3" else (None, "corpus")), plan
     assert m["loss"] < 1e4, m  # the workers' loss (DDP-wrapped drafter) is finite
     for key in ("val_top1", "engine_tau", "engine_accept_at_1"):  # next to the loss curve
         assert [h.step for h in client.get_metric_history(run.info.run_id, key)] == [10, 20]
@@ -71,6 +79,8 @@ def test_eagle_drafter_trained_registered_and_served_by_the_cli(job_env, tmp_pat
      "eagle.draft_vocab: 100000 is not in [0,"),
     (["eagle.version=3", "eagle.loss=eagle3", "eagle.feature_layers=[1, 99]"],
      "eagle.feature_layers: layer indices [99]"),
+    (["eagle.data=target", "eagle.data_prompt=32"],
+     "eagle.data_prompt (32) must be below distill.seq_len (32)"),
 ])
 def test_bad_input_fails_before_work(job_env, tmp_path, overrides, message):
     refused_before_work("distill_eagle", CONFIG, overrides, message, job_env,

@@ -317,3 +317,46 @@ def test_draft_vocabulary_is_the_most_frequent_target_tokens():
     assert draft_vocabulary(rows, 2).tolist() == [5, 7]
     assert draft_vocabulary(rows, 4).tolist() == [3, 5, 7, 9]
     assert draft_vocabulary(rows, 6).tolist() == [0, 1, 3, 5, 7, 9]
+
+
+def test_target_data_windows_are_the_targets_greedy_text(deep_target):
+    """``eagle.data: target``: each window keeps its first ``data_prompt`` tokens and the
+    rest is the target's greedy continuation (checked against argmax over full forwards,
+    past EOS); the feature rows hold those windows; the shard plan records the setting
+    (corpus windows record nothing, so older plans still match); a prompt that leaves
+    nothing to generate is refused, naming the field."""
+    from types import SimpleNamespace
+
+    from speclab.config.jobs import DistillEagleJob
+    from speclab.train import distill_data as dd
+
+    target = load_model(deep_target)
+    g = torch.Generator().manual_seed(3)
+    windows = torch.randint(0, 64, (5, 13), generator=g).tolist()
+    got = dd.target_windows(ModelRunner(target), windows, keep=4, batch=2)
+    assert [w[:4] for w in got] == [w[:4] for w in windows]
+    for w in got:
+        assert len(w) == 13
+        with torch.no_grad():
+            for i in range(4, 13):
+                logits = target(input_ids=torch.tensor([w[:i]])).logits[0, -1]
+                assert int(logits.argmax()) == w[i]
+    assert got != windows  # the random windows are not the target's text
+
+    eagle = SimpleNamespace(data="target", data_prompt=4, feature_layers=None)
+    ctx = dd.SignalContext(ModelRunner(target), None, None, SimpleNamespace(top_k=4), 0,
+                           eagle)
+    rows = dd.data_kind("feat3").make(ctx, windows, 0)
+    assert [r["tokens"] for r in rows] == got
+    assert dd.data_kind("feat3").settings(eagle) == {
+        "feature_layers": "eagle3", "data": "target", "data_prompt": 4}
+    assert dd.data_kind("feat").settings(SimpleNamespace(data="corpus")) == {}
+    corpus = dd.data_kind("feat").make(dd.SignalContext(
+        ModelRunner(target), None, None, SimpleNamespace(top_k=4), 0,
+        SimpleNamespace(data="corpus")), windows[:1], 0)
+    assert corpus[0]["tokens"] == windows[0]
+
+    with pytest.raises(ValueError, match=r"eagle.data_prompt \(24\) must be below "
+                                         r"distill.seq_len \(24\)"):
+        DistillEagleJob.model_validate({"distill": {"seq_len": 24},
+                                        "eagle": {"data": "target", "data_prompt": 24}})

@@ -274,6 +274,14 @@ class CompareLossesJob(DistillJob):
 TRAINED = "trained"
 
 
+def check_data_prompt(eagle: EagleTrainConfig, distill: DistillConfig) -> None:
+    """ValueError unless ``eagle.data: target`` leaves the target tokens to generate."""
+    if eagle.data == "target" and eagle.data_prompt >= distill.seq_len:
+        raise ValueError(f"eagle.data_prompt ({eagle.data_prompt}) must be below "
+                         f"distill.seq_len ({distill.seq_len}): data: target continues "
+                         "each window's first data_prompt tokens")
+
+
 class DistillEagleJob(_Trains, _Evaluates):
     """``jobs.distill_eagle``: target features -> EAGLE drafter (``eagle``) -> registry ->
     evaluation. Its ``eagle`` methods default to ``eagle_model: trained``, the drafter
@@ -303,6 +311,7 @@ class DistillEagleJob(_Trains, _Evaluates):
         if "hass" in self.eagle_losses() and self.eagle.hass_k > self.distill.top_k:
             raise ValueError(f"eagle.hass_k ({self.eagle.hass_k}) must not exceed "
                              f"distill.top_k ({self.distill.top_k}), the stored top-k")
+        check_data_prompt(self.eagle, self.distill)
         if "talf" in self.eagle_losses() and self.eagle.talf_depth >= self.distill.seq_len:
             raise ValueError(f"eagle.talf_depth ({self.eagle.talf_depth}) must be below "
                              f"distill.seq_len ({self.distill.seq_len})")
@@ -468,6 +477,11 @@ class TuneJob(_Trains):
     arch: ArchConfig = ArchConfig()
 
     _method_knobs: dict | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _eagle_windows(self):
+        check_data_prompt(self.eagle, self.distill)
+        return self
 
     @model_validator(mode="wrap")
     @classmethod

@@ -270,7 +270,11 @@ class EagleTrainConfig(StrictModel):
     regression term, as in the paper). ``eagle`` and ``hass`` add EAGLE's uniform
     ``feature_noise`` to the features the drafter reads in training.
     ``init_from`` starts from a trained EAGLE drafter (a folder or ``models:/`` URI), the
-    TALF/HASS papers' protocol of fine-tuning an EAGLE-trained drafter.
+    TALF/HASS papers' protocol of fine-tuning an EAGLE-trained drafter. ``data: target``
+    trains on the target's own text: each window keeps its first ``data_prompt`` corpus
+    tokens and the target continues them greedily to the window's length (past EOS, so
+    windows keep one length), as EAGLE-3 trainers regenerate their data with the target;
+    every position is trained, the kept prefix too.
 
     ``version: 3`` trains an EAGLE-3 drafter (:mod:`speclab.models.eagle3`): fused features
     of the target's ``feature_layers`` (None: the paper's low / middle / high), one
@@ -321,6 +325,12 @@ class EagleTrainConfig(StrictModel):
                                                  "random (0: every position's)")
     init_from: str | None = Field(None, description="start from this EAGLE drafter (folder "
                                                     "or models:/ URI) instead of scratch")
+    data: Literal["corpus", "target"] = Field("corpus", description=(
+        "the text of the feature windows: corpus windows (EAGLE-1/2's and HASS's fixed "
+        "data) or target: each window's first data_prompt tokens continued by the "
+        "target's greedy decoding (the data EAGLE-3 trainers regenerate with the target)"))
+    data_prompt: int = Field(16, gt=0, description="data: target: corpus tokens kept at the "
+                                                   "start of each window")
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "
                                                        "at every report (0: none)")
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")

@@ -5,7 +5,9 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
 * :func:`kd_example` — a corpus window and the target's top-k next-token distribution at
   every position (``word_kd``, ``tvd_kd``, ``hass_topk``; ``sft`` uses the window only);
 * :func:`feat_example` — a corpus window, the target's last-layer features and its top-k
-  at every position (the EAGLE feature drafter, :mod:`speclab.train.eagle`);
+  at every position (the EAGLE feature drafter, :mod:`speclab.train.eagle`); with
+  ``eagle.data: target`` the feature kinds' windows are first rewritten as the target's
+  own text (:func:`target_windows`);
 * :func:`feat_forest_example` — a ``feat`` window plus a target-built beam tree rooted at
   every position (TALF on the EAGLE drafter, :func:`speclab.train.eagle.talf_loss`);
 * :func:`seq_examples` — prompts and the target's greedy continuation (``seq_kd``);
@@ -324,14 +326,48 @@ def _make_kd(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[di
     return [kd_example(ctx.target, x, ctx.distill.top_k) for x in inputs]
 
 
+def target_windows(target: ModelRunner, windows: list[list[int]], keep: int,
+                   batch: int = 64) -> list[list[int]]:
+    """``windows`` (each ``L + 1`` tokens) rewritten as the target's own text: each keeps
+    its first ``keep`` tokens and the target continues them greedily to ``L + 1`` tokens
+    (past EOS, so every window keeps its length; batched engine, ``batch`` rows at a
+    time). ``eagle.data: target``, the data EAGLE-3 trainers regenerate with the
+    target."""
+    if not windows:
+        return []
+    if not 0 < keep < len(windows[0]) - 1:
+        raise ValueError(f"eagle.data_prompt ({keep}) must be in [1, {len(windows[0]) - 2}] "
+                         f"for windows of {len(windows[0])} tokens")
+    prompts = [w[:keep] for w in windows]
+    outs = greedy_continuations(target, prompts, len(windows[0]) - keep, None, batch)
+    return [p + o for p, o in zip(prompts, outs, strict=True)]
+
+
+def _feat_windows(ctx: SignalContext, inputs: list[list[int]]) -> list[list[int]]:
+    """The windows a feature kind's rows hold: the corpus's, or (``eagle.data: target``)
+    the target's continuations of their first ``eagle.data_prompt`` tokens."""
+    e = ctx.eagle
+    if e is None or getattr(e, "data", "corpus") == "corpus":
+        return inputs
+    return target_windows(ctx.target, inputs, e.data_prompt)
+
+
+def _data_settings(eagle) -> dict:
+    """The plan's record of ``eagle.data`` (nothing for corpus windows, so the plans of
+    shards made before the setting existed still match)."""
+    if eagle is None or getattr(eagle, "data", "corpus") == "corpus":
+        return {}
+    return {"data": eagle.data, "data_prompt": eagle.data_prompt}
+
+
 def _make_feat(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
-    return [feat_example(ctx.target, x, ctx.distill.top_k) for x in inputs]
+    return [feat_example(ctx.target, x, ctx.distill.top_k) for x in _feat_windows(ctx, inputs)]
 
 
 def _make_feat_tree(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
     e = ctx.eagle
     return [feat_forest_example(ctx.target, x, ctx.distill.top_k, e.talf_top_k, e.talf_depth)
-            for x in inputs]
+            for x in _feat_windows(ctx, inputs)]
 
 
 def fused_spec(eagle) -> object:
@@ -342,18 +378,18 @@ def fused_spec(eagle) -> object:
 
 def _fused_settings(eagle) -> dict:
     return {"feature_layers": list(fused_spec(eagle)) if eagle is not None and
-            getattr(eagle, "feature_layers", None) else "eagle3"}
+            getattr(eagle, "feature_layers", None) else "eagle3", **_data_settings(eagle)}
 
 
 def _make_feat3(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
     return [feat_example(ctx.target, x, ctx.distill.top_k, fused_spec(ctx.eagle))
-            for x in inputs]
+            for x in _feat_windows(ctx, inputs)]
 
 
 def _make_feat3_tree(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
     e = ctx.eagle
     return [feat_forest_example(ctx.target, x, ctx.distill.top_k, e.talf_top_k, e.talf_depth,
-                                fused_spec(e)) for x in inputs]
+                                fused_spec(e)) for x in _feat_windows(ctx, inputs)]
 
 
 def _make_medusa(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
@@ -384,8 +420,9 @@ BUILTIN_KINDS: tuple[DataKind, ...] = (
              doc="contexts + a target-built EAGLE-2 tree with top-k at every node"),
     DataKind("accept", _prompt, _make_accept, needs_draft=True,
              doc="SpecDec++ acceptance data (needs the drafter)"),
-    DataKind("feat", _window, _make_feat, doc="windows + the target's features and top-k"),
-    DataKind("feat_tree", _window, _make_feat_tree,
+    DataKind("feat", _window, _make_feat, settings=_data_settings,
+             doc="windows + the target's features and top-k"),
+    DataKind("feat_tree", _window, _make_feat_tree, settings=_data_settings,
              doc="feat windows + a target-built beam tree at every position (TALF)"),
     DataKind("feat3", _window, _make_feat3, settings=_fused_settings,
              doc="windows + the target's fused layer features (EAGLE-3) and top-k"),
