@@ -21,11 +21,16 @@ demo: setup ## main job: reference pair + every engine method on local Ray, logg
 lint: setup
 	.venv/bin/ruff check platform jobs serve_apps tests
 
+# the tests run torch on one thread: their models are tiny (a second thread costs more
+# than it gives), and every process of a test (job driver, Ray workers, servers) shares
+# the machine's cores, where two spinning threads per process slow each other 10x or more
+TEST_ENV := OMP_NUM_THREADS=1
+
 test: setup lint ## ruff + the whole test suite
-	$(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-unit: setup lint ## ruff + the unit tests only (no Ray started, a few minutes)
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/unit; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 bench: setup
 	.venv/bin/speclab bench

@@ -76,6 +76,11 @@ class Inputs:
     rec_prep: tuple | None = None  # (RecMeta, examples) for atspeed sweeps
 
 
+#: the fields an eagle sweep's feature data depends on (with every ``distill.*`` field)
+EAGLE_DATA_FIELDS = ("eagle.data", "eagle.data_prompt", "eagle.feature_layers",
+                     "eagle.talf_top_k", "eagle.talf_depth")
+
+
 def prepare(cfg: TuneJob) -> Inputs:
     """Resolve models, tokenise prompts (or a task's); ValueError on bad input."""
     from speclab.api import Decoder
@@ -98,6 +103,11 @@ def prepare(cfg: TuneJob) -> Inputs:
     if "models.device" in sw.space:  # trials reserve resources once per sweep
         raise ValueError("sweep.space: 'models.device' cannot be swept: every trial reserves "
                          "the same resources (sweep.trial_gpus); run a sweep per device")
+    fixed = sorted(p for p in sw.space if p in EAGLE_DATA_FIELDS or p.startswith("distill."))
+    if sw.kind == "eagle" and fixed:  # the feature data is generated once per sweep
+        raise ValueError(f"sweep.space: {', '.join(map(repr, fixed))} cannot be swept: an "
+                         "eagle sweep generates the target's feature data once, from the "
+                         "base config, for every trial; run a sweep per value")
     train_prep = None
     if sw.kind == "atspeed":  # the target is trained (or checked) in main, under Ray
         from speclab.pipelines.recommender import prepare_rec
