@@ -1,10 +1,12 @@
 """jobs.compare_eagle end to end: feat, feat_tree, feat3 and feat3_tree shards generated
-once, an EAGLE and an EAGLE-3 base drafter, EAGLE and TALF fine-tuned from the first and
-EAGLE-3 + TALF from the second on Ray Train, each a child run with its own registered
-drafter, and the row x method table with acceptance per draft position on the parent
-run; bad input before any work."""
+once (the EAGLE-3 kinds with compare.eagle3's layers), an EAGLE and an EAGLE-3 base
+drafter, EAGLE and TALF fine-tuned from the first and EAGLE-3 + TALF from the second on
+Ray Train, each a child run with its own registered drafter, and the row x method table
+with acceptance per draft position on the parent run; bad input before any work."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -29,6 +31,9 @@ def test_eagle_losses_compared_as_child_runs(job_env, tmp_path):
     assert sorted(children) == ["eagle3_talf", "eagle3base", "eaglebase", "talf"]
     for kind in ("feat", "feat_tree", "feat3_tree", "feat3"):
         assert parent.data.metrics[f"shards.{kind}"] == 2
+    for kind in ("feat3", "feat3_tree"):  # made with the EAGLE-3 rows' layers
+        plan, = (tmp_path / "runs").rglob(f"data/{kind}/plan.json")
+        assert json.loads(plan.read_text())["feature_layers"] == [1, 2]
     assert children["eaglebase"].data.metrics["final_step"] == 10
     assert children["eagle3base"].data.metrics["final_step"] == 10
     for loss in ("talf", "eagle3_talf"):  # from their base, compare.finetune_steps

@@ -49,10 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     table: list[dict] = []
     with tracker as parent:
         parent.set_tags({"job": "compare_eagle", "target": prep.target})
-        kinds = {data_kind_of(e.loss, e.version) for e in eagles.values()}
-        if finetune:
-            kinds |= {data_kind_of(base_loss[v], v) for v in versions}
-        generate_features(cfg, prep, data_dir, parent, kinds)
+        group = {data_kind_of(e.loss, e.version): e for e in eagles.values()}
+        if finetune:  # a version's base reads data made with that version's rows' settings
+            group |= {data_kind_of(base_loss[e.version], e.version): e
+                      for e in eagles.values()}
+        # each kind made with its rows' eagle group: EAGLE-3's layers (compare.eagle3)
+        generate_features(cfg, prep, data_dir, parent, set(group), group)
         init_from = {v: cfg.eagle.init_from for v in versions}
         for v in versions if finetune else []:
             name = base_loss[v]

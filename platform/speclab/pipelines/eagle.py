@@ -119,7 +119,8 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
 
 
 def generate_features(cfg: Any, prep: Prepared, data_dir: Path, tracker,
-                      kinds: set[str]) -> None:
+                      kinds: set[str], eagles: dict[str, Any] | None = None) -> None:
     """Stage 1: the ``feat`` / ``feat_tree`` / ``feat3`` / ``feat3_tree`` shards (``kinds``,
-    from :func:`data_kinds`), on Ray actors."""
-    generate_logged(cfg, prep, data_dir, tracker, kinds, "distill_eagle")
+    from :func:`data_kinds`), on Ray actors; ``eagles``: the ``eagle`` group of a kind
+    whose rows are not made with ``cfg.eagle``."""
+    generate_logged(cfg, prep, data_dir, tracker, kinds, "distill_eagle", eagles)

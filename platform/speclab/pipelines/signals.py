@@ -169,7 +169,8 @@ class _Actors:
 
 def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
              draft: str | None = None, head_temperature: float = 0.0,
-             stats: dict | None = None) -> tuple[dict[str, int], float]:
+             stats: dict | None = None, eagles: dict[str, Any] | None = None
+             ) -> tuple[dict[str, int], float]:
     """The target's signals on an actor pool; returns (shards per kind, the actors' peak
     RSS in MB). ``cfg``: a job config with ``distill``, ``models`` and ``train`` groups
     (generation settings, dtype/device, seed).
@@ -181,7 +182,11 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
     if given, is filled with what happened: ``shards_kept`` / ``shards_written``,
     ``actors`` (pid and node of each actor that started), ``actors_lost``,
     ``redispatched`` (``kind/shard`` names, once per new attempt) and ``errors`` (the
-    exception class of each failed call)."""
+    exception class of each failed call).
+
+    ``eagles`` maps a kind to the ``eagle`` group its rows are made with (its data
+    settings, EAGLE-3's layers, TALF's trees), where it is not the job's ``cfg.eagle``
+    (``compare_eagle``'s EAGLE-3 rows)."""
     from speclab.train.distill_data import data_kind
 
     need_draft = sorted(k for k in kinds if data_kind(k).needs_draft)  # unknown kinds: here
@@ -190,7 +195,8 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
     import ray
 
     d, seed = cfg.distill, cfg.train.seed
-    eagle = getattr(cfg, "eagle", None)  # the settings of kinds that read it (feat_tree)
+    job_eagle = getattr(cfg, "eagle", None)  # the settings of kinds that read it
+    eagle_of = {k: (eagles or {}).get(k, job_eagle) for k in kinds}
     device = "cuda" if d.gen_gpus_per_actor > 0 else cfg.models.device
     dtype = cfg.models.dtype
 
@@ -221,7 +227,7 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
             from speclab.train import distill_data as dd
 
             ctx = dd.SignalContext(self.dec.target, self.dec.draft, self.dec.eos_token_id, d,
-                                   seed, eagle, head_temperature)
+                                   seed, eagle_of[kind], head_temperature)
             rows = dd.data_kind(kind).make(ctx, inputs, first)
             if len(rows) != len(inputs):
                 raise RuntimeError(f"{path}: {len(rows)} rows for {len(inputs)} inputs")
@@ -252,7 +258,7 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
                              "length": length, "seed": seed,
                              "starts_sha256": hashlib.sha256(
                                  json.dumps(starts).encode()).hexdigest(),
-                             **(settings(eagle) if settings else {})})
+                             **(settings(eagle_of[kind]) if settings else {})})
         rows = shard_rows(len(starts), d.shard_size)
         written[kind] = len(rows)
         inputs_of[kind] = (starts, length)
@@ -370,16 +376,18 @@ def _run(actors: _Actors, todo: deque, chunk, size: int, stats: dict) -> float:
 
 
 def generate_logged(cfg: Any, prep: Prepared, data_dir: Path, tracker, kinds: set[str],
-                    job: str) -> dict[str, int]:
-    """:func:`generate` of ``kinds`` for ``prep.target``, with its wall time, the peak
-    memory of the driver and the actors and the shard counts logged to ``tracker``."""
+                    job: str, eagles: dict[str, Any] | None = None) -> dict[str, int]:
+    """:func:`generate` of ``kinds`` for ``prep.target`` (``eagles``: as there), with its
+    wall time, the peak memory of the driver and the actors and the shard counts logged
+    to ``tracker``."""
     import time
 
     from speclab.pipelines.fit import peak_rss_mb
 
     t0 = time.perf_counter()
     stats: dict = {}
-    shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens, stats=stats)
+    shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens, stats=stats,
+                                  eagles=eagles)
     tracker.log_metrics({"generate_s": time.perf_counter() - t0,
                          "generate_driver_peak_rss_mb": peak_rss_mb(),
                          "generate_actor_peak_rss_mb": actor_peak,
