@@ -343,19 +343,23 @@ def target_windows(target: ModelRunner, windows: list[list[int]], keep: int,
     return [p + o for p, o in zip(prompts, outs, strict=True)]
 
 
+def _target_data(eagle) -> bool:
+    """Whether feature windows are the target's own text (``eagle.data: target``)."""
+    return eagle is not None and getattr(eagle, "data", "corpus") == "target"
+
+
 def _feat_windows(ctx: SignalContext, inputs: list[list[int]]) -> list[list[int]]:
     """The windows a feature kind's rows hold: the corpus's, or (``eagle.data: target``)
     the target's continuations of their first ``eagle.data_prompt`` tokens."""
-    e = ctx.eagle
-    if e is None or getattr(e, "data", "corpus") == "corpus":
+    if not _target_data(ctx.eagle):
         return inputs
-    return target_windows(ctx.target, inputs, e.data_prompt)
+    return target_windows(ctx.target, inputs, ctx.eagle.data_prompt)
 
 
 def _data_settings(eagle) -> dict:
     """The plan's record of ``eagle.data`` (nothing for corpus windows, so the plans of
     shards made before the setting existed still match)."""
-    if eagle is None or getattr(eagle, "data", "corpus") == "corpus":
+    if not _target_data(eagle):
         return {}
     return {"data": eagle.data, "data_prompt": eagle.data_prompt}
 
