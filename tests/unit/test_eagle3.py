@@ -360,3 +360,47 @@ def test_target_data_windows_are_the_targets_greedy_text(deep_target):
                                          r"distill.seq_len \(24\)"):
         DistillEagleJob.model_validate({"distill": {"seq_len": 24},
                                         "eagle": {"data": "target", "data_prompt": 24}})
+
+
+def test_a_window_shorter_than_the_evaluation_contexts_is_reported(capsys):
+    """``context_window``: the trained window (``distill.seq_len + 1``) against the
+    evaluation's longest context (the longest tokenised ``data`` prompt + ``max_new_tokens``),
+    with a warning naming ``distill.seq_len`` only when the evaluation goes past the
+    window (a stand-in tokenizer: one token per character)."""
+    from speclab.config.jobs import DistillEagleJob
+    from speclab.data.prompts import load_prompts
+    from speclab.pipelines.eagle import context_window
+
+    class Chars:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            assert not add_special_tokens
+            return [ord(c) for c in text]
+
+    cfg = DistillEagleJob.model_validate({"distill": {"seq_len": 64},
+                                          "data": {"num_prompts": 3, "context_chars": 120},
+                                          "decoding": {"max_new_tokens": 32}})
+    longest = max(len(t) for t in load_prompts("stdlib_functions", 3, 120)) + 32
+    assert longest > 65
+    assert context_window(cfg, Chars()) == {"trained_window": 65,
+                                            "eval_longest_context": longest}
+    out = capsys.readouterr().out
+    assert "distill.seq_len" in out and f"up to {longest}" in out
+    cfg.distill.seq_len = longest - 1
+    assert context_window(cfg, Chars())["trained_window"] == longest
+    assert capsys.readouterr().out == ""
+
+
+def test_tree_shards_record_the_trees_shape():
+    """The TALF kinds' plan records ``talf_top_k`` / ``talf_depth`` (they change every
+    row), so shards made with other trees are refused instead of trained on."""
+    from types import SimpleNamespace
+
+    from speclab.train import distill_data as dd
+
+    eagle = SimpleNamespace(data="corpus", talf_top_k=3, talf_depth=6, feature_layers=None)
+    assert dd.data_kind("feat_tree").settings(eagle) == {"talf_top_k": 3, "talf_depth": 6}
+    assert dd.data_kind("feat3_tree").settings(eagle) == {
+        "feature_layers": "eagle3", "talf_top_k": 3, "talf_depth": 6}
+    eagle.data, eagle.data_prompt = "target", 8
+    assert dd.data_kind("feat_tree").settings(eagle) == {
+        "talf_top_k": 3, "talf_depth": 6, "data": "target", "data_prompt": 8}

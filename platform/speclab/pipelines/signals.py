@@ -412,6 +412,9 @@ class Prepared:
     tokens: object  # 1-D LongTensor of the tokenised training corpus
     vocab: int
     eos: int | None
+    #: EAGLE jobs: the trained window against the evaluation's longest context
+    #: (:func:`speclab.pipelines.eagle.context_window`); empty for the other jobs
+    window: dict[str, int] = field(default_factory=dict)
 
 
 def prepare_target(cfg: Any) -> Prepared:

@@ -364,6 +364,13 @@ def _data_settings(eagle) -> dict:
     return {"data": eagle.data, "data_prompt": eagle.data_prompt}
 
 
+def _tree_settings(eagle) -> dict:
+    """The plan's record of the target-built trees' shape (``eagle.talf_top_k`` /
+    ``talf_depth``: they change every row) and of ``eagle.data``."""
+    return {"talf_top_k": eagle.talf_top_k, "talf_depth": eagle.talf_depth,
+            **_data_settings(eagle)}
+
+
 def _make_feat(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
     return [feat_example(ctx.target, x, ctx.distill.top_k) for x in _feat_windows(ctx, inputs)]
 
@@ -383,6 +390,10 @@ def fused_spec(eagle) -> object:
 def _fused_settings(eagle) -> dict:
     return {"feature_layers": list(fused_spec(eagle)) if eagle is not None and
             getattr(eagle, "feature_layers", None) else "eagle3", **_data_settings(eagle)}
+
+
+def _fused_tree_settings(eagle) -> dict:
+    return {**_fused_settings(eagle), **_tree_settings(eagle)}
 
 
 def _make_feat3(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
@@ -426,11 +437,11 @@ BUILTIN_KINDS: tuple[DataKind, ...] = (
              doc="SpecDec++ acceptance data (needs the drafter)"),
     DataKind("feat", _window, _make_feat, settings=_data_settings,
              doc="windows + the target's features and top-k"),
-    DataKind("feat_tree", _window, _make_feat_tree, settings=_data_settings,
+    DataKind("feat_tree", _window, _make_feat_tree, settings=_tree_settings,
              doc="feat windows + a target-built beam tree at every position (TALF)"),
     DataKind("feat3", _window, _make_feat3, settings=_fused_settings,
              doc="windows + the target's fused layer features (EAGLE-3) and top-k"),
-    DataKind("feat3_tree", _window, _make_feat3_tree, settings=_fused_settings,
+    DataKind("feat3_tree", _window, _make_feat3_tree, settings=_fused_tree_settings,
              doc="feat3 windows + a target-built beam tree at every position (EAGLE-3 TALF)"),
     DataKind("medusa", _prompt, _make_medusa,
              doc="prompts + greedy continuations with the target's features (Medusa)"),
