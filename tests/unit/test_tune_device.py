@@ -132,19 +132,22 @@ def test_a_sweep_over_the_device_is_refused():
         job.prepare(cfg)
 
 
-@pytest.mark.parametrize("field,grid", [("eagle.data", ["corpus", "target"]),
-                                        ("eagle.talf_depth", [2, 3]),
-                                        ("distill.seq_len", [16, 24])])
-def test_an_eagle_sweep_over_its_data_is_refused(field, grid):
-    """An eagle sweep generates the feature data once from the base config, so a swept
-    field the data depends on would train every trial on the same data: refused, naming
-    it, before any work."""
+@pytest.mark.parametrize("config,field,grid", [
+    ("eagle3_smoke", "eagle.data", ["corpus", "target"]),
+    ("eagle3_smoke", "eagle.talf_depth", [2, 3]),
+    ("eagle3_smoke", "distill.seq_len", [16, 24]),
+    ("head_smoke", "distill.examples", [16, 32])])
+def test_a_training_sweep_over_its_data_is_refused(config, field, grid):
+    """An eagle or train_head sweep generates its training data once from the base
+    config, so a swept field the data depends on would train every trial on the same
+    data: refused, naming it, before any work."""
     import speclab.jobs.tune as job
     from speclab.config.jobs import load_experiment
 
-    cfg = load_experiment("experiments/sweeps/eagle3_smoke.yaml",
+    cfg = load_experiment(f"experiments/sweeps/{config}.yaml",
                           [f"sweep.space={{{field}: {{grid: {grid}}}}}"])
-    with pytest.raises(ValueError, match=f"'{field}' cannot be swept: an eagle sweep"):
+    with pytest.raises(ValueError, match=f"'{field}' cannot be swept: a {cfg.sweep.kind} "
+                                         "sweep generates"):
         job.prepare(cfg)
 
 

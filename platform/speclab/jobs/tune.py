@@ -103,11 +103,13 @@ def prepare(cfg: TuneJob) -> Inputs:
     if "models.device" in sw.space:  # trials reserve resources once per sweep
         raise ValueError("sweep.space: 'models.device' cannot be swept: every trial reserves "
                          "the same resources (sweep.trial_gpus); run a sweep per device")
-    fixed = sorted(p for p in sw.space if p in EAGLE_DATA_FIELDS or p.startswith("distill."))
-    if sw.kind == "eagle" and fixed:  # the feature data is generated once per sweep
-        raise ValueError(f"sweep.space: {', '.join(map(repr, fixed))} cannot be swept: an "
-                         "eagle sweep generates the target's feature data once, from the "
-                         "base config, for every trial; run a sweep per value")
+    data = {"eagle": "the target's feature data", "train_head": "the acceptance data"}
+    fixed = sorted(p for p in sw.space if p.startswith("distill.")
+                   or (sw.kind == "eagle" and p in EAGLE_DATA_FIELDS))
+    if sw.kind in data and fixed:  # the training data is generated once per sweep
+        raise ValueError(f"sweep.space: {', '.join(map(repr, fixed))} cannot be swept: a "
+                         f"{sw.kind} sweep generates {data[sw.kind]} once, from the base "
+                         "config, for every trial; run a sweep per value")
     train_prep = None
     if sw.kind == "atspeed":  # the target is trained (or checked) in main, under Ray
         from speclab.pipelines.recommender import prepare_rec
