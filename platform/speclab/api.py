@@ -206,6 +206,14 @@ class Decoder:
                                         self.eos_token_id, generator, traits)
         return GenerationResult(tokens, self.decode(tokens), stats)
 
+    def drafter_networks(self) -> dict[str, torch.nn.Module]:
+        """The drafters' own networks loaded so far (once per Decoder, e.g. an EAGLE
+        drafter) whose forwards the cost curves can time: modules with ``cost_inputs(n)``
+        (:mod:`speclab.forward_costs`), named ``<kind>:<source>``."""
+        return {":".join(map(str, k)) if isinstance(k, tuple) else str(k): v
+                for k, v in self._resources.items()
+                if isinstance(v, torch.nn.Module) and callable(getattr(v, "cost_inputs", None))}
+
     def method_config(self, method: str | MethodSpec, knobs: dict) -> MethodSpec:
         """``method`` (a name plus ``knobs``, or a config object) as a validated config."""
         if isinstance(method, MethodSpec):

@@ -335,10 +335,11 @@ def _costs_key(prompts: list[list[int]], max_new_tokens: int, batch_size: int) -
     return (batch_size, max_new_tokens, lengths[-1], lengths[len(lengths) // 2])
 
 
-def recorder_for(dec: Decoder) -> ForwardRecorder:
+def recorder_for(dec: Decoder, networks: dict | None = None) -> ForwardRecorder:
     """A :class:`~speclab.forward_costs.ForwardRecorder` on ``dec``'s target and draft
-    model."""
-    return ForwardRecorder([dec.target.model, dec.draft.model if dec.draft else None])
+    model and the drafters' own ``networks`` (name -> module)."""
+    return ForwardRecorder([dec.target.model, dec.draft.model if dec.draft else None,
+                            *(networks or {}).values()])
 
 
 def interleaved_comparison(
@@ -371,12 +372,17 @@ def interleaved_comparison(
     batched = batch_size > 1 or dec.compile
     costs = forward_costs if isinstance(forward_costs, CostModel) else None
     sampler = key = None
+    # the drafters' own networks the warm-up loaded (EAGLE): priced one prompt at a time
+    networks = {} if batched else dec.drafter_networks()
     if forward_costs is True and prompts and not dec.compile:
-        key = _costs_key(prompts, gen.get("max_new_tokens", 64), batch_size)
+        key = (*_costs_key(prompts, gen.get("max_new_tokens", 64), batch_size),
+               tuple(sorted(id(m) for m in networks.values())))
         costs = _COSTS.get(dec, {}).get(key)
         if costs is None:
-            sampler = CostSampler(dec, prompts, gen.get("max_new_tokens", 64), batch_size)
-    recorder = recorder_for(dec) if costs is not None or sampler is not None else None
+            sampler = CostSampler(dec, prompts, gen.get("max_new_tokens", 64), batch_size,
+                                  networks)
+    recorder = recorder_for(dec, networks) if costs is not None or sampler is not None \
+        else None
     between = None
     if sampler is not None:
         sampler.round()  # one round now, the rest spread between the pairs

@@ -31,10 +31,13 @@ a snapshot of one moment. The curve is then made non-decreasing by its lower env
 
 Covered: the target and the pair's draft model (every forward of theirs goes through
 their ``forward``: the hooks see the engine's runners and Hugging Face's ``generate``
-alike). Not covered: a drafter's own network other than the draft model (EAGLE's
-feature drafter, Medusa heads, SpecDec++'s acceptance head): its time counts as the
-engine's. Not measured on the compiled fast path (hooks would break the compiled step,
-and the compiled forwards cost less than the eager curve): NaN there.
+alike), and, one prompt at a time, a drafter's own network that says what its forward
+takes (``cost_inputs(n)``: an EAGLE drafter, :meth:`speclab.api.Decoder.drafter_networks`;
+its tree steps' shape: EAGLE-3's fusion of the target's layers in the round's first
+forward counts as the engine's). Not covered: such a network in the batched engine,
+and Medusa heads and SpecDec++'s acceptance head: their time counts as the engine's.
+Not measured on the compiled fast path (hooks would break the compiled step, and the
+compiled forwards cost less than the eager curve): NaN there.
 """
 
 from __future__ import annotations
@@ -227,21 +230,30 @@ def _batched_points(model: torch.nn.Module, rows: int, tokens: list[int],
 
 def _single_points(model: torch.nn.Module, tokens: list[int], prefix: list[int], ids
                    ) -> tuple[list[_Point], list]:
-    """The points of one-row forwards on a :class:`ModelRunner` (and its runners)."""
+    """The points of one-row forwards on a :class:`ModelRunner` (and its runners); a model
+    with ``cost_inputs(n)`` (a drafter's own network) gets them with every forward."""
     from speclab.decoding.runner import ModelRunner
+
+    extra = getattr(model, "cost_inputs", None)
+
+    def run(r: ModelRunner, new: torch.Tensor, allowed=None, last_only: bool = False) -> None:
+        if extra is None:
+            r.forward(new, allowed=allowed, last_only=last_only)
+        else:  # (the drafter computes every position's logits)
+            r.run(new, None, allowed, **extra(len(new)))
 
     runner = ModelRunner(model)
     runner.reset()
-    runner.forward(torch.tensor(prefix), last_only=True)
+    run(runner, torch.tensor(prefix), last_only=True)
     base = runner.length
 
     def small(new: torch.Tensor, allowed) -> None:
-        runner.forward(new, allowed=allowed)
+        run(runner, new, allowed)
         runner.crop(base)
 
     def prefill(fresh: ModelRunner, new: torch.Tensor) -> None:
         fresh.reset()
-        fresh.forward(new, last_only=True)
+        run(fresh, new, last_only=True)
 
     points, runners = [], [runner]
     for t in tokens:
@@ -267,7 +279,11 @@ class CostSampler:
     machine; :meth:`model` gives the curves (median per point, then :func:`monotone`)."""
 
     def __init__(self, dec, prompts: list[list[int]], max_new_tokens: int,
-                 batch_size: int = 1) -> None:
+                 batch_size: int = 1, networks: dict[str, torch.nn.Module] | None = None
+                 ) -> None:
+        """``networks``: drafters' own networks with ``cost_inputs`` (name -> module,
+        :meth:`speclab.api.Decoder.drafter_networks`), measured one prompt at a time only
+        (``batch_size`` 1)."""
         batched = batch_size > 1
         lengths = sorted(len(p) for p in prompts) or [1]
         context = lengths[len(lengths) // 2] + max_new_tokens // 2
@@ -278,12 +294,17 @@ class CostSampler:
         self._runners: list = []
         gen = torch.Generator().manual_seed(0)
         with torch.inference_mode():
-            for name, side in (("target", dec.target), ("draft", dec.draft)):
-                if side is None or id(side.model) in self.names:
+            models = [(name, side.model) for name, side in (("target", dec.target),
+                                                            ("draft", dec.draft)) if side]
+            models += [] if batched else list((networks or {}).items())
+            target_vocab = int(dec.target.model.config.vocab_size)
+            for name, model in models:
+                if id(model) in self.names:
                     continue
-                model = side.model
                 self.names[id(model)] = name
-                vocab = int(model.config.vocab_size)
+                # a drafter's own network reads the target's vocabulary
+                vocab = target_vocab if hasattr(model, "cost_inputs") else \
+                    int(model.config.vocab_size)
 
                 def ids(n: int, vocab=vocab) -> torch.Tensor:
                     return torch.randint(0, vocab, (n,), generator=gen)

@@ -359,6 +359,40 @@ def test_engine_overhead_on_a_tiny_pair(tiny_pair):
     assert set(curves) == {"target", "draft"} and "32" in curves["target"]["1"]
 
 
+@pytest.mark.parametrize("version", [1, 3])
+def test_an_eagle_drafters_forwards_are_priced(tiny_pair, tmp_path, version):
+    """An EAGLE drafter (EAGLE-1/2 or 3) the warm-up loaded gets its own cost curve: its
+    forwards in a block are counted by shape and priced, so they are no longer counted
+    as the engine's time; the batched engine leaves it unpriced."""
+    from speclab.api import Decoder
+    from speclab.evaluation import interleaved_comparison
+    from speclab.models.eagle import EagleModel, save_eagle
+    from speclab.models.eagle3 import Eagle3Model
+    from speclab.models.loading import load_model
+
+    target = load_model(tiny_pair["target"])
+    if version == 1:
+        model = EagleModel.from_target(target)
+    else:
+        model = Eagle3Model.from_target(target)
+    folder = str(save_eagle(model, tmp_path / "eagle"))
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    run = MethodRun("eagle", {"eagle_model": folder, "tree_top_k": 2, "depth": 3, "nodes": 6})
+    prompts = [[3, 9, 27, 4, 5], [5, 6, 7, 8, 9, 10]]
+    out = interleaved_comparison(dec, [run], prompts, {"max_new_tokens": 8,
+                                                       "timing_passes": 1})
+    costs, m = out[run.name]["costs"], out[run.name]["totals"]
+    eagle = next(mid for mid, name in costs.names.items() if name.startswith("eagle:"))
+    assert set(costs.names.values()) == {"target", costs.names[eagle]}
+    assert "32" in costs.to_dict()[costs.names[eagle]]["1"]
+    drafts = Counter({k: n for k, n in m.shapes.items() if k[0] == eagle})
+    assert sum(drafts.values()) >= m.target_calls  # one forward a round, at least
+    assert 0 < costs.seconds(drafts) < m.modelled_s
+    batched = interleaved_comparison(dec, [run], prompts, {
+        "max_new_tokens": 8, "timing_passes": 1, "batch_size": 2})
+    assert set(batched[run.name]["costs"].names.values()) == {"target"}
+
+
 def test_engine_figures_pair_every_prompt_over_passes(tiny_pair):
     """The training probe: same protocol, keys for the interval and the flag."""
     from transformers import AutoModelForCausalLM

@@ -175,6 +175,21 @@ class EagleModel(nn.Module):
         f_hat = out.last_hidden_state
         return f_hat, self.lm_head(f_hat)
 
+    def cost_inputs(self, n: int) -> dict[str, torch.Tensor]:
+        """:func:`feature_inputs`: what a forward of ``n`` new tokens takes besides them."""
+        return feature_inputs(self, n)
+
+
+def feature_inputs(model: nn.Module, n: int) -> dict[str, torch.Tensor]:
+    """The inputs an EAGLE-family drafter's forward of ``n`` new tokens takes besides the
+    tokens (batch of one): ``{"features": [1, n, H]}`` zeros on its device, ``H`` its own
+    width, what its tree steps read (an EAGLE-3 drafter's one forward per round over the
+    target's fused ``[k * H]`` features also runs ``fc``, which these leave out). The
+    forward cost curves (:mod:`speclab.forward_costs`) time its forwards with them."""
+    p = next(model.parameters())
+    return {"features": torch.zeros(1, n, model.meta.hidden_size, device=p.device,
+                                    dtype=p.dtype)}
+
 
 def embedding_scale(config) -> float:
     """The multiplier a target family applies to its input embeddings (the drafter

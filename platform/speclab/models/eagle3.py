@@ -196,6 +196,13 @@ class Eagle3Model(nn.Module):
         out = self.layer(emb, hidden, self.rotary(hidden, position_ids), mask, past_key_values)
         return out, self.target_logits(self.lm_head(self.norm(out)))
 
+    def cost_inputs(self, n: int) -> dict[str, torch.Tensor]:
+        """:func:`~speclab.models.eagle.feature_inputs`: what a forward of ``n`` new tokens
+        takes besides them."""
+        from speclab.models.eagle import feature_inputs
+
+        return feature_inputs(self, n)
+
     def target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[..., V_d]`` -> ``[..., V]`` (``finfo.min`` at target
         ids outside the draft vocabulary)."""
