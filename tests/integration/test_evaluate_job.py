@@ -101,6 +101,7 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         assert "True" in res.stdout  # greedy outputs identical to AR
         assert "(after `speclab ui`)" in res.stdout
         assert "[evaluate] method 1/" in res.stdout + res.stderr  # progress per method
+        assert "[evaluate] actor: torch threads 1" in res.stdout + res.stderr  # resources
         assert "http://127.0.0.1:5000/#/experiments/" in res.stdout  # a direct link
         check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
     if job == "compare_losses":

@@ -41,14 +41,20 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     gen = cfg.decoding.model_dump()
     device = "cuda" if cfg.resources.num_gpus_per_actor > 0 else cfg.models.device
     dtype, attn = cfg.models.dtype, cfg.models.attn_implementation
+    threads = cfg.resources.torch_threads
 
     @ray.remote
     class EvalWorker:
         """Holds the target and draft; evaluates methods over a shard of prompts."""
 
         def __init__(self) -> None:
+            import torch
+
             from speclab.api import Decoder
 
+            if threads:
+                torch.set_num_threads(threads)
+            print(f"[evaluate] actor: torch threads {torch.get_num_threads()}", flush=True)
             self.dec = Decoder.from_pretrained(target, draft, dtype, device,
                                                attn_implementation=attn)
 
