@@ -169,12 +169,16 @@ def evaluate_trained(cfg: Any, target: str, prompts: list[list[int]], tracker, f
     return evaluate_pair(cfg, target, draft, prompts, tracker, "eval/", methods)
 
 
-def tokenized_prompts(cfg: Any, target: str) -> list[list[int]]:
-    """The ``data`` prompt set, tokenised with the target's tokenizer (on the driver)."""
-    from speclab.api import Decoder
+def tokenized_prompts(cfg: Any, target: str | None = None, tokenizer=None) -> list[list[int]]:
+    """The ``data`` prompt set, tokenised with the target's tokenizer (on the driver):
+    ``tokenizer`` when already loaded, else the one in ``target``'s folder (a model folder)."""
     from speclab.data.prompts import load_prompts
 
-    dec = Decoder.from_pretrained(target)
     texts = load_prompts(cfg.data.prompts, cfg.data.num_prompts, cfg.data.context_chars,
                          cfg.data.path, cfg.data.seed)
-    return [dec.encode(t) for t in texts]
+    if tokenizer is None:
+        from speclab.api import Decoder
+
+        dec = Decoder.from_pretrained(target)
+        return [dec.encode(t) for t in texts]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]

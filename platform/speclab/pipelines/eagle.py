@@ -57,12 +57,10 @@ def context_window(cfg: Any, tokenizer) -> dict[str, int]:
     windows reached tau 2.54 under the EAGLE-2 tree 2/6/10, one trained on 257-token
     windows 3.15. Prints a warning naming both fields when the evaluation goes past the
     window."""
-    from speclab.data.prompts import load_prompts
+    from speclab.pipelines.actor_eval import tokenized_prompts
 
-    d = cfg.data
-    texts = load_prompts(d.prompts, d.num_prompts, d.context_chars, d.path, d.seed)
-    longest = max((len(tokenizer.encode(t, add_special_tokens=False)) for t in texts),
-                  default=0) + cfg.decoding.max_new_tokens
+    prompts = tokenized_prompts(cfg, tokenizer=tokenizer)
+    longest = max(map(len, prompts), default=0) + cfg.decoding.max_new_tokens
     window = cfg.distill.seq_len + 1
     if longest > window:
         print(f"[warning] distill.seq_len: the drafter trains on windows of {window} tokens, "
