@@ -20,13 +20,16 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from speclab.agreement import compare_outputs
 from speclab.evaluation import (
     COLUMNS,
     TIMING_PASSES,
+    Column,
     MethodRun,
     Totals,
     format_table,
@@ -57,6 +60,11 @@ DEFAULT_RUNS = [
     MethodRun("salf", {"nodes": 16, "batch": 4, "salf_threshold": 0.2, "depth": 10,
                        "score_temperature": 0.5}),
 ]
+
+# reference-large's EAGLE row: the EAGLE drafter ranks its tree at 0.3, where it is sharpest
+# (its small twin on the bench prompts, tree 4/6/16: tau 3.28 at 1.0, 4.06 at 0.5, 4.27
+# at 0.3; closing note of stop 48)
+EAGLE_RUN = {"tree_top_k": 4, "depth": 6, "nodes": 16, "score_temperature": 0.3}
 
 
 def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> Totals:
@@ -126,6 +134,39 @@ def hf_rows(dec, baselines: dict[str, dict], prompts: list[list[int]], gen: dict
     return out
 
 
+def mark_agreement(model: torch.nn.Module, prompts: list[list[int]], row: dict,
+                   outputs: list[list[int]], reference: list[list[int]],
+                   key: str = "identical_to_ar") -> dict:
+    """Where ``row[key]`` is False, add how the outputs differ from ``reference`` (plain
+    decoding's, prompt by prompt; :func:`speclab.agreement.compare_outputs`):
+    ``near_ties`` (a low-precision rounding tie decided the other way), ``differing``
+    (anything else: a failure) and ``first_differences``. Returns ``row``."""
+    if row.get(key) is False:
+        row.update(compare_outputs(model, prompts, outputs, reference))
+    return row
+
+
+def agreement_cell(key: str) -> Callable[[dict], str]:
+    """A table cell for ``key``: ``True``; ``ties k/n`` where every difference is a
+    near tie; ``False`` (with the failing count where it was classified)."""
+    def fmt(row: dict) -> str:
+        v = row.get(key)
+        if v is None:
+            return "-"
+        if v or "differing" not in row:
+            return str(v)
+        n = row["identical"] + row["near_ties"] + row["differing"]
+        if row["differing"]:
+            return f"False ({row['differing']}/{n} differ)"
+        return f"ties {row['near_ties']}/{n}"
+    return fmt
+
+
+def bench_columns(columns: list[Column], key: str = "identical_to_ar") -> list[Column]:
+    """``columns`` with ``key`` shown by :func:`agreement_cell`."""
+    return [(k, agreement_cell(key) if k == key else fmt) for k, fmt in columns]
+
+
 def table_columns(columns: list[tuple[str, str]], device: str) -> list[tuple[str, str]]:
     """``columns`` plus peak GPU memory (MiB) when the models run on CUDA."""
     return [*columns, ("peak_gpu_mb", "{:.0f}")] if device.startswith("cuda") else columns
@@ -171,8 +212,7 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, pair=name)
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
-    runs = runs or DEFAULT_RUNS + ([MethodRun("eagle", {"eagle_model": pair.eagle, "tree_top_k": 4,
-                                                        "depth": 6, "nodes": 16})]
+    runs = runs or DEFAULT_RUNS + ([MethodRun("eagle", {**EAGLE_RUN, "eagle_model": pair.eagle})]
                                    if name == "reference-large" else [])
     results = interleaved_comparison(dec, runs, prompts, gen, progress=_progress)
     costs = results[runs[0].name]["costs"]
@@ -181,12 +221,14 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     rows = [summarize(MethodRun("ar"), ar, ar, reference)]
     for r in results.values():
         rows.append(summarize(r["run"], r["totals"], r["ar"], reference))
+        mark_agreement(dec.target.model, prompts, rows[-1], r["totals"].outputs, reference)
     # Hugging Face baselines on the same pair and prompts, paired with AR the same way
-    rows += [row for row, _ in hf_rows(
-        dec, {"hf_assisted": {"assistant_model": dec.draft.model},
-              "hf_prompt_lookup": {"prompt_lookup_num_tokens": 3}},
-        prompts, gen, reference, costs)]
-    print(format_table(rows, table_columns(COLUMNS, device)))
+    for row, outputs in hf_rows(
+            dec, {"hf_assisted": {"assistant_model": dec.draft.model},
+                  "hf_prompt_lookup": {"prompt_lookup_num_tokens": 3}},
+            prompts, gen, reference, costs):
+        rows.append(mark_agreement(dec.target.model, prompts, row, outputs, reference))
+    print(format_table(rows, table_columns(bench_columns(COLUMNS), device)))
     _print_noisy(rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -343,16 +385,19 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
                                          progress=_progress)
         costs_by_size[bs] = results[runs[0].name]["costs"]
         ar = pooled_ar(results)
-        block = [summarize(MethodRun("ar"), ar, ar, reference)] + [
-            summarize(r["run"], r["totals"], r["ar"], reference) for r in results.values()]
-        for row in block:
+        block = [(summarize(MethodRun("ar"), ar, ar, reference), ar.outputs)] + [
+            (summarize(r["run"], r["totals"], r["ar"], reference), r["totals"].outputs)
+            for r in results.values()]
+        for row, outputs in block:
             row["identical_to_alone"] = row.pop("identical_to_ar")
             row["batch_size"] = bs
-        rows += block
+            rows.append(mark_agreement(dec.target.model, prompts, row, outputs, reference,
+                                       "identical_to_alone"))
     ar_first = next(r["tokens_per_s"] for r in rows if r["method"] == "ar")
     for row in rows:  # AR tokens/s over AR's at the smallest batch size measured
         row["ar_scaling"] = row["tokens_per_s"] / ar_first if row["method"] == "ar" else None
-    print(format_table(rows, table_columns(BATCH_COLUMNS, device)))
+    print(format_table(rows, table_columns(bench_columns(BATCH_COLUMNS, "identical_to_alone"),
+                                           device)))
     _print_noisy(rows)
     cross = crossover(rows)
     print("\ncrossover batch size (speculation no faster than AR from here; '-': pays at "

@@ -137,10 +137,12 @@ class LargeSpec:
     depth: int = 16
     eagle_layers: int = 1
     eagle_windows: int = 2048  # corpus windows with the small target's features
-    eagle_seq_len: int = 64
+    # 257-token windows (batch 4: the tokens per step of 16 x 65), as distill_eagle.yaml:
+    # the drafter attends over the whole context, and evaluation contexts reach 233 tokens
+    eagle_seq_len: int = 256
     eagle_top_k: int = 16
     eagle_steps: int = 1500
-    eagle_batch: int = 16
+    eagle_batch: int = 4
     eagle_lr: float = 3e-3
     eagle_warmup: int = 50
     eagle_w_reg: float = 1.0
