@@ -43,8 +43,9 @@ ROOT = Path(__file__).resolve().parents[2]
 #: the printed columns of a bench row (those present), in this order
 BENCH_COLUMNS = ("method", "tau", "target_calls_per_token", "tokens_per_s", "speedup",
                  "speedup_lo", "speedup_hi", "engine_overhead", "peak_gpu_mb",
-                 "identical_to_ar")
-BATCH_COLUMNS = ("method", "batch_size", "tau", "tokens_per_s", "speedup", "peak_gpu_mb")
+                 "identical_to_ar", "near_ties", "differing")
+BATCH_COLUMNS = ("method", "batch_size", "tau", "tokens_per_s", "speedup", "peak_gpu_mb",
+                 "identical_to_alone", "near_ties", "differing")
 
 
 def cuda_device() -> str | None:

@@ -35,6 +35,10 @@ def test_reads_the_test_log_and_bench_json_into_tables(tmp_path):
     assert table.splitlines()[0] == "| method | tau | speedup |"
     assert "| chain | 2.5 | 1.8 |" in table
     assert gpu_report.bench_rows(tmp_path / "missing.json") == []
+    # a bfloat16 row whose outputs differ by near ties says so (speclab.agreement)
+    tied = gpu_report.markdown([{"method": "tree", "identical_to_ar": False, "near_ties": 3,
+                                 "differing": 0}], gpu_report.BENCH_COLUMNS)
+    assert "| tree | False | 3 | 0 |" in tied
 
 
 def test_a_step_that_hangs_after_its_work_is_stopped_and_named(tmp_path):
