@@ -9,8 +9,9 @@ family's own Hugging Face greedy ``generate``).
 
 Identity is exact at float32: any difference is a failure. In bfloat16 / float16 a
 method can pick the other of two near-tied tokens: where an output differs, the report
-gives the first differing position and the target's top-2 logit margin there, and
-counts it as a NEAR TIE (not a failure) or a failure (:mod:`speclab.agreement`).
+gives the first differing position and the margin there between the target's logits
+of plain decoding's token and the method's, and counts it as a NEAR TIE (not a
+failure) or a failure (:mod:`speclab.agreement`).
 Nothing here imports Ray or MLflow.
 """
 
@@ -28,6 +29,8 @@ from speclab.decoding.attention import attention_layout
 DRAFT_METHODS = {"chain": {"gamma": 4}, "tree": {"tree_top_k": 2, "depth": 4, "nodes": 8},
                  "salf": {"nodes": 8, "batch": 2, "salf_threshold": 0.2}}
 NO_DRAFT_METHODS = {"pld": {}}
+
+
 def describe(model) -> dict:
     """Family, architecture, size, dtype, attention implementation and layout."""
     cfg = model.config
