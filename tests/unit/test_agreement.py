@@ -1,6 +1,6 @@
 """Outputs against plain decoding (``speclab.agreement``, the bench's ``identical_to_ar``
-cell): identical, a near tie (low precision, a top-2 margin within a few ulps) or a
-failure, on tiny real LLaMAs."""
+cell): identical, a near tie (low precision, plain decoding's token within a few ulps
+of the method's) or a failure, on tiny real LLaMAs."""
 
 from __future__ import annotations
 
