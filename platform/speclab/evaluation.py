@@ -20,7 +20,9 @@ is what those forwards cost on the curves; the engine's own share of the time,
 ``(wall - modelled) / wall``, is taken per timed block: ``engine_overhead`` is its median
 over the blocks with a 95% interval (``engine_overhead_lo`` / ``engine_overhead_hi``),
 ``engine_overhead_totals`` the share of the summed times
-(:func:`speclab.paired_timing.overhead_figures`).
+(:func:`speclab.paired_timing.overhead_figures`). The same forwards are also clocked
+where they ran (``forward_s``): ``engine_clocked`` is the engine's share without the
+cost model (:func:`clocked`).
 
 Each block also records ``peak_gpu_mb``: the most GPU memory PyTorch held while it ran
 (:func:`speclab.timing.peak_gpu_mb`; NaN when the target is not on CUDA).
@@ -157,6 +159,8 @@ class Totals:
     timed_tokens: int = 0
     #: measured cost of the forwards the timed passes ran (NaN: not measured)
     modelled_s: float = math.nan
+    #: the seconds those forwards took, clocked where they ran (NaN: not recorded)
+    forward_s: float = math.nan
     #: the forwards the timed passes ran: ``{(model id, rows, new tokens): count}``
     shapes: Counter = field(default_factory=Counter)
     #: the method's A/B pairs with AR (:mod:`speclab.paired_timing`; empty: not paired)
@@ -202,6 +206,7 @@ class Totals:
         self.peak_gpu_mb = max_mb(self.peak_gpu_mb, other.peak_gpu_mb)
         self.passes = max(self.passes, other.passes)
         self.modelled_s = _add_s(self.modelled_s, other.modelled_s)
+        self.forward_s = _add_s(self.forward_s, other.forward_s)
         self.shapes = self.shapes + other.shapes
         self.pairs = self.pairs + other.pairs
 
@@ -211,6 +216,7 @@ class Totals:
         for k in ("wall_s", "draft_s", "verify_s", "timed_tokens", "passes"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.modelled_s = _add_s(self.modelled_s, other.modelled_s)
+        self.forward_s = _add_s(self.forward_s, other.forward_s)
         self.shapes = self.shapes + other.shapes
         self.peak_gpu_mb = max_mb(self.peak_gpu_mb, other.peak_gpu_mb)
 
@@ -263,8 +269,9 @@ def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[
     the baseline first in even passes and second in odd ones. Totals: counters of the
     first pass, timings summed over all; the method's ``pairs`` carry every pair with its
     AR timing normalised by the median AR timing of the same prompt (every method's).
-    ``record()`` (when given) returns the forwards run since it was last called: each
-    block's ``shapes`` (:func:`price` turns them into ``modelled_s``). ``between()`` runs
+    ``record()`` (when given) returns the forwards run since it was last called and the
+    seconds they took (:meth:`speclab.forward_costs.ForwardRecorder.take`): each block's
+    ``shapes`` (:func:`price` turns them into ``modelled_s``) and ``forward_s``. ``between()`` runs
     after every prompt's pairs (untimed: e.g. a round of forward cost measurements).
     ``progress`` gets a line per pass."""
     if passes < 1:
@@ -278,7 +285,7 @@ def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[
     def timed(block: Block, ps: list[list[int]], first: int) -> Totals:
         t = block(ps, first)
         if record is not None:
-            t.shapes = record()
+            t.shapes, t.forward_s = record()
         return t
 
     for k in range(passes):
@@ -446,6 +453,17 @@ def overheads(totals: Totals, ar: Totals) -> dict[str, float]:
             "engine_overhead_hi": math.nan, "engine_overhead_totals": share}
 
 
+def clocked(totals: Totals) -> dict[str, float]:
+    """``forward_s`` (the timed forwards' own seconds, clocked where they ran) and
+    ``engine_clocked`` = ``(wall_s - forward_s) / wall_s`` over every timed pass: the
+    engine's share with no cost model in between (NaN when not recorded). Unlike
+    ``engine_overhead`` it counts a forward at what it cost in the run; a model whose
+    forward costs depend on what ran before (weights in the CPU caches or not) makes
+    the two differ."""
+    return {"forward_s": totals.forward_s,
+            "engine_clocked": engine_overhead(totals.wall_s, totals.forward_s)}
+
+
 def summarize(
     run: MethodRun, totals: Totals, ar: Totals, reference_outputs: list[list[int]] | None = None
 ) -> dict:
@@ -459,7 +477,8 @@ def summarize(
     ``speedup_hi`` / ``speedup_coverage`` / ``speedup_pairs``, ``speedup_totals``,
     ``ar_spread``, ``noisy``, ``timing_note``; ``modelled_s`` and ``engine_overhead``
     with ``engine_overhead_lo`` / ``_hi`` / ``_totals`` (:func:`overheads`; NaN when the
-    forward costs were not measured). The AR row (``totals is ar``) has
+    forward costs were not measured); ``forward_s`` and ``engine_clocked``
+    (:func:`clocked`). The AR row (``totals is ar``) has
     speedup 1 with the interval ``[1, 1]``. Totals without pairs (built by hand) get the
     ratio of totals as ``speedup`` and NaN for the interval and the spread.
     """
@@ -514,6 +533,7 @@ def summarize(
         "wall_s": totals.wall_s,
         "modelled_s": totals.modelled_s,  # NaN: forward costs not measured
         **overheads(totals, ar),
+        **clocked(totals),
         "peak_gpu_mb": totals.peak_gpu_mb,  # NaN when the models are not on CUDA
         # acceptance per draft position: the fraction of rounds accepting >= k tokens,
         # among the rounds whose budget could reach k (NaN: none could, e.g. AR)
@@ -586,8 +606,8 @@ COLUMNS: list[Column] = [
     ("method", "{}"), ("tau", "{:.2f}"), ("target_calls_per_token", "{:.3f}"),
     ("acceptance_rate", "{:.2f}"), ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell),
     ("speedup_totals", "{:.2f}x"), ("engine_overhead", overhead_cell),
-    ("predicted_speedup", "{:.2f}x"), ("measured_over_predicted", "{:.2f}"),
-    ("noisy", "{}"), ("identical_to_ar", "{}"),
+    ("engine_clocked", "{:.0%}"), ("predicted_speedup", "{:.2f}x"),
+    ("measured_over_predicted", "{:.2f}"), ("noisy", "{}"), ("identical_to_ar", "{}"),
 ]
 
 

@@ -117,25 +117,43 @@ class CostModel:
 
 
 class ForwardRecorder:
-    """Counts the forwards of ``models`` by shape: a forward pre-hook on each top-level
-    model records ``(id(model), rows, new tokens)`` of its ``input_ids`` (or
-    ``inputs_embeds``). Use as a context manager (hooks removed on exit); :meth:`take`
-    returns the counts so far and starts over."""
+    """Counts the forwards of ``models`` by shape and clocks them in place: a forward
+    pre-hook on each top-level model records ``(id(model), rows, new tokens)`` of its
+    ``input_ids`` (or ``inputs_embeds``) and starts a
+    :class:`~speclab.decoding.host.ForwardClock` (CUDA events on a GPU: nothing waits),
+    a forward hook stops it (a forward inside another recorded one is not clocked
+    twice). Use as a context manager (hooks removed on exit); :meth:`take` returns the
+    counts and the clocked seconds so far and starts over."""
 
     def __init__(self, models: list[torch.nn.Module]) -> None:
+        from speclab.decoding.host import ForwardClock
+
         self.models = list({id(m): m for m in models if m is not None}.values())
         self.counts: Counter = Counter()
+        device = next((p.device for m in self.models for p in m.parameters()),
+                      torch.device("cpu"))
+        self.clock = ForwardClock(device)
+        self._depth = 0
         self._handles: list = []
 
     def __enter__(self) -> ForwardRecorder:
+        def stop(module, args, output) -> None:
+            self._depth -= 1
+            if self._depth == 0:
+                self.clock.stop()
+
         for m in self.models:
-            def hook(module, args, kwargs, mid=id(m)):
+            def start(module, args, kwargs, mid=id(m)):
                 x = kwargs.get("input_ids")
                 if x is None:
                     x = args[0] if args else kwargs.get("inputs_embeds")
                 if x is not None and x.dim() >= 2:
                     self.counts[(mid, int(x.shape[0]), int(x.shape[1]))] += 1
-            self._handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+                if self._depth == 0:
+                    self.clock.start()
+                self._depth += 1
+            self._handles.append(m.register_forward_pre_hook(start, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(stop, always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -143,10 +161,11 @@ class ForwardRecorder:
             h.remove()
         self._handles = []
 
-    def take(self) -> Counter:
-        """The counts since the last call (and reset)."""
+    def take(self) -> tuple[Counter, float]:
+        """The counts since the last call and the seconds those forwards took, clocked
+        where they ran (and reset both)."""
         out, self.counts = self.counts, Counter()
-        return out
+        return out, self.clock.take()
 
 
 def token_points(prompts: list[list[int]]) -> list[int]:
@@ -395,7 +414,8 @@ def measure_costs(dec, prompts: list[list[int]], max_new_tokens: int, batch_size
 
 
 def engine_overhead(wall_s: float, modelled_s: float) -> float:
-    """``(wall_s - modelled_s) / wall_s``; NaN when either is unknown or no time passed."""
+    """``(wall_s - modelled_s) / wall_s``; NaN when either is unknown or no time passed.
+    With the forwards' clocked time for ``modelled_s``: ``engine_clocked``."""
     if not wall_s or wall_s <= 0 or modelled_s is None or math.isnan(modelled_s):
         return math.nan
     return (wall_s - modelled_s) / wall_s

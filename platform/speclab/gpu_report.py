@@ -42,7 +42,7 @@ from speclab.proctree import ProcessTree, stop_process_tree
 ROOT = Path(__file__).resolve().parents[2]
 #: the printed columns of a bench row (those present), in this order
 BENCH_COLUMNS = ("method", "tau", "target_calls_per_token", "tokens_per_s", "speedup",
-                 "speedup_lo", "speedup_hi", "engine_overhead", "peak_gpu_mb",
+                 "speedup_lo", "speedup_hi", "engine_overhead", "engine_clocked", "peak_gpu_mb",
                  "identical_to_ar", "near_ties", "differing")
 BATCH_COLUMNS = ("method", "batch_size", "tau", "tokens_per_s", "speedup", "peak_gpu_mb",
                  "identical_to_alone", "near_ties", "differing")

@@ -10,6 +10,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from speclab.decoding.loop import GenerationStats
 from speclab.evaluation import (
@@ -339,7 +340,8 @@ def test_engine_overhead_on_a_tiny_pair(tiny_pair):
     """Measured curves, their rounds spread between the pairs (a few seconds on 2
     cores): every row's ``modelled_s`` > 0 and the engine's share of a chain's wall time
     is in [0, 1) (tiny models: the engine's own Python is a large share); the
-    measurements' own forwards are in no block's count."""
+    measurements' own forwards are in no block's count; the forwards clocked where they
+    ran (``forward_s``) are part of each row's wall time."""
     from speclab.api import Decoder
     from speclab.evaluation import interleaved_comparison
 
@@ -354,6 +356,9 @@ def test_engine_overhead_on_a_tiny_pair(tiny_pair):
                                                           out[run.name]["ar"])]
     for row in rows:
         assert row["modelled_s"] > 0
+        # clocked in place: the forwards took part of the wall time, never more
+        assert 0 < row["forward_s"] < row["wall_s"]
+        assert row["engine_clocked"] == pytest.approx(1 - row["forward_s"] / row["wall_s"])
     assert 0.0 <= rows[1]["engine_overhead"] < 1.0
     curves = out[run.name]["costs"].to_dict()
     assert set(curves) == {"target", "draft"} and "32" in curves["target"]["1"]
@@ -478,3 +483,37 @@ def test_the_cost_rounds_are_spread_over_the_run():
     few()
     assert sampler.rounds == 9
     assert sampler.model().curves[1].points == {1: [(1, pytest.approx(2e-3))]}
+
+
+def test_forward_recorder_clocks_each_forward_once(tiny_pair):
+    """The recorder's clock covers exactly its models' forwards: a forward of a recorded
+    model called inside another recorded one is counted but not clocked twice; work
+    outside any forward is not clocked; a forward that raises still stops the clock."""
+    import time
+
+    from speclab.forward_costs import ForwardRecorder
+    from speclab.models.loading import load_model
+
+    model = load_model(tiny_pair["target"])
+    ids = torch.tensor([[3, 9, 27]])
+
+    class Outer(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(0.05)
+            return model(input_ids=x)
+
+    outer = Outer()
+    with ForwardRecorder([model, outer]) as rec, torch.inference_mode():
+        t0 = time.perf_counter()
+        outer(ids)
+        took = time.perf_counter() - t0
+        time.sleep(0.05)  # outside any forward
+        counts, seconds = rec.take()
+        assert sum(counts.values()) == 2  # the inner forward is counted
+        assert 0.05 <= seconds <= took  # but clocked once, with the outer one
+        with pytest.raises(IndexError):
+            model(input_ids=torch.tensor([[10**9]]))  # out of the vocabulary
+        model(input_ids=ids)
+        _, seconds = rec.take()
+        assert 0 < seconds < 0.05
+    assert rec.take()[1] == 0.0

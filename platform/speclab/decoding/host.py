@@ -150,3 +150,8 @@ class ForwardClock:
             self._done += sum(a.elapsed_time(b) for a, b in self._pending) / 1000.0
             self._pending.clear()
         return self._done
+
+    def take(self) -> float:
+        """:attr:`seconds`, then start over from 0."""
+        out, self._done = self.seconds, 0.0
+        return out
