@@ -68,6 +68,22 @@ DEFAULT_RUNS = [
 EAGLE_RUN = {"tree_top_k": 4, "depth": 6, "nodes": 16, "score_temperature": 0.3}
 
 
+def eagle_run(folder: str) -> MethodRun:
+    """The bench's EAGLE row (:data:`EAGLE_RUN`) with the drafter in ``folder`` (a speclab
+    EAGLE folder or a public checkpoint the engine loads), labelled by its folder name
+    (and ``eagle3`` for a speclab EAGLE-3 folder); a missing folder is refused here,
+    naming ``--eagle``."""
+    from speclab.models.eagle import is_eagle_folder
+
+    if not Path(folder).is_dir():
+        raise ValueError(f"--eagle: {folder} is not a folder")
+    version = (json.loads((Path(folder) / "config.json").read_text()).get("version", 1)
+               if is_eagle_folder(folder) else 1)
+    knobs = ",".join(f"{k}={v}" for k, v in EAGLE_RUN.items())
+    label = f"eagle{'3' if version == 3 else ''} {Path(folder).name} {knobs}"
+    return MethodRun("eagle", {**EAGLE_RUN, "eagle_model": str(folder)}, label)
+
+
 def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> Totals:
     """Time ``transformers`` ``generate`` (greedy) per prompt (the clock read after the
     device finished); fills wall time, outputs and the block's ``peak_gpu_mb``."""
@@ -205,16 +221,20 @@ def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: b
 def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
               runs: list[MethodRun] | None = None, device: str = "cpu",
               dtype: str | None = None, passes: int | None = None,
-              pair: str = "reference") -> list[dict]:
+              pair: str = "reference", eagles: list[str] | None = None) -> list[dict]:
     """Run the benchmark (``passes`` timed passes of the paired protocol, default
-    :data:`~speclab.evaluation.TIMING_PASSES`) on ``pair`` (``reference-large`` adds its
-    EAGLE drafter's row), print the table, write ``bench.json``; returns the rows."""
+    :data:`~speclab.evaluation.TIMING_PASSES`) on ``pair``, print the table, write
+    ``bench.json``; returns the rows. Without ``runs``: :data:`DEFAULT_RUNS` and an EAGLE
+    row (:data:`EAGLE_RUN`) per drafter folder of ``eagles``, else, on
+    ``reference-large``, its own EAGLE drafter's."""
     name = pair
+    extra = [eagle_run(d) for d in eagles or []]  # refused before any model is loaded
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, pair=name)
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
-    runs = runs or DEFAULT_RUNS + ([MethodRun("eagle", {**EAGLE_RUN, "eagle_model": pair.eagle})]
-                                   if name == "reference-large" else [])
+    if not extra and name == "reference-large":
+        extra = [eagle_run(pair.eagle)]
+    runs = runs or DEFAULT_RUNS + extra
     results = interleaved_comparison(dec, runs, prompts, gen, progress=_progress)
     costs = results[runs[0].name]["costs"]
     reference = results[runs[0].name]["ar"].outputs  # AR, each prompt alone

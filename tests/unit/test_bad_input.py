@@ -123,3 +123,22 @@ def test_overrides_after_the_options_and_one_line_errors_with_status_2():
     assert ui.stderr.strip() == f"error: port: cannot listen on 127.0.0.1:{port} (already in use)"
     unknown = _speclab("run", "evaluate", "--config", smoke, "--bogus")
     assert unknown.returncode == 2 and "unrecognized arguments: --bogus" in unknown.stderr
+
+
+def test_widen_eagle_and_bench_eagle_options_are_checked_first(tmp_path, capsys):
+    """``speclab reference --widen-eagle`` needs ``--out`` and ``--large``; ``speclab bench
+    --eagle`` refuses a folder that does not exist before any model is built or loaded;
+    the bench labels a drafter's row by its folder and EAGLE version."""
+    from speclab.bench import EAGLE_RUN, eagle_run
+
+    assert main(["reference", "--large", "--widen-eagle", str(tmp_path)]) == 2
+    assert "--widen-eagle and --out" in capsys.readouterr().err
+    assert main(["reference", "--widen-eagle", str(tmp_path), "--out", str(tmp_path)]) == 2
+    assert "--widen-eagle: only with --large" in capsys.readouterr().err
+    assert main(["bench", "--eagle", str(tmp_path / "missing")]) == 2
+    assert "--eagle:" in capsys.readouterr().err
+    (tmp_path / "e3").mkdir()
+    (tmp_path / "e3" / "config.json").write_text('{"kind": "speclab-eagle", "version": 3}')
+    run = eagle_run(str(tmp_path / "e3"))
+    assert run.name.startswith("eagle3 e3 ") and run.method == "eagle"
+    assert run.params == {**EAGLE_RUN, "eagle_model": str(tmp_path / "e3")}

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from speclab.models.reference_large import (
     LargeSpec,
     deepen_llama,
+    deepened_index,
     deepened_layout,
     widen_eagle,
     widen_llama,
@@ -180,3 +181,91 @@ def test_the_cost_table_and_the_run_dtype():
     text = format_cost({"cpu": "x", "cpu_capability": "AVX512", "native_bfloat16": True,
                         "run_dtype": "bfloat16", "by_dtype": {"bfloat16": one}})
     assert "| x one token | 1.00 | 1.15 |" in text and "= 0.080 of a target forward" in text
+
+
+def _eagle3(small, seed: int = 4):
+    """An EAGLE-3 drafter for ``small`` over the embeddings, layer 1's input and the LM
+    head's input (indices 0, 1 and L: each kind of index moves differently when the
+    target is deepened), with a 40-token draft vocabulary; every part perturbed."""
+    from speclab.models.eagle3 import Eagle3Model
+
+    torch.manual_seed(seed)
+    drafter = Eagle3Model.from_target(small, (0, 1, 3), torch.arange(0, 64, 64 // 40)[:40])
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name != "embed.weight":
+                p.add_(0.3 * torch.randn_like(p)) if "norm" in name else p.mul_(5.0)
+    return drafter.eval()
+
+
+def test_deepened_index_points_at_the_same_state():
+    assert [deepened_index(i, 3, 7) for i in range(4)] == [0, 2, 4, 7]
+    assert deepened_layout(3, 7)[2] == (1, False) and deepened_layout(3, 7)[4] == (2, False)
+    with pytest.raises(ValueError, match="feature_layers: index 4 outside"):
+        deepened_index(4, 3, 7)
+
+
+def test_the_widened_eagle3_drafter_proposes_what_the_small_one_does():
+    """EAGLE-3: its fused layers move to the deepened target's states that hold the same
+    features, ``fc`` and q/k/v over concatenated inputs are tiled part by part, the draft
+    vocabulary is kept; fed each target's own features, both drafters give the same
+    logits (and the wide one's outputs are the small one's tiled)."""
+    from speclab.models.eagle import EagleMeta
+    from speclab.models.reference_large import drafter_logits
+
+    small = _llama()
+    drafter = _eagle3(small)
+    large = widen_llama(deepen_llama(small, 7), 2)
+    wide = widen_eagle(drafter, 2, large.config, layers=3)
+    assert wide.meta.version == 3 and wide.meta.feature_layers == (0, 2, 7)
+    assert wide.meta.draft_vocab_size == 40 and torch.equal(wide.d2t, drafter.d2t)
+    assert wide.meta == EagleMeta(**{**drafter.meta.__dict__, "hidden_size": 64, "heads": 8,
+                                     "intermediate_size": 96, "feature_layers": (0, 2, 7)})
+    q_small, q_wide = drafter_logits(small, drafter, IDS), drafter_logits(large, wide, IDS)
+    finite = q_small > torch.finfo(torch.float32).min / 2
+    assert torch.equal(finite, q_wide > torch.finfo(torch.float32).min / 2)
+    assert finite.sum(-1).eq(40).all()  # the draft vocabulary only
+    torch.testing.assert_close(q_wide[finite], q_small[finite], atol=1e-4, rtol=1e-4)
+    assert q_small[finite].std() > 0.5
+    assert torch.equal(q_wide.argmax(-1), q_small.argmax(-1))
+    with pytest.raises(ValueError, match="give the small target's"):  # layers must move
+        widen_eagle(drafter, 2, large.config)
+
+
+def test_engine_decodes_the_grown_pair_with_eagle3_as_the_small_one(tmp_path):
+    """``widen_eagle_folder`` (what ``speclab reference --large --widen-eagle`` runs) on a
+    stand-in ``reference-large`` folder, then the engine: EAGLE-3 decoding on the grown
+    target with the widened drafter gives the small pair's tokens and rounds. A drafter
+    for another target is refused by name."""
+    import json
+
+    from speclab.api import Decoder
+    from speclab.models.eagle import save_eagle
+    from speclab.models.reference_large import ReferenceLarge, widen_eagle_folder
+
+    small = _llama(seed=2)
+    large = widen_llama(deepen_llama(small, 7), 2)
+    small.save_pretrained(tmp_path / "small")
+    large.save_pretrained(tmp_path / "large")
+    (tmp_path / "reference_large.json").write_text(json.dumps(
+        {"base_pair": {"target": str(tmp_path / "small")}, "spec": {"widen": 2}}))
+    folders = ReferenceLarge(str(tmp_path / "large"), "", "", "", str(tmp_path))
+    save_eagle(_eagle3(small, seed=5), tmp_path / "e_small")
+    check = widen_eagle_folder(str(tmp_path / "e_small"), str(tmp_path / "e_large"), folders,
+                               log=lambda _m: None, ids=IDS)
+    assert check["greedy_agreement"] == 1.0 and check["feature_layers"] == [0, 2, 7]
+    assert json.loads((tmp_path / "e_large" / "widened.json").read_text()) == check
+    runs = {}
+    for name in ("small", "large"):
+        dec = Decoder.from_pretrained(str(tmp_path / name))
+        runs[name] = dec.generate(prompt_ids=IDS[:5], max_new_tokens=16, method="eagle",
+                                  eagle_model=str(tmp_path / f"e_{name}"), tree_top_k=2,
+                                  depth=3, nodes=6)
+    assert runs["large"].token_ids == runs["small"].token_ids
+    assert runs["large"].stats.accepted_lengths == runs["small"].stats.accepted_lengths
+    other = LlamaForCausalLM(LlamaConfig(**{**small.config.to_dict(), "hidden_size": 48,
+                                           "intermediate_size": 48})).eval()
+    save_eagle(_eagle3(other), tmp_path / "wrong")
+    with pytest.raises(ValueError, match="--widen-eagle"):
+        widen_eagle_folder(str(tmp_path / "wrong"), str(tmp_path / "x"), folders,
+                           log=lambda _m: None, ids=IDS)

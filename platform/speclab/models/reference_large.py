@@ -80,7 +80,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -283,40 +283,75 @@ def deepen_llama(model: torch.nn.Module, depth: int):
     return _build_like(model, cfg, state)
 
 
+def deepened_index(index: int, layers: int, depth: int) -> int:
+    """The hidden-state index (:mod:`speclab.decoding.features`: ``i < L`` the input of
+    decoder layer ``i``, ``L`` the LM head's input) of the model deepened from ``layers``
+    to ``depth`` layers (:func:`deepen_llama`) that holds the original's state ``index``:
+    the input of the copy of original layer ``index`` (the inserted layers before it add
+    nothing), ``depth`` for ``layers``."""
+    if not 0 <= index <= layers:
+        raise ValueError(f"feature_layers: index {index} outside [0, {layers}]")
+    if index == layers:
+        return depth
+    return deepened_layout(layers, depth).index((index, False))
+
+
 @torch.no_grad()
-def widen_eagle(model, k: int, target_config=None):
-    """An EAGLE drafter (:class:`~speclab.models.eagle.EagleModel`) for the ``k``x wide
-    target: features and embeddings are ``k`` copies side by side, so ``fc``'s two input
-    halves are each tiled as a linear map and everything else as in :func:`widen_llama`.
-    Its ``f_hat`` is ``k`` copies of ``model``'s and its logits are ``model``'s. With
+def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
+    """An EAGLE drafter (EAGLE-1/2 :class:`~speclab.models.eagle.EagleModel` or EAGLE-3
+    :class:`~speclab.models.eagle3.Eagle3Model`) for the ``k``x wide target: features and
+    embeddings are ``k`` copies side by side, so every map over concatenated inputs
+    (``fc`` over ``concat(f, e)`` or EAGLE-3's fused layers, EAGLE-3's q/k/v over
+    ``concat(e, h)``) has each input part tiled as a linear map and everything else is
+    tiled as in :func:`widen_llama`; EAGLE-3's draft-vocabulary maps are kept. Its
+    outputs are ``k`` copies of ``model``'s and its logits are ``model``'s. ``layers``:
+    the small target's depth (required for EAGLE-3 with ``target_config``): EAGLE-3's
+    ``feature_layers`` move to the states of the wide target, deepened to
+    ``target_config``'s depth, that hold the same features (:func:`deepened_index`). With
     ``target_config`` (the wide target's) the new meta is checked to be exactly that of a
     drafter for it."""
-    from speclab.models.eagle import EagleMeta, EagleModel
+    from speclab.models.eagle import EagleMeta, build_eagle
 
     m = model.meta
+    feature_layers = m.feature_layers
+    if m.version == 3 and target_config is not None and layers is None:
+        raise ValueError("widen_eagle: an EAGLE-3 drafter's feature layers move with the "
+                         "depth: give the small target's (layers)")
+    if m.version == 3 and target_config is not None:
+        depth = target_config.num_hidden_layers
+        feature_layers = tuple(deepened_index(i, layers, depth) for i in m.feature_layers)
     meta = EagleMeta(**{**asdict(m), "hidden_size": m.hidden_size * k, "heads": m.heads * k,
-                        "intermediate_size": m.intermediate_size * k})
+                        "intermediate_size": m.intermediate_size * k,
+                        "feature_layers": feature_layers})
     if target_config is not None:
         want = EagleMeta.for_target(target_config, m.layers)
+        if m.version == 3:  # the same meta but the version's own fields
+            want = replace(want, version=3, feature_layers=feature_layers,
+                           draft_vocab_size=m.draft_vocab_size, fc_bias=m.fc_bias)
         if want != meta:
             raise ValueError(f"widen_eagle: widened meta {meta} is not {want}")
     h = m.hidden_size
+    concat_inputs = (("layer.self_attn.q_proj.weight", "layer.self_attn.k_proj.weight",
+                      "layer.self_attn.v_proj.weight") if m.version == 3 else ())
     state = {}
     for name, t in model.state_dict().items():
+        if name in ("d2t", "t2d"):  # EAGLE-3's draft vocabulary: ids, unchanged
+            state[name] = t.clone()
+            continue
         t = t.float()
         if name == "embed.weight":
             state[name] = t.repeat(1, k)
         elif name == "lm_head.weight":
             state[name] = t.repeat(1, k) / k
-        elif name == "fc.weight":  # [H, 2H] over concat(f, e) -> [kH, 2kH] over concat(f', e')
-            state[name] = torch.cat([_tile_linear(t[:, :h], k), _tile_linear(t[:, h:], k)], 1)
+        elif name == "fc.weight" or name in concat_inputs:  # [H, n*H] over n parts
+            state[name] = torch.cat([_tile_linear(part, k) for part in t.split(h, 1)], 1)
         elif t.ndim == 1:  # fc bias, norms
             state[name] = t.repeat(k)
         elif t.ndim == 2:
             state[name] = _tile_linear(t, k)
         else:
             raise ValueError(f"widen_eagle: unexpected tensor {name} of shape {tuple(t.shape)}")
-    wide = EagleModel(meta).float()
+    wide = build_eagle(meta).float()
     missing, unexpected = wide.load_state_dict(state, strict=False)
     if unexpected or [x for x in missing if not x.endswith("inv_freq")]:
         raise RuntimeError(f"widen_eagle: state mismatch, missing {missing}, "
@@ -449,6 +484,68 @@ def check_function(small: torch.nn.Module, large: torch.nn.Module, eagle_small,
         "eagle_greedy_agreement": float((s_draft.argmax(-1) == l_draft.argmax(-1))
                                         .float().mean()),
     }
+
+
+@torch.no_grad()
+def drafter_logits(target: torch.nn.Module, drafter: torch.nn.Module, ids: list[int]
+                   ) -> torch.Tensor:
+    """``[T - 1, V]`` float32: an EAGLE drafter's (any version's) next-token logits at
+    every pair of ``ids``, fed the features it reads (its ``feature_layers``) from one
+    causal forward of ``target``."""
+    from speclab.decoding.runner import ModelRunner
+
+    spec = drafter.meta.feature_layers or None
+    runner = ModelRunner(target)
+    runner.track_hidden(spec)
+    runner.reset()
+    try:
+        runner.forward(torch.tensor(ids[:-1]))
+        feats = runner.features(spec)
+    finally:
+        runner.release()
+    _, logits = drafter(feats[None], torch.tensor([ids[1:]]))
+    return logits[0].float()
+
+
+def widen_eagle_folder(src: str, out: str, large: ReferenceLarge | None = None,
+                       log: Callable[[str], None] = _log, ids: list[int] | None = None
+                       ) -> dict:
+    """``speclab reference --large --widen-eagle SRC --out DST``: an EAGLE drafter (EAGLE-1/2
+    or EAGLE-3, a :func:`~speclab.models.eagle.save_eagle` folder, e.g. a
+    ``distill_eagle`` run's) trained against the ``reference`` target, widened (and its
+    feature layers moved, :func:`widen_eagle`) into a drafter for ``reference-large``,
+    saved in bfloat16 to ``out`` with ``widened.json`` (the source and the check). A
+    drafter for another target is refused by name (``--widen-eagle``). The check: on 128
+    held-out tokens, both drafters fed their own target's features (the large target's
+    bfloat16 weights in float32): the largest logit difference and the greedy agreement
+    (1.0 up to the weights' rounding: the widened drafter proposes what the small one
+    does, so its tau on ``reference-large`` is the small one's on ``reference``); ``ids``
+    replaces those tokens."""
+    from speclab.models.eagle import load_eagle, save_eagle
+    from speclab.models.loading import load_model
+
+    large = large or ensure_reference_large()
+    built = json.loads((Path(large.folder) / "reference_large.json").read_text())
+    small_dir, k = built["base_pair"]["target"], int(built["spec"]["widen"])
+    small = load_model(small_dir)
+    drafter = load_eagle(src, small.config, field="--widen-eagle")
+    wide_target = load_model(large.target, dtype="float32")
+    wide = widen_eagle(drafter, k, wide_target.config, small.config.num_hidden_layers)
+    ids = ids or _held_out_ids(small_dir, 128)
+    s_logits, l_logits = drafter_logits(small, drafter, ids), drafter_logits(wide_target, wide, ids)
+    finite = s_logits > torch.finfo(torch.float32).min / 2  # outside a draft vocabulary: min
+    check = {"source": str(src), "reference_large": large.folder, "version": wide.meta.version,
+             "feature_layers": list(wide.meta.feature_layers or ()),
+             "small_feature_layers": list(drafter.meta.feature_layers or ()),
+             "tokens": len(ids),
+             "logits_max_abs_diff": float((s_logits - l_logits)[finite].abs().max()),
+             "greedy_agreement": float((s_logits.argmax(-1) == l_logits.argmax(-1))
+                                       .float().mean())}
+    folder = save_eagle(wide.to(torch.bfloat16), out)
+    (folder / "widened.json").write_text(json.dumps(check, indent=2))
+    log(f"widened {src} (EAGLE-{wide.meta.version}) -> {folder}: greedy agreement "
+        f"{check['greedy_agreement']:.3f}, logits max |diff| {check['logits_max_abs_diff']:.3f}")
+    return check
 
 
 def _median_ms(xs: list[float]) -> float:
