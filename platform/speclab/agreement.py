@@ -7,13 +7,16 @@ Such a difference is a NEAR TIE when, at the first differing position (one plain
 forward over the context plain decoding saw), the target's logit of plain decoding's
 token exceeds that of the method's token by at most :data:`TIE_ULPS` units in the last
 place of the dtype at the top logit's magnitude; a larger margin is a failure. Used by
-``speclab check-model`` and ``speclab bench``.
+``speclab check-model``, ``speclab bench`` and the evaluation on Ray actors (each actor
+compares its shard, :func:`merge_agreements` joins them); :func:`agreement_cell` shows
+the result in every table.
 Nothing here imports Ray or MLflow.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -70,3 +73,42 @@ def compare_outputs(model: torch.nn.Module, prompts: list[list[int]], got: list[
         row["first_differences"].append({"position": at, "margin": round(margin, 5),
                                          "near_tie": tie})
     return row
+
+
+def merge_agreements(parts: list[dict]) -> dict:
+    """:func:`compare_outputs` results over disjoint prompt sets (e.g. one per actor
+    shard) as one: the counts summed, the first differences in order."""
+    out = {"identical": 0, "near_ties": 0, "differing": 0, "first_differences": []}
+    for part in parts:
+        for key in ("identical", "near_ties", "differing"):
+            out[key] += part[key]
+        out["first_differences"] += part["first_differences"]
+    return out
+
+
+def mark_agreement(model: torch.nn.Module, prompts: list[list[int]], row: dict,
+                   outputs: list[list[int]], reference: list[list[int]],
+                   key: str = "identical_to_ar") -> dict:
+    """Where ``row[key]`` is False, add how the outputs differ from ``reference`` (plain
+    decoding's, prompt by prompt; :func:`compare_outputs`): ``identical``, ``near_ties``
+    (a low-precision rounding tie decided the other way), ``differing`` (anything else:
+    a failure) and ``first_differences``. Returns ``row``."""
+    if row.get(key) is False:
+        row.update(compare_outputs(model, prompts, outputs, reference))
+    return row
+
+
+def agreement_cell(key: str) -> Callable[[dict], str]:
+    """A table cell for ``key``: ``True``; ``ties k/n`` where every difference is a
+    near tie; ``False`` (with the failing count where it was classified)."""
+    def fmt(row: dict) -> str:
+        v = row.get(key)
+        if v is None:
+            return "-"
+        if v or "differing" not in row:
+            return str(v)
+        n = row["identical"] + row["near_ties"] + row["differing"]
+        if row["differing"]:
+            return f"False ({row['differing']}/{n} differ)"
+        return f"ties {row['near_ties']}/{n}"
+    return fmt

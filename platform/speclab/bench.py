@@ -20,16 +20,14 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from speclab.agreement import compare_outputs
+from speclab.agreement import agreement_cell, mark_agreement
 from speclab.evaluation import (
     COLUMNS,
     TIMING_PASSES,
-    Column,
     MethodRun,
     Totals,
     clocked,
@@ -151,39 +149,6 @@ def hf_rows(dec, baselines: dict[str, dict], prompts: list[list[int]], gen: dict
     return out
 
 
-def mark_agreement(model: torch.nn.Module, prompts: list[list[int]], row: dict,
-                   outputs: list[list[int]], reference: list[list[int]],
-                   key: str = "identical_to_ar") -> dict:
-    """Where ``row[key]`` is False, add how the outputs differ from ``reference`` (plain
-    decoding's, prompt by prompt; :func:`speclab.agreement.compare_outputs`):
-    ``near_ties`` (a low-precision rounding tie decided the other way), ``differing``
-    (anything else: a failure) and ``first_differences``. Returns ``row``."""
-    if row.get(key) is False:
-        row.update(compare_outputs(model, prompts, outputs, reference))
-    return row
-
-
-def agreement_cell(key: str) -> Callable[[dict], str]:
-    """A table cell for ``key``: ``True``; ``ties k/n`` where every difference is a
-    near tie; ``False`` (with the failing count where it was classified)."""
-    def fmt(row: dict) -> str:
-        v = row.get(key)
-        if v is None:
-            return "-"
-        if v or "differing" not in row:
-            return str(v)
-        n = row["identical"] + row["near_ties"] + row["differing"]
-        if row["differing"]:
-            return f"False ({row['differing']}/{n} differ)"
-        return f"ties {row['near_ties']}/{n}"
-    return fmt
-
-
-def bench_columns(columns: list[Column], key: str = "identical_to_ar") -> list[Column]:
-    """``columns`` with ``key`` shown by :func:`agreement_cell`."""
-    return [(k, agreement_cell(key) if k == key else fmt) for k, fmt in columns]
-
-
 def table_columns(columns: list[tuple[str, str]], device: str) -> list[tuple[str, str]]:
     """``columns`` plus peak GPU memory (MiB) when the models run on CUDA."""
     return [*columns, ("peak_gpu_mb", "{:.0f}")] if device.startswith("cuda") else columns
@@ -249,7 +214,7 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
                   "hf_prompt_lookup": {"prompt_lookup_num_tokens": 3}},
             prompts, gen, reference, costs):
         rows.append(mark_agreement(dec.target.model, prompts, row, outputs, reference))
-    print(format_table(rows, table_columns(bench_columns(COLUMNS), device)))
+    print(format_table(rows, table_columns(COLUMNS, device)))
     _print_noisy(rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -363,7 +328,7 @@ BATCH_COLUMNS = [
     ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell), ("speedup_totals", "{:.2f}x"),
     ("ar_scaling", "{:.2f}x"), ("engine_overhead", overhead_cell),
     ("engine_clocked", "{:.0%}"), ("measured_over_predicted", "{:.2f}"), ("noisy", "{}"),
-    ("identical_to_alone", "{}"),
+    ("identical_to_alone", agreement_cell("identical_to_alone")),
 ]
 
 
@@ -422,8 +387,7 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     ar_first = next(r["tokens_per_s"] for r in rows if r["method"] == "ar")
     for row in rows:  # AR tokens/s over AR's at the smallest batch size measured
         row["ar_scaling"] = row["tokens_per_s"] / ar_first if row["method"] == "ar" else None
-    print(format_table(rows, table_columns(bench_columns(BATCH_COLUMNS, "identical_to_alone"),
-                                           device)))
+    print(format_table(rows, table_columns(BATCH_COLUMNS, device)))
     _print_noisy(rows)
     cross = crossover(rows)
     print("\ncrossover batch size (speculation no faster than AR from here; '-': pays at "

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from speclab import theory
+from speclab.agreement import agreement_cell
 from speclab.api import Decoder, GenerationResult
 from speclab.decoding.loop import tau
 from speclab.forward_costs import REPEATS, CostModel, ForwardRecorder, engine_overhead
@@ -607,7 +608,8 @@ COLUMNS: list[Column] = [
     ("acceptance_rate", "{:.2f}"), ("tokens_per_s", "{:.1f}"), ("speedup", speedup_cell),
     ("speedup_totals", "{:.2f}x"), ("engine_overhead", overhead_cell),
     ("engine_clocked", "{:.0%}"), ("predicted_speedup", "{:.2f}x"),
-    ("measured_over_predicted", "{:.2f}"), ("noisy", "{}"), ("identical_to_ar", "{}"),
+    ("measured_over_predicted", "{:.2f}"), ("noisy", "{}"),
+    ("identical_to_ar", agreement_cell("identical_to_ar")),
 ]
 
 

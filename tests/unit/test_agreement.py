@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from speclab.agreement import choice_margin, compare_outputs, first_difference
-from speclab.bench import agreement_cell, bench_columns, mark_agreement
+from speclab.agreement import agreement_cell, mark_agreement, merge_agreements
+from speclab.bench import BATCH_COLUMNS
 from speclab.evaluation import COLUMNS
 
 PROMPTS = [[3, 17, 41, 5], [60, 22, 9], [33, 48, 1, 27, 14]]
@@ -87,9 +88,40 @@ def test_bench_rows_say_how_their_outputs_differ():
     assert cell(same) == "True" and cell(row) == "ties 1/3"
     assert cell({**row, "near_ties": 0, "differing": 1}) == "False (1/3 differ)"
     assert cell({"identical_to_ar": False}) == "False" and cell({}) == "-"
-    shown = dict(bench_columns(COLUMNS))
+    shown = dict(COLUMNS)  # every table shows it so: bench's, evaluate's
     assert shown["identical_to_ar"](row) == "ties 1/3"
     alone = mark_agreement(model, PROMPTS, {"identical_to_alone": False}, got, want,
                            "identical_to_alone")
-    assert dict(bench_columns(COLUMNS + [("identical_to_alone", "{}")],
-                              "identical_to_alone"))["identical_to_alone"](alone) == "ties 1/3"
+    assert dict(BATCH_COLUMNS)["identical_to_alone"](alone) == "ties 1/3"
+
+
+def test_agreements_of_shards_merge():
+    a = {"identical": 2, "near_ties": 1, "differing": 0,
+         "first_differences": [{"position": 3, "margin": 0.0, "near_tie": True}]}
+    b = {"identical": 0, "near_ties": 0, "differing": 1,
+         "first_differences": [{"position": 0, "margin": 2.5, "near_tie": False}]}
+    both = merge_agreements([a, b])
+    assert (both["identical"], both["near_ties"], both["differing"]) == (2, 1, 1)
+    assert both["first_differences"] == a["first_differences"] + b["first_differences"]
+    assert agreement_cell("identical_to_ar")({"identical_to_ar": False, **both}) == \
+        "False (1/4 differ)"
+
+
+def test_each_evaluation_actor_classifies_its_shard():
+    """What an evaluation actor adds to its results (the evaluate job's rows then read
+    ``ties k/n`` as bench's do): per method, its outputs against the first method's AR
+    outputs; None where every output is identical."""
+    from speclab.evaluation import Totals
+    from speclab.pipelines.actor_eval import shard_agreement
+
+    model = _llama(torch.bfloat16, flat=True)
+    want = [_greedy(model, p) for p in PROMPTS]
+    got = [list(w) for w in want]
+    got[1][2] = (want[1][2] + 5) % 64
+    results = {"chain": {"ar": Totals(outputs=want), "totals": Totals(outputs=got)},
+               "tree": {"ar": Totals(outputs=want), "totals": Totals(outputs=want)}}
+    shard_agreement(model, PROMPTS, results)
+    assert results["tree"]["agreement"] is None
+    chain = results["chain"]["agreement"]
+    assert (chain["identical"], chain["near_ties"], chain["differing"]) == (2, 1, 0)
+    assert chain["first_differences"][0]["position"] == 2

@@ -6,7 +6,9 @@ protocol over its prompts (:func:`speclab.evaluation.interleaved_comparison`: ev
 method paired with AR prompt by prompt over ``decoding.timing_passes`` passes, its
 forwards priced on the forward cost curves it measured first). The driver merges the
 counters and pairs and prints the table (speedup: the median paired ratio with its 95%
-interval, beside the ratio of totals and the engine's overhead); each method (AR included) becomes
+interval, beside the ratio of totals and the engine's overhead; at temperature 0 the
+outputs against plain decoding's, near ties told from failures on the actors that hold
+the target: :func:`shard_agreement`); each method (AR included) becomes
 a child run with the same metric keys (:mod:`speclab.pipelines.method_runs`), and the
 active run gets the table (CSV/JSON/TXT), the per-position acceptance table, the plots
 (:mod:`speclab.pipelines.eval_plots`) and ``best_*`` metrics.
@@ -32,6 +34,7 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     """
     import ray
 
+    from speclab.agreement import merge_agreements
     from speclab.evaluation import MethodRun, Totals, format_table, pooled_ar, summarize
 
     runs = list(methods) if methods is not None else cfg.method_list()
@@ -64,8 +67,11 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
             def progress(line: str) -> None:  # reaches the driver's console (log_to_driver)
                 print(f"[evaluate] {line}", flush=True)
 
-            return interleaved_comparison(self.dec, method_runs, shard, gen,
-                                          progress=progress)
+            out = interleaved_comparison(self.dec, method_runs, shard, gen,
+                                         progress=progress)
+            if gen.get("temperature", 0) == 0:  # greedy: how each method's outputs differ
+                shard_agreement(self.dec.target.model, shard, out)
+            return out
 
     actors = [EvalWorker.options(num_cpus=cfg.resources.num_cpus_per_actor,
                                  num_gpus=cfg.resources.num_gpus_per_actor).remote()
@@ -90,6 +96,10 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     for run in method_runs:
         m = merged[run.name]
         rows.append(summarize(run, m["totals"], m["ar"], reference))
+        agreed = [part[run.name]["agreement"] for part in parts
+                  if part[run.name].get("agreement") is not None]
+        if rows[-1].get("identical_to_ar") is False and len(agreed) == len(parts):
+            rows[-1].update(merge_agreements(agreed))
     print(format_table(rows), flush=True)
     noisy = [f"{r['method']}: {r['timing_note']}" for r in rows if r.get("noisy")]
     if noisy:
@@ -104,6 +114,23 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
         tracker.log_text(json.dumps([c.to_dict() for c in costs], indent=1),
                          f"{prefix.replace('/', '_')}forward_costs.json")
     return rows
+
+
+def shard_agreement(model, prompts: list[list[int]], results: dict[str, dict]) -> None:
+    """On an actor, after :func:`speclab.evaluation.interleaved_comparison` over its
+    ``prompts``: each method's outputs against the first method's AR outputs (plain
+    decoding, the reference), as ``results[name]["agreement"]``
+    (:func:`speclab.agreement.compare_outputs`: identical, near ties, differing; only
+    where some output differs, else None). The driver merges the shards'
+    (:func:`speclab.agreement.merge_agreements`) into the rows whose outputs differ, so
+    the table reads ``ties k/n`` for a low-precision rounding tie, as bench's does."""
+    from speclab.agreement import compare_outputs
+
+    reference = next(iter(results.values()))["ar"].outputs
+    for res in results.values():
+        outputs = res["totals"].outputs
+        res["agreement"] = (None if outputs == reference
+                            else compare_outputs(model, prompts, outputs, reference))
 
 
 def log_method_children(tracker, rows: list[dict], runs: list[MethodConfig],
