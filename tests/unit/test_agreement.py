@@ -7,8 +7,14 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speclab.agreement import choice_margin, compare_outputs, first_difference
-from speclab.agreement import agreement_cell, mark_agreement, merge_agreements
+from speclab.agreement import (
+    agreement_cell,
+    choice_margin,
+    compare_outputs,
+    first_difference,
+    mark_agreement,
+    merge_agreements,
+)
 from speclab.bench import BATCH_COLUMNS
 from speclab.evaluation import COLUMNS
 
