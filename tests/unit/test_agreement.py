@@ -116,7 +116,7 @@ def test_agreements_of_shards_merge():
 def test_each_evaluation_actor_classifies_its_shard():
     """What an evaluation actor adds to its results (the evaluate job's rows then read
     ``ties k/n`` as bench's do): per method, its outputs against the first method's AR
-    outputs; None where every output is identical."""
+    outputs (no forward where they are identical)."""
     from speclab.evaluation import Totals
     from speclab.pipelines.actor_eval import shard_agreement
 
@@ -127,7 +127,8 @@ def test_each_evaluation_actor_classifies_its_shard():
     results = {"chain": {"ar": Totals(outputs=want), "totals": Totals(outputs=got)},
                "tree": {"ar": Totals(outputs=want), "totals": Totals(outputs=want)}}
     shard_agreement(model, PROMPTS, results)
-    assert results["tree"]["agreement"] is None
+    assert results["tree"]["agreement"] == {"identical": 3, "near_ties": 0, "differing": 0,
+                                            "first_differences": []}
     chain = results["chain"]["agreement"]
     assert (chain["identical"], chain["near_ties"], chain["differing"]) == (2, 1, 0)
     assert chain["first_differences"][0]["position"] == 2

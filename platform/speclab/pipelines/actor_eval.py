@@ -16,9 +16,12 @@ active run gets the table (CSV/JSON/TXT), the per-position acceptance table, the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from speclab.config import MethodConfig
+
+if TYPE_CHECKING:
+    import torch
 
 
 def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[int]],
@@ -96,9 +99,8 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     for run in method_runs:
         m = merged[run.name]
         rows.append(summarize(run, m["totals"], m["ar"], reference))
-        agreed = [part[run.name]["agreement"] for part in parts
-                  if part[run.name].get("agreement") is not None]
-        if rows[-1].get("identical_to_ar") is False and len(agreed) == len(parts):
+        agreed = [part[run.name].get("agreement") for part in parts]
+        if rows[-1].get("identical_to_ar") is False and None not in agreed:
             rows[-1].update(merge_agreements(agreed))
     print(format_table(rows), flush=True)
     noisy = [f"{r['method']}: {r['timing_note']}" for r in rows if r.get("noisy")]
@@ -116,21 +118,20 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     return rows
 
 
-def shard_agreement(model, prompts: list[list[int]], results: dict[str, dict]) -> None:
+def shard_agreement(model: torch.nn.Module, prompts: list[list[int]],
+                    results: dict[str, dict]) -> None:
     """On an actor, after :func:`speclab.evaluation.interleaved_comparison` over its
     ``prompts``: each method's outputs against the first method's AR outputs (plain
     decoding, the reference), as ``results[name]["agreement"]``
-    (:func:`speclab.agreement.compare_outputs`: identical, near ties, differing; only
-    where some output differs, else None). The driver merges the shards'
+    (:func:`speclab.agreement.compare_outputs`: identical, near ties, differing; a target
+    forward only at a prompt whose outputs differ). The driver merges the shards'
     (:func:`speclab.agreement.merge_agreements`) into the rows whose outputs differ, so
     the table reads ``ties k/n`` for a low-precision rounding tie, as bench's does."""
     from speclab.agreement import compare_outputs
 
     reference = next(iter(results.values()))["ar"].outputs
     for res in results.values():
-        outputs = res["totals"].outputs
-        res["agreement"] = (None if outputs == reference
-                            else compare_outputs(model, prompts, outputs, reference))
+        res["agreement"] = compare_outputs(model, prompts, res["totals"].outputs, reference)
 
 
 def log_method_children(tracker, rows: list[dict], runs: list[MethodConfig],
