@@ -139,6 +139,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.batch_sizes is not None:
         from speclab.bench import parse_batch_sizes, run_batch_bench
 
+        if args.eagle:
+            raise ValueError("--eagle: not with --batch-sizes (the batched runs are "
+                             "bench.BATCH_RUNS)")
+
         run_batch_bench(parse_batch_sizes(args.batch_sizes), args.prompts, args.max_new_tokens,
                         args.out, device=args.device, dtype=args.dtype,
                         log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,

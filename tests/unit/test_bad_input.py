@@ -137,6 +137,8 @@ def test_widen_eagle_and_bench_eagle_options_are_checked_first(tmp_path, capsys)
     assert "--widen-eagle: only with --large" in capsys.readouterr().err
     assert main(["bench", "--eagle", str(tmp_path / "missing")]) == 2
     assert "--eagle:" in capsys.readouterr().err
+    assert main(["bench", "--eagle", str(tmp_path), "--batch-sizes", "4"]) == 2
+    assert "--eagle: not with --batch-sizes" in capsys.readouterr().err
     (tmp_path / "e3").mkdir()
     (tmp_path / "e3" / "config.json").write_text('{"kind": "speclab-eagle", "version": 3}')
     run = eagle_run(str(tmp_path / "e3"))
