@@ -140,10 +140,25 @@ def test_the_widened_eagle_drafter_proposes_what_the_small_one_does():
     assert torch.equal(q_wide.argmax(-1), q_small.argmax(-1))
 
 
+def _assert_pairs_decode_alike(tmp_path) -> None:
+    """EAGLE decoding of ``tmp_path/small`` with ``e_small`` and of ``tmp_path/large``
+    with ``e_large`` gives the same tokens AND the same rounds (the same proposals
+    accepted)."""
+    from speclab.api import Decoder
+
+    runs = {}
+    for name in ("small", "large"):
+        dec = Decoder.from_pretrained(str(tmp_path / name))
+        runs[name] = dec.generate(prompt_ids=IDS[:5], max_new_tokens=16, method="eagle",
+                                  eagle_model=str(tmp_path / f"e_{name}"), tree_top_k=2,
+                                  depth=3, nodes=6)
+    assert runs["large"].token_ids == runs["small"].token_ids
+    assert runs["large"].stats.accepted_lengths == runs["small"].stats.accepted_lengths
+
+
 def test_engine_decodes_the_grown_pair_as_the_small_one(tmp_path):
     """Through the engine: EAGLE decoding on the grown target with the widened drafter
     gives the small pair's tokens AND its rounds (the same proposals accepted)."""
-    from speclab.api import Decoder
     from speclab.models.eagle import EagleModel, save_eagle
 
     small = _llama(seed=2)
@@ -154,14 +169,7 @@ def test_engine_decodes_the_grown_pair_as_the_small_one(tmp_path):
     large.save_pretrained(tmp_path / "large")
     save_eagle(drafter, tmp_path / "e_small")
     save_eagle(widen_eagle(drafter, 2, large.config), tmp_path / "e_large")
-    runs = {}
-    for name in ("small", "large"):
-        dec = Decoder.from_pretrained(str(tmp_path / name))
-        runs[name] = dec.generate(prompt_ids=IDS[:5], max_new_tokens=16, method="eagle",
-                                  eagle_model=str(tmp_path / f"e_{name}"), tree_top_k=2,
-                                  depth=3, nodes=6)
-    assert runs["large"].token_ids == runs["small"].token_ids
-    assert runs["large"].stats.accepted_lengths == runs["small"].stats.accepted_lengths
+    _assert_pairs_decode_alike(tmp_path)
 
 
 def test_the_cache_key_covers_the_spec_and_the_base_pair():
@@ -239,7 +247,6 @@ def test_engine_decodes_the_grown_pair_with_eagle3_as_the_small_one(tmp_path):
     for another target is refused by name."""
     import json
 
-    from speclab.api import Decoder
     from speclab.models.eagle import save_eagle
     from speclab.models.reference_large import ReferenceLarge, widen_eagle_folder
 
@@ -255,14 +262,7 @@ def test_engine_decodes_the_grown_pair_with_eagle3_as_the_small_one(tmp_path):
                                log=lambda _m: None, ids=IDS)
     assert check["greedy_agreement"] == 1.0 and check["feature_layers"] == [0, 2, 7]
     assert json.loads((tmp_path / "e_large" / "widened.json").read_text()) == check
-    runs = {}
-    for name in ("small", "large"):
-        dec = Decoder.from_pretrained(str(tmp_path / name))
-        runs[name] = dec.generate(prompt_ids=IDS[:5], max_new_tokens=16, method="eagle",
-                                  eagle_model=str(tmp_path / f"e_{name}"), tree_top_k=2,
-                                  depth=3, nodes=6)
-    assert runs["large"].token_ids == runs["small"].token_ids
-    assert runs["large"].stats.accepted_lengths == runs["small"].stats.accepted_lengths
+    _assert_pairs_decode_alike(tmp_path)
     other = LlamaForCausalLM(LlamaConfig(**{**small.config.to_dict(), "hidden_size": 48,
                                            "intermediate_size": 48})).eval()
     save_eagle(_eagle3(other), tmp_path / "wrong")
