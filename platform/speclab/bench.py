@@ -82,6 +82,26 @@ def eagle_run(folder: str) -> MethodRun:
     return MethodRun("eagle", {**EAGLE_RUN, "eagle_model": str(folder)}, label)
 
 
+# the bench's Medusa row: the heads' calibrated sparse tree cut to EAGLE_RUN's 16 nodes
+# (the same verification budget)
+MEDUSA_RUN = {"tree": "sparse", "nodes": 16}
+
+
+def medusa_run(folder: str) -> MethodRun:
+    """The bench's Medusa row (:data:`MEDUSA_RUN`) with the heads in ``folder`` (speclab
+    heads with their calibration, ``tree.json``), labelled by its folder name; a folder
+    without calibrated speclab heads is refused here, naming ``--medusa``."""
+    from speclab.models.medusa import is_medusa_folder
+
+    if not is_medusa_folder(folder) or not (Path(folder) / "tree.json").is_file():
+        raise ValueError(f"--medusa: {folder} holds no calibrated speclab Medusa heads "
+                         "(config.json of kind speclab-medusa and tree.json, written by "
+                         "jobs.train_medusa)")
+    knobs = ",".join(f"{k}={v}" for k, v in MEDUSA_RUN.items())
+    return MethodRun("medusa", {**MEDUSA_RUN, "medusa_model": str(folder)},
+                     f"medusa {Path(folder).name} {knobs}")
+
+
 def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> Totals:
     """Time ``transformers`` ``generate`` (greedy) per prompt (the clock read after the
     device finished); fills wall time, outputs and the block's ``peak_gpu_mb``."""
@@ -186,20 +206,24 @@ def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: b
 def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
               runs: list[MethodRun] | None = None, device: str = "cpu",
               dtype: str | None = None, passes: int | None = None,
-              pair: str = "reference", eagles: list[str] | None = None) -> list[dict]:
+              pair: str = "reference", eagles: list[str] | None = None,
+              medusas: list[str] | None = None) -> list[dict]:
     """Run the benchmark (``passes`` timed passes of the paired protocol, default
     :data:`~speclab.evaluation.TIMING_PASSES`) on ``pair``, print the table, write
-    ``bench.json``; returns the rows. Without ``runs``: :data:`DEFAULT_RUNS` and an EAGLE
-    row (:data:`EAGLE_RUN`) per drafter folder of ``eagles``, else, on
-    ``reference-large``, its own EAGLE drafter's."""
+    ``bench.json``; returns the rows. Without ``runs``: :data:`DEFAULT_RUNS`, an EAGLE
+    row (:data:`EAGLE_RUN`) per drafter folder of ``eagles`` (none given: on
+    ``reference-large``, its own EAGLE drafter's) and a Medusa row (:data:`MEDUSA_RUN`)
+    per heads folder of ``medusas``."""
     name = pair
-    extra = [eagle_run(d) for d in eagles or []]  # refused before any model is loaded
+    # refused before any model is loaded
+    extra = [eagle_run(d) for d in eagles or []]
+    medusa = [medusa_run(d) for d in medusas or []]
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, pair=name)
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
     if not extra and name == "reference-large":
         extra = [eagle_run(pair.eagle)]
-    runs = runs or DEFAULT_RUNS + extra
+    runs = runs or DEFAULT_RUNS + extra + medusa
     results = interleaved_comparison(dec, runs, prompts, gen, progress=_progress)
     costs = results[runs[0].name]["costs"]
     reference = results[runs[0].name]["ar"].outputs  # AR, each prompt alone

@@ -1,12 +1,13 @@
 """The ``speclab`` command.
 
     speclab generate --target DIR --draft DIR --method salf --prompt "def f(" --json
-    speclab bench [--out bench_out] [--pair reference-large] [--eagle DIR]   # engine benchmark
+    speclab bench [--out bench_out] [--pair reference-large] [--eagle DIR] [--medusa DIR]
+                                                        # engine benchmark
     speclab shift --target DIR --method medusa ... --verify typical --temperature 0.7
                                                         # first-token TV of a relaxed rule
     speclab reference                                   # build (or find) the reference pair
     speclab reference --large                           # ... or reference-large (memory-bound)
-    speclab reference --large --widen-eagle SRC --out DST   # a reference drafter for it
+    speclab reference --large --widen SRC --out DST     # an EAGLE / Medusa drafter for it
     speclab run <job> --config experiments/x.yaml [k=v ...]   # a job on local/embedded Ray
     speclab submit <job> --config ... [--address http://HEAD:8265] [k=v ...]
     speclab serve --config experiments/smoke/serve.yaml [k=v ...]   # HTTP app (Ray Serve)

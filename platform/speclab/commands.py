@@ -21,11 +21,11 @@ def add_parsers(sub) -> None:
                    help="reference-large instead: the memory-bound target grown from the "
                         "pair, its draft and EAGLE drafter (with --check: measure the "
                         "forward costs again and record them in its cost.json)")
-    p.add_argument("--widen-eagle", default=None, metavar="SRC",
-                   help="with --large: widen an EAGLE or EAGLE-3 drafter trained against "
-                        "the reference target (a speclab EAGLE folder) into one for "
+    p.add_argument("--widen", "--widen-eagle", dest="widen", default=None, metavar="SRC",
+                   help="with --large: widen a drafter trained against the reference target "
+                        "(a speclab EAGLE / EAGLE-3 folder or MEDUSA-1 heads) into one for "
                         "reference-large, written to --out")
-    p.add_argument("--out", default=None, help="with --widen-eagle: the new drafter's folder")
+    p.add_argument("--out", default=None, help="with --widen: the new drafter's folder")
     HANDLERS["reference"] = cmd_reference
 
     p = sub.add_parser("bench", help="engine benchmark on the reference pair (table + JSON)")
@@ -42,6 +42,10 @@ def add_parsers(sub) -> None:
                    help="an EAGLE drafter (any version) for the pair's target: adds its row "
                         "(the bench's EAGLE tree); repeat for more; on reference-large it "
                         "replaces the built-in drafter's row")
+    p.add_argument("--medusa", action="append", default=None, metavar="DIR",
+                   help="Medusa heads for the pair's target (with their calibration, "
+                        "tree.json): adds their row (the bench's sparse Medusa tree); repeat "
+                        "for more")
     p.add_argument("--batch-sizes", default=None,
                    help="e.g. 1,4,16: the batched engine at each batch size (speedup over AR "
                         "at the same size, the crossover, batch_bench.json + a plot)")
@@ -85,10 +89,10 @@ def add_parsers(sub) -> None:
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
-    if (args.widen_eagle is None) != (args.out is None):
-        raise ValueError("--widen-eagle and --out: give both or neither")
-    if args.widen_eagle is not None and not args.large:
-        raise ValueError("--widen-eagle: only with --large")
+    if (args.widen is None) != (args.out is None):
+        raise ValueError("--widen and --out: give both or neither")
+    if args.widen is not None and not args.large:
+        raise ValueError("--widen: only with --large")
     if args.large:
         return _reference_large(args)
     from speclab.models.reference import ensure_reference_pair
@@ -114,13 +118,15 @@ def _reference_large(args: argparse.Namespace) -> int:
     from speclab.models.reference_large import ensure_reference_large, format_cost, record_cost
 
     large = ensure_reference_large(force=args.force)
-    if args.widen_eagle is not None:
-        from speclab.models.reference_large import widen_eagle_folder
+    if args.widen is not None:
+        from speclab.models.grow_drafters import widen_drafter_folder
 
-        check = widen_eagle_folder(args.widen_eagle, args.out, large)
-        print(f"eagle:  {args.out} (EAGLE-{check['version']} for reference-large, feature "
-              f"layers {check['feature_layers'] or 'the last'}; greedy agreement with "
-              f"{args.widen_eagle} {check['greedy_agreement']:.3f})")
+        check = widen_drafter_folder(args.widen, args.out, large)
+        what = (f"{check['heads']} Medusa heads" if check["kind"] == "medusa" else
+                f"EAGLE-{check['version']}, feature layers "
+                f"{check['feature_layers'] or 'the last'}")
+        print(f"{check['kind']}: {args.out} ({what} for reference-large; greedy agreement "
+              f"with {args.widen} {check['greedy_agreement']:.3f})")
         return 0
     print(f"target: {large.target}\ndraft:  {large.draft}\neagle:  {large.eagle}\n"
           f"eagle for the small reference target: {large.eagle_small}")
@@ -139,9 +145,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.batch_sizes is not None:
         from speclab.bench import parse_batch_sizes, run_batch_bench
 
-        if args.eagle:
-            raise ValueError("--eagle: not with --batch-sizes (the batched runs are "
-                             "bench.BATCH_RUNS)")
+        for flag, given in (("--eagle", args.eagle), ("--medusa", args.medusa)):
+            if given:
+                raise ValueError(f"{flag}: not with --batch-sizes (the batched runs are "
+                                 "bench.BATCH_RUNS)")
 
         run_batch_bench(parse_batch_sizes(args.batch_sizes), args.prompts, args.max_new_tokens,
                         args.out, device=args.device, dtype=args.dtype,
@@ -152,7 +159,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"{'mlflow' if args.mlflow is not None else 'compile'}: only with "
                          "--batch-sizes")
     run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype,
-              pair=args.pair, eagles=args.eagle)
+              pair=args.pair, eagles=args.eagle, medusas=args.medusa)
     return 0
 
 

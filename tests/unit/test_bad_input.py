@@ -125,22 +125,36 @@ def test_overrides_after_the_options_and_one_line_errors_with_status_2():
     assert unknown.returncode == 2 and "unrecognized arguments: --bogus" in unknown.stderr
 
 
-def test_widen_eagle_and_bench_eagle_options_are_checked_first(tmp_path, capsys):
-    """``speclab reference --widen-eagle`` needs ``--out`` and ``--large``; ``speclab bench
-    --eagle`` refuses a folder that does not exist before any model is built or loaded;
-    the bench labels a drafter's row by its folder and EAGLE version."""
-    from speclab.bench import EAGLE_RUN, eagle_run
+def test_widen_and_bench_drafter_options_are_checked_first(tmp_path, capsys):
+    """``speclab reference --widen`` (alias ``--widen-eagle``) needs ``--out`` and
+    ``--large``; ``speclab bench --eagle`` / ``--medusa`` refuse a folder that holds no
+    such drafter before any model is built or loaded, and neither goes with
+    ``--batch-sizes``; the bench labels a drafter's row by its folder (and EAGLE
+    version)."""
+    from speclab.bench import EAGLE_RUN, MEDUSA_RUN, eagle_run, medusa_run
 
-    assert main(["reference", "--large", "--widen-eagle", str(tmp_path)]) == 2
-    assert "--widen-eagle and --out" in capsys.readouterr().err
+    assert main(["reference", "--large", "--widen", str(tmp_path)]) == 2
+    assert "--widen and --out" in capsys.readouterr().err
     assert main(["reference", "--widen-eagle", str(tmp_path), "--out", str(tmp_path)]) == 2
-    assert "--widen-eagle: only with --large" in capsys.readouterr().err
+    assert "--widen: only with --large" in capsys.readouterr().err
     assert main(["bench", "--eagle", str(tmp_path / "missing")]) == 2
     assert "--eagle:" in capsys.readouterr().err
     assert main(["bench", "--eagle", str(tmp_path), "--batch-sizes", "4"]) == 2
     assert "--eagle: not with --batch-sizes" in capsys.readouterr().err
+    assert main(["bench", "--medusa", str(tmp_path), "--batch-sizes", "4"]) == 2
+    assert "--medusa: not with --batch-sizes" in capsys.readouterr().err
     (tmp_path / "e3").mkdir()
     (tmp_path / "e3" / "config.json").write_text('{"kind": "speclab-eagle", "version": 3}')
     run = eagle_run(str(tmp_path / "e3"))
     assert run.name.startswith("eagle3 e3 ") and run.method == "eagle"
     assert run.params == {**EAGLE_RUN, "eagle_model": str(tmp_path / "e3")}
+    assert main(["bench", "--medusa", str(tmp_path / "e3")]) == 2  # an EAGLE folder
+    assert "--medusa:" in capsys.readouterr().err
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"kind": "speclab-medusa"}')
+    assert main(["bench", "--medusa", str(tmp_path / "m")]) == 2  # no calibration
+    assert "tree.json" in capsys.readouterr().err
+    (tmp_path / "m" / "tree.json").write_text("{}")
+    run = medusa_run(str(tmp_path / "m"))
+    assert run.name.startswith("medusa m ") and run.method == "medusa"
+    assert run.params == {**MEDUSA_RUN, "medusa_model": str(tmp_path / "m")}

@@ -1,7 +1,7 @@
 """``reference-large``'s growth functions on tiny random LLaMAs (the real model is never
 built here): widening (tiled weights, head_dim kept, GQA, tied heads untied) and
 deepening (inserted layers with zero output projections) keep the target's logits, and
-the widened EAGLE drafter proposes what the small one proposes."""
+the widened EAGLE drafters and Medusa heads propose what the small ones propose."""
 
 from __future__ import annotations
 
@@ -140,20 +140,21 @@ def test_the_widened_eagle_drafter_proposes_what_the_small_one_does():
     assert torch.equal(q_wide.argmax(-1), q_small.argmax(-1))
 
 
-def _assert_pairs_decode_alike(tmp_path) -> None:
-    """EAGLE decoding of ``tmp_path/small`` with ``e_small`` and of ``tmp_path/large``
-    with ``e_large`` gives the same tokens AND the same rounds (the same proposals
-    accepted)."""
+def _assert_pairs_decode_alike(tmp_path, method: str = "eagle", **knobs) -> list[int]:
+    """``method`` decoding of ``tmp_path/small`` with the drafter in ``e_small`` and of
+    ``tmp_path/large`` with ``e_large`` gives the same tokens AND the same rounds (the
+    same proposals accepted). Returns the rounds' accepted lengths."""
     from speclab.api import Decoder
 
+    knobs = knobs or {"tree_top_k": 2, "depth": 3, "nodes": 6}
     runs = {}
     for name in ("small", "large"):
         dec = Decoder.from_pretrained(str(tmp_path / name))
-        runs[name] = dec.generate(prompt_ids=IDS[:5], max_new_tokens=16, method="eagle",
-                                  eagle_model=str(tmp_path / f"e_{name}"), tree_top_k=2,
-                                  depth=3, nodes=6)
+        runs[name] = dec.generate(prompt_ids=IDS[:5], max_new_tokens=16, method=method,
+                                  **{f"{method}_model": str(tmp_path / f"e_{name}")}, **knobs)
     assert runs["large"].token_ids == runs["small"].token_ids
     assert runs["large"].stats.accepted_lengths == runs["small"].stats.accepted_lengths
+    return runs["small"].stats.accepted_lengths
 
 
 def test_engine_decodes_the_grown_pair_as_the_small_one(tmp_path):
@@ -241,31 +242,107 @@ def test_the_widened_eagle3_drafter_proposes_what_the_small_one_does():
 
 
 def test_engine_decodes_the_grown_pair_with_eagle3_as_the_small_one(tmp_path):
-    """``widen_eagle_folder`` (what ``speclab reference --large --widen-eagle`` runs) on a
+    """``widen_drafter_folder`` (what ``speclab reference --large --widen`` runs) on a
     stand-in ``reference-large`` folder, then the engine: EAGLE-3 decoding on the grown
     target with the widened drafter gives the small pair's tokens and rounds. A drafter
     for another target is refused by name."""
     import json
 
     from speclab.models.eagle import save_eagle
-    from speclab.models.reference_large import ReferenceLarge, widen_eagle_folder
+    from speclab.models.grow_drafters import widen_drafter_folder
+    from speclab.models.reference_large import widen_eagle_folder
 
     small = _llama(seed=2)
-    large = widen_llama(deepen_llama(small, 7), 2)
-    small.save_pretrained(tmp_path / "small")
-    large.save_pretrained(tmp_path / "large")
-    (tmp_path / "reference_large.json").write_text(json.dumps(
-        {"base_pair": {"target": str(tmp_path / "small")}, "spec": {"widen": 2}}))
-    folders = ReferenceLarge(str(tmp_path / "large"), "", "", "", str(tmp_path))
+    folders = _stand_in_large(tmp_path, small, widen_llama(deepen_llama(small, 7), 2))
     save_eagle(_eagle3(small, seed=5), tmp_path / "e_small")
-    check = widen_eagle_folder(str(tmp_path / "e_small"), str(tmp_path / "e_large"), folders,
-                               log=lambda _m: None, ids=IDS)
+    check = widen_drafter_folder(str(tmp_path / "e_small"), str(tmp_path / "e_large"),
+                                 folders, log=lambda _m: None, ids=IDS)
+    assert check["kind"] == "eagle" and check["version"] == 3
     assert check["greedy_agreement"] == 1.0 and check["feature_layers"] == [0, 2, 7]
+    check.pop("kind")
     assert json.loads((tmp_path / "e_large" / "widened.json").read_text()) == check
     _assert_pairs_decode_alike(tmp_path)
     other = LlamaForCausalLM(LlamaConfig(**{**small.config.to_dict(), "hidden_size": 48,
                                            "intermediate_size": 48})).eval()
     save_eagle(_eagle3(other), tmp_path / "wrong")
-    with pytest.raises(ValueError, match="--widen-eagle"):
+    with pytest.raises(ValueError, match="--widen"):
         widen_eagle_folder(str(tmp_path / "wrong"), str(tmp_path / "x"), folders,
                            log=lambda _m: None, ids=IDS)
+
+
+def _stand_in_large(tmp_path, small, large):
+    """``small`` / ``large`` saved as a stand-in ``reference-large`` folder (its
+    ``reference_large.json`` names the small target and the widening 2)."""
+    import json
+
+    from speclab.models.reference_large import ReferenceLarge
+
+    small.save_pretrained(tmp_path / "small")
+    large.save_pretrained(tmp_path / "large")
+    (tmp_path / "reference_large.json").write_text(json.dumps(
+        {"base_pair": {"target": str(tmp_path / "small")}, "spec": {"widen": 2}}))
+    return ReferenceLarge(str(tmp_path / "large"), "", "", "", str(tmp_path))
+
+
+def _medusa(target, seed: int = 4):
+    """Medusa heads for ``target``: the untrained heads (each repeats the target's
+    next-token guess, which is right where the target repeats itself) with every weight
+    perturbed, so each part's widening is tested."""
+    from speclab.models.medusa import MedusaHeads
+
+    heads = MedusaHeads.from_target(target, "small", heads=3)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        heads.w1.normal_(0, 0.05)
+        heads.b1.normal_(0, 0.05)
+        heads.w2.add_(0.05 * torch.randn_like(heads.w2))
+    return heads.eval()
+
+
+def test_widened_medusa_heads_give_the_small_ones_logits(tmp_path):
+    """``speclab reference --large --widen`` on MEDUSA-1 heads (``widen_drafter_folder``
+    on a stand-in ``reference-large``): the wide heads, fed the grown target's last
+    feature, give every head's logits of the small heads fed the small target's; they
+    carry the grown target's fingerprint and the calibration; through the engine, Medusa
+    decoding of the grown pair gives the small pair's tokens and rounds. Heads for
+    another target, and a folder that holds no drafter, are refused naming ``--widen``."""
+    import json
+
+    from speclab.models.grow_drafters import widen_drafter_folder, widen_medusa
+    from speclab.models.medusa import load_medusa, save_medusa, target_fingerprint
+    from speclab.models.reference_large import logits_and_features
+
+    small = _llama(seed=2)
+    large = widen_llama(deepen_llama(small, 7), 2)
+    heads = _medusa(small)
+    wide = widen_medusa(heads, 2, large)
+    assert wide.meta.hidden_size == 64 and wide.meta.fingerprint == target_fingerprint(large)
+    want = heads(logits_and_features(small, IDS)[1])
+    got = wide(logits_and_features(large, IDS)[1])
+    assert got.shape == want.shape == (3, len(IDS), 64) and want.std() > 1.0
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="not 3 x"):
+        widen_medusa(heads, 3, large)
+
+    folders = _stand_in_large(tmp_path, small, large)
+    tree = {"accuracies": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]]}
+    save_medusa(heads, tmp_path / "e_small", tree=tree)
+    check = widen_drafter_folder(str(tmp_path / "e_small"), str(tmp_path / "e_large"),
+                                 folders, log=lambda _m: None, ids=IDS)
+    assert check["kind"] == "medusa" and check["greedy_agreement"] == 1.0
+    assert check["greedy_agreement_per_head"] == [1.0, 1.0, 1.0]
+    assert json.loads((tmp_path / "e_large" / "widened.json").read_text()) == check
+    loaded = load_medusa(tmp_path / "e_large", large)  # the grown target's heads
+    assert loaded.tree == tree and loaded.w1.dtype == torch.float32
+    with pytest.raises(ValueError, match="heads trained for target"):
+        load_medusa(tmp_path / "e_large", deepen_llama(widen_llama(_llama(seed=9), 2), 7))
+    rounds = _assert_pairs_decode_alike(tmp_path, "medusa", tree="sparse", nodes=6)
+    assert max(rounds) > 1  # proposals were accepted, so they were compared
+
+    save_medusa(_medusa(widen_llama(small, 2)), tmp_path / "wrong")  # another target's
+    with pytest.raises(ValueError, match="--widen"):
+        widen_drafter_folder(str(tmp_path / "wrong"), str(tmp_path / "x"), folders,
+                             log=lambda _m: None, ids=IDS)
+    (tmp_path / "neither").mkdir()
+    with pytest.raises(ValueError, match="--widen: .* holds neither"):
+        widen_drafter_folder(str(tmp_path / "neither"), str(tmp_path / "x"), folders)

@@ -171,14 +171,15 @@ class ReferenceLarge:
         return json.loads((Path(self.folder) / "cost.json").read_text())
 
 
-def _log(msg: str) -> None:
+def build_log(msg: str) -> None:
+    """Print a ``[reference-large]`` progress line to stderr."""
     print(f"[reference-large] {msg}", file=sys.stderr, flush=True)
 
 
 # --- widening and deepening (pure functions of models) ---------------------------------
 
 
-def _tile_linear(w: torch.Tensor, k: int) -> torch.Tensor:
+def tile_linear(w: torch.Tensor, k: int) -> torch.Tensor:
     """``[out, in]`` -> ``[k*out, k*in]``: ``k x k`` blocks of ``w / k``."""
     return w.repeat(k, k) / k
 
@@ -236,7 +237,7 @@ def widen_llama(model: torch.nn.Module, k: int):
         elif t.ndim == 1:  # RMSNorm weights
             state[name] = t.repeat(k)
         elif t.ndim == 2:  # q/k/v/o, gate/up/down
-            state[name] = _tile_linear(t, k)
+            state[name] = tile_linear(t, k)
         else:
             raise ValueError(f"widen: unexpected tensor {name} of shape {tuple(t.shape)}")
     state["lm_head.weight"] = head.repeat(1, k) / k  # [V, kH]: logits unchanged
@@ -344,11 +345,11 @@ def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
         elif name == "lm_head.weight":
             state[name] = t.repeat(1, k) / k
         elif name == "fc.weight" or name in concat_inputs:  # [H, n*H] over n parts
-            state[name] = torch.cat([_tile_linear(part, k) for part in t.split(h, 1)], 1)
+            state[name] = torch.cat([tile_linear(part, k) for part in t.split(h, 1)], 1)
         elif t.ndim == 1:  # fc bias, norms
             state[name] = t.repeat(k)
         elif t.ndim == 2:
-            state[name] = _tile_linear(t, k)
+            state[name] = tile_linear(t, k)
         else:
             raise ValueError(f"widen_eagle: unexpected tensor {name} of shape {tuple(t.shape)}")
     wide = build_eagle(meta).float()
@@ -363,7 +364,7 @@ def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
 
 
 def train_small_eagle(target_dir: str, spec: LargeSpec,
-                      log: Callable[[str], None] = _log) -> tuple[torch.nn.Module, dict]:
+                      log: Callable[[str], None] = build_log) -> tuple[torch.nn.Module, dict]:
     """A ``spec.eagle_layers``-layer EAGLE drafter for the reference target, trained in
     process with :func:`speclab.train.eagle.eagle_loss` on ``eagle_windows`` random
     train-split windows (the target's float16 features and top-k, as the distill_eagle
@@ -439,7 +440,9 @@ def eagle_engine_figures(target: torch.nn.Module, drafter: torch.nn.Module, targ
     return engine_acceptance(target, drafter, ids, max_new_tokens)
 
 
-def _held_out_ids(target_dir: str, n: int) -> list[int]:
+def held_out_ids(target_dir: str, n: int) -> list[int]:
+    """The first ``n`` token ids of the stdlib validation split, with ``target_dir``'s
+    tokenizer."""
     from speclab.data.corpus import read_text, split_files
     from speclab.models.loading import load_tokenizer
 
@@ -448,7 +451,8 @@ def _held_out_ids(target_dir: str, n: int) -> list[int]:
 
 
 @torch.no_grad()
-def _features(model: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def logits_and_features(model: torch.nn.Module, ids: list[int]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits [T, V], features [T, H])`` of one causal forward (features: the LM
     head's input), float32."""
     grabbed = []
@@ -468,8 +472,8 @@ def check_function(small: torch.nn.Module, large: torch.nn.Module, eagle_small,
     the largest logit difference (in ``large``'s dtype and in float32 when ``large`` is
     float32), the fraction of positions where the greedy token agrees, and the same for
     the drafters' proposals (each fed its own target's features)."""
-    s_logits, s_feat = _features(small, ids)
-    l_logits, l_feat = _features(large, ids)
+    s_logits, s_feat = logits_and_features(small, ids)
+    l_logits, l_feat = logits_and_features(large, ids)
     x = torch.tensor([ids[1:]])
     _, s_draft = eagle_small(s_feat[None, :-1], x)
     _, l_draft = eagle_large(l_feat[None, :-1].to(next(eagle_large.parameters()).dtype), x)
@@ -508,14 +512,14 @@ def drafter_logits(target: torch.nn.Module, drafter: torch.nn.Module, ids: list[
 
 
 def widen_eagle_folder(src: str, out: str, large: ReferenceLarge | None = None,
-                       log: Callable[[str], None] = _log, ids: list[int] | None = None
+                       log: Callable[[str], None] = build_log, ids: list[int] | None = None
                        ) -> dict:
-    """``speclab reference --large --widen-eagle SRC --out DST``: an EAGLE drafter (EAGLE-1/2
+    """``speclab reference --large --widen SRC --out DST``: an EAGLE drafter (EAGLE-1/2
     or EAGLE-3, a :func:`~speclab.models.eagle.save_eagle` folder, e.g. a
     ``distill_eagle`` run's) trained against the ``reference`` target, widened (and its
     feature layers moved, :func:`widen_eagle`) into a drafter for ``reference-large``,
     saved in bfloat16 to ``out`` with ``widened.json`` (the source and the check). A
-    drafter for another target is refused by name (``--widen-eagle``). The check: on 128
+    drafter for another target is refused by name (``--widen``). The check: on 128
     held-out tokens, both drafters fed their own target's features (the large target's
     bfloat16 weights in float32): the largest logit difference and the greedy agreement
     (1.0 up to the weights' rounding: the widened drafter proposes what the small one
@@ -528,10 +532,10 @@ def widen_eagle_folder(src: str, out: str, large: ReferenceLarge | None = None,
     built = json.loads((Path(large.folder) / "reference_large.json").read_text())
     small_dir, k = built["base_pair"]["target"], int(built["spec"]["widen"])
     small = load_model(small_dir)
-    drafter = load_eagle(src, small.config, field="--widen-eagle")
+    drafter = load_eagle(src, small.config, field="--widen")
     wide_target = load_model(large.target, dtype="float32")
     wide = widen_eagle(drafter, k, wide_target.config, small.config.num_hidden_layers)
-    ids = ids or _held_out_ids(small_dir, 128)
+    ids = ids or held_out_ids(small_dir, 128)
     s_logits, l_logits = drafter_logits(small, drafter, ids), drafter_logits(wide_target, wide, ids)
     finite = s_logits > torch.finfo(torch.float32).min / 2  # outside a draft vocabulary: min
     check = {"source": str(src), "reference_large": large.folder, "version": wide.meta.version,
@@ -568,7 +572,7 @@ def measure_cost(target_dir: str, eagle_dir: str | None = None, draft_dir: str |
     from speclab.models.loading import DTYPES, load_model
 
     target = load_model(target_dir, dtype=dtype)
-    ids = _held_out_ids(target_dir, prefix + max(tokens) + 1)
+    ids = held_out_ids(target_dir, prefix + max(tokens) + 1)
     ctx, new = torch.tensor(ids[:prefix]), torch.tensor(ids[prefix:])
     t_run = ModelRunner(target)
     t_run.track_hidden()
@@ -693,25 +697,25 @@ def build_reference_large(out: Path, spec: LargeSpec, pair) -> ReferenceLarge:
                       "layers": c.num_hidden_layers, "hidden": c.hidden_size,
                       "heads": c.num_attention_heads, "kv_heads": c.num_key_value_heads,
                       "head_dim": c.head_dim, "intermediate": c.intermediate_size}
-    _log(f"target: widened {spec.widen}x and deepened to {spec.depth} layers: "
+    build_log(f"target: widened {spec.widen}x and deepened to {spec.depth} layers: "
          f"{meta['target']['params'] / 1e6:.0f}M parameters ({time.perf_counter() - t0:.0f}s)")
 
     eagle_small, meta["eagle_small"] = train_small_eagle(pair.target, spec)
     meta["eagle_small"].update(eagle_engine_figures(small, eagle_small, pair.target))
-    _log(f"eagle on the small target: EAGLE-2 tau {meta['eagle_small']['engine_tau']:.2f} "
+    build_log(f"eagle on the small target: EAGLE-2 tau {meta['eagle_small']['engine_tau']:.2f} "
          "(8 held-out prompts x 64 greedy tokens)")
     eagle_large = widen_eagle(eagle_small, spec.widen, large.config)
-    ids = _held_out_ids(pair.target, 128)
+    ids = held_out_ids(pair.target, 128)
     meta["check_float32"] = check_function(small, large, eagle_small, eagle_large, ids,
                                            spec.widen)
-    _log(f"float32 check: logits max |diff| {meta['check_float32']['logits_max_abs_diff']:.2e}"
+    build_log(f"float32 check: logits max |diff| {meta['check_float32']['logits_max_abs_diff']:.2e}"
          f" (scale {meta['check_float32']['logits_scale']:.1f}), EAGLE logits max |diff| "
          f"{meta['check_float32']['eagle_logits_max_abs_diff']:.2e}")
     large = large.to(torch.bfloat16)
     eagle_large = eagle_large.to(torch.bfloat16)
     meta["check_bfloat16"] = check_function(small, large, eagle_small, eagle_large, ids,
                                             spec.widen)
-    _log(f"bfloat16 check: greedy agreement {meta['check_bfloat16']['greedy_agreement']:.3f}, "
+    build_log(f"bfloat16 check: greedy agreement {meta['check_bfloat16']['greedy_agreement']:.3f}, "
          f"EAGLE greedy agreement {meta['check_bfloat16']['eagle_greedy_agreement']:.3f}")
     # how an AVX2-only CPU runs it (run_dtype): the rounded weights in float32 (.float()
     # converts in place; bfloat16 -> float32 -> bfloat16 is exact)
@@ -726,15 +730,15 @@ def build_reference_large(out: Path, spec: LargeSpec, pair) -> ReferenceLarge:
     save_eagle(eagle_small, tmp / "eagle-small")
     del large, eagle_large
     meta["build_s"] = time.perf_counter() - t0
-    _log(f"saved ({meta['build_s']:.0f}s); measuring forward cost")
+    build_log(f"saved ({meta['build_s']:.0f}s); measuring forward cost")
     cost = record_cost(_folders(tmp))
-    _log("forward cost:\n" + format_cost(cost))
+    build_log("forward cost:\n" + format_cost(cost))
     meta["total_s"] = time.perf_counter() - t0
     (tmp / "reference_large.json").write_text(json.dumps(meta, indent=2))
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)
-    _log(f"built in {meta['total_s']:.0f}s -> {out}")
+    build_log(f"built in {meta['total_s']:.0f}s -> {out}")
     return _folders(out)
 
 
