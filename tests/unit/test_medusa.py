@@ -453,6 +453,9 @@ def test_calibration_continues_held_out_prompts_of_the_evaluations_kind(tmp_path
     evaluated = set(load_prompts("stdlib_functions", 16, 200))
     held = held_out_prompts("stdlib_functions", 8, 16, 200)
     assert len(held) == 8 and not evaluated & set(held)
+    every = load_prompts("stdlib_functions", 10**9, 200)  # the evaluation's sequence
+    assert held == every[-8:]  # its tail: the evaluation's split, past any short evaluation
+    assert held_out_prompts("stdlib_functions", 64, len(every) - 5, 200) == every[-5:]
 
     target, _ = ensure_tiny_pair(tmp_path / "models")  # with a tokenizer
     texts = ["def add(a, b):", "class Foo:", "import os\nimport sys", "for i in range(3):",

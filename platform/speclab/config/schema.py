@@ -368,13 +368,13 @@ class MedusaTrainConfig(StrictModel):
     inside prompts are skipped, as Medusa does) and the ``sparse_nodes``-node sparse
     tree built from them is stored with the heads. ``calibration``: ``prompts`` (the
     default) continues ``calibration_prompts`` held-out prompts of the evaluation's kind
-    (``data``: the stdlib validation split's function headers, or the JSONL file's
-    prompts after the evaluated ones) greedily for ``decoding.max_new_tokens`` tokens,
-    stopping at EOS, so the expected tau describes the decoding the heads will do;
-    ``shard`` scores the held-out training shard (corpus windows continued for
-    ``distill.response_len`` tokens, past EOS too: more predictable than real prompts,
-    so its expected tau runs high). The heads' loss skips the prompts' labels too unless
-    ``prompt_labels``."""
+    (``data``: the last function headers of the test split's prompt sequence, or the
+    JSONL file's prompts after the evaluated ones; never the evaluated ones) greedily
+    for ``decoding.max_new_tokens`` tokens, stopping at EOS, so the expected tau
+    describes the decoding the heads will do; ``shard`` scores the held-out training
+    shard (corpus windows continued for ``distill.response_len`` tokens, past EOS too:
+    more predictable than real prompts, so its expected tau runs high). The heads' loss
+    skips the prompts' labels too unless ``prompt_labels``."""
 
     heads: int = Field(4, gt=0, description="Medusa heads K")
     variants: list[Literal["medusa1", "medusa2"]] = Field(
