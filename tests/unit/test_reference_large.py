@@ -259,7 +259,6 @@ def test_engine_decodes_the_grown_pair_with_eagle3_as_the_small_one(tmp_path):
                                  folders, log=lambda _m: None, ids=IDS)
     assert check["kind"] == "eagle" and check["version"] == 3
     assert check["greedy_agreement"] == 1.0 and check["feature_layers"] == [0, 2, 7]
-    check.pop("kind")
     assert json.loads((tmp_path / "e_large" / "widened.json").read_text()) == check
     _assert_pairs_decode_alike(tmp_path)
     other = LlamaForCausalLM(LlamaConfig(**{**small.config.to_dict(), "hidden_size": 48,

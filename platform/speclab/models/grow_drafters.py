@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -73,8 +72,7 @@ def widen_medusa_folder(src: str, out: str, large: ReferenceLarge | None = None,
     from speclab.models.medusa import load_medusa, save_medusa
 
     large = large or ensure_reference_large()
-    built = json.loads((Path(large.folder) / "reference_large.json").read_text())
-    small_dir, k = built["base_pair"]["target"], int(built["spec"]["widen"])
+    small_dir, k = large.grown_from
     small = load_model(small_dir)
     heads = load_medusa(src, small, field="--widen")
     wide_target = load_model(large.target, dtype="float32")
@@ -110,6 +108,6 @@ def widen_drafter_folder(src: str, out: str, large: ReferenceLarge | None = None
     if is_medusa_folder(src):
         return widen_medusa_folder(src, out, large, log, ids)
     if is_eagle_folder(src):
-        return {"kind": "eagle", **widen_eagle_folder(src, out, large, log, ids)}
+        return widen_eagle_folder(src, out, large, log, ids)
     raise ValueError(f"--widen: {src} holds neither a speclab EAGLE drafter nor speclab "
                      "Medusa heads (config.json with kind speclab-eagle / speclab-medusa)")

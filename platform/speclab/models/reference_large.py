@@ -170,6 +170,13 @@ class ReferenceLarge:
         """The recorded ``cost.json`` (:func:`record_cost`)."""
         return json.loads((Path(self.folder) / "cost.json").read_text())
 
+    @property
+    def grown_from(self) -> tuple[str, int]:
+        """``(the small reference target's folder, the widening k)``, as recorded in
+        ``reference_large.json`` at build."""
+        built = json.loads((Path(self.folder) / "reference_large.json").read_text())
+        return built["base_pair"]["target"], int(built["spec"]["widen"])
+
 
 def build_log(msg: str) -> None:
     """Print a ``[reference-large]`` progress line to stderr."""
@@ -529,8 +536,7 @@ def widen_eagle_folder(src: str, out: str, large: ReferenceLarge | None = None,
     from speclab.models.loading import load_model
 
     large = large or ensure_reference_large()
-    built = json.loads((Path(large.folder) / "reference_large.json").read_text())
-    small_dir, k = built["base_pair"]["target"], int(built["spec"]["widen"])
+    small_dir, k = large.grown_from
     small = load_model(small_dir)
     drafter = load_eagle(src, small.config, field="--widen")
     wide_target = load_model(large.target, dtype="float32")
@@ -538,7 +544,8 @@ def widen_eagle_folder(src: str, out: str, large: ReferenceLarge | None = None,
     ids = ids or held_out_ids(small_dir, 128)
     s_logits, l_logits = drafter_logits(small, drafter, ids), drafter_logits(wide_target, wide, ids)
     finite = s_logits > torch.finfo(torch.float32).min / 2  # outside a draft vocabulary: min
-    check = {"source": str(src), "reference_large": large.folder, "version": wide.meta.version,
+    check = {"source": str(src), "reference_large": large.folder, "kind": "eagle",
+             "version": wide.meta.version,
              "feature_layers": list(wide.meta.feature_layers or ()),
              "small_feature_layers": list(drafter.meta.feature_layers or ()),
              "tokens": len(ids),
