@@ -28,6 +28,8 @@ from serve_apps.ingress import Ingress
 from serve_apps.router import SessionAffinityRouter
 from serve_apps.target import TargetDeployment
 from speclab.config import ServeJob
+from speclab.models.loading import resolve_source
+from speclab.models.registry import resolve_models
 from speclab.paths import repo_root
 
 
@@ -58,9 +60,6 @@ def load_config(args: AppArgs) -> ServeJob:
 
 def resolved_models(cfg: ServeJob) -> tuple[str, str | None]:
     """Local folders for the target and (if the method needs one) the draft."""
-    from speclab.models.loading import resolve_source
-    from speclab.models.registry import resolve_models
-
     target, draft = resolve_models(cfg.models.target, cfg.models.draft)
     target = str(resolve_source(target, "models.target"))
     if not cfg.method.needs_draft_model:
@@ -102,8 +101,6 @@ def _options(rc, name: str, routed: bool, access_log: bool) -> dict:
 def app_from_config(cfg: ServeJob):
     """The bound application for ``cfg`` (models resolved here, loaded in replicas)."""
     from transformers import AutoConfig
-
-    from speclab.models.loading import resolve_source
 
     sv, m = cfg.serve, cfg.models
     target, draft = resolved_models(cfg)

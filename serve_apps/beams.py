@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from speclab.data.rec_dataset import RecMeta
-from speclab.decoding.beam import BeamSDStats
+from speclab.decoding.beam_levels import BeamSDStats
 from speclab.decoding.beam_loop import (
     BeamDraftSide,
     BeamPropose,

@@ -34,7 +34,11 @@ from pathlib import Path
 import requests
 
 from serve_apps.loadtest import PROMPTS, run_load
+from speclab.api import Decoder
+from speclab.config import ServeJob
+from speclab.models.registry import resolve_models
 from speclab.paths import repo_root
+from speclab.timing import now
 
 
 def _free_port() -> int:
@@ -48,10 +52,6 @@ def in_process(cfg, method: dict, prompts: list[str], max_tokens: int) -> dict:
     models load as the target deployment's does (``models.dtype``, its device and
     attention), so the figure is comparable with the served one; the clock waits for
     the device."""
-    from speclab.api import Decoder
-    from speclab.models.registry import resolve_models
-    from speclab.timing import now
-
     target, draft = resolve_models(cfg.models.target, cfg.models.draft)
     device = cfg.device_of("target")
     dec = Decoder.from_pretrained(target, draft, cfg.models.dtype, device,
@@ -172,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--medusa-model", help="the 'medusa' row's heads (folder or models:/ URI)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     a = p.parse_args(argv)
-    from speclab.config import ServeJob
 
     try:
         cfg = ServeJob.from_yaml(a.config, a.overrides)

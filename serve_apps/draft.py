@@ -23,7 +23,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -50,6 +49,8 @@ from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.sides import DraftSide, Proposal, VerifyResult
 from speclab.decoding.wire import unpack_tensor
 from speclab.drafters.registry import BuildContext, build_drafter, make_batch_drafter
+from speclab.families.registry import families
+from speclab.families.spec import load
 from speclab.models.loading import DTYPES, load_model, resolve_device
 
 
@@ -82,72 +83,32 @@ def features_wire(traits) -> bool | list | str:
 
 def check_feature_drafters(resources: dict, target_vocab: int,
                            target_source: str | None = None) -> None:
-    """At load, refuse an EAGLE drafter or Medusa heads (loaded into ``resources``) that
-    were not trained for the target, with the check offline decoding makes (a ValueError
-    naming ``eagle_model`` / ``medusa_model``): with the target's folder
-    ``target_source``, its HF config (EAGLE: architecture, hidden size, vocabulary) and
-    its LM head's fingerprint (Medusa, read from its safetensors without loading the
-    model); without it, the vocabulary (``target_vocab``) alone."""
-    from types import SimpleNamespace
-
-    from speclab.models.eagle import is_eagle_model
-    from speclab.models.medusa import MedusaHeads
-
-    drafters = [(m, "eagle_model" if is_eagle_model(m) else "medusa_model")
-                for m in resources.values() if is_eagle_model(m) or isinstance(m, MedusaHeads)]
-    if not drafters:
+    """At load, refuse a trained family's artifact (loaded into ``resources``: an EAGLE
+    drafter, Medusa heads, a plugin's) that was not trained for the target, with the
+    check its family declares (``check_artifact``; a ValueError naming the method field,
+    e.g. ``eagle_model``): with the target's folder ``target_source``, against its HF
+    config (and what else the family reads there: Medusa's LM-head fingerprint);
+    without it, the vocabulary (``target_vocab``) alone."""
+    checks = [f for f in families().values() if f.is_artifact and f.check_artifact]
+    found = [(m, f) for m in resources.values() for f in checks if load(f.is_artifact)(m)]
+    if not found:
         return
-    if target_source is None:
-        for model, field in drafters:  # worded as each kind's own check
-            if int(model.meta.vocab_size) != int(target_vocab):
-                what = "heads trained" if field == "medusa_model" else "trained"
-                raise ValueError(f"{field}: {what} for a target with vocab_size="
-                                 f"{model.meta.vocab_size}, but the target has {target_vocab}")
-        return
-    from transformers import AutoConfig
+    config = None
+    if target_source is not None:
+        from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(target_source, trust_remote_code=False)
-    for model, field in drafters:
-        if is_eagle_model(model):
-            model.meta.check_target(config, field)
-        else:
-            fingerprint = _lm_head_fingerprint(target_source, config) \
-                if model.meta.fingerprint else None
-            model.meta.check_target(SimpleNamespace(config=config), field, fingerprint)
-
-
-def _lm_head_fingerprint(folder: str, config) -> str:
-    """:func:`speclab.models.medusa.target_fingerprint` of the target in ``folder``: its LM
-    head (or the tied embedding) read from the safetensors files; the whole model is
-    loaded only when they do not hold it."""
-    from types import SimpleNamespace
-
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    from speclab.models.medusa import target_fingerprint
-
-    with torch.device("meta"):  # the parameter names, no weights
-        skeleton = AutoModelForCausalLM.from_config(config)
-    head = skeleton.get_output_embeddings().weight
-    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is head]
-    names.append("lm_head.weight")
-    for file in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            keys = set(f.keys())
-            for name in names:
-                if name in keys:
-                    lm = SimpleNamespace(weight=f.get_tensor(name))
-                    return target_fingerprint(SimpleNamespace(
-                        get_output_embeddings=lambda h=lm: h))
-    return target_fingerprint(load_model(folder, field="models.target"))
+        config = AutoConfig.from_pretrained(target_source, trust_remote_code=False)
+    for model, fam in found:
+        fam.call("check_artifact", model, config, fam.artifact_field, target_source,
+                 target_vocab)
 
 
 class DraftDeployment(RequestStates):
     """Holds the draft side of one method (``method``: a method config dump; ``plugins``:
     modules to import first, for methods registered outside speclab) and a handle to the
     target deployment. ``target_source``: the target's local folder, which a feature
-    drafter (EAGLE, Medusa) is checked against at load (:func:`check_feature_drafters`)."""
+    drafter (EAGLE, Medusa, a family's) is checked against at load
+    (:func:`check_feature_drafters`)."""
 
     def __init__(self, target, draft: str | None, method: dict, target_vocab: int,
                  dtype: str = "float32", device: str = "cpu", max_sessions: int = 64,

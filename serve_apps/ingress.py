@@ -63,6 +63,7 @@ from speclab.config.base import ConfigError
 from speclab.decoding.loop import eos_set
 from speclab.decoding.rules import RuleSpec, request_rule
 from speclab.decoding.sampling import SamplingParams
+from speclab.models.loading import load_tokenizer
 
 api = FastAPI(title="speclab", description=__doc__)
 
@@ -184,8 +185,6 @@ class Ingress:
     """Holds handles to the target and draft deployments; see the module docstring."""
 
     def __init__(self, target, draft, settings: dict) -> None:
-        from speclab.models.loading import load_tokenizer
-
         self.target, self.draft = target, draft
         self.s = settings
         self.tokenizer = load_tokenizer(settings["target_path"], field="models.target")

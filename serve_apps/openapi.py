@@ -17,11 +17,11 @@ import re
 
 from pydantic import BaseModel
 
+from speclab.decoding.rules.registry import rules
+
 
 def server_schema(schema: dict, max_tokens: int) -> dict:
     """``schema`` (FastAPI's) with this server's limits and rules filled in (in place)."""
-    from speclab.decoding.rules.registry import rules
-
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     known = rules()
     refs, lines = [], []

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from speclab.decoding.logprobs import MAX_TOP_LOGPROBS
+from speclab.decoding.rules.registry import get_rule
 
 
 class _Body(BaseModel):
@@ -39,8 +40,6 @@ def _registered_rule(name: str | None) -> str | None:
     """A name of the rule registry (checked when the request arrives, so a rule a plugin
     module registered is as good as a built-in one)."""
     if name is not None:
-        from speclab.decoding.rules.registry import get_rule
-
         try:
             get_rule(name)
         except ValueError as err:

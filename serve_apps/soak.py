@@ -39,6 +39,8 @@ from pathlib import Path
 
 import requests
 
+from serve_apps.bench import start_server, stop_server
+
 PROMPTS = ["def main(", "import os\n", "class Foo:", "for i in range(", "return self.",
            "if x is None:", "with open(", "print("]
 MIX = {"greedy": 3, "sample": 2, "stream": 2, "disconnect": 1, "stop": 1, "chat": 1, "bad": 2}
@@ -217,8 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--duration, --clients and --max-tokens must be positive")
     proc = None
     if args.config:
-        from serve_apps.bench import start_server, stop_server
-
         out_dir = Path(args.out).parent
         out_dir.mkdir(parents=True, exist_ok=True)
         proc, url = start_server(args.config, args.overrides, out_dir / "soak_server.log")

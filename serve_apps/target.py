@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from serve_apps.batcher import StepBatcher
+from serve_apps.beams import RecTargetSide
 from serve_apps.channel import ChannelServer
 from serve_apps.decode import DecodeRequest, Timing, collect, stream_rounds
 from serve_apps.errors import request_error
@@ -96,8 +97,6 @@ class TargetDeployment(RequestStates):
         self.channel_server = ChannelServer(self._channel_op)
         self.rec = None
         if rec_target:
-            from serve_apps.beams import RecTargetSide
-
             self.rec = RecTargetSide(rec_target, dtype, device)
 
     async def info(self) -> dict:

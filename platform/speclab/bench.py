@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from speclab.agreement import agreement_cell, mark_agreement
+from speclab.api import Decoder
+from speclab.data.corpus import function_header_prompts
 from speclab.evaluation import (
     COLUMNS,
     TIMING_PASSES,
@@ -43,9 +45,15 @@ from speclab.evaluation import (
     speedup_cell,
     summarize,
 )
+from speclab.families.eagle.model import is_eagle_folder
+from speclab.families.medusa.model import is_medusa_folder
 from speclab.forward_costs import CostModel
+from speclab.models.reference import ensure_reference_pair
 from speclab.paired_timing import AR_SPREAD_BOUND, speedup_figures
+from speclab.pipelines.eval_plots import interval_errors
+from speclab.reference_large import ensure_reference_large, run_dtype
 from speclab.timing import now, peak_gpu_mb, reset_peak_gpu
+from speclab.tracking import MlflowTracker, resolve_tracking_uri
 
 # score_temperature 0.5: the reference draft is under-confident (path probabilities
 # fall faster than real acceptance); sharpening the ranking softmax fixes the trees'
@@ -71,8 +79,6 @@ def eagle_run(folder: str) -> MethodRun:
     EAGLE folder or a public checkpoint the engine loads), labelled by its folder name
     (and ``eagle3`` for a speclab EAGLE-3 folder); a missing folder is refused here,
     naming ``--eagle``."""
-    from speclab.models.eagle import is_eagle_folder
-
     if not Path(folder).is_dir():
         raise ValueError(f"--eagle: {folder} is not a folder")
     version = (json.loads((Path(folder) / "config.json").read_text()).get("version", 1)
@@ -91,8 +97,6 @@ def medusa_run(folder: str) -> MethodRun:
     """The bench's Medusa row (:data:`MEDUSA_RUN`) with the heads in ``folder`` (speclab
     heads with their calibration, ``tree.json``), labelled by its folder name; a folder
     without calibrated speclab heads is refused here, naming ``--medusa``."""
-    from speclab.models.medusa import is_medusa_folder
-
     if not is_medusa_folder(folder) or not (Path(folder) / "tree.json").is_file():
         raise ValueError(f"--medusa: {folder} holds no calibrated speclab Medusa heads "
                          "(config.json of kind speclab-medusa and tree.json, written by "
@@ -184,19 +188,12 @@ def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: b
     built on first use), a Decoder over it and ``num_prompts`` held-out stdlib
     function-header prompts as token ids. ``dtype`` None: float32 for ``reference``, the
     large pair's ``run_dtype`` (bfloat16 where it is native) for ``reference-large``."""
-    from speclab.api import Decoder
-    from speclab.data.corpus import function_header_prompts
-
     if pair not in PAIRS:
         raise ValueError(f"pair: must be one of {list(PAIRS)}, got {pair!r}")
     if pair == "reference-large":
-        from speclab.models.reference_large import ensure_reference_large, run_dtype
-
         found = ensure_reference_large()
         dtype = dtype or run_dtype(device)
     else:
-        from speclab.models.reference import ensure_reference_pair
-
         found, dtype = ensure_reference_pair(), dtype or "float32"
     pair = found
     dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device, compile=compile)
@@ -319,8 +316,6 @@ def batch_plot(rows: list[dict]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from speclab.pipelines.eval_plots import interval_errors
-
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     methods = sorted({r["method"] for r in rows if r["method"] != "ar"})
     for m in methods:  # whiskers: the 95% interval of the median paired ratio
@@ -440,9 +435,6 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
 def log_batch_bench(uri: str | None, meta: dict, rows: list[dict], cross: dict, fig) -> None:
     """One MLflow run in ``speclab-bench``: ``<method>.<figure>`` metrics with the batch
     size as step, ``crossover.<method>``, the table and the plot."""
-    from speclab.evaluation import MethodRun
-    from speclab.tracking import MlflowTracker, resolve_tracking_uri
-
     with MlflowTracker(resolve_tracking_uri(uri), "speclab-bench", "batch-bench", meta) as t:
         for r in rows:
             key = MethodRun(r["method"]).key

@@ -6,7 +6,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from speclab.jobs import JOBS  # job names only: imports no job module, no Ray
+from speclab.api import Decoder
+from speclab.bench import parse_batch_sizes, run_batch_bench, run_bench
+from speclab.compat import check_model
+from speclab.config import JOB_CONFIGS, ServeJob
+from speclab.data.prompts import load_prompts
+from speclab.decoding.sampling import SamplingParams
+from speclab.evaluation import format_table
+from speclab.export_cli import add_export_parser
+from speclab.jobs import JOBS, job_main  # names and a lookup: imports no job module, no Ray
+from speclab.method_flags import add_method_args, method_from_args, verify_params_from_args
+from speclab.models.grow_drafters import widen_drafter_folder
+from speclab.models.reference import check_reference_pair, ensure_reference_pair
+from speclab.paths import repo_root
+from speclab.ports import answers, check_port_free
+from speclab.raylib import init_ray, project_runtime_env, quiet_ray_env
+from speclab.recommend import Recommender
+from speclab.reference_large import ensure_reference_large, format_cost, record_cost
+from speclab.shift import first_token_shift
+from speclab.tracking import default_artifact_root, resolve_tracking_uri
 
 HANDLERS: dict = {}
 
@@ -58,8 +76,6 @@ def add_parsers(sub) -> None:
                    help="with --batch-sizes: also log an MLflow run (default store if no URI)")
     HANDLERS["bench"] = cmd_bench
 
-    from speclab.cli import add_method_args
-
     p = sub.add_parser("shift", help="first-token distribution shift of a method's rule "
                                      "against the target (total variation; table + JSON)")
     add_method_args(p)
@@ -82,9 +98,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", default="check_model_out", help="folder for check_model.json")
     HANDLERS["check-model"] = cmd_check_model
-    from speclab.export_cli import add_export_parser  # `speclab export` (drafter formats)
-
-    add_export_parser(sub, HANDLERS)
+    add_export_parser(sub, HANDLERS)  # `speclab export` (drafter formats)
     _add_job_parsers(sub)
 
 
@@ -95,13 +109,10 @@ def cmd_reference(args: argparse.Namespace) -> int:
         raise ValueError("--widen: only with --large")
     if args.large:
         return _reference_large(args)
-    from speclab.models.reference import ensure_reference_pair
 
     pair = ensure_reference_pair(force=args.force)
     print(f"target: {pair.target}\ndraft:  {pair.draft}")
     if args.check:
-        from speclab.models.reference import check_reference_pair
-
         res = check_reference_pair(pair)
         print(f"greedy chain alpha (gamma={res['gamma']}, {res['prompts']} held-out prompts): "
               f"{res['alpha']:.3f}  (required >= 0.6)")
@@ -115,18 +126,9 @@ def _reference_large(args: argparse.Namespace) -> int:
     """``speclab reference --large``: build or find reference-large, print its folders and
     its recorded forward costs (``--check``: measured again now, on this machine, and
     recorded in its ``cost.json``)."""
-    from speclab.models.reference_large import ensure_reference_large, format_cost, record_cost
-
     large = ensure_reference_large(force=args.force)
     if args.widen is not None:
-        from speclab.models.grow_drafters import widen_drafter_folder
-
-        check = widen_drafter_folder(args.widen, args.out, large)
-        what = (f"{check['heads']} Medusa heads" if check["kind"] == "medusa" else
-                f"EAGLE-{check['version']}, feature layers "
-                f"{check['feature_layers'] or 'the last'}")
-        print(f"{check['kind']}: {args.out} ({what} for reference-large; greedy agreement "
-              f"with {args.widen} {check['greedy_agreement']:.3f})")
+        print(widen_drafter_folder(args.widen, args.out, large)["summary"])
         return 0
     print(f"target: {large.target}\ndraft:  {large.draft}\neagle:  {large.eagle}\n"
           f"eagle for the small reference target: {large.eagle_small}")
@@ -140,11 +142,7 @@ def _reference_large(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from speclab.bench import run_bench
-
     if args.batch_sizes is not None:
-        from speclab.bench import parse_batch_sizes, run_batch_bench
-
         for flag, given in (("--eagle", args.eagle), ("--medusa", args.medusa)):
             if given:
                 raise ValueError(f"{flag}: not with --batch-sizes (the batched runs are "
@@ -163,18 +161,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def cmd_shift(args: argparse.Namespace) -> int:
     """Print the per-prompt TV table and write ``<out>/shift.json``."""
     import json
     from pathlib import Path
-
-    from speclab.api import Decoder
-    from speclab.cli import method_from_args, verify_params_from_args
-    from speclab.data.prompts import load_prompts
-    from speclab.decoding.sampling import SamplingParams
-    from speclab.evaluation import format_table
-    from speclab.shift import first_token_shift
 
     cfg = method_from_args(args)
     if cfg.needs_draft_model and not args.draft:
@@ -208,11 +198,6 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     import torch
-
-    from speclab.api import Decoder
-    from speclab.compat import check_model
-    from speclab.data.prompts import load_prompts
-    from speclab.evaluation import format_table
 
     for name in ("num_prompts", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -290,8 +275,6 @@ def _add_job_parsers(sub) -> None:
 
 def _validate_job_config(job: str, config: str, overrides: list[str]) -> None:
     """Fail before submitting anything when the config is invalid for ``job``."""
-    from speclab.config import JOB_CONFIGS
-
     JOB_CONFIGS[job].from_yaml(config, overrides)
 
 
@@ -302,15 +285,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from speclab.config import ServeJob
-    from speclab.paths import repo_root
-    from speclab.raylib import init_ray
-
     key = [f"serve.api_key={json.dumps(args.api_key)}"] if args.api_key is not None else []
     cfg = ServeJob.from_yaml(args.config, [*args.overrides, *key])  # validated with the key
     sys.path.insert(0, str(repo_root()))  # serve_apps lives next to the package
     from serve_apps.app import app_from_config
-    from speclab.ports import check_port_free
 
     sv = cfg.serve
     check_port_free("serve.port", sv.host, sv.port)
@@ -347,8 +325,6 @@ def _watch(stop, host: str, port: int, every_s: float = 2.0, misses: int = 3) ->
     ``misses`` connections in a row (a cluster joined with ``--address`` went away)."""
     import ray._private.worker as ray_worker
 
-    from speclab.ports import answers
-
     missed = 0
     while not stop.wait(every_s):
         node = getattr(ray_worker, "_global_node", None)
@@ -376,8 +352,6 @@ def _shutdown_ray(timeout_s: float) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the job in this process: ``speclab.jobs.<job>.main`` (works from an
     installed package; no checkout needed)."""
-    from speclab.jobs import job_main
-
     argv = ["--config", args.config, *(["--address", args.address] if args.address else []),
             *args.overrides]
     return job_main(args.job)(argv)
@@ -389,8 +363,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
     import os
     import shlex
     import sys
-
-    from speclab.raylib import project_runtime_env, quiet_ray_env
 
     _validate_job_config(args.job, args.config, args.overrides)
     quiet_ray_env()
@@ -454,9 +426,6 @@ def cmd_ui(args: argparse.Namespace) -> int:
     import subprocess
     import sys
 
-    from speclab.ports import check_port_free
-    from speclab.tracking import default_artifact_root, resolve_tracking_uri
-
     uri = resolve_tracking_uri()
     if uri.startswith("http"):
         print(f"tracking server already at {uri}: open it in a browser")
@@ -499,8 +468,6 @@ def cmd_ui(args: argparse.Namespace) -> int:
 def cmd_recommend(args: argparse.Namespace) -> int:
     """Print the K recommended item ids (rank order) with scores (+ SD stats)."""
     import json
-
-    from speclab.recommend import Recommender
 
     try:
         history = [int(h) for h in args.history.split(",") if h.strip()]

@@ -42,7 +42,7 @@ from speclab import theory
 from speclab.agreement import agreement_cell
 from speclab.api import Decoder, GenerationResult
 from speclab.decoding.loop import tau
-from speclab.forward_costs import REPEATS, CostModel, ForwardRecorder, engine_overhead
+from speclab.forward_costs import REPEATS, CostModel, CostSampler, ForwardRecorder, engine_overhead
 from speclab.paired_timing import (
     TIMING_PASSES,
     Pair,
@@ -368,8 +368,6 @@ def interleaved_comparison(
     the AR row). ``progress`` gets a line per pass and then per method (its place in the
     list, tokens, tokens/s against its AR's, tau, speedup with its interval).
     """
-    from speclab.forward_costs import CostSampler
-
     gen = dict(gen)
     passes = passes or gen.pop("timing_passes", None) or TIMING_PASSES
     gen.pop("timing_passes", None)

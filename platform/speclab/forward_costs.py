@@ -52,6 +52,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.host import ForwardClock
+from speclab.decoding.runner import ModelRunner
+
 #: new-token counts every curve is measured at (draft and verify forwards)
 TOKEN_POINTS = (1, 2, 4, 8, 16, 32)
 #: up to this many new tokens a point is measured on top of the representative context
@@ -126,8 +130,6 @@ class ForwardRecorder:
     counts and the clocked seconds so far and starts over."""
 
     def __init__(self, models: list[torch.nn.Module]) -> None:
-        from speclab.decoding.host import ForwardClock
-
         self.models = list({id(m): m for m in models if m is not None}.values())
         self.counts: Counter = Counter()
         device = next((p.device for m in self.models for p in m.parameters()),
@@ -217,8 +219,6 @@ def _batched_points(model: torch.nn.Module, rows: int, tokens: list[int],
                     prefix: list[int], ids) -> tuple[list[_Point], list]:
     """The points of ``[rows, tokens]`` forwards on a :class:`BatchRunner` (and the
     runners to release at the end)."""
-    from speclab.decoding.batch_runner import BatchRunner
-
     runner = BatchRunner(model)
     runner.add_rows([prefix] * rows, logits=False)
     base = runner.length(0)
@@ -251,8 +251,6 @@ def _single_points(model: torch.nn.Module, tokens: list[int], prefix: list[int],
                    ) -> tuple[list[_Point], list]:
     """The points of one-row forwards on a :class:`ModelRunner` (and its runners); a model
     with ``cost_inputs(n)`` (a drafter's own network) gets them with every forward."""
-    from speclab.decoding.runner import ModelRunner
-
     extra = getattr(model, "cost_inputs", None)
 
     def run(r: ModelRunner, new: torch.Tensor, allowed=None, last_only: bool = False) -> None:

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from speclab.plugins import load_plugins
+
 LossFn = Callable[..., torch.Tensor]
 
 
@@ -199,7 +201,6 @@ def _ensure_builtin() -> None:
 def _ensure_loaded() -> None:
     """The built-in entries and the plugin modules of ``$SPECLAB_PLUGINS``."""
     _ensure_builtin()
-    from speclab.plugins import load_plugins
 
     load_plugins()
 

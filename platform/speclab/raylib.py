@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from speclab.paths import repo_root
+from speclab.tracking import git_commit
 
 # never uploaded with the working_dir (the virtualenv alone is ~2 GB)
 EXCLUDES = [".venv", ".git", "**/__pycache__", ".speclab", "mlruns", "mlartifacts",
@@ -55,7 +56,6 @@ def project_runtime_env(extra_env: dict[str, str] | None = None) -> dict:
     """The runtime_env that ships this checkout: working_dir + the speclab package."""
     root = repo_root()
     env = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
-    from speclab.tracking import git_commit
 
     env["SPECLAB_GIT_COMMIT"] = git_commit()
     env.update({"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")})

@@ -30,14 +30,13 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from speclab.api import Decoder
 from speclab.config import MethodConfig, TuneJob
 from speclab.config.base import apply_override
 from speclab.config.jobs import device_for_gpus, own_method_knobs
-
-if TYPE_CHECKING:
-    from speclab.api import Decoder
+from speclab.evaluation import MethodRun, interleaved_comparison, summarize
+from speclab.text_metrics import METRICS
 
 _MODELS: dict = {}  # (target, draft, dtype, device, attention) -> Decoder, per process
 
@@ -144,8 +143,6 @@ def load_models(cfg: TuneJob, target: str, draft: str | None) -> Decoder:
     ``cfg.models.dtype`` on ``cfg.models.device`` (in a trial: the trial's device, see
     :func:`trial_device`) with ``cfg.models.attn_implementation``; the feature drafters
     and heads it builds load on the target's device and dtype."""
-    from speclab.api import Decoder
-
     m = cfg.models
     return Decoder.from_pretrained(target, draft, m.dtype, m.device,
                                    attn_implementation=m.attn_implementation)
@@ -176,8 +173,6 @@ def evaluate_method(cfg: TuneJob, target: str, draft: str | None,
     prompts and their ratio ``accuracy_ratio`` (1 for a lossless method; a floor on it
     bounds what a relaxed method such as AASD may lose, whatever the model's quality).
     """
-    from speclab.evaluation import MethodRun, interleaved_comparison, summarize
-
     dec = load_decoder(cfg, target, draft)
     m = method if method is not None else cfg.method
     run = MethodRun(m.name, m.params(), m.label or "")
@@ -191,8 +186,6 @@ def evaluate_method(cfg: TuneJob, target: str, draft: str | None,
     out["predicted_speedup"] = t_target / lat if lat > 0 else 0.0
     out["identical_to_ar"] = float(bool(row.get("identical_to_ar")))
     if references is not None:
-        from speclab.text_metrics import METRICS
-
         metric, refs = METRICS[references[0]], references[1]
 
         def score(outputs: list[list[int]]) -> float:

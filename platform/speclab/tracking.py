@@ -1,8 +1,9 @@
 """MLflow behind one small interface (and a null tracker for tests / tracking off).
 
-Store resolution: ``tracking.uri`` in the config > ``$MLFLOW_TRACKING_URI`` > the
-embedded store ``sqlite:///$SPECLAB_HOME/mlflow.db`` with artifacts in
-``$SPECLAB_HOME/mlartifacts`` (no server needed). A remote server is probed before any
+Store resolution (:mod:`speclab.tracking_store`, re-exported here): ``tracking.uri`` in
+the config > ``$MLFLOW_TRACKING_URI`` > the embedded store
+``sqlite:///$SPECLAB_HOME/mlflow.db`` with artifacts in ``$SPECLAB_HOME/mlartifacts``
+(no server needed). A remote server is probed before any
 expensive work so an unreachable one is reported at once, naming the URI.
 
 Every run gets: flattened params, metrics (with steps), the resolved config YAML, tags
@@ -22,17 +23,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from speclab.paths import repo_root, speclab_home
+from speclab.paths import repo_root
 from speclab.tracking_buffer import FLUSH_TIMEOUT_ENV, flush_timeout_s, is_transient, short_error
+from speclab.tracking_store import check_inside as check_inside
+from speclab.tracking_store import default_artifact_root as default_artifact_root
+from speclab.tracking_store import default_tracking_uri as default_tracking_uri
+from speclab.tracking_store import resolve_model_uri as resolve_model_uri
+from speclab.tracking_store import resolve_tracking_uri as resolve_tracking_uri
 
 #: MLflow 3's experiment tag choosing the experiment page's layout: with
 #: ``custom_model_development`` it opens on the runs table (params, metrics, charts),
@@ -42,23 +47,6 @@ EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_de
 
 class TrackingUnavailable(RuntimeError):
     """The configured tracking server cannot be reached."""
-
-
-def default_tracking_uri() -> str:
-    """The embedded SQLite store under ``$SPECLAB_HOME``."""
-    return f"sqlite:///{speclab_home() / 'mlflow.db'}"
-
-
-def default_artifact_root() -> str:
-    """Where the embedded store keeps artifacts (a ``file://`` URI)."""
-    path = speclab_home() / "mlartifacts"
-    path.mkdir(parents=True, exist_ok=True)
-    return path.as_uri()
-
-
-def resolve_tracking_uri(configured: str | None = None) -> str:
-    """Config > ``$MLFLOW_TRACKING_URI`` > embedded SQLite."""
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
 def check_reachable(uri: str, timeout: float = 5.0) -> None:
@@ -120,8 +108,42 @@ def metric_key(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "_-./ " else "_" for ch in name).strip("_")
 
 
+class Tracker(Protocol):
+    """What a job tracks through: :class:`MlflowTracker` (one MLflow run) and
+    :class:`NullTracker` (nothing) both satisfy it. Use it as a context manager;
+    ``run_id`` / ``experiment_id`` are None until the run starts (always, untracked)."""
+
+    run_id: str | None
+    experiment_id: str | None
+    uri: str | None
+
+    def __enter__(self) -> Tracker: ...
+
+    def __exit__(self, *exc) -> None: ...
+
+    def log_params(self, params: dict) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+
+    def log_series(self, key: str, values: dict[int, float]) -> None:
+        """Metric ``key`` at each step of ``values`` (``{step: value}``), in one call."""
+
+    def log_text(self, text: str, name: str) -> None: ...
+
+    def log_table(self, rows: list[dict], name: str) -> None: ...
+
+    def log_figure(self, fig, name: str) -> None: ...
+
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+
+    def log_model(self, folder: str | Path, registered_name: str | None) -> str | None: ...
+
+    def child(self, run_name: str, config: dict) -> Tracker:
+        """A nested run (a trial, one loss of a comparison)."""
+
+
 class NullTracker:
-    """Does nothing; same interface as :class:`MlflowTracker`."""
+    """Does nothing: a :class:`Tracker` for tests and for tracking off."""
 
     run_id: str | None = None
     experiment_id: str | None = None
@@ -156,8 +178,9 @@ class NullTracker:
         return NullTracker()
 
 
-class MlflowTracker(NullTracker):
-    """One MLflow run: ``with MlflowTracker(uri, experiment, run_name, config) as t: ...``.
+class MlflowTracker:
+    """One MLflow run, a :class:`Tracker`:
+    ``with MlflowTracker(uri, experiment, run_name, config) as t: ...``.
 
     Every call to the server is retried for up to ``retry_s`` seconds (default
     ``$SPECLAB_TRACKING_FLUSH_TIMEOUT_S``, 120) while the server does not answer; then
@@ -165,6 +188,9 @@ class MlflowTracker(NullTracker):
     FINISHED only if the body succeeded and the server confirms it; otherwise FAILED if
     the server can be told, else the run stays RUNNING (never FINISHED).
     """
+
+    run_id: str | None = None
+    experiment_id: str | None = None
 
     def __init__(self, uri: str, experiment: str, run_name: str | None, config: dict,
                  nested: bool = False, retry_s: float | None = None) -> None:
@@ -335,7 +361,7 @@ def _bounded_mlflow_http() -> None:
 
 
 def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str | None,
-                 config: dict) -> NullTracker:
+                 config: dict) -> Tracker:
     """A tracker for a job; checks a remote server first (before expensive work)."""
     if not enabled:
         return NullTracker()
@@ -344,7 +370,7 @@ def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str 
     return MlflowTracker(resolved, experiment, run_name, config)
 
 
-def run_link(tracker: NullTracker, ui_port: int = 5000) -> str | None:
+def run_link(tracker: Tracker, ui_port: int = 5000) -> str | None:
     """The browser address of ``tracker``'s run: on its tracking server, or on the UI
     that ``speclab ui`` starts over a local store (default port 5000); None untracked."""
     if not tracker.run_id or not tracker.experiment_id:
@@ -366,6 +392,8 @@ def _hf_pyfunc_class():
         """A saved HF causal LM (+ tokenizer) as an MLflow pyfunc: greedy completion."""
 
         def load_context(self, context) -> None:
+            # lazy: the engine (torch, transformers) only where a logged model is loaded,
+            # not in every process that tracks
             from speclab.api import Decoder
 
             self.decoder = Decoder.from_pretrained(context.artifacts["hf"])
@@ -398,37 +426,3 @@ def log_hf_model(folder: str | Path, registered_name: str | None) -> str | None:
         versions = MlflowClient().search_model_versions(f"name='{registered_name}'")
         version = max(int(v.version) for v in versions)
     return f"models:/{registered_name}/{version}"
-
-
-def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
-    """Download ``models:/name/version`` (or ``runs:/...``) and return the HF folder in it."""
-    import mlflow
-
-    mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
-    target = Path(tempfile.mkdtemp(prefix="speclab-model-")).resolve()
-    try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri,
-                                                         dst_path=str(target)))
-    except Exception as exc:  # MLflow raises several types for a missing model
-        shutil.rmtree(target, ignore_errors=True)
-        raise ValueError(f"model: cannot resolve {uri!r} in the MLflow registry: {exc}") from None
-    try:
-        check_inside(target, local)
-    except ValueError as exc:
-        shutil.rmtree(target, ignore_errors=True)
-        raise ValueError(f"model: {uri!r}: {exc}") from None
-    configs = sorted(local.rglob("config.json"), key=lambda p: len(p.parts))
-    if not configs:
-        shutil.rmtree(target, ignore_errors=True)
-        raise ValueError(f"model: {uri!r} holds no saved HF model (no config.json)")
-    return str(configs[0].parent)
-
-
-def check_inside(folder: Path, path: Path) -> None:
-    """ValueError unless ``path`` and everything under it (symlinks resolved) lie inside
-    ``folder``: a downloaded artifact may not point or write anywhere else."""
-    root = folder.resolve()
-    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
-        real = p.resolve()
-        if real != root and root not in real.parents:
-            raise ValueError(f"{p} resolves to {real}, outside the download folder {root}")

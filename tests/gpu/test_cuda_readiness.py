@@ -26,7 +26,7 @@ def test_sampling_on_cuda_runs_and_a_seed_reproduces_it(tiny_pair, method, hp):
 
 
 def test_feature_drafters_load_on_the_targets_device_and_dtype(tiny_pair, tmp_path):
-    from speclab.models.eagle import EagleModel, save_eagle
+    from speclab.families.eagle.model import EagleModel, save_eagle
     from speclab.models.loading import load_model
 
     folder = str(save_eagle(EagleModel.from_target(load_model(tiny_pair["target"])),
@@ -78,8 +78,8 @@ def test_medusa_heads_and_acceptance_heads_run_on_the_targets_device(tiny_pair, 
     the draft's device (it casts the features to its own dtype); both decode greedily
     exactly like plain decoding."""
     from speclab.decoding.acceptance_head import AcceptanceHead
+    from speclab.families.medusa.model import MedusaHeads, save_medusa
     from speclab.models.loading import load_model
-    from speclab.models.medusa import MedusaHeads, save_medusa
 
     target = load_model(tiny_pair["target"])
     folder = str(save_medusa(MedusaHeads.from_target(target, tiny_pair["target"], 3),

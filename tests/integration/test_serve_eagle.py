@@ -28,7 +28,7 @@ def test_eagle_served_with_features_crossing_deployments(tmp_path, tiny, version
     """EAGLE-1/2 and EAGLE-3 (the target returns the fused features of the layers the
     draft replica's drafter names; a draft vocabulary of the 32 most frequent tokens)."""
     from speclab.api import Decoder
-    from speclab.models.eagle import save_eagle
+    from speclab.families.eagle.model import save_eagle
     from tests.unit.test_eagle import _train
     from tests.unit.test_eagle3 import train_eagle3
 
@@ -69,7 +69,7 @@ def test_eagle_served_with_features_crossing_deployments(tmp_path, tiny, version
 
 def test_medusa_served_with_the_heads_in_the_draft_deployment(tmp_path, tiny):  # noqa: F811
     from speclab.api import Decoder
-    from speclab.models.medusa import save_medusa
+    from speclab.families.medusa.model import save_medusa
     from tests.unit.test_medusa import _train
 
     target, _ = tiny

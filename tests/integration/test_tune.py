@@ -60,7 +60,7 @@ def test_decode_sweep_logs_parent_children_and_a_runnable_best_config(job_env, t
 def test_medusa_sweep_over_tree_size_and_typical_epsilon(job_env, tmp_path, monkeypatch):
     """A decode sweep of Medusa's sparse-tree size x typical acceptance's epsilon at
     T=0.7 (``decoding.verify_params``), with heads from a folder."""
-    from speclab.models.medusa import save_medusa
+    from speclab.families.medusa.model import save_medusa
     from speclab.models.registry import ensure_tiny_pair
     from tests.unit.test_medusa import _train
 

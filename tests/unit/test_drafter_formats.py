@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from speclab.api import Decoder
-from speclab.models.eagle import EagleMeta, EagleModel, load_eagle, save_eagle
+from speclab.families.eagle.model import EagleMeta, EagleModel, load_eagle, save_eagle
+from speclab.families.medusa.model import MedusaHeads, MedusaMeta, load_medusa, save_medusa
 from speclab.models.formats import (
     VLLM_READS,
     DrafterFormatError,
@@ -25,7 +26,6 @@ from speclab.models.formats import (
     export_drafter,
 )
 from speclab.models.loading import load_model
-from speclab.models.medusa import MedusaHeads, MedusaMeta, load_medusa, save_medusa
 from speclab.models.tiny import build_tiny_llama
 
 PROMPT = [3, 9, 27, 17, 51, 2]
@@ -535,8 +535,8 @@ def test_a_drafter_trained_with_eagle1_layout_exports_and_round_trips(tmp_path, 
 
     from speclab.config.schema import EagleTrainConfig, TrainConfig
     from speclab.decoding.runner import ModelRunner
+    from speclab.families.eagle.task import EagleTask, EagleTaskConfig
     from speclab.train.distill_data import feat_example
-    from speclab.train.tasks import EagleTask, EagleTaskConfig
 
     runner = ModelRunner(load_model(tiny_pair["target"]))
     (tmp_path / "data" / "feat").mkdir(parents=True)

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from speclab.api import Decoder
-from speclab.models.eagle import load_eagle, save_eagle
-from speclab.models.eagle3 import Eagle3Model
+from speclab.families.eagle.model import load_eagle, save_eagle
+from speclab.families.eagle.model3 import Eagle3Model
 from speclab.models.formats import (
     VLLM_READS_EAGLE3,
     DrafterFormatError,

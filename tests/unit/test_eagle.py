@@ -10,16 +10,16 @@ from speclab.api import Decoder
 from speclab.decoding.loop import autoregressive_generate
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.models.eagle import EagleModel, load_eagle, save_eagle
-from speclab.models.loading import load_model
-from speclab.models.tiny import build_tiny_llama
-from speclab.train.distill_data import feat_example
-from speclab.train.eagle import (
+from speclab.families.eagle.model import EagleModel, load_eagle, save_eagle
+from speclab.families.eagle.training import (
     collate_feat,
     eagle_loss,
     hass_step_mask,
     top1_agreement,
 )
+from speclab.models.loading import load_model
+from speclab.models.tiny import build_tiny_llama
+from speclab.train.distill_data import feat_example
 
 PROMPT = [3, 9, 27, 17, 51, 2]
 
@@ -79,7 +79,7 @@ def test_folder_round_trip_and_wrong_target(tiny_pair, tmp_path):
 
 def test_the_drafter_sees_the_targets_features_of_every_committed_position(tiny_pair,
                                                                            trained):
-    from speclab.drafters.eagle import EagleDrafter
+    from speclab.families.eagle.drafter import EagleDrafter
 
     seen = []
 
@@ -149,7 +149,7 @@ def test_training_raises_agreement_and_hass_trains_too(tiny_pair, trained):
 
 
 def test_engine_acceptance_during_training(tiny_pair, trained):
-    from speclab.train.eagle import engine_acceptance
+    from speclab.families.eagle.training import engine_acceptance
 
     target = load_model(tiny_pair["target"])
     got = engine_acceptance(target, trained[0], [PROMPT, [5, 6, 7]], 24, depth=4)
@@ -306,7 +306,7 @@ def test_training_batches_carry_eagles_feature_noise(tiny_pair, tmp_path):
     import pyarrow.parquet as pq
 
     from speclab.config.schema import EagleTrainConfig, TrainConfig
-    from speclab.train.tasks import EagleTask, EagleTaskConfig
+    from speclab.families.eagle.task import EagleTask, EagleTaskConfig
 
     assert (EagleTrainConfig().feature_noise, EagleTrainConfig().feature_noise_len) == (0.2,
                                                                                        512)
@@ -429,7 +429,7 @@ def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, tr
     from speclab.decoding.drafting import PerRowDrafters
     from speclab.decoding.row_pool import DraftPool, NewRow, TargetPool, seeded
     from speclab.decoding.rules import RuleSpec
-    from speclab.drafters.eagle import EagleConfig, EagleDrafter
+    from speclab.families.eagle.drafter import EagleConfig, EagleDrafter
 
     model = trained[0]
     target = load_model(tiny_pair["target"])

@@ -14,13 +14,13 @@ from speclab.decoding.loop import autoregressive_generate, generate_tokens
 from speclab.decoding.rules import resolve_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.drafters.eagle import EagleConfig, EagleDrafter
-from speclab.models.eagle import load_eagle, save_eagle
-from speclab.models.eagle3 import Eagle3Model
+from speclab.families.eagle.drafter import EagleConfig, EagleDrafter
+from speclab.families.eagle.model import load_eagle, save_eagle
+from speclab.families.eagle.model3 import Eagle3Model
+from speclab.families.eagle.training import collate_feat, eagle3_loss, hass_forward, talf_loss
 from speclab.models.loading import load_model
 from speclab.models.tiny import build_tiny_llama
 from speclab.train.distill_data import feat_example
-from speclab.train.eagle import collate_feat, eagle3_loss, hass_forward, talf_loss
 
 PROMPT = [3, 9, 27, 17, 51, 2]
 
@@ -53,7 +53,7 @@ def train_eagle3(target_dir: str, steps: int = 60, draft_vocab: int = 0) -> Eagl
     target's fused features over its own greedy continuations, with a draft vocabulary
     of the ``draft_vocab`` most frequent target tokens (0: all; also used by Serve's
     tests)."""
-    from speclab.train.tasks import draft_vocabulary
+    from speclab.families.eagle.task import draft_vocabulary
 
     target = load_model(target_dir)
     rows = _rows(target, windows=24, length=17)
@@ -267,8 +267,8 @@ def test_training_raises_acceptance_and_talf_applies(deep_target):
     """A few steps of EAGLE-3 training lower the loss and raise the engine's tau over an
     untrained drafter; TALF's loss runs on an EAGLE-3 drafter (fused pass 0, own
     features deeper)."""
+    from speclab.families.eagle.training import collate_forest, engine_acceptance
     from speclab.train.distill_data import feat_forest_example
-    from speclab.train.eagle import collate_forest, engine_acceptance
 
     target = load_model(deep_target)
     rows = _rows(target, windows=24, length=17)
@@ -311,7 +311,7 @@ def test_training_config_refuses_what_eagle3_cannot_train():
 
 
 def test_draft_vocabulary_is_the_most_frequent_target_tokens():
-    from speclab.train.tasks import draft_vocabulary
+    from speclab.families.eagle.task import draft_vocabulary
 
     rows = [{"topk_ids": [[5, 1], [5, 2], [7, 1]], "tokens": [9, 9, 9, 3]}]
     assert draft_vocabulary(rows, 2).tolist() == [5, 7]
@@ -369,7 +369,7 @@ def test_a_window_shorter_than_the_evaluation_contexts_is_reported(capsys):
     window (a stand-in tokenizer: one token per character)."""
     from speclab.config.jobs import DistillEagleJob
     from speclab.data.prompts import load_prompts
-    from speclab.pipelines.eagle import context_window
+    from speclab.families.eagle.stages import context_window
 
     class Chars:
         def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

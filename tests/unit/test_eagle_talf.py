@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from speclab.decoding.runner import ModelRunner
-from speclab.models.eagle import EagleModel
+from speclab.families.eagle.model import EagleModel
+from speclab.families.eagle.training import collate_forest, talf_logits, talf_loss
 from speclab.models.loading import load_model
 from speclab.train.distill_data import feat_forest_example
-from speclab.train.eagle import collate_forest, talf_logits, talf_loss
 
 TOP_K, DEPTH, K = 3, 3, 4
 
@@ -129,8 +129,8 @@ def test_training_starts_from_init_from(tiny_pair, tmp_path):
     import pyarrow.parquet as pq
 
     from speclab.config.schema import EagleTrainConfig, TrainConfig
-    from speclab.models.eagle import save_eagle
-    from speclab.train.tasks import EagleTask, EagleTaskConfig
+    from speclab.families.eagle.model import save_eagle
+    from speclab.families.eagle.task import EagleTask, EagleTaskConfig
 
     target = load_model(tiny_pair["target"])
     runner = ModelRunner(target)

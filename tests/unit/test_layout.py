@@ -21,12 +21,52 @@ def test_platform_is_not_a_package_and_stdlib_platform_works():
 
 def test_engine_imports_neither_ray_nor_mlflow():
     code = ("import sys, speclab.decoding.loop, speclab.drafters, speclab.api, "
-            "speclab.theory, speclab.evaluation; "
+            "speclab.theory, speclab.evaluation, speclab.drafters.registry, "
+            "speclab.families.eagle.drafter, speclab.families.medusa.drafter, "
+            "speclab.families.specdecpp.drafter, speclab.families.registry; "
             "print(any(m == 'ray' or m.startswith('ray.') for m in sys.modules), "
             "any(m == 'mlflow' or m.startswith('mlflow.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_engine_imports_no_drafter():
+    """``speclab.decoding`` (the engine) imports nothing from ``speclab.drafters`` or a
+    family (``speclab.families``), at module level or inside a function: drafters
+    implement the engine's interfaces, never the other way round."""
+    from tests.layout_metrics import import_graph
+
+    graph, _ = import_graph()
+    engine = {m: deps for m, deps in graph.items() if m.startswith("speclab.decoding")}
+    assert len(engine) > 10
+    bad = {m: sorted(d for d in deps if d.startswith(("speclab.drafters", "speclab.families")))
+           for m, deps in engine.items()}
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_architecture_bounds():
+    """Issue 52's bounds, counted by :mod:`tests.layout_metrics`: comparisons against a
+    family or objective name outside ``speclab.families`` (at most 5), import circles
+    (at most 2) and function-level imports of project modules (at most 200)."""
+    from tests.layout_metrics import circles, family_comparisons, import_graph
+
+    graph, lazy = import_graph()
+    assert len(family_comparisons()) <= 5, family_comparisons()
+    assert len(circles(graph)) <= 2, circles(graph)
+    assert len(lazy) <= 200
+
+
+def test_layout_metrics_count_what_they_claim(tmp_path):
+    """The counters see a planted comparison, circle and lazy import."""
+    import ast
+
+    from tests.layout_metrics import _names, circles
+
+    assert circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    node = ast.parse('x in ("eagle", "hass")').body[0].value
+    assert _names(node.comparators[0]) == {"eagle", "hass"}
 
 
 CONFIGS = sorted((ROOT / "experiments").rglob("*.yaml"))

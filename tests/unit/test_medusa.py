@@ -11,8 +11,17 @@ from speclab.api import Decoder
 from speclab.decoding.loop import autoregressive_generate
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.drafters.medusa import MedusaDrafter, medusa_template
-from speclab.drafters.medusa_trees import (
+from speclab.families.eagle.training import collate_feat
+from speclab.families.medusa.drafter import MedusaDrafter, medusa_template
+from speclab.families.medusa.model import MedusaHeads, head_accuracies, load_medusa, save_medusa
+from speclab.families.medusa.training import (
+    Medusa2Model,
+    head_losses,
+    lm_quality,
+    medusa1_loss,
+    medusa2_loss,
+)
+from speclab.families.medusa.trees import (
     cartesian_template,
     chain_template,
     expected_length,
@@ -20,16 +29,7 @@ from speclab.drafters.medusa_trees import (
     sparse_template,
 )
 from speclab.models.loading import load_model
-from speclab.models.medusa import MedusaHeads, head_accuracies, load_medusa, save_medusa
 from speclab.train.distill_data import feat_example, medusa_examples
-from speclab.train.eagle import collate_feat
-from speclab.train.medusa import (
-    Medusa2Model,
-    head_losses,
-    lm_quality,
-    medusa1_loss,
-    medusa2_loss,
-)
 
 PROMPT = [3, 9, 27, 17, 51, 2]
 ACC = [[0.6, 0.2, 0.1], [0.4, 0.3, 0.05], [0.3, 0.1, 0.0]]
@@ -369,8 +369,8 @@ def test_calibration_scores_the_heads_on_the_targets_own_tokens(tiny_pair, train
     import pyarrow.parquet as pq
 
     from speclab.config.schema import MedusaTrainConfig, TrainConfig
-    from speclab.pipelines.medusa import calibrate
-    from speclab.train.tasks import MedusaTask, MedusaTaskConfig
+    from speclab.families.medusa.stages import calibrate
+    from speclab.families.medusa.task import MedusaTask, MedusaTaskConfig
 
     heads, _ = trained
     target = load_model(tiny_pair["target"])
@@ -414,8 +414,9 @@ def test_serve_refuses_heads_of_another_target_at_load(tiny_pair, trained, tmp_p
     target's safetensors, tied embeddings too) and refuses them, naming the field."""
     from transformers import LlamaForCausalLM
 
-    from serve_apps.draft import DraftDeployment, _lm_head_fingerprint
-    from speclab.models.medusa import target_fingerprint
+    from serve_apps.draft import DraftDeployment
+    from speclab.families.medusa.model import lm_head_fingerprint as _lm_head_fingerprint
+    from speclab.families.medusa.model import target_fingerprint
     from speclab.models.tiny import tiny_llama_config
 
     heads, _ = trained
@@ -447,8 +448,8 @@ def test_calibration_continues_held_out_prompts_of_the_evaluations_kind(tmp_path
 
     from speclab.config.schema import DataConfig, DecodingConfig, MedusaTrainConfig
     from speclab.data.prompts import held_out_prompts, load_prompts
+    from speclab.families.medusa.stages import calibrate, calibration_sequences
     from speclab.models.registry import ensure_tiny_pair
-    from speclab.pipelines.medusa import calibrate, calibration_sequences
 
     evaluated = set(load_prompts("stdlib_functions", 16, 200))
     held = held_out_prompts("stdlib_functions", 8, 16, 200)

@@ -152,8 +152,8 @@ def test_feature_drafters_train_and_decode_on_other_families(families, family, t
     input) and Medusa heads train on a Gemma (tied embeddings), a Mistral (sliding
     window) and a Qwen2 target and decode them exactly, one prompt at a time and
     batched."""
-    from speclab.models.eagle import save_eagle
-    from speclab.models.medusa import save_medusa
+    from speclab.families.eagle.model import save_eagle
+    from speclab.families.medusa.model import save_medusa
 
     from .test_eagle import _train as train_eagle
     from .test_medusa import _train as train_medusa

@@ -371,8 +371,8 @@ def test_an_eagle_drafters_forwards_are_priced(tiny_pair, tmp_path, version):
     as the engine's time; the batched engine leaves it unpriced."""
     from speclab.api import Decoder
     from speclab.evaluation import interleaved_comparison
-    from speclab.models.eagle import EagleModel, save_eagle
-    from speclab.models.eagle3 import Eagle3Model
+    from speclab.families.eagle.model import EagleModel, save_eagle
+    from speclab.families.eagle.model3 import Eagle3Model
     from speclab.models.loading import load_model
 
     target = load_model(tiny_pair["target"])

@@ -7,9 +7,14 @@ from speclab.data import recsys
 from speclab.data.rec_dataset import RecExample, RecMeta
 from speclab.decoding.beam import constrained_beam_search, mixture_beam_search
 from speclab.decoding.runner import ModelRunner
+from speclab.families.atspeed.training import (
+    REC_LOSSES,
+    alignment_example,
+    collate_align,
+    rec_align_loss,
+)
 from speclab.models.loading import load_model
 from speclab.models.tiny import build_tiny_llama
-from speclab.train.rec_align import REC_LOSSES, alignment_example, collate_align, rec_align_loss
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +183,8 @@ def test_rec_align_task_batches_deterministically_and_trains(setup, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from speclab.config.schema import TrainConfig
-    from speclab.train.tasks import TASKS, RecAlignTaskConfig
+    from speclab.families.atspeed.task import RecAlignTaskConfig
+    from speclab.train.tasks import TASKS
 
     meta, target, draft_dir = setup
     train = [RecExample(0, meta.prompt([i % 30, (i * 7) % 30]), (i * 3) % 30) for i in range(12)]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from speclab.models.reference_large import (
+from speclab.reference_large import (
     LargeSpec,
     deepen_llama,
     deepened_index,
@@ -105,7 +105,7 @@ def test_only_llama_models_are_widened():
 
 
 def test_the_widened_eagle_drafter_proposes_what_the_small_one_does():
-    from speclab.models.eagle import EagleMeta, EagleModel
+    from speclab.families.eagle.model import EagleMeta, EagleModel
 
     small = _llama()
     torch.manual_seed(1)
@@ -160,7 +160,7 @@ def _assert_pairs_decode_alike(tmp_path, method: str = "eagle", **knobs) -> list
 def test_engine_decodes_the_grown_pair_as_the_small_one(tmp_path):
     """Through the engine: EAGLE decoding on the grown target with the widened drafter
     gives the small pair's tokens AND its rounds (the same proposals accepted)."""
-    from speclab.models.eagle import EagleModel, save_eagle
+    from speclab.families.eagle.model import EagleModel, save_eagle
 
     small = _llama(seed=2)
     torch.manual_seed(3)
@@ -181,7 +181,7 @@ def test_the_cache_key_covers_the_spec_and_the_base_pair():
 
 
 def test_the_cost_table_and_the_run_dtype():
-    from speclab.models.reference_large import format_cost, run_dtype
+    from speclab.reference_large import format_cost, run_dtype
 
     assert run_dtype("cpu") in ("bfloat16", "float32")
     one = {"threads": 2, "prefix": 128, "repeats": 10, "measured_at": "now",
@@ -196,7 +196,7 @@ def _eagle3(small, seed: int = 4):
     """An EAGLE-3 drafter for ``small`` over the embeddings, layer 1's input and the LM
     head's input (indices 0, 1 and L: each kind of index moves differently when the
     target is deepened), with a 40-token draft vocabulary; every part perturbed."""
-    from speclab.models.eagle3 import Eagle3Model
+    from speclab.families.eagle.model3 import Eagle3Model
 
     torch.manual_seed(seed)
     drafter = Eagle3Model.from_target(small, (0, 1, 3), torch.arange(0, 64, 64 // 40)[:40])
@@ -219,8 +219,8 @@ def test_the_widened_eagle3_drafter_proposes_what_the_small_one_does():
     features, ``fc`` and q/k/v over concatenated inputs are tiled part by part, the draft
     vocabulary is kept; fed each target's own features, both drafters give the same
     logits (and the wide one's outputs are the small one's tiled)."""
-    from speclab.models.eagle import EagleMeta
-    from speclab.models.reference_large import drafter_logits
+    from speclab.families.eagle.model import EagleMeta
+    from speclab.reference_large import drafter_logits
 
     small = _llama()
     drafter = _eagle3(small)
@@ -248,9 +248,9 @@ def test_engine_decodes_the_grown_pair_with_eagle3_as_the_small_one(tmp_path):
     for another target is refused by name."""
     import json
 
-    from speclab.models.eagle import save_eagle
+    from speclab.families.eagle.model import save_eagle
     from speclab.models.grow_drafters import widen_drafter_folder
-    from speclab.models.reference_large import widen_eagle_folder
+    from speclab.reference_large import widen_eagle_folder
 
     small = _llama(seed=2)
     folders = _stand_in_large(tmp_path, small, widen_llama(deepen_llama(small, 7), 2))
@@ -274,7 +274,7 @@ def _stand_in_large(tmp_path, small, large):
     ``reference_large.json`` names the small target and the widening 2)."""
     import json
 
-    from speclab.models.reference_large import ReferenceLarge
+    from speclab.reference_large import ReferenceLarge
 
     small.save_pretrained(tmp_path / "small")
     large.save_pretrained(tmp_path / "large")
@@ -287,7 +287,7 @@ def _medusa(target, seed: int = 4):
     """Medusa heads for ``target``: the untrained heads (each repeats the target's
     next-token guess, which is right where the target repeats itself) with every weight
     perturbed, so each part's widening is tested."""
-    from speclab.models.medusa import MedusaHeads
+    from speclab.families.medusa.model import MedusaHeads
 
     heads = MedusaHeads.from_target(target, "small", heads=3)
     torch.manual_seed(seed)
@@ -307,9 +307,9 @@ def test_widened_medusa_heads_give_the_small_ones_logits(tmp_path):
     another target, and a folder that holds no drafter, are refused naming ``--widen``."""
     import json
 
+    from speclab.families.medusa.model import load_medusa, save_medusa, target_fingerprint
     from speclab.models.grow_drafters import widen_drafter_folder, widen_medusa
-    from speclab.models.medusa import load_medusa, save_medusa, target_fingerprint
-    from speclab.models.reference_large import logits_and_features
+    from speclab.reference_large import logits_and_features
 
     small = _llama(seed=2)
     large = widen_llama(deepen_llama(small, 7), 2)

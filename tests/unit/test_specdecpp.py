@@ -9,11 +9,11 @@ from speclab.api import Decoder
 from speclab.decoding.acceptance_head import AcceptanceHead, load_head, save_head, should_stop
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
-from speclab.drafters.specdecpp import SpecDecPPDrafter
+from speclab.families.specdecpp.drafter import SpecDecPPDrafter
+from speclab.families.specdecpp.training import DraftFeatures, head_metrics, mixed_batch
 from speclab.losses import weighted_bce
 from speclab.models.loading import load_model
 from speclab.train.distill_data import accept_example
-from speclab.train.head import DraftFeatures, head_metrics, mixed_batch
 from tests.unit.test_engine_sampling import PROMPT, N, chi_square_p, exact_two_token_dist
 
 

@@ -195,7 +195,7 @@ def test_held_out_head_metrics_use_the_trials_dtype(tiny_pair, tmp_path, monkeyp
     import speclab.models.loading as loading
     from speclab.config.schema import HeadConfig
     from speclab.decoding.acceptance_head import AcceptanceHead
-    from speclab.pipelines.head import held_out_metrics
+    from speclab.families.specdecpp.stages import held_out_metrics
 
     rows = [{"prompt": [1, 2, 3], "x": [4, 5, 6], "y": [4, 7, 6], "p": [0.9, 0.1, 0.6]},
             {"prompt": [7, 8], "x": [9, 10], "y": [9, 10], "p": [0.8, 0.7]}]
@@ -219,7 +219,7 @@ def test_held_out_head_metrics_use_the_trials_dtype(tiny_pair, tmp_path, monkeyp
 
 
 def test_atspeed_trial_models_load_in_the_configs_dtype(rec_pair):
-    from speclab.pipelines.tune_trials import rec_models
+    from speclab.families.atspeed.trial import rec_models
 
     cfg = TuneJob.from_dict({"job": "tune", "models": {"dtype": "bfloat16"}})
     rec, draft = rec_models(cfg, *rec_pair)

@@ -15,6 +15,9 @@ distill_eagle       models, corpus, tokenizer, distill (generation), eagle, trai
 compare_eagle       as distill_eagle, plus compare (EAGLE-family losses)
 train_medusa        models, corpus, tokenizer, distill (generation), medusa, train, scaling,
                     output, data, decoding, method, methods, resources
+train_drafter       family, drafter (its training group), models, corpus, tokenizer,
+                    distill (generation), train, scaling, output, data, decoding, method,
+                    methods, resources
 train_recommender   rec, arch, train, scaling, output
 recommend_eval      rec, rec_eval, arch, train, scaling, output
 train_head          models, corpus, tokenizer, distill (generation), head, train, scaling,
@@ -23,7 +26,7 @@ specdecpp_eval      models, data, decoding, resources, adaptive, and for heads t
                     the fly: corpus, tokenizer, distill, head, train, scaling, output
 build_datastore     models, corpus, datastore
 retrieval_eval      models, decoding, method, methods, resources, retrieval
-tune                sweep and the groups of its ``sweep.kind`` (:data:`TUNE_GROUPS`)
+tune                sweep and the groups of its ``sweep.kind`` (:func:`tune_groups`)
 serve               models, method, serve
 ==================  ========================================================================
 
@@ -37,10 +40,17 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from speclab.config.base import (
     ConfigError,
@@ -52,6 +62,7 @@ from speclab.config.base import (
 )
 from speclab.config.method import MethodConfig, MethodSpec, parse_method
 from speclab.config.schema import (
+    EAGLE_COMPARE_ROWS,
     AdaptiveEvalConfig,
     ArchConfig,
     CompareConfig,
@@ -79,6 +90,9 @@ from speclab.config.schema import (
     TrainConfig,
     TrainScalingConfig,
 )
+from speclab.families.objectives import objective
+from speclab.families.registry import families, family, sweep_kinds
+from speclab.families.spec import TrainedFamily, load
 
 DEFAULT_JOB = "evaluate"
 
@@ -270,8 +284,53 @@ class CompareLossesJob(DistillJob):
     compare: CompareConfig = CompareConfig()
 
 
-#: ``eagle_model`` of an ``eagle`` method in ``distill_eagle``: the drafter the job trains
+#: a method field a trained family fills (``eagle_model``, ...) set to the artifact the
+#: job trains (the default in a job that trains the family, Tune trials included)
 TRAINED = "trained"
+
+
+def default_trained(data: dict, fam: TrainedFamily | None) -> None:
+    """Methods of ``fam``'s method (in ``method`` / ``methods`` of the raw ``data``)
+    without its artifact field evaluate the artifact the job trains (``trained``)."""
+    if fam is None or fam.method is None:
+        return
+    methods = data.get("methods")  # anything but a list is refused by validation
+    entries = [data.get("method")] + (methods if isinstance(methods, list) else [])
+    for m in entries:
+        if isinstance(m, dict) and m.get("name") == fam.method:
+            m.setdefault(fam.artifact_field, TRAINED)
+
+
+class _TrainsFamily(_Trains, _Evaluates):
+    """A job that trains the family :attr:`trains` names (then evaluates ``methods``):
+    its methods default to the artifact it trains, and every objective it trains passes
+    the objective's own checks against the job (:meth:`objectives`)."""
+
+    trains: ClassVar[str] = ""
+
+    @classmethod
+    def family_name(cls, data: dict) -> str | None:
+        """The family a raw config trains (the class's own, or a field's)."""
+        del data
+        return cls.trains
+
+    @classmethod
+    def precheck(cls, data: dict) -> None:
+        """The family's methods without their artifact field evaluate the trained one."""
+        name = cls.family_name(data)
+        default_trained(data, families().get(name) if isinstance(name, str) else None)
+
+    def objectives(self) -> list[tuple[str, Any]]:
+        """(objective, the training group it trains with) of every artifact this job
+        trains (none by default)."""
+        return []
+
+    @model_validator(mode="after")
+    def _objectives_fit(self):
+        for name, group in self.objectives():
+            fam = family(self.family_name(self.__dict__))
+            objective(name, fam.name, f"{fam.train_group}.loss").check_job(group, self)
+        return self
 
 
 def check_data_prompt(eagle: EagleTrainConfig, distill: DistillConfig) -> None:
@@ -282,7 +341,7 @@ def check_data_prompt(eagle: EagleTrainConfig, distill: DistillConfig) -> None:
                          "each window's first data_prompt tokens")
 
 
-class DistillEagleJob(_Trains, _Evaluates):
+class DistillEagleJob(_TrainsFamily):
     """``jobs.distill_eagle``: target features -> EAGLE drafter (``eagle``) -> registry ->
     evaluation. Its ``eagle`` methods default to ``eagle_model: trained``, the drafter
     this job trains; methods that need a draft LM use ``models.draft``."""
@@ -292,29 +351,18 @@ class DistillEagleJob(_Trains, _Evaluates):
     tokenizer: TokenizerConfig = TokenizerConfig()
     distill: DistillConfig = DistillConfig()
     eagle: EagleTrainConfig = EagleTrainConfig()
-
-    @classmethod
-    def precheck(cls, data: dict) -> None:
-        """``eagle`` methods without ``eagle_model`` evaluate the trained drafter."""
-        methods = data.get("methods")  # anything but a list is refused by validation
-        entries = [data.get("method")] + (methods if isinstance(methods, list) else [])
-        for m in entries:
-            if isinstance(m, dict) and m.get("name") == "eagle":
-                m.setdefault("eagle_model", TRAINED)
+    trains: ClassVar[str] = "eagle"
 
     def eagle_losses(self) -> list[str]:
         """The EAGLE-family losses this job trains."""
         return [self.eagle.loss]
 
+    def objectives(self) -> list[tuple[str, Any]]:
+        return [(self.eagle.loss, self.eagle)]
+
     @model_validator(mode="after")
-    def _hass_k_within_top_k(self):
-        if "hass" in self.eagle_losses() and self.eagle.hass_k > self.distill.top_k:
-            raise ValueError(f"eagle.hass_k ({self.eagle.hass_k}) must not exceed "
-                             f"distill.top_k ({self.distill.top_k}), the stored top-k")
+    def _windows_leave_tokens(self):
         check_data_prompt(self.eagle, self.distill)
-        if "talf" in self.eagle_losses() and self.eagle.talf_depth >= self.distill.seq_len:
-            raise ValueError(f"eagle.talf_depth ({self.eagle.talf_depth}) must be below "
-                             f"distill.seq_len ({self.distill.seq_len})")
         return self
 
 
@@ -328,9 +376,11 @@ class CompareEagleJob(DistillEagleJob):
     distill: DistillConfig = DistillConfig(top_k=16)
 
     def eagle_losses(self) -> list[str]:
-        from speclab.config.schema import EAGLE_COMPARE_ROWS
-
         return [EAGLE_COMPARE_ROWS[row][1] for row in self.compare.losses]
+
+    def objectives(self) -> list[tuple[str, Any]]:
+        return [(EAGLE_COMPARE_ROWS[row][1], self.compare.row_eagle(row, self.eagle))
+                for row in self.compare.losses]
 
     @model_validator(mode="after")
     def _rows_train(self):
@@ -339,7 +389,7 @@ class CompareEagleJob(DistillEagleJob):
         return self
 
 
-class TrainMedusaJob(_Trains, _Evaluates):
+class TrainMedusaJob(_TrainsFamily):
     """``jobs.train_medusa``: the target's self-distillation data -> Medusa heads (each of
     ``medusa.variants``) -> calibration and sparse tree -> registry -> evaluation. Its
     ``medusa`` methods default to ``medusa_model: trained``, the heads this job trains
@@ -350,15 +400,7 @@ class TrainMedusaJob(_Trains, _Evaluates):
     tokenizer: TokenizerConfig = TokenizerConfig()
     distill: DistillConfig = DistillConfig()
     medusa: MedusaTrainConfig = MedusaTrainConfig()
-
-    @classmethod
-    def precheck(cls, data: dict) -> None:
-        """``medusa`` methods without ``medusa_model`` evaluate the trained heads."""
-        methods = data.get("methods")  # anything but a list is refused by validation
-        entries = [data.get("method")] + (methods if isinstance(methods, list) else [])
-        for m in entries:
-            if isinstance(m, dict) and m.get("name") == "medusa":
-                m.setdefault("medusa_model", TRAINED)
+    trains: ClassVar[str] = "medusa"
 
     @model_validator(mode="after")
     def _sequences_longer_than_the_heads_reach(self):
@@ -368,6 +410,62 @@ class TrainMedusaJob(_Trains, _Evaluates):
                              f"exceed medusa.heads + 1 ({self.medusa.heads + 1}): head k "
                              f"predicts k + 1 tokens ahead")
         return self
+
+
+class TrainDrafterJob(_TrainsFamily):
+    """``jobs.train_drafter``: the generic training job of a trained family named by
+    ``family`` (a built-in or one from ``$SPECLAB_PLUGINS``): the target's data kinds the
+    family consumes -> the family's task on Ray Train -> its artifact saved, registered
+    and evaluated with ``methods``, whose ``<artifact field>`` defaults to it
+    (``trained``). ``drafter`` is the family's training group (validated by the class
+    its declaration names)."""
+
+    job: Literal["train_drafter"] = "train_drafter"
+    family: str = Field("eagle", description="the trained drafter family (speclab.families)")
+    corpus: CorpusConfig = CorpusConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    distill: DistillConfig = DistillConfig()
+    drafter: dict[str, Any] = Field(default_factory=dict,
+                                    description="the family's training group")
+
+    @classmethod
+    def family_name(cls, data: dict) -> str | None:
+        name = data.get("family", cls.model_fields["family"].default)
+        return name if isinstance(name, str) and name in families() else None
+
+    def __getattr__(self, name: str) -> Any:
+        """The typed ``drafter`` group also under the family's own group name
+        (``cfg.eagle``), so a family's stages read it as in the family's own job."""
+        fam = families().get(self.__dict__.get("family", ""))
+        if fam is not None and name == fam.train_group:
+            return self.drafter_config()
+        return super().__getattr__(name)
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, name: str) -> str:
+        fam = family(name)
+        if fam.save is None:
+            raise ValueError(f"family {name!r} declares no 'save' hook, so the generic "
+                             f"job cannot write its artifact; train it with "
+                             f"jobs.{fam.job or '<its own job>'}")
+        return name
+
+    @model_validator(mode="after")
+    def _drafter_group(self):
+        self.__dict__["drafter"] = typed_group(  # no re-validation on assignment
+            family(self.family), self.drafter, "drafter").model_dump(mode="json")
+        return self
+
+    def drafter_config(self) -> Any:
+        """The typed ``drafter`` group (the family's training-group class)."""
+        return typed_group(family(self.family), self.drafter, "drafter")
+
+    def objectives(self) -> list[tuple[str, Any]]:
+        """The objective the ``drafter`` group names (its ``loss``), if it has one."""
+        group = self.drafter_config()
+        name = getattr(group, "loss", None)
+        return [(name, group)] if isinstance(name, str) else []
 
 
 class TrainRecommenderJob(_Trains):
@@ -432,15 +530,25 @@ class RetrievalEvalJob(_Methods):
     retrieval: RetrievalEvalConfig = RetrievalEvalConfig()
 
 
-#: tune: the groups each ``sweep.kind`` uses (besides name, job, tracking, ray, sweep)
-TUNE_GROUPS: dict[str, tuple[str, ...]] = {
-    "decode": ("models", "data", "decoding", "method", "retrieval", "train", "output"),
-    "train_head": ("models", "data", "decoding", "method", "retrieval", "corpus", "tokenizer",
-                   "distill", "head", "train", "scaling", "output"),
-    "atspeed": ("rec", "rec_eval", "arch", "train", "scaling", "output"),
-    "eagle": ("models", "data", "decoding", "method", "retrieval", "corpus", "tokenizer",
-              "distill", "eagle", "train", "scaling", "output"),
-}
+#: tune: the groups a ``decode`` sweep uses (besides name, job, tracking, ray, sweep)
+DECODE_GROUPS = ("models", "data", "decoding", "method", "retrieval", "train", "output")
+
+
+def tune_groups(kind: str) -> tuple[str, ...]:
+    """The groups a ``sweep.kind`` uses: ``decode``'s, or those the trained family of
+    that kind declares (:class:`speclab.families.spec.SweepSpec`); an unknown kind gets
+    ``decode``'s (``sweep.kind`` itself refuses it)."""
+    fam = sweep_kinds().get(kind)
+    return fam.sweep.groups if fam is not None else DECODE_GROUPS
+
+
+def typed_group(fam: TrainedFamily, data: dict, field: str) -> Any:
+    """``data`` validated by ``fam``'s training-group class (ValueError naming ``field``)."""
+    try:
+        return fam.train_config_class().model_validate(data)
+    except ValidationError as err:
+        raise ValueError("; ".join(f"{'.'.join(map(str, loc))}: {msg}"
+                                   for loc, msg in error_lines(err, (field,)))) from None
 
 
 def _swept_values(domain) -> list | None:
@@ -454,7 +562,7 @@ def _swept_values(domain) -> list | None:
 
 class TuneJob(_Trains):
     """``jobs.tune``: a Ray Tune sweep over dotted paths of this config. Which groups
-    it takes depends on ``sweep.kind`` (:data:`TUNE_GROUPS`): ``decode`` evaluates
+    it takes depends on ``sweep.kind`` (:func:`tune_groups`): ``decode`` evaluates
     ``method``; ``train_head`` trains a head per trial; ``atspeed`` an AtSpeed drafter
     (``rec_eval.draft_loss`` / ``rec_eval.align_alpha``); ``eagle`` an EAGLE-family
     drafter (the ``eagle`` group: loss, HASS K / steps / weights, TALF trees), then
@@ -475,6 +583,9 @@ class TuneJob(_Trains):
     rec: RecConfig = RecConfig()
     rec_eval: RecTrialConfig = RecTrialConfig()
     arch: ArchConfig = ArchConfig()
+    drafter: dict[str, Any] = Field(default_factory=dict, description=(
+        "the training group of a family from a plugin whose sweep kind this is (its "
+        "declaration's train_config validates it)"))
 
     _method_knobs: dict | None = PrivateAttr(None)
 
@@ -503,16 +614,16 @@ class TuneJob(_Trains):
         """A swept ``method.<knob>`` must be a knob of every method the sweep evaluates
         (``method.name``'s swept values, else the config's method): a knob a method lacks
         would give identical trials (checked first: with ``method.name`` swept the base
-        ``method`` may hold several methods' knobs). In an
-        ``eagle`` sweep, ``method.eagle_model`` defaults to ``trained``: each trial's
-        drafter."""
+        ``method`` may hold several methods' knobs). In a sweep of a trained family's
+        trials, the family's method field (``method.eagle_model``) defaults to
+        ``trained``: each trial's artifact."""
         from speclab.config.method import methods
 
         sweep = data.get("sweep")
         method = data.get("method")
-        if (isinstance(sweep, dict) and sweep.get("kind") == "eagle"
-                and isinstance(method, dict) and method.get("name") == "eagle"):
-            method.setdefault("eagle_model", TRAINED)  # each trial's own drafter
+        kind = sweep.get("kind") if isinstance(sweep, dict) else None
+        if isinstance(kind, str):
+            default_trained(data, sweep_kinds().get(kind))  # each trial's own artifact
         space = sweep.get("space") if isinstance(sweep, dict) else None
         if not isinstance(space, dict):
             return
@@ -540,38 +651,31 @@ class TuneJob(_Trains):
     @model_validator(mode="after")
     def _device_follows_trial_gpus(self):
         """An explicit ``sweep.trial_gpus`` agrees with ``models.device`` as a Serve
-        deployment's ``num_gpus`` does (:func:`device_for_gpus`); an ``atspeed`` sweep's
-        trials run on the CPU (the recommendation groups have no device)."""
+        deployment's ``num_gpus`` does (:func:`device_for_gpus`); a CPU-only family's
+        trials (AtSpeed's: the recommendation groups have no device) run on the CPU."""
         gpus = self.sweep.trial_gpus if self.sweep is not None else None
         if gpus is None:
             return self
-        if self.sweep.kind == "atspeed" and gpus > 0:
-            raise ValueError(f"sweep.trial_gpus is {gpus:g} but an atspeed sweep's trials run "
-                             "on the CPU (the rec groups have no device); leave it out")
+        fam = sweep_kinds().get(self.sweep.kind)
+        if fam is not None and fam.sweep.cpu_only and gpus > 0:
+            raise ValueError(f"sweep.trial_gpus is {gpus:g} but an {self.sweep.kind} sweep's "
+                             "trials run on the CPU (the rec groups have no device); leave "
+                             "it out")
         device_for_gpus(self.models.device, gpus, "sweep.trial_gpus", "each trial")
         return self
 
     @model_validator(mode="after")
-    def _eagle_sweep(self):
-        if self.sweep is None or self.sweep.kind != "eagle":
+    def _family_sweep(self):
+        """A trained family's sweep: its ``drafter`` group (a family from a plugin) is
+        valid, and the family's own checks of a sweep config hold."""
+        fam = sweep_kinds().get(self.sweep.kind) if self.sweep is not None else None
+        if fam is None:
             return self
-        if self.method.name != "eagle":
-            raise ValueError(f"method.name: an eagle sweep evaluates method eagle with each "
-                             f"trial's drafter, got {self.method.name!r}")
-        losses = [self.eagle.loss] + list(
-            (lambda s: (s.grid or s.choice or []) if s is not None else [])(
-                self.sweep.space.get("eagle.loss")))
-        if "hass" not in losses:  # no trial distills the top-K
-            return self
-        ks = [self.eagle.hass_k]
-        swept = self.sweep.space.get("eagle.hass_k")
-        if swept is not None:
-            ks += list(swept.grid or swept.choice or [])
-            if swept.randint:
-                ks.append(swept.randint[1] - 1)
-        if max(ks) > self.distill.top_k:
-            raise ValueError(f"eagle.hass_k ({max(ks)}) must not exceed distill.top_k "
-                             f"({self.distill.top_k}), the stored top-k")
+        if fam.train_group == "drafter":
+            self.__dict__["drafter"] = typed_group(  # no re-validation on assignment
+                fam, self.drafter, "drafter").model_dump(mode="json")
+        if fam.sweep.validate:
+            load(fam.sweep.validate)(self)
         return self
 
     def sweep_base(self) -> dict:
@@ -589,7 +693,7 @@ class TuneJob(_Trains):
         kind = sweep.get("kind", "decode") if isinstance(sweep, dict) else "decode"
         if not isinstance(kind, str):  # a bad kind (a list...) is refused by its field
             kind = "decode"
-        return (*_COMMON, "sweep", *TUNE_GROUPS.get(kind, TUNE_GROUPS["decode"]))
+        return (*_COMMON, "sweep", *tune_groups(kind))
 
     def method_list(self) -> list[MethodSpec]:
         return [self.method]
@@ -621,7 +725,7 @@ class ServeJob(ExperimentConfig):
 JOB_CONFIGS: dict[str, type[ExperimentConfig]] = {
     c.model_fields["job"].default: c
     for c in (EvaluateJob, TrainTargetJob, DistillJob, CompareLossesJob, DistillEagleJob,
-              CompareEagleJob, TrainMedusaJob, TrainRecommenderJob,
+              CompareEagleJob, TrainMedusaJob, TrainDrafterJob, TrainRecommenderJob,
               RecommendEvalJob, TrainHeadJob, SpecdecppEvalJob, BuildDatastoreJob,
               RetrievalEvalJob, TuneJob, ServeJob)
 }

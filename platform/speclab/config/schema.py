@@ -17,6 +17,8 @@ from pydantic import Field, field_validator, model_validator
 
 from speclab.config.base import StrictModel
 from speclab.config.method import MethodConfig  # noqa: F401  (the method registry's type)
+from speclab.families.objectives import objective, objectives
+from speclab.families.registry import sweep_kinds
 
 
 class ModelsConfig(StrictModel):
@@ -265,7 +267,8 @@ class DistillConfig(StrictModel):
 
 
 class EagleTrainConfig(StrictModel):
-    """The EAGLE feature drafter ``distill_eagle`` trains (see :mod:`speclab.train.eagle`):
+    """The EAGLE feature drafter ``distill_eagle`` trains (see
+    :mod:`speclab.families.eagle.training`):
     ``layers`` decoder layers over the target's features; ``loss`` ``eagle`` (SmoothL1
     feature regression + ``w_cls`` CE), ``hass`` (the same plus ``w_topk`` times top-
     ``hass_k`` distillation, over ``hass_steps`` steps of harmonized context alignment,
@@ -281,7 +284,7 @@ class EagleTrainConfig(StrictModel):
     windows keep one length), as EAGLE-3 trainers regenerate their data with the target;
     every position is trained, the kept prefix too.
 
-    ``version: 3`` trains an EAGLE-3 drafter (:mod:`speclab.models.eagle3`): fused features
+    ``version: 3`` trains an EAGLE-3 drafter (:mod:`speclab.families.eagle.model3`): fused features
     of the target's ``feature_layers`` (None: the paper's low / middle / high), one
     EAGLE-3 layer, an optional ``draft_vocab`` (the most frequent target tokens of the
     training data), with loss ``eagle3`` (EAGLE-3's training-time test: the drafter's own
@@ -304,7 +307,8 @@ class EagleTrainConfig(StrictModel):
                                           "and before the LM head; false: EAGLE-1/2's "
                                           "(neither), which the EAGLE and speculators "
                                           "formats hold (output.export)")
-    loss: Literal["eagle", "hass", "talf", "eagle3"] = "eagle"
+    loss: str = Field("eagle", description="the objective (speclab.families.eagle.objectives: "
+                                          "eagle, hass, talf, eagle3)")
     w_reg: float = Field(1.0, ge=0.0, allow_inf_nan=False,
                          description="weight of the feature regression (eagle, hass)")
     w_cls: float = Field(0.1, ge=0.0, allow_inf_nan=False,
@@ -340,26 +344,28 @@ class EagleTrainConfig(StrictModel):
                                                        "at every report (0: none)")
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
 
+    @field_validator("loss")
+    @classmethod
+    def _known_objective(cls, name: str) -> str:
+        objective(name, "eagle", "unknown objective")  # ValueError listing the known ones
+        return name
+
     @model_validator(mode="after")
     def _version_fits(self):
+        objective(self.loss, "eagle", "loss").check_group(self)  # what the objective trains
         if self.version == 3:
-            if self.loss in ("eagle", "hass"):
-                raise ValueError(f"loss: {self.loss!r} regresses the target's last-layer "
-                                 "feature, which an EAGLE-3 drafter (version 3) does not "
-                                 "predict; use eagle3 or talf")
             if self.layers != 1:
                 raise ValueError(f"layers: an EAGLE-3 drafter has one layer, got {self.layers}")
         else:
             for field in ("feature_layers", "draft_vocab"):
                 if getattr(self, field):
                     raise ValueError(f"{field}: an EAGLE-3 setting; set eagle.version: 3")
-            if self.loss == "eagle3":
-                raise ValueError("loss: eagle3 trains an EAGLE-3 drafter; set eagle.version: 3")
         return self
 
 
 class MedusaTrainConfig(StrictModel):
-    """The Medusa heads ``train_medusa`` trains (see :mod:`speclab.train.medusa`): ``heads``
+    """The Medusa heads ``train_medusa`` trains (see
+    :mod:`speclab.families.medusa.training`): ``heads``
     heads, each variant in ``variants`` on the same self-distillation data: ``medusa1``
     (frozen backbone, loss ``sum_k decay^k CE_k``) and ``medusa2`` (joint fine-tuning,
     ``L_LM + lambda0 * L_MEDUSA-1``, the backbone frozen for ``heads_warmup`` steps, then
@@ -377,8 +383,9 @@ class MedusaTrainConfig(StrictModel):
     skips the prompts' labels too unless ``prompt_labels``."""
 
     heads: int = Field(4, gt=0, description="Medusa heads K")
-    variants: list[Literal["medusa1", "medusa2"]] = Field(
-        default_factory=lambda: ["medusa1"], min_length=1)
+    variants: list[str] = Field(
+        default_factory=lambda: ["medusa1"], min_length=1,
+        description="the objectives (speclab.families.medusa.objectives: medusa1, medusa2)")
     decay: float = Field(0.8, gt=0.0, le=1.0, description="lambda_k = decay^k")
     lambda0: float = Field(0.2, gt=0.0, allow_inf_nan=False,
                            description="MEDUSA-2: weight of the heads' loss")
@@ -399,6 +406,13 @@ class MedusaTrainConfig(StrictModel):
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "
                                                        "at every report (0: none)")
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
+
+    @field_validator("variants")
+    @classmethod
+    def _known_objectives(cls, names: list[str]) -> list[str]:
+        for name in names:
+            objective(name, "medusa", "unknown objective")
+        return names
 
 
 #: ``compare.losses`` rows -> (the drafter's ``eagle.version``, its ``eagle.loss``)
@@ -511,13 +525,12 @@ class RecEvalConfig(StrictModel):
 
     @model_validator(mode="after")
     def _positive(self):
-        from speclab.train.rec_align import REC_LOSSES
-
+        known = sorted(objectives("atspeed"))
         if not self.ks or min(self.ks) < 1 or not self.ns or min(self.ns) < 1:
             raise ValueError("ks and ns must be non-empty lists of positive integers")
-        unknown = [n for n in self._losses() if n not in REC_LOSSES]
+        unknown = [n for n in self._losses() if n not in known]
         if unknown:
-            raise ValueError(f"unknown recommendation loss {unknown}; known: {list(REC_LOSSES)}")
+            raise ValueError(f"unknown recommendation loss {unknown}; known: {known}")
         if not self.align_alphas or not all(0.0 <= a <= 1.0 for a in self.align_alphas):
             raise ValueError("align_alphas must be a non-empty list of values in [0, 1]")
         return self
@@ -639,14 +652,22 @@ class SweepParam(StrictModel):
 
 class SweepConfig(StrictModel):
     """The ``tune`` job: a Ray Tune search over dotted paths of the tune config itself
-    (the groups its ``kind`` uses: :data:`speclab.config.jobs.TUNE_GROUPS`)."""
+    (the groups its ``kind`` uses: :func:`speclab.config.jobs.tune_groups`)."""
 
-    kind: Literal["decode", "train_head", "atspeed", "eagle"] = Field(
-        "decode", description="decode: evaluate `method` with trained models; train_head: "
-                              "train an acceptance head per trial, then evaluate specdecpp; "
-                              "atspeed: train a rec drafter per trial, then beam SD; eagle: "
-                              "train an EAGLE drafter per trial, then evaluate `method` "
-                              "(eagle) with it")
+    kind: str = Field(
+        "decode", description="decode: evaluate `method` with trained models; or a trained "
+                              "family's trial kind (speclab.families): train_head: train an "
+                              "acceptance head per trial, then evaluate specdecpp; atspeed: "
+                              "train a rec drafter per trial, then beam SD; eagle: train an "
+                              "EAGLE drafter per trial, then evaluate `method` (eagle) with it")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, kind: str) -> str:
+        known = ["decode", *sorted(sweep_kinds())]
+        if kind not in known:
+            raise ValueError(f"unknown sweep kind {kind!r}; known: {', '.join(known)}")
+        return kind
     space: dict[str, SweepParam] = Field(default_factory=dict,
                                          description="dotted config path -> values")
     search: Literal["grid", "random", "optuna"] = "grid"

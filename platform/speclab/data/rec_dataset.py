@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from speclab.data import recsys
 from speclab.data.recsys import Interaction, chronological_split, id_tokens
 from speclab.decoding.trie import ItemTrie
 
@@ -144,8 +145,6 @@ def collate_rec(examples: list[RecExample], meta: RecMeta) -> dict[str, torch.Te
 def prepare_rec_data(source: str, path: str | None, users: int, items: int, dim: int,
                      levels: int, codebook: int, history: int, seed: int = 0):
     """Interactions -> semantic ids -> (RecMeta, examples per split) for a ``rec`` group."""
-    from speclab.data import recsys
-
     if source == "synthetic":
         spec = recsys.SyntheticSpec(users=users, items=items, dim=dim, seed=seed)
         events, feats = recsys.synthetic_interactions(spec)

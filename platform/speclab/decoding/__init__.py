@@ -16,14 +16,16 @@ Conventions used everywhere in this package:
 
 Modules: ``sampling`` (warping), ``tree`` (TokenTree, masks, positions), ``rules/``
 (verification rules: a registry of pure functions with their parameter models),
-``runner`` (a model plus its KV cache), ``sides`` (the draft side and the target side of
-one sequence's round), ``drafting`` (the drafting interfaces, a method's traits, the tree
-builders' step protocol), ``loop`` (THE draft -> verify -> commit loop, written once,
-its stats and the single-sequence driver), ``batch_runner`` (many rows in one cache),
-``row_pool`` (the batched target and draft sides, rows by id), ``batch_loop`` (the
-batched driver: one loop per row in lockstep, ragged trees in one target forward,
-continuous batching), ``static_runner`` (the opt-in static-cache, compiled fast path),
-``beam`` / ``beam_loop`` / ``trie`` (AtSpeed beam SD), ``acceptance_head`` (SpecDec++),
-``datastore`` (REST suffix arrays). The methods' drafters implement ``drafting``'s
-interfaces in the package above this one; nothing here imports them.
+``runner`` (a model plus its KV cache), ``drafter`` (the one-sequence drafter interface),
+``sides`` (the draft side and the target side of one sequence's round), ``drafting``
+(the drafting interfaces, a method's traits, the tree builders' step protocol), ``loop``
+(THE draft -> verify -> commit loop, written once, its stats and the single-sequence
+driver), ``batch_runner`` (many rows in one cache), ``row_pool`` (the batched target and
+draft sides, rows by id), ``batch_loop`` (the batched driver: one loop per row in
+lockstep, ragged trees in one target forward, continuous batching), ``static_runner``
+(the opt-in static-cache, compiled fast path), ``beam_levels`` / ``beam_loop`` /
+``beam`` / ``trie`` (AtSpeed beam SD: a round's halves, the round loop, the searches),
+``acceptance_head`` (SpecDec++), ``datastore`` (REST suffix arrays). The methods'
+drafters implement ``drafting``'s interfaces in the package above this one; nothing here
+imports them.
 """

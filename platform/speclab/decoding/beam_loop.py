@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from speclab.decoding.beam import (
+from speclab.decoding.beam_levels import (
     Beam,
     BeamSDStats,
     BeamTree,

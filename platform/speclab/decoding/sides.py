@@ -23,10 +23,11 @@ replicas hold many requests as rows instead: :mod:`speclab.decoding.batch_loop`,
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from speclab.decoding.drafter import Drafter
 from speclab.decoding.features import FeatureSpec
 from speclab.decoding.host import fetch_lists
 from speclab.decoding.rules import RuleSpec, Verdict, apply_rule
@@ -118,9 +119,6 @@ def verify_round(target: ModelRunner, tree: TokenTree, rule: RuleSpec, params: S
 def committed_tokens(tree: TokenTree, verdict: Verdict) -> list[int]:
     """The tokens a verdict commits: the accepted drafts, then the bonus token."""
     return [tree.tokens[i] for i in verdict.path[1:]] + [verdict.bonus]
-
-if TYPE_CHECKING:
-    from speclab.decoding.drafting import Drafter
 
 
 class TargetSide:

@@ -31,13 +31,13 @@ from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.drafters.ar import ArConfig
 from speclab.drafters.chain import ChainConfig
-from speclab.drafters.eagle import EagleConfig
 from speclab.drafters.eagle2 import TreeConfig
-from speclab.drafters.medusa import MedusaConfig
 from speclab.drafters.optimal import OptimalConfig, SalfConfig
 from speclab.drafters.pld import AasdConfig, PldConfig
 from speclab.drafters.rest import RestConfig
-from speclab.drafters.specdecpp import SpecDecPPConfig
+from speclab.families.eagle.drafter import EagleConfig
+from speclab.families.medusa.drafter import MedusaConfig
+from speclab.families.specdecpp.drafter import SpecDecPPConfig
 
 BUILTIN: tuple[type[MethodSpec], ...] = (
     ArConfig, ChainConfig, TreeConfig, OptimalConfig, SalfConfig, SpecDecPPConfig,

@@ -19,7 +19,8 @@ import importlib
 from collections.abc import Callable
 
 JOBS: tuple[str, ...] = ("evaluate", "train_target", "distill", "compare_losses", "distill_eagle",
-                         "compare_eagle", "train_medusa", "train_recommender", "recommend_eval",
+                         "compare_eagle", "train_medusa", "train_drafter", "train_recommender",
+                         "recommend_eval",
                          "train_head", "specdecpp_eval", "build_datastore", "retrieval_eval",
                          "tune")
 

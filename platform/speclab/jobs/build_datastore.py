@@ -16,16 +16,17 @@ import time
 from pathlib import Path
 
 from speclab.config import BuildDatastoreJob
+from speclab.data.text import load_corpus
+from speclab.decoding.datastore import build_shard, write_manifest
+from speclab.models.loading import load_tokenizer, resolve_source
+from speclab.models.registry import resolve_models
+from speclab.paths import speclab_home
 from speclab.pipelines.cli import start_job
+from speclab.raylib import init_ray
 
 
 def prepare(cfg: BuildDatastoreJob) -> tuple[str, list[str], Path]:
     """(target folder, corpus pieces, output folder); ValueError on bad input."""
-    from speclab.data.text import load_corpus
-    from speclab.models.loading import load_tokenizer, resolve_source
-    from speclab.models.registry import resolve_models
-    from speclab.paths import speclab_home
-
     target, _ = resolve_models(cfg.models.target, None)
     target = resolve_source(target, "models.target")
     load_tokenizer(target, field="models.target")  # fails early without a tokenizer
@@ -42,14 +43,9 @@ def build(target: str, pieces: list[str], out: Path, max_len: int) -> tuple[int,
     """Shards on Ray tasks; returns (tokens, shard file names)."""
     import ray
 
-    from speclab.decoding.datastore import write_manifest
-
     @ray.remote(num_cpus=1)
     def shard(text: str, path: str) -> int:
         import numpy as np
-
-        from speclab.decoding.datastore import build_shard
-        from speclab.models.loading import load_tokenizer
 
         tok = load_tokenizer(target, field="models.target")
         docs = [tok.encode(d, add_special_tokens=False) for d in text.split("\n\n") if d]
@@ -69,7 +65,6 @@ def build(target: str, pieces: list[str], out: Path, max_len: int) -> tuple[int,
 def main(argv: list[str] | None = None) -> int:
     job = start_job("build_datastore", __doc__, argv, prepare)
     cfg, tracker, (target, pieces, out) = job.cfg, job.tracker, job.inputs
-    from speclab.raylib import init_ray
 
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[build_datastore] running on {where}; {len(pieces)} shards -> {out}", flush=True)

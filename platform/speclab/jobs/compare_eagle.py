@@ -21,22 +21,21 @@ the HASS slide's figure).
 
 from __future__ import annotations
 
-from speclab.models.loading import resolve_source
-from speclab.pipelines.cli import run_dirs, start_job
-from speclab.pipelines.comparison import comparison_rows, log_comparison
-from speclab.pipelines.eagle import (
+from speclab.families.eagle.stages import (
     data_kind_of,
     generate_features,
     prepare_eagle,
     train_register_evaluate_eagle,
 )
+from speclab.models.loading import resolve_source
+from speclab.pipelines.cli import run_dirs, start_job
+from speclab.pipelines.comparison import comparison_rows, log_comparison
+from speclab.raylib import init_ray
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("compare_eagle", __doc__, argv, prepare_eagle)
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
-
-    from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"

@@ -13,18 +13,17 @@ plot of tau per method and loss and one of acceptance per draft position
 
 from __future__ import annotations
 
+from speclab.losses import loss_data_kinds
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.comparison import comparison_rows, log_comparison
 from speclab.pipelines.drafter import train_register_evaluate
 from speclab.pipelines.signals import generate_logged, prepare_target
+from speclab.raylib import init_ray
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("compare_losses", __doc__, argv, prepare_target)
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
-
-    from speclab.losses import loss_data_kinds
-    from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"

@@ -26,9 +26,11 @@ refused before any work.
 from __future__ import annotations
 
 from speclab.config import DistillJob
+from speclab.losses import loss_data_kinds
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.drafter import train_register_evaluate
 from speclab.pipelines.signals import Prepared, generate_logged, prepare_target
+from speclab.raylib import init_ray
 
 
 def prepare(cfg: DistillJob) -> Prepared:
@@ -44,9 +46,6 @@ def prepare(cfg: DistillJob) -> Prepared:
 def main(argv: list[str] | None = None) -> int:
     job = start_job("distill", __doc__, argv, prepare)  # bad inputs fail here
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
-
-    from speclab.losses import loss_data_kinds
-    from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"

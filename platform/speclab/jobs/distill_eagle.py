@@ -9,9 +9,9 @@ target's last-layer features as float16 bytes, its top-``distill.top_k``) under
 ``<run>/data/feat`` (bounded by ``distill.examples``; whole-or-absent shards, reused on
 ``train.resume=true``); ``eagle.loss=talf`` writes ``feat_tree`` shards, which add the
 target's beam tree rooted at every position. Stage 2, train: an
-:class:`~speclab.models.eagle.EagleModel` with the target's embedding and LM head copied
+:class:`~speclab.families.eagle.model.EagleModel` with the target's embedding and LM head copied
 and frozen, ``eagle.layers`` trainable decoder layers (or the drafter in
-``eagle.init_from``), the ``eagle.loss`` objective (:mod:`speclab.train.eagle`), on Ray
+``eagle.init_from``), the ``eagle.loss`` objective (:mod:`speclab.families.eagle.training`), on Ray
 Train with the same loop, checkpoints and FailureConfig as every training job. At every
 report rank 0 logs ``loss``, ``val_loss``, ``val_top1`` and the ENGINE's figures with the current
 drafter (greedy EAGLE-2 decoding of ``eagle.engine_prompts`` held-out prompts:
@@ -23,20 +23,19 @@ where ``eagle`` methods use the trained drafter.
 
 from __future__ import annotations
 
-from speclab.pipelines.cli import run_dirs, start_job
-from speclab.pipelines.eagle import (
+from speclab.families.eagle.stages import (
     data_kinds,
     generate_features,
     prepare_eagle,
     train_register_evaluate_eagle,
 )
+from speclab.pipelines.cli import run_dirs, start_job
+from speclab.raylib import init_ray
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("distill_eagle", __doc__, argv, prepare_eagle)  # bad inputs fail here
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
-
-    from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"

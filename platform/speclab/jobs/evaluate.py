@@ -17,16 +17,16 @@ from __future__ import annotations
 import sys
 import time
 
+from speclab.models.registry import resolve_models
+from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
 from speclab.pipelines.cli import start_job
+from speclab.raylib import init_ray
+from speclab.tracking import run_link
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("evaluate", __doc__, argv)
     cfg, tracker = job.cfg, job.tracker
-
-    from speclab.models.registry import resolve_models
-    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
-    from speclab.raylib import init_ray
 
     t_start = time.perf_counter()
     where = init_ray(job.address, cfg.ray.num_cpus)
@@ -45,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
         evaluate_pair(cfg, target, draft, prompts, t)
         t.log_metrics({"wall_s": time.perf_counter() - t_start})
     if tracker.run_id:
-        from speclab.tracking import run_link
-
         local = "" if str(tracker.uri).startswith("http") else " (after `speclab ui`)"
         print(f"\n[evaluate] MLflow run {tracker.run_id}: {run_link(tracker)}{local}",
               flush=True)

@@ -17,9 +17,16 @@ after another per user.
 
 from __future__ import annotations
 
-from speclab.pipelines.alignment import ensure_target, train_drafters
+from speclab.decoding.runner import ModelRunner
+from speclab.evaluation import format_table
+from speclab.families.atspeed.stages import ensure_target, train_drafters
+from speclab.models.loading import load_model, resolve_source
 from speclab.pipelines.cli import run_dirs, start_job
+from speclab.pipelines.method_runs import log_best, log_child_runs
 from speclab.pipelines.recommender import prepare_rec
+from speclab.raylib import init_ray
+from speclab.rec_eval import evaluate
+from speclab.recommend import Recommender
 
 
 def _plots(rows: list[dict]) -> dict:
@@ -85,13 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     job = start_job("recommend_eval", __doc__, argv, prepare_rec)
     cfg, tracker, (meta, examples) = job.cfg, job.tracker, job.inputs
 
-    from speclab.decoding.runner import ModelRunner
-    from speclab.evaluation import format_table
-    from speclab.models.loading import load_model, resolve_source
-    from speclab.raylib import init_ray
-    from speclab.rec_eval import evaluate
-    from speclab.recommend import Recommender
-
     re = cfg.rec_eval
     storage, run_name = run_dirs(cfg)
     where = init_ray(job.address, cfg.ray.num_cpus)
@@ -132,8 +132,6 @@ METRIC_NAMES = {"WS@K": "ws_at_k", "WS@K_std": "ws_at_k_std", "AS@K": "as_at_k",
 def log_points(rows: list[dict], tracker) -> None:
     """One child run per (verification, drafter, K, N) point with ``method.*`` params and
     the same metric keys (:data:`METRIC_NAMES`); ``best_*`` on the job's run."""
-    from speclab.pipelines.method_runs import log_best, log_child_runs
-
     named = [{METRIC_NAMES.get(k, k): v for k, v in r.items()} for r in rows]
     params = [{"name": "atspeed", "label": f"{r['verify']}/{r['method']}/K{r['K']}/N{r['N']}",
                "verify": r["verify"], "drafter": r["method"], "K": r["K"], "N": r["N"],

@@ -22,16 +22,29 @@ from __future__ import annotations
 
 import time
 
+from speclab.api import Decoder
+from speclab.bench import hf_rows
 from speclab.config import RetrievalEvalJob
+from speclab.data.tasks import load_task
+from speclab.evaluation import (
+    MethodRun,
+    format_table,
+    interleaved_comparison,
+    overhead_cell,
+    pooled_ar,
+    speedup_cell,
+    summarize,
+)
+from speclab.models.loading import resolve_source
+from speclab.models.registry import resolve_models
 from speclab.pipelines.cli import start_job
+from speclab.pipelines.method_runs import log_best, log_child_runs, method_params
+from speclab.raylib import init_ray
+from speclab.text_metrics import METRICS
 
 
 def prepare(cfg: RetrievalEvalJob):
     """(target folder, {task: [TaskExample]}); ValueError on bad input."""
-    from speclab.data.tasks import load_task
-    from speclab.models.loading import resolve_source
-    from speclab.models.registry import resolve_models
-
     needs_draft = [m.name for m in cfg.method_list() if m.needs_draft_model]
     if needs_draft:
         raise ValueError(f"methods: retrieval_eval runs model-free methods only, got "
@@ -47,8 +60,6 @@ def run_tasks(cfg: RetrievalEvalJob, target: str, tasks: dict) -> list[dict]:
     """Decode every task with every method in one actor; returns table rows."""
     import ray
 
-    from speclab.evaluation import MethodRun
-
     runs = [MethodRun(m.name, m.params(), m.label or "") for m in cfg.method_list()]
     gen = cfg.decoding.model_dump()
     hf_n = cfg.retrieval.hf_prompt_lookup
@@ -57,11 +68,6 @@ def run_tasks(cfg: RetrievalEvalJob, target: str, tasks: dict) -> list[dict]:
 
     @ray.remote
     def work() -> list[dict]:
-        from speclab.api import Decoder
-        from speclab.bench import hf_rows
-        from speclab.evaluation import interleaved_comparison, pooled_ar, summarize
-        from speclab.text_metrics import METRICS
-
         dec = Decoder.from_pretrained(target, None, cfg.models.dtype, cfg.models.device)
         rows = []
         for task, exs in payload.items():
@@ -94,9 +100,6 @@ def run_tasks(cfg: RetrievalEvalJob, target: str, tasks: dict) -> list[dict]:
 
 def log_children(cfg: RetrievalEvalJob, rows: list[dict], tracker) -> None:
     """One child run per task x method row, and ``<task>/best_*`` on the job's run."""
-    from speclab.evaluation import MethodRun
-    from speclab.pipelines.method_runs import log_best, log_child_runs, method_params
-
     known = {"ar": method_params("ar", "ar", {})}
     for m in cfg.method_list():
         label = MethodRun(m.name, m.params(), m.label or "").name
@@ -114,8 +117,6 @@ def log_children(cfg: RetrievalEvalJob, rows: list[dict], tracker) -> None:
 def main(argv: list[str] | None = None) -> int:
     job = start_job("retrieval_eval", __doc__, argv, prepare)
     cfg, tracker, (target, tasks) = job.cfg, job.tracker, job.inputs
-    from speclab.evaluation import format_table, overhead_cell, speedup_cell
-    from speclab.raylib import init_ray
 
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[retrieval_eval] running on {where}; tasks {list(tasks)}", flush=True)

@@ -3,8 +3,9 @@
     python -m jobs.specdecpp_eval --config experiments/specdecpp.yaml
 
 Heads come from ``adaptive.heads`` (name -> folder or ``models:/`` URI) or, when that is
-empty, are trained on the fly (:mod:`speclab.pipelines.head`) once per ``adaptive.depths`` x
-``adaptive.w_rejs``, sharing one generated data set, each a child MLflow run. Then,
+empty, are trained on the fly (:mod:`speclab.families.specdecpp.stages`) once per
+``adaptive.depths`` x ``adaptive.w_rejs``, sharing one generated data set, each a child
+MLflow run. Then,
 on the ``data`` prompts and with the usual timing protocol (AR re-run before every
 method, one actor), the chain drafter at every ``adaptive.gammas`` and the SpecDec++
 drafter for every head x ``adaptive.thresholds``. Per method: discard rate
@@ -18,20 +19,24 @@ evaluated method (each fixed gamma, each head x threshold, and AR) is a child ru
 
 from __future__ import annotations
 
+from speclab.api import Decoder
 from speclab.config import SpecdecppEvalJob
+from speclab.config.method import parse_method
+from speclab.evaluation import format_table, greedy_oracle, pareto_dominated
+from speclab.families.specdecpp.stages import prepare_head, train_head
+from speclab.models.loading import resolve_source
+from speclab.models.registry import resolve_models
+from speclab.pipelines.actor_eval import evaluate_pair, log_method_children, tokenized_prompts
 from speclab.pipelines.cli import run_dirs, start_job
+from speclab.raylib import init_ray
+from speclab.theory import specdecpp_latency
 
 
 def prepare(cfg: SpecdecppEvalJob):
     """(target folder, draft folder, corpus inputs for head training or None)."""
-    from speclab.models.loading import resolve_source
-    from speclab.models.registry import resolve_models
-
     if cfg.decoding.temperature != 0:
         raise ValueError("decoding.temperature: the comparison and its oracle are greedy (0)")
     if not cfg.adaptive.heads:
-        from speclab.pipelines.head import prepare_head
-
         prep, draft = prepare_head(cfg)
         return prep.target, draft, prep
     target, draft = resolve_models(cfg.models.target, cfg.models.draft)
@@ -65,12 +70,6 @@ def _figure(rows: list[dict], oracle: tuple[float, float]):
 def compare(cfg: SpecdecppEvalJob, target: str, draft: str, heads: dict[str, str],
             tracker) -> list[dict]:
     """Evaluate fixed gamma and heads x thresholds; log table, plot and summary."""
-    from speclab.api import Decoder
-    from speclab.config.method import parse_method
-    from speclab.evaluation import format_table, greedy_oracle, pareto_dominated
-    from speclab.pipelines.actor_eval import evaluate_pair, log_method_children, tokenized_prompts
-    from speclab.theory import specdecpp_latency
-
     a = cfg.adaptive
     methods = [parse_method({"name": "chain", "gamma": g, "label": f"gamma={g}"})
                for g in a.gammas]
@@ -140,7 +139,6 @@ def compare(cfg: SpecdecppEvalJob, target: str, draft: str, heads: dict[str, str
 def main(argv: list[str] | None = None) -> int:
     job = start_job("specdecpp_eval", __doc__, argv, prepare)
     cfg, tracker, (target, draft, prep) = job.cfg, job.tracker, job.inputs
-    from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
     where = init_ray(job.address, cfg.ray.num_cpus)
@@ -149,8 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         t.set_tags({"job": "specdecpp_eval", "target": target, "draft": draft})
         heads = dict(cfg.adaptive.heads)
         if not heads:
-            from speclab.pipelines.head import train_head
-
             data_dir = storage / run_name / "data"  # one data set for every head
             reg = cfg.output.register_as
             for depth in cfg.adaptive.depths:

@@ -17,14 +17,14 @@ side by side and is registered as ``output.register_as``, so
 
 from __future__ import annotations
 
+from speclab.families.specdecpp.stages import prepare_head, train_head
 from speclab.pipelines.cli import run_dirs, start_job
-from speclab.pipelines.head import prepare_head, train_head
+from speclab.raylib import init_ray
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("train_head", __doc__, argv, prepare_head)  # bad inputs fail here, before Ray
     cfg, tracker, (prep, draft) = job.cfg, job.tracker, job.inputs
-    from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
     where = init_ray(job.address, cfg.ray.num_cpus)

@@ -29,17 +29,16 @@ variant x method table and plots.
 
 from __future__ import annotations
 
+from speclab.families.medusa.stages import prepare_medusa, train_register_evaluate_medusa
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.comparison import comparison_rows, log_comparison
-from speclab.pipelines.medusa import prepare_medusa, train_register_evaluate_medusa
 from speclab.pipelines.signals import generate_logged
+from speclab.raylib import init_ray
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("train_medusa", __doc__, argv, prepare_medusa)  # bad inputs fail here
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
-
-    from speclab.raylib import init_ray
 
     storage, run_name = run_dirs(cfg)
     data_dir = storage / run_name / "data"

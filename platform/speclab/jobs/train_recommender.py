@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.recommender import prepare_rec, train_model
+from speclab.raylib import init_ray
+from speclab.train.tasks import RecTaskConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     job = start_job("train_recommender", __doc__, argv, prepare_rec)
     cfg, tracker, (meta, examples) = job.cfg, job.tracker, job.inputs
-
-    from speclab.raylib import init_ray
-    from speclab.train.tasks import RecTaskConfig
 
     storage, run_name = run_dirs(cfg)
     where = init_ray(job.address, cfg.ray.num_cpus)

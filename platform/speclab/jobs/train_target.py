@@ -18,16 +18,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from speclab.config import TrainTargetJob
+from speclab.data.text import load_corpus
+from speclab.models.tokenizer import train_bpe_tokenizer
 from speclab.pipelines.cli import run_dirs, start_job
+from speclab.pipelines.fit import fit, save_final
+from speclab.raylib import init_ray
+from speclab.train.tasks import LMTaskConfig
 
 
 def prepare_data(cfg: TrainTargetJob, run_dir: Path) -> tuple[Path, int, int]:
     """Tokenizer + token tensors in ``run_dir/data``; returns (dir, vocab, eos id)."""
     import torch
     from transformers import AutoTokenizer
-
-    from speclab.data.text import load_corpus
-    from speclab.models.tokenizer import train_bpe_tokenizer
 
     data = run_dir / "data"
     if (data / "train.pt").exists():  # resumed run: reuse what the first attempt wrote
@@ -68,10 +70,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg, tracker = job.cfg, job.tracker
     storage, run_name, data_dir, vocab, eos = job.inputs
     run_dir = storage / run_name
-
-    from speclab.pipelines.fit import fit, save_final
-    from speclab.raylib import init_ray
-    from speclab.train.tasks import LMTaskConfig
 
     where = init_ray(job.address, cfg.ray.num_cpus)
     print(f"[train_target] running on {where}; run dir {run_dir}", flush=True)

@@ -15,21 +15,16 @@ constraints (``floor``: e.g. an accuracy floor for AASD with ``task``).
 
 * ``kind: decode`` trials evaluate ``method`` on the prompt set with the models cached
   per trial process (``speclab.sweep``).
-* ``kind: train_head`` trials train a SpecDec++ acceptance head with Ray Train (the
-  trial function builds the trainer; accept data is generated once per sweep), report
-  the held-out unweighted BCE after every ``train.report_every`` steps (ASHA stops bad
-  trials on it) and then evaluate ``specdecpp`` with the head.
-* ``kind: eagle`` trials train an EAGLE-family drafter (the ``eagle`` group: ``loss``,
-  HASS ``hass_k`` / ``hass_steps`` / ``w_reg`` / ``w_cls``, TALF trees) with Ray Train on
-  ``feat`` / ``feat_tree`` data generated once per sweep, report ``val_top1_miss`` per
-  chunk (ASHA) and the engine's ``engine_tau``, then evaluate ``method`` (``eagle``)
-  with the trial's drafter. The best config is an ``evaluate`` config using it.
-* ``kind: atspeed`` trials train an AtSpeed drafter (``rec_eval.draft_loss`` with
-  AtSpeed weight ``rec_eval.align_alpha``; target and alignment data made once per
-  sweep), report its validation loss per chunk (ASHA), then run beam SD for
-  ``rec_eval.ns``: objectives
-  ``as_at_k`` (AS@K) and ``ws_at_k`` (WS@K). The best config is a ``recommend_eval``
-  config holding the target and the best trial's drafter.
+* every other kind is a trained family's trial kind
+  (:class:`speclab.families.spec.SweepSpec`, looked up by ``sweep.kind``): its inputs
+  are checked on the driver, its data generated once per sweep, and each trial trains
+  with Ray Train in chunks reporting a held-out figure (ASHA), then evaluates with the
+  trial's artifact. Built in: ``train_head`` (SpecDec++ acceptance heads, then
+  ``specdecpp``), ``eagle`` (EAGLE-family drafters: the ``eagle`` group's loss, HASS K /
+  steps / weights, TALF trees; then ``method`` ``eagle``), ``atspeed`` (AtSpeed drafters
+  with ``rec_eval.draft_loss`` / ``rec_eval.align_alpha``, then beam SD: AS@K, WS@K; the
+  best config is a ``recommend_eval`` config); a family from a plugin sweeps its
+  ``drafter`` group the same way.
 (Training trials: :mod:`speclab.pipelines.tune_trials`.)
 
 Devices: every trial reserves ``sweep.trial_cpus`` CPUs and ``sweep.trial_gpus`` GPUs
@@ -59,8 +54,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from speclab.config import EvaluateJob, RecommendEvalJob, TuneJob
-from speclab.config.jobs import TUNE_GROUPS
+from speclab.config import TuneJob
+from speclab.config.jobs import JOB_CONFIGS, tune_groups
+from speclab.families.registry import family_of_method, sweep_kinds
+from speclab.families.spec import TrainedFamily, load
 from speclab.pipelines.cli import run_dirs, start_job
 
 
@@ -72,13 +69,12 @@ class Inputs:
     draft: str | None
     prompts: list[list[int]]
     references: tuple[str, list[str]] | None
-    train_prep: object | None  # signals.Prepared for train_head / eagle sweeps
-    rec_prep: tuple | None = None  # (RecMeta, examples) for atspeed sweeps
+    train_prep: object | None  # what a trained family's sweep prepared (its ``prepare``)
 
 
-#: the fields an eagle sweep's feature data depends on (with every ``distill.*`` field)
-EAGLE_DATA_FIELDS = ("eagle.data", "eagle.data_prompt", "eagle.feature_layers",
-                     "eagle.talf_top_k", "eagle.talf_depth")
+def sweep_family(cfg: TuneJob) -> TrainedFamily | None:
+    """The family whose training trials the sweep runs (None: ``decode``)."""
+    return sweep_kinds().get(cfg.sweep.kind)
 
 
 def prepare(cfg: TuneJob) -> Inputs:
@@ -98,32 +94,23 @@ def prepare(cfg: TuneJob) -> Inputs:
             if not isinstance(node, dict) or key not in node:
                 raise ValueError(f"sweep.space: {path!r} is not a field of the config "
                                  f"(a {sw.kind} sweep has groups "
-                                 f"{', '.join(TUNE_GROUPS[sw.kind])})")
+                                 f"{', '.join(tune_groups(sw.kind))})")
             node = node[key]
     if "models.device" in sw.space:  # trials reserve resources once per sweep
         raise ValueError("sweep.space: 'models.device' cannot be swept: every trial reserves "
                          "the same resources (sweep.trial_gpus); run a sweep per device")
-    data = {"eagle": "the target's feature data", "train_head": "the acceptance data"}
-    fixed = sorted(p for p in sw.space if p.startswith("distill.")
-                   or (sw.kind == "eagle" and p in EAGLE_DATA_FIELDS))
-    if sw.kind in data and fixed:  # the training data is generated once per sweep
-        raise ValueError(f"sweep.space: {', '.join(map(repr, fixed))} cannot be swept: a "
-                         f"{sw.kind} sweep generates {data[sw.kind]} once, from the base "
-                         "config, for every trial; run a sweep per value")
-    train_prep = None
-    if sw.kind == "atspeed":  # the target is trained (or checked) in main, under Ray
-        from speclab.pipelines.recommender import prepare_rec
-
-        return Inputs("", None, [], None, None, prepare_rec(cfg))
-    if sw.kind == "train_head":
-        from speclab.pipelines.head import prepare_head
-
-        train_prep, draft = prepare_head(cfg)
-        target = train_prep.target
-    elif sw.kind == "eagle":  # target + corpus; eagle.init_from resolved and checked
-        from speclab.pipelines.eagle import prepare_eagle
-
-        train_prep, draft = prepare_eagle(cfg), None
+    fam = sweep_family(cfg)
+    if fam is not None:  # the training data is generated once per sweep
+        fixed = sorted(p for p in sw.space if p.startswith("distill.")
+                       or p in fam.sweep.fixed_fields)
+        if fam.sweep.generate and fixed:
+            raise ValueError(f"sweep.space: {', '.join(map(repr, fixed))} cannot be swept: a "
+                             f"{sw.kind} sweep generates its {fam.name} training data once, "
+                             "from the base config, for every trial; run a sweep per value")
+        train_prep, draft = load(fam.sweep.prepare)(cfg) if fam.sweep.prepare else (None,
+                                                                                     None)
+        if not fam.sweep.times:  # no prompts, no forward costs (AtSpeed: beam SD)
+            return Inputs("", None, [], None, train_prep)
         target = train_prep.target
     else:
         target, draft = resolve_models(cfg.models.target, cfg.models.draft)
@@ -143,37 +130,25 @@ def prepare(cfg: TuneJob) -> Inputs:
     return Inputs(target, draft, prompts, references, train_prep)
 
 
-#: kind -> the held-out metric training trials report per chunk (ASHA minimises it)
-_TRAINED = {"train_head": "heldout_bce", "atspeed": "val_loss", "eagle": "val_top1_miss"}
-
-
 def _tuner(cfg: TuneJob, inputs: Inputs, sweep_dir: Path, times: tuple,
            resources: dict[str, float], device: str):
     """A fresh Tuner, or the interrupted one restored (``train.resume``); every trial
     reserves ``resources`` and loads its models on ``device``."""
     from ray import tune
 
-    from speclab.pipelines.tune_trials import eagle_trial, head_trial, rec_trial
     from speclab.sweep import decode_trial, param_space, trial_base
 
     sw, base = cfg.sweep, trial_base(cfg, device)  # cuda: each trial's own cuda:0
     common = {"base": base, "target": inputs.target, "draft": inputs.draft,
               "prompts": inputs.prompts, "t_draft": times[0], "t_target": times[1],
               "run_dir": str(sweep_dir)}
-    if sw.kind == "decode":
+    fam = sweep_family(cfg)
+    if fam is None:
         fn = tune.with_parameters(decode_trial, references=inputs.references, **common)
-    elif sw.kind == "atspeed":
-        from speclab.data.rec_dataset import EOS
-
-        fn = tune.with_parameters(rec_trial, base=base, target=inputs.target,
-                                  data_dir=str(sweep_dir / "data"),
-                                  vocab=inputs.rec_prep[0].vocab_size, eos=EOS,
-                                  run_dir=str(sweep_dir))
-    else:
+    else:  # a trained family's trial: the data it generated once, the target's vocabulary
         p = inputs.train_prep
-        fn = tune.with_parameters(eagle_trial if sw.kind == "eagle" else head_trial,
-                                  data_dir=str(sweep_dir / "data"), vocab=p.vocab,
-                                  eos=p.eos, **common)
+        fn = tune.with_parameters(load(fam.sweep.trial), data_dir=str(sweep_dir / "data"),
+                                  vocab=p.vocab, eos=p.eos, **common)
     fn = tune.with_resources(fn, resources)
     exp_dir = sweep_dir / "tune"
     if cfg.train.resume and tune.Tuner.can_restore(str(exp_dir)):
@@ -188,10 +163,10 @@ def _tuner(cfg: TuneJob, inputs: Inputs, sweep_dir: Path, times: tuple,
     if sw.scheduler == "asha":
         from ray.tune.schedulers import ASHAScheduler
 
-        if sw.kind in _TRAINED:  # intermediate reports carry a held-out loss
-            steps = cfg.rec_eval.draft_steps if sw.kind == "atspeed" else cfg.train.steps
+        if fam is not None:  # intermediate reports carry a held-out loss
+            steps = load(fam.sweep.steps)(cfg) if fam.sweep.steps else cfg.train.steps
             rungs = max(2, math.ceil(steps / cfg.train.report_every))
-            scheduler = ASHAScheduler(metric=_TRAINED[sw.kind], mode="min", max_t=rungs,
+            scheduler = ASHAScheduler(metric=fam.sweep.heldout_metric, mode="min", max_t=rungs,
                                       grace_period=sw.grace_period, reduction_factor=2)
         else:
             scheduler = ASHAScheduler(metric="objective", mode=sw.mode,
@@ -243,30 +218,26 @@ _SHOWN = ("speedup", "tau", "predicted_speedup", "accuracy", "accuracy_ratio", "
 
 
 def _best_config(cfg: TuneJob, best: dict, sweep_dir: Path, target: str) -> dict:
-    """The best trial as a ready config: ``evaluate`` (decode / train_head, with the
-    trial's own head) or ``recommend_eval`` (atspeed, with the target and the trial's
-    drafter given, so nothing is retrained)."""
+    """The best trial as a ready config: ``evaluate`` (decode, or a trained family's
+    trial with its own artifact in the family's method field) or what the family's
+    ``best`` hook makes of it (AtSpeed: ``recommend_eval`` with the target and the
+    trial's drafter given, so nothing is retrained)."""
     from speclab.sweep import trial_config
 
+    fam = sweep_family(cfg)
     best_cfg = trial_config(cfg.sweep_base(), best["params"])
     data = best_cfg.model_dump(mode="json", exclude_none=True)
-    job = RecommendEvalJob if cfg.sweep.kind == "atspeed" else EvaluateJob
-    data = {k: v for k, v in data.items() if k in job.model_fields}  # only the job's groups
-    data.update({"name": f"{cfg.name}-best", "job": job.job_name()})
     trial_dir = sweep_dir / "trials"
-    if cfg.sweep.kind == "train_head":  # the best trial's own head
-        data["method"]["head"] = str(trial_dir / f"head-{best['trial']}" / "head")
-    elif cfg.sweep.kind == "eagle":  # the best trial's own drafter
-        data["method"]["eagle_model"] = str(trial_dir / f"eagle-{best['trial']}" / "eagle")
-    elif cfg.sweep.kind == "atspeed":
-        re = best_cfg.rec_eval
-        loss = re.draft_loss
-        name = f"{loss}@{re.align_alpha:g}" if loss.startswith("atspeed") else loss
-        for key in ("draft_loss", "align_alpha"):  # one trial's drafter: given below
-            data["rec_eval"].pop(key, None)
-        data["rec_eval"].update({
-            "target": target, "losses": [loss], "align_alphas": [re.align_alpha],
-            "drafts": {name: str(trial_dir / f"draft-{best['trial']}" / "model")}})
+    job = "evaluate"
+    if fam is not None and fam.sweep.best:
+        job, data = load(fam.sweep.best)(cfg, best["params"], data, trial_dir, target,
+                                         best["trial"])
+    elif fam is not None:  # the best trial's own artifact
+        data["method"][fam.artifact_field] = str(trial_dir / fam.sweep.artifact.format(
+            family=fam.name, trial=best["trial"]))
+    keep = JOB_CONFIGS[job].model_fields  # only the job's groups
+    data = {k: v for k, v in data.items() if k in keep}
+    data.update({"name": f"{cfg.name}-best", "job": job})
     return data
 
 
@@ -341,59 +312,6 @@ def record(cfg: TuneJob, results, tracker, sweep_dir: Path,
     return best
 
 
-def _swept(cfg: TuneJob, field: str, default) -> list:
-    swept = cfg.sweep.space.get(field)
-    values = list((swept.grid or swept.choice or []) if swept is not None else [])
-    return list(dict.fromkeys([default, *values]))
-
-
-def swept_losses(cfg: TuneJob) -> list[str]:
-    """The EAGLE-family losses an ``eagle`` sweep may train (``eagle.loss`` and the
-    values of a swept ``eagle.loss``), so their data is generated once up front."""
-    return _swept(cfg, "eagle.loss", cfg.eagle.loss)
-
-
-def swept_eagle_kinds(cfg: TuneJob) -> set[str]:
-    """The data kinds an ``eagle`` sweep's trials read: every swept loss with every
-    swept ``eagle.version`` that can train it (EAGLE-3 trains ``eagle3`` and ``talf``,
-    EAGLE-1/2 every loss but ``eagle3``; a combination that cannot train fails its
-    trial, naming the field)."""
-    from speclab.pipelines.eagle import data_kind_of
-
-    return {data_kind_of(loss, v) for loss in swept_losses(cfg)
-            for v in _swept(cfg, "eagle.version", cfg.eagle.version)
-            if (loss in ("eagle3", "talf") if v == 3 else loss != "eagle3")}
-
-
-def eagle_forward_time(dec, cfg: TuneJob, prompt: list[int]) -> float:
-    """Median seconds of one single-pair forward of an EAGLE drafter after ``prompt``
-    (the cost model's ``t_draft`` for ``eagle``: weights do not change the time, so
-    ``method.eagle_model`` when it is given, else a fresh ``eagle.layers`` drafter)."""
-    import torch
-
-    from speclab.decoding.runner import ModelRunner
-    from speclab.evaluation import median_call_time
-    from speclab.models.eagle import build_eagle, load_eagle, trained_meta
-    from speclab.models.loading import resolve_source
-
-    source = getattr(cfg.method, "eagle_model", None)
-    if cfg.sweep.kind != "eagle" and source:
-        model = load_eagle(resolve_source(source, "method.eagle_model"),
-                           target=dec.target.model)
-    else:  # the drafter eagle.* trains (EAGLE-1/2 or EAGLE-3), untrained
-        model = build_eagle(trained_meta(dec.target.model.config, cfg.eagle))
-    device, dtype = dec.target.device, dec.target.dtype
-    runner = ModelRunner(model.to(device, dtype).eval())
-
-    def pairs(tokens: list[int]) -> None:  # the target's features: k * H for EAGLE-3
-        feats = torch.zeros(1, len(tokens), model.meta.feature_width, dtype=dtype,
-                            device=device)
-        runner.run(torch.tensor(tokens), features=feats)
-
-    pairs(prompt[1:])
-    return median_call_time(runner, lambda: pairs(prompt[-1:]))
-
-
 def _forward_times(cfg: TuneJob, target: str, draft: str | None,
                    prompt: list[int]) -> tuple[float, float]:
     """(t_draft, t_target) with the models as a trial loads them (``cfg.models``: the
@@ -405,8 +323,9 @@ def _forward_times(cfg: TuneJob, target: str, draft: str | None,
 
     dec = load_models(cfg, target, draft)
     times = forward_times(dec, prompt)  # once per sweep (cost model)
-    if cfg.sweep.kind == "eagle" or cfg.method.name == "eagle":  # no draft LM
-        times = (eagle_forward_time(dec, cfg, prompt), times[1])
+    fam = sweep_family(cfg) or family_of_method(cfg.method.name)
+    if fam is not None and fam.draft_time:  # a drafter, no draft LM
+        times = (load(fam.draft_time)(dec, cfg, prompt), times[1])
     return times
 
 
@@ -451,24 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         t.set_tags({"job": "tune", "sweep_dir": str(sweep_dir), "kind": cfg.sweep.kind,
                     "trial_device": device, "trial_gpus": f"{resources['gpu']:g}"})
         times = (0.0, 0.0)
-        if cfg.sweep.kind == "atspeed":  # WS@K is measured against the target's search
-            from speclab.pipelines.tune_trials import prepare_rec_sweep
-
-            inputs.target, _ = prepare_rec_sweep(cfg, *inputs.rec_prep, sweep_dir, t)
-        else:
+        fam = sweep_family(cfg)
+        if fam is None or fam.sweep.times:
             times = sweep_forward_times(cfg, inputs, resources, device)
             t.log_metrics({"t_draft_s": times[0], "t_target_s": times[1]})
-        if cfg.sweep.kind == "train_head":
-            from speclab.pipelines.signals import generate
-
-            p = inputs.train_prep
-            generate(cfg, p.target, sweep_dir / "data", {"accept"}, p.tokens, inputs.draft,
-                     cfg.head.temperature)
-        elif cfg.sweep.kind == "eagle":
-            from speclab.pipelines.eagle import generate_features
-
-            generate_features(cfg, inputs.train_prep, sweep_dir / "data", t,
-                              swept_eagle_kinds(cfg))
+        if fam is not None and fam.sweep.generate:  # the training data, once per sweep
+            load(fam.sweep.generate)(cfg, inputs, sweep_dir, t)
         results = _tuner(cfg, inputs, sweep_dir, times, resources, device).fit()
         best = record(cfg, results, t, sweep_dir, inputs.target)
     if best is None:

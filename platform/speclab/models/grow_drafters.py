@@ -1,12 +1,12 @@
 """Drafters trained against the ``reference`` target, carried to ``reference-large``.
 
-``reference-large`` (:mod:`speclab.models.reference_large`) computes the reference
+``reference-large`` (:mod:`speclab.reference_large`) computes the reference
 target's function with every hidden state ``k`` copies of the small one's side by side
 (``tile``), so a drafter that reads the target's features is carried to it by tiling its
 weights the same way: it then proposes exactly what the small one proposes on the small
 target, and its tau on ``reference-large`` is the small one's on ``reference`` (up to the
 bfloat16 rounding of the stored weights). EAGLE drafters (any version) are widened by
-:func:`~speclab.models.reference_large.widen_eagle`; Medusa heads by
+:func:`~speclab.reference_large.widen_eagle`; Medusa heads by
 :func:`widen_medusa`. :func:`widen_drafter_folder` is what
 
     speclab reference --large --widen SRC --out DST
@@ -22,8 +22,16 @@ from collections.abc import Callable
 
 import torch
 
-from speclab.models.medusa import MedusaHeads, MedusaMeta
-from speclab.models.reference_large import (
+from speclab.families.eagle.model import is_eagle_folder
+from speclab.families.medusa.model import (
+    MedusaHeads,
+    MedusaMeta,
+    is_medusa_folder,
+    load_medusa,
+    save_medusa,
+)
+from speclab.models.loading import load_model
+from speclab.reference_large import (
     ReferenceLarge,
     build_log,
     ensure_reference_large,
@@ -31,6 +39,7 @@ from speclab.models.reference_large import (
     logits_and_features,
     tile_linear,
     widen_eagle_folder,
+    widened_summary,
 )
 
 
@@ -60,7 +69,7 @@ def widen_medusa_folder(src: str, out: str, large: ReferenceLarge | None = None,
                         log: Callable[[str], None] = build_log, ids: list[int] | None = None
                         ) -> dict:
     """``speclab reference --large --widen SRC --out DST`` for Medusa heads (a
-    :func:`~speclab.models.medusa.save_medusa` folder, e.g. a ``train_medusa`` run's
+    :func:`~speclab.families.medusa.model.save_medusa` folder, e.g. a ``train_medusa`` run's
     MEDUSA-1 heads) trained on the ``reference`` target: widened (:func:`widen_medusa`)
     into heads for ``reference-large`` and saved in bfloat16 with their calibration
     (``tree.json``) to ``out``, with ``widened.json`` (the source and the check). Heads
@@ -68,9 +77,6 @@ def widen_medusa_folder(src: str, out: str, large: ReferenceLarge | None = None,
     name (``--widen``). The check, on 128 held-out tokens (``ids`` replaces them), each
     head set fed its own target's features: the largest logit difference and the greedy
     agreement of every head."""
-    from speclab.models.loading import load_model
-    from speclab.models.medusa import load_medusa, save_medusa
-
     large = large or ensure_reference_large()
     small_dir, k = large.grown_from
     small = load_model(small_dir)
@@ -87,6 +93,7 @@ def widen_medusa_folder(src: str, out: str, large: ReferenceLarge | None = None,
              "logits_max_abs_diff": float((s_logits - l_logits).abs().max()),
              "greedy_agreement": float(agree.min()),
              "greedy_agreement_per_head": [round(float(a), 4) for a in agree]}
+    check["summary"] = widened_summary(check, out, f"{check['heads']} Medusa heads")
     folder = save_medusa(wide.to(torch.bfloat16), out, tree=heads.tree)
     (folder / "widened.json").write_text(json.dumps(check, indent=2))
     log(f"widened {src} ({wide.meta.heads} Medusa heads) -> {folder}: greedy agreement "
@@ -100,11 +107,9 @@ def widen_drafter_folder(src: str, out: str, large: ReferenceLarge | None = None
                          ) -> dict:
     """Widen the drafter in ``src`` for ``reference-large``: Medusa heads
     (:func:`widen_medusa_folder`) or an EAGLE drafter of any version
-    (:func:`~speclab.models.reference_large.widen_eagle_folder`); the check's ``kind``
-    says which. A folder that holds neither is refused, naming ``--widen``."""
-    from speclab.models.eagle import is_eagle_folder
-    from speclab.models.medusa import is_medusa_folder
-
+    (:func:`~speclab.reference_large.widen_eagle_folder`); the check's ``kind``
+    says which and its ``summary`` is the line to print. A folder that holds neither is
+    refused, naming ``--widen``."""
     if is_medusa_folder(src):
         return widen_medusa_folder(src, out, large, log, ids)
     if is_eagle_folder(src):

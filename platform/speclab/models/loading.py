@@ -3,7 +3,7 @@
 A local folder (written by ``save_pretrained``) is used when it exists; anything else
 that looks like ``org/name`` is passed to the Hugging Face hub loader; MLflow registry
 URIs (``models:/name/version``, ``runs:/id/model``) are downloaded through
-:func:`speclab.tracking.resolve_model_uri` (MLflow is imported only then).
+:func:`speclab.tracking_store.resolve_model_uri` (MLflow is imported only then).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from speclab.decoding.attention import UnsupportedModel, attention_layout
+from speclab.tracking_store import resolve_model_uri
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: attention implementations a model may be loaded with: ``auto`` is sdpa where the model
@@ -76,7 +79,6 @@ def check_registry_uri(source: str, field: str = "model") -> str:
 
 def _check_source(source: str, field: str) -> str:
     if source.startswith(("models:/", "runs:/")):  # MLflow registry: download, then a folder
-        from speclab.tracking import resolve_model_uri
 
         return resolve_model_uri(check_registry_uri(source, field))
     path = Path(source).expanduser()
@@ -126,7 +128,6 @@ def load_model(
         if attn_implementation != "auto" or "attention implementation" not in str(exc):
             raise ModelLoadError(f"{field}: {source!r}: {exc}") from None
         model = _from_pretrained(src, dtype, "eager")  # the model has no sdpa path
-    from speclab.decoding.attention import UnsupportedModel, attention_layout
 
     try:
         attention_layout(model.config)

@@ -24,7 +24,12 @@ from pathlib import Path
 
 import torch
 
+from speclab.api import Decoder
+from speclab.data.corpus import function_header_prompts, read_text, split_files
+from speclab.models.tiny import tiny_llama_config
+from speclab.models.tokenizer import train_bpe_tokenizer
 from speclab.paths import speclab_home
+from speclab.train.lm import TrainSettings, eval_loss, train_causal_lm
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,6 @@ def _log(msg: str) -> None:
 def _build_model(spec: ReferenceSpec, layers: int, hidden: int, heads: int, eos: int):
     from transformers import LlamaForCausalLM
 
-    from speclab.models.tiny import tiny_llama_config
-
     torch.manual_seed(spec.seed)
     cfg = tiny_llama_config(vocab_size=spec.vocab_size, hidden_size=hidden, num_layers=layers,
                             num_heads=heads, max_positions=2048, eos_token_id=eos)
@@ -78,10 +81,6 @@ def _build_model(spec: ReferenceSpec, layers: int, hidden: int, heads: int, eos:
 
 def build_reference_pair(out: Path, spec: ReferenceSpec) -> ReferencePair:
     """Train tokenizer, target and draft into ``out`` (takes a few minutes on 2 cores)."""
-    from speclab.data.corpus import read_text, split_files
-    from speclab.models.tokenizer import train_bpe_tokenizer
-    from speclab.train.lm import TrainSettings, eval_loss, train_causal_lm
-
     t0 = time.perf_counter()
     torch.manual_seed(spec.seed)
     train_text = read_text(split_files("train"), spec.train_chars)
@@ -149,9 +148,6 @@ def check_reference_pair(pair: ReferencePair, num_prompts: int = 8, max_new_toke
     prompts (test split) and the target/draft cost ratio per single-token forward
     (timed alternately on the same context, median of 40)."""
     import statistics
-
-    from speclab.api import Decoder
-    from speclab.data.corpus import function_header_prompts
 
     dec = Decoder.from_pretrained(pair.target, pair.draft)
     prompts = [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]

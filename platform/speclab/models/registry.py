@@ -2,7 +2,7 @@
 
 ``reference`` -> the trained reference pair (:mod:`speclab.models.reference`);
 ``reference-large`` -> the memory-bound large reference target with the reference draft
-(:mod:`speclab.models.reference_large`; ``models.dtype``: its ``run_dtype()``, bfloat16
+(:mod:`speclab.reference_large`; ``models.dtype``: its ``run_dtype()``, bfloat16
 where that is native, else float32);
 ``tiny`` -> random tiny models with a real BPE tokenizer (smoke runs, seconds to build);
 anything else is a folder or hub id, passed through.
@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from speclab.data.corpus import read_text, split_files
+from speclab.models.reference import ensure_reference_pair
+from speclab.models.tiny import build_tiny_llama
+from speclab.models.tokenizer import train_bpe_tokenizer
 from speclab.paths import speclab_home
+from speclab.reference_large import ensure_reference_large
 
 
 def ensure_tiny_pair(
@@ -26,10 +31,6 @@ def ensure_tiny_pair(
     """
     import torch
     from transformers import AutoModelForCausalLM
-
-    from speclab.data.corpus import read_text, split_files
-    from speclab.models.tiny import build_tiny_llama
-    from speclab.models.tokenizer import train_bpe_tokenizer
 
     out = (root or speclab_home() / "models") / f"tiny-v{vocab_size}-s{seed}"
     target, draft = out / "target", out / "draft"
@@ -59,13 +60,9 @@ def ensure_tiny_pair(
 def resolve_models(target: str, draft: str | None) -> tuple[str, str | None]:
     """Folders (or hub ids) for a ``models`` config group."""
     if target == "reference":
-        from speclab.models.reference import ensure_reference_pair
-
         pair = ensure_reference_pair()
         return pair.target, draft or pair.draft
     if target == "reference-large":
-        from speclab.models.reference_large import ensure_reference_large
-
         large = ensure_reference_large()
         return large.target, draft or large.draft
     if target == "tiny":

@@ -18,7 +18,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from speclab.agreement import compare_outputs, merge_agreements
+from speclab.api import Decoder
 from speclab.config import MethodConfig
+from speclab.config.jobs import TRAINED
+from speclab.data.prompts import load_prompts
+from speclab.evaluation import (
+    MethodRun,
+    Totals,
+    format_table,
+    interleaved_comparison,
+    markdown_table,
+    pooled_ar,
+    speedup_cell,
+    summarize,
+)
+from speclab.models.registry import resolve_models
+from speclab.pipelines.eval_plots import acceptance_table, method_figures
+from speclab.pipelines.method_runs import log_best, log_child_runs, method_params
 
 if TYPE_CHECKING:
     import torch
@@ -37,9 +54,6 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     """
     import ray
 
-    from speclab.agreement import merge_agreements
-    from speclab.evaluation import MethodRun, Totals, format_table, pooled_ar, summarize
-
     runs = list(methods) if methods is not None else cfg.method_list()
     method_runs = [MethodRun(m.name, m.params(), m.label or "") for m in runs]
     n_act = min(cfg.resources.num_actors, len(prompts))
@@ -56,8 +70,6 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
         def __init__(self) -> None:
             import torch
 
-            from speclab.api import Decoder
-
             if threads:
                 torch.set_num_threads(threads)
             print(f"[evaluate] actor: torch threads {torch.get_num_threads()}", flush=True)
@@ -65,8 +77,6 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
                                                attn_implementation=attn)
 
         def run(self, shard: list[list[int]]) -> dict:
-            from speclab.evaluation import interleaved_comparison
-
             def progress(line: str) -> None:  # reaches the driver's console (log_to_driver)
                 print(f"[evaluate] {line}", flush=True)
 
@@ -127,8 +137,6 @@ def shard_agreement(model: torch.nn.Module, prompts: list[list[int]],
     forward only at a prompt whose outputs differ). The driver merges the shards'
     (:func:`speclab.agreement.merge_agreements`) into the rows whose outputs differ, so
     the table reads ``ties k/n`` for a low-precision rounding tie, as bench's does."""
-    from speclab.agreement import compare_outputs
-
     reference = next(iter(results.values()))["ar"].outputs
     for res in results.values():
         res["agreement"] = compare_outputs(model, prompts, res["totals"].outputs, reference)
@@ -138,8 +146,6 @@ def log_method_children(tracker, rows: list[dict], runs: list[MethodConfig],
                         skip: tuple[str, ...] = ()) -> None:
     """One child run per row of :func:`evaluate_pair` (AR first, then ``runs``), with
     ``method.*`` params and identical metric keys."""
-    from speclab.pipelines.method_runs import log_child_runs, method_params
-
     params = [method_params("ar", "ar", {})]
     for m, row in zip(runs, rows[1:]):
         params.append(method_params(row["method"], m.name, m.params()))
@@ -151,10 +157,6 @@ def log_evaluation(tracker, rows: list[dict], runs: list[MethodConfig], prefix: 
     """Log :func:`evaluate_pair`'s ``rows`` (AR first, then ``runs``): a child run per
     method (unless ``children`` is False), and on ``tracker``'s run the table, the
     per-position acceptance table, the plots and ``{prefix}best_*`` metrics."""
-    from speclab.evaluation import format_table, markdown_table, speedup_cell
-    from speclab.pipelines.eval_plots import acceptance_table, method_figures
-    from speclab.pipelines.method_runs import log_best
-
     if children:
         log_method_children(tracker, rows, runs)
     log_best(tracker, rows[1:] or rows, prefix)
@@ -184,10 +186,6 @@ def evaluate_trained(cfg: Any, target: str, prompts: list[list[int]], tracker, f
     ``folder``. Those keep their configured name as label, so tables and metric keys do
     not carry (and are not lengthened by) the run folder. Methods with a draft LM use
     ``models.draft``. Returns the rows, AR first."""
-    from speclab.config.jobs import TRAINED
-    from speclab.evaluation import MethodRun
-    from speclab.models.registry import resolve_models
-
     methods = [m.model_copy(update={field: str(folder), "label": m.label or MethodRun(
         m.name, m.params(), "").name}) if getattr(m, field, None) == TRAINED else m
         for m in cfg.method_list()]
@@ -200,13 +198,9 @@ def evaluate_trained(cfg: Any, target: str, prompts: list[list[int]], tracker, f
 def tokenized_prompts(cfg: Any, target: str | None = None, tokenizer=None) -> list[list[int]]:
     """The ``data`` prompt set, tokenised with the target's tokenizer (on the driver):
     ``tokenizer`` when already loaded, else the one in ``target``'s folder (a model folder)."""
-    from speclab.data.prompts import load_prompts
-
     texts = load_prompts(cfg.data.prompts, cfg.data.num_prompts, cfg.data.context_chars,
                          cfg.data.path, cfg.data.seed)
     if tokenizer is None:
-        from speclab.api import Decoder
-
         dec = Decoder.from_pretrained(target)
         return [dec.encode(t) for t in texts]
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]

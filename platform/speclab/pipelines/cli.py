@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from speclab.config import ConfigError, ExperimentConfig
+from speclab.config import JOB_CONFIGS, ConfigError, ExperimentConfig
+from speclab.paths import speclab_home
+from speclab.tracking import TrackingUnavailable, open_tracker
 
 T = TypeVar("T")
 
@@ -62,9 +64,6 @@ def start_job(job: str, description: str | None, argv: list[str] | None,
     ``prepare`` checks and loads the job's inputs (corpus, models, interactions) on the
     driver; any ``ValueError``/``OSError`` it raises is printed as ``error: ...``.
     """
-    from speclab.config import JOB_CONFIGS
-    from speclab.tracking import TrackingUnavailable, open_tracker
-
     args = parse_job_args(description or f"the {job} job", argv)
     cfg = load_or_exit(JOB_CONFIGS[job], args.config, args.overrides)
     try:  # a remote tracking server is checked before any expensive work
@@ -79,7 +78,5 @@ def start_job(job: str, description: str | None, argv: list[str] | None,
 
 def run_dirs(cfg: Any) -> tuple[Path, str]:
     """(storage folder, run name) from the ``output`` group of a training job's config."""
-    from speclab.paths import speclab_home
-
     storage = Path(cfg.output.storage_path or speclab_home() / "runs").expanduser().resolve()
     return storage, cfg.output.run_name or f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"

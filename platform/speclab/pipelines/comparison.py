@@ -3,7 +3,7 @@ rows, the printed table, and the plots logged to the comparison's parent run."""
 
 from __future__ import annotations
 
-from speclab.evaluation import ACCEPT_POSITIONS
+from speclab.evaluation import ACCEPT_POSITIONS, format_table
 from speclab.pipelines.eval_plots import wrap_label
 
 
@@ -72,8 +72,6 @@ def log_comparison(tracker, table: list[dict], name: str = "loss_comparison",
     """Print ``table`` (rows of :func:`comparison_rows` with the same ``key``) and log it
     (CSV/JSON/TXT) with the tau-by-``key`` and the acceptance-per-position plots to
     ``tracker``'s run; returns the printed text."""
-    from speclab.evaluation import format_table
-
     cols = [(key, "{}"), ("method", "{}"), ("tau", "{:.2f}"),
             ("target_calls_per_token", "{:.3f}"), ("speedup", "{:.2f}x"),
             *((f"accept_at_{k}", "{:.2f}") for k in range(1, 4))]

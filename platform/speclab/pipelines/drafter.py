@@ -7,7 +7,11 @@ import time
 from pathlib import Path
 
 from speclab.config import DistillJob
-from speclab.pipelines.signals import Prepared
+from speclab.losses import loss_data_kinds
+from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+from speclab.pipelines.fit import fit, save_final
+from speclab.pipelines.signals import Prepared, check_shards
+from speclab.train.tasks import DistillTaskConfig
 
 
 def train_register_evaluate(cfg: DistillJob, prep: Prepared, storage: Path, run_name: str,
@@ -20,12 +24,6 @@ def train_register_evaluate(cfg: DistillJob, prep: Prepared, storage: Path, run_
     Before training, the shards of every kind the loss mix reads are checked
     (:func:`~speclab.pipelines.signals.check_shards`): exactly shards ``0..n-1`` with
     ``distill.examples`` rows in all, so every example is trained on exactly once."""
-    from speclab.losses import loss_data_kinds
-    from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
-    from speclab.pipelines.fit import fit, save_final
-    from speclab.pipelines.signals import check_shards
-    from speclab.train.tasks import DistillTaskConfig
-
     weights = weights or cfg.distill.loss_weights()
     check_shards(data_dir, loss_data_kinds(weights), cfg.distill)
     task = DistillTaskConfig(train=cfg.train, arch=cfg.arch, hass_k=cfg.distill.hass_k,

@@ -32,8 +32,19 @@ from pathlib import Path
 import torch
 
 from speclab.config.schema import ArchConfig, TrainScalingConfig
+from speclab.models.tiny import tiny_llama_config
 from speclab.timing import peak_gpu_mb
-from speclab.tracking_buffer import SPOOL_NAME
+from speclab.tracking import TrackingUnavailable
+from speclab.tracking_buffer import (
+    SPOOL_NAME,
+    MetricBuffer,
+    deliver_spool,
+    flush_timeout_s,
+    load_spool,
+    quiet_mlflow_http,
+)
+from speclab.train.lm import make_optimizer
+from speclab.train.tasks import Task, parse_task_config, task_class
 
 #: the driver's last attempt at a spool the workers left (after their own flush budget)
 DRIVER_FLUSH_S = 10.0
@@ -41,8 +52,6 @@ DRIVER_FLUSH_S = 10.0
 
 def _build_model(arch: ArchConfig, vocab: int, eos: int):
     from transformers import LlamaForCausalLM
-
-    from speclab.models.tiny import tiny_llama_config
 
     return LlamaForCausalLM(tiny_llama_config(
         vocab_size=vocab, hidden_size=arch.hidden, num_layers=arch.layers,
@@ -60,9 +69,6 @@ def train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
-    from speclab.train.lm import make_optimizer
-    from speclab.train.tasks import TASKS, parse_task_config
-
     spec = parse_task_config(config["task"])  # workers re-validate
     tr = spec.train
     ctx = ray.train.get_context()
@@ -72,13 +78,12 @@ def train_loop(config: dict) -> None:
     (pid_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
 
     device = ray.train.torch.get_device()
-    task = TASKS[spec.kind](spec, Path(config["data_dir"]), device)
+    task: Task = task_class(spec.kind)(spec, Path(config["data_dir"]), device)
     torch.manual_seed(tr.seed)
-    if hasattr(task, "build_model"):  # e.g. an acceptance head on a frozen drafter
-        model = task.build_model()
-    else:
+    model = task.build_model()  # e.g. an acceptance head on a frozen drafter
+    if model is None:  # the task trains a LLaMA of its arch
         model = _build_model(spec.arch, config["vocab"], config["eos"])
-    groups = task.param_groups(model) if hasattr(task, "param_groups") else None
+    groups = task.param_groups(model)
     opt, sched = make_optimizer(model, tr.lr, 0.01, tr.warmup, tr.steps, groups)
     start, state = 0, None
     ckpt = ray.train.get_checkpoint()
@@ -89,7 +94,7 @@ def train_loop(config: dict) -> None:
         start = state["step"]
     model = ray.train.torch.prepare_model(  # a task may leave parameters without gradients
         model, parallel_strategy_kwargs={"find_unused_parameters": True}
-        if getattr(task, "unused_parameters", False) else None)
+        if task.unused_parameters else None)
     if state is not None:  # now that the parameters are on the worker's device: the
         opt.load_state_dict(state["opt"])  # optimizer's state follows them there
         sched.load_state_dict(state["sched"])
@@ -140,8 +145,7 @@ def train_loop(config: dict) -> None:
                 metrics["val_loss"] = val_loss
                 if spec.kind == "lm":
                     metrics["val_ppl"] = float(torch.exp(torch.tensor(val_loss)))
-                if hasattr(task, "val_metrics"):  # e.g. an EAGLE drafter's top-1 agreement
-                    metrics.update(task.val_metrics(core))
+                metrics.update(task.val_metrics(core))  # e.g. a drafter's top-1 agreement
                 meta = getattr(core, "meta", None)  # a drafter's architecture (EAGLE)
                 torch.save({"model": core.state_dict(), "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": done,
@@ -166,7 +170,6 @@ def _metric_buffer(config: dict):
     run to log to."""
     if not config.get("run_id"):
         return None
-    from speclab.tracking_buffer import MetricBuffer, load_spool, quiet_mlflow_http
 
     quiet_mlflow_http()  # the buffer retries; one request must not block for minutes
     buf = MetricBuffer(config["tracking_uri"])
@@ -207,8 +210,6 @@ def fit(task, scaling: TrainScalingConfig, storage: Path, run_name: str, data_di
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from speclab.tracking_buffer import flush_timeout_s
-
     sc = scaling
     trainer = TorchTrainer(
         train_loop,
@@ -233,8 +234,6 @@ def check_metrics_delivered(run_dir: Path, tracking_uri: str, run_name: str) -> 
     """Raise :class:`speclab.tracking.TrackingUnavailable` if the workers left metric
     points they could not deliver in ``run_dir`` (after one more try of
     :data:`DRIVER_FLUSH_S` from here), naming the server and the count."""
-    from speclab.tracking import TrackingUnavailable
-    from speclab.tracking_buffer import deliver_spool
 
     spool = Path(run_dir) / SPOOL_NAME
     if not spool.exists():

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from speclab.config.schema import TrainScalingConfig
+from speclab.data.rec_dataset import EOS, prepare_rec_data, save_rec_tokenizer
+from speclab.pipelines.fit import fit, save_final
 
 
 def prepare_rec(cfg: Any):
     """(RecMeta, examples per split) for the ``rec`` group of ``cfg``; ValueError on bad
     input."""
-    from speclab.data.rec_dataset import prepare_rec_data
-
     r = cfg.rec
     meta, examples = prepare_rec_data(r.source, r.path, r.users, r.items, r.dim, r.levels,
                                       r.codebook, r.history, r.seed)
@@ -34,8 +34,6 @@ def write_data(meta, examples, data_dir: Path, extra: dict | None = None) -> Pat
     """The folder the ``rec`` / ``rec_align`` training tasks read: ``rec_meta.json``,
     the id tokenizer, ``examples.json`` and ``extra`` files (saved with torch.save)."""
     import torch
-
-    from speclab.data.rec_dataset import save_rec_tokenizer
 
     data_dir.mkdir(parents=True, exist_ok=True)
     meta.save(data_dir)
@@ -53,9 +51,6 @@ def train_model(task, scaling: TrainScalingConfig, meta, examples, storage: Path
     """Write the data folder (+ ``extra`` files saved with torch.save), train ``task`` (a
     ``RecTaskConfig`` / ``RecAlignTaskConfig``) with Ray Train on ``scaling`` workers,
     save the model (+ rec_meta.json) and register it."""
-    from speclab.data.rec_dataset import EOS
-    from speclab.pipelines.fit import fit, save_final
-
     data_dir = write_data(meta, examples, storage / run_name / "data", extra)
     result = fit(task, scaling, storage, run_name, data_dir, meta.vocab_size, EOS,
                  tracker.run_id, tracker.uri if tracker.run_id else None)

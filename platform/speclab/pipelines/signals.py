@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from speclab.api import Decoder
 from speclab.config.schema import DistillConfig
+from speclab.data.text import load_corpus
+from speclab.models.loading import load_model, resolve_source
+from speclab.models.registry import resolve_models
+from speclab.pipelines.fit import peak_rss_mb
+from speclab.train import distill_data as dd
+from speclab.train.distill_data import data_kind
 
 MAX_SHARD_ATTEMPTS = 3  # dispatches of one shard before generation gives up
 PER_ACTOR_IN_FLIGHT = 2  # shards queued on one actor (one running, one waiting)
@@ -42,8 +49,6 @@ def plan_starts(d: DistillConfig, seed: int, tokens, kind: str) -> tuple[list[in
     """Deterministic corpus offsets and length of ``kind``'s inputs (windows / prompts /
     contexts); the inputs themselves are sliced per shard, so memory stays bounded."""
     import torch
-
-    from speclab.train.distill_data import data_kind
 
     length = data_kind(kind).input_len(d)
     if tokens.numel() <= length + 1:
@@ -187,8 +192,6 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
     ``eagles`` maps a kind to the ``eagle`` group its rows are made with (its data
     settings, EAGLE-3's layers, TALF's trees), where it is not the job's ``cfg.eagle``
     (``compare_eagle``'s EAGLE-3 rows)."""
-    from speclab.train.distill_data import data_kind
-
     need_draft = sorted(k for k in kinds if data_kind(k).needs_draft)  # unknown kinds: here
     if need_draft and draft is None:
         raise ValueError(f"models.draft: {' and '.join(need_draft)} data needs a drafter")
@@ -205,8 +208,6 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
         """Holds one target replica; turns example inputs into Parquet shards."""
 
         def __init__(self) -> None:
-            from speclab.api import Decoder
-
             self.dec = Decoder.from_pretrained(target, draft, dtype, device)
 
         def ready(self) -> dict:
@@ -223,8 +224,6 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
 
             import pyarrow as pa
             import pyarrow.parquet as pq
-
-            from speclab.train import distill_data as dd
 
             ctx = dd.SignalContext(self.dec.target, self.dec.draft, self.dec.eos_token_id, d,
                                    seed, eagle_of[kind], head_temperature)
@@ -382,8 +381,6 @@ def generate_logged(cfg: Any, prep: Prepared, data_dir: Path, tracker, kinds: se
     to ``tracker``."""
     import time
 
-    from speclab.pipelines.fit import peak_rss_mb
-
     t0 = time.perf_counter()
     stats: dict = {}
     shards, actor_peak = generate(cfg, prep.target, data_dir, kinds, prep.tokens, stats=stats,
@@ -413,7 +410,7 @@ class Prepared:
     vocab: int
     eos: int | None
     #: EAGLE jobs: the trained window against the evaluation's longest context
-    #: (:func:`speclab.pipelines.eagle.context_window`); empty for the other jobs
+    #: (:func:`speclab.families.eagle.stages.context_window`); empty for the other jobs
     window: dict[str, int] = field(default_factory=dict)
 
 
@@ -422,10 +419,6 @@ def prepare_target(cfg: Any) -> Prepared:
     ``cfg``: a job config with ``models``, ``tokenizer`` and ``corpus`` groups."""
     import torch
     from transformers import AutoTokenizer
-
-    from speclab.data.text import load_corpus
-    from speclab.models.loading import load_model, resolve_source
-    from speclab.models.registry import resolve_models
 
     target, _ = resolve_models(cfg.models.target, None)
     target = resolve_source(target, "models.target")  # models:/ URIs -> a local folder

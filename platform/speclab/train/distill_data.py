@@ -5,15 +5,15 @@ One function per example kind; each returns a plain dict of lists (a Parquet row
 * :func:`kd_example` — a corpus window and the target's top-k next-token distribution at
   every position (``word_kd``, ``tvd_kd``, ``hass_topk``; ``sft`` uses the window only);
 * :func:`feat_example` — a corpus window, the target's last-layer features and its top-k
-  at every position (the EAGLE feature drafter, :mod:`speclab.train.eagle`); with
+  at every position (the EAGLE feature drafter, :mod:`speclab.families.eagle.training`); with
   ``eagle.data: target`` the feature kinds' windows are first rewritten as the target's
   own text (:func:`target_windows`);
 * :func:`feat_forest_example` — a ``feat`` window plus a target-built beam tree rooted at
-  every position (TALF on the EAGLE drafter, :func:`speclab.train.eagle.talf_loss`);
+  every position (TALF on the EAGLE drafter, :func:`speclab.families.eagle.training.talf_loss`);
 * :func:`seq_examples` — prompts and the target's greedy continuation (``seq_kd``);
 * :func:`medusa_examples` — :func:`feat_example` windows over prompts and the target's
   greedy continuations, decoded in batches (self-distillation data for Medusa heads,
-  :mod:`speclab.train.medusa`);
+  :mod:`speclab.families.medusa.training`);
 * :func:`tree_example` — a context and a target-built EAGLE-2 draft tree (top-k children,
   depth d, as in TALF Algorithm 1) with the target's top-k distribution at every node
   (``talf``);
@@ -43,8 +43,16 @@ from typing import Any
 
 import torch
 
+from speclab.decoding.batch_loop import generate_batch, new_rows
+from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.loop import autoregressive_generate
+from speclab.decoding.row_pool import TargetPool
+from speclab.decoding.rules import resolve_rule
 from speclab.decoding.runner import ModelRunner, forward_tree_nodes
+from speclab.decoding.sampling import SamplingParams, draw, warp_probs
 from speclab.drafters.eagle2 import build_eagle2_tree
+from speclab.families.eagle.training import encode_features
+from speclab.plugins import load_plugins
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[list, list]:
@@ -74,8 +82,6 @@ def _feat_forward(target: ModelRunner, window: list[int], k: int, spec=None
                   ) -> tuple[dict, torch.Tensor]:
     """:func:`feat_example`'s row and the target's logits ``[L, V]`` (the cache then holds
     the ``L`` inputs)."""
-    from speclab.train.eagle import encode_features
-
     target.track_hidden(spec)
     target.reset()
     logits = target.forward(torch.tensor(window[:-1], dtype=torch.long))  # [L, V]
@@ -153,12 +159,6 @@ def greedy_continuations(target: ModelRunner, prompts: list[list[int]], response
                          eos: int | None, batch: int) -> list[list[int]]:
     """The target's greedy continuations of ``prompts`` (batched engine, plain decoding,
     ``batch`` rows at a time; ``eos`` None: always ``response_len`` tokens)."""
-    from speclab.decoding.batch_loop import generate_batch, new_rows
-    from speclab.decoding.batch_runner import BatchRunner
-    from speclab.decoding.row_pool import TargetPool
-    from speclab.decoding.rules import resolve_rule
-    from speclab.decoding.sampling import SamplingParams
-
     if not prompts:
         return []
     params = SamplingParams(0.0)
@@ -179,8 +179,6 @@ def medusa_examples(target: ModelRunner, prompts: list[list[int]], response_len:
     The continuations come from the batched engine, ``batch`` rows at a time (the cheap
     way to make self-distillation data); the feature pass needs prompts of one length per
     ``batch`` (the corpus windows are)."""
-    from speclab.train.eagle import encode_features
-
     model = target.model
     device = next(model.parameters()).device
     outs = greedy_continuations(target, prompts, response_len, None, batch)
@@ -228,9 +226,6 @@ def accept_example(target: ModelRunner, draft: ModelRunner, prompt: list[int],
     a sample from ``q_i``); ``p[i]``: P(y_i accepted) = ``1[y_i == argmax p_i]`` (greedy)
     or ``min(1, p_i(y_i) / q_i(y_i))`` with both distributions warped by ``temperature``.
     """
-    from speclab.decoding.loop import autoregressive_generate
-    from speclab.decoding.sampling import SamplingParams, draw, warp_probs
-
     params = SamplingParams(temperature)
     g = torch.Generator().manual_seed(seed)
     x, _ = autoregressive_generate(target, prompt, response_len, params, eos, g)
@@ -302,8 +297,6 @@ def register_data_kind(kind: DataKind) -> DataKind:
 def data_kind(name: str) -> DataKind:
     """The registry entry of data kind ``name`` (plugins loaded first); ``ValueError``
     listing the known kinds."""
-    from speclab.plugins import load_plugins
-
     load_plugins()
     if name not in _DATA_KINDS:
         raise ValueError(f"data kind: unknown kind {name!r}; known: {sorted(_DATA_KINDS)}")

@@ -20,6 +20,10 @@ from collections.abc import Callable
 import torch
 
 from speclab.decoding.drafting import Drafter, DraftTraits
+from speclab.decoding.loop import accept_at_least, autoregressive_generate, generate_tokens
+from speclab.decoding.rules import resolve_rule
+from speclab.decoding.runner import ModelRunner
+from speclab.decoding.sampling import SamplingParams
 from speclab.paired_timing import TIMING_PASSES, Pair, normalize_ar, speedup_figures
 from speclab.timing import now
 
@@ -45,11 +49,6 @@ def engine_figures(target: torch.nn.Module, make_drafter: Callable[[], Drafter],
     plain decoding's, as greedy speculative decoding must). An untimed warm-up (both
     kinds, :data:`WARMUP_TOKENS` tokens of the first prompt) runs before anything is
     timed; it counts in no figure."""
-    from speclab.decoding.loop import accept_at_least, autoregressive_generate, generate_tokens
-    from speclab.decoding.rules import resolve_rule
-    from speclab.decoding.runner import ModelRunner
-    from speclab.decoding.sampling import SamplingParams
-
     params = SamplingParams(0.0)
     rule = resolve_rule(None, None, params)
     runner = ModelRunner(target)

@@ -4,7 +4,7 @@ checkpoints in, speclab-trained drafters out (issue 36).
 =============================  ======  =====  ==========================================
 format                         in      out    module
 =============================  ======  =====  ==========================================
-speclab (EAGLE, EAGLE-3,       yes     yes    :mod:`speclab.models.eagle`, ``.eagle3``,
+speclab (EAGLE, EAGLE-3,       yes     yes    :mod:`speclab.families.eagle.model`, ``.eagle3``,
 Medusa)                                       ``.medusa``
 EAGLE-1/2, HASS research       yes     yes    :mod:`.eagle_research`
 EAGLE-3 research, SpecForge    yes     yes    :mod:`.eagle_research`, :mod:`.eagle3_layers`
@@ -14,8 +14,8 @@ Medusa                         yes     yes    :mod:`.medusa_format`
 =============================  ======  =====  ==========================================
 
 :func:`detect_drafter_format` tells a folder's format; the loaders every drafter name
-goes through (:func:`~speclab.models.eagle.load_eagle`,
-:func:`~speclab.models.medusa.load_medusa`) call :func:`load_public_eagle` /
+goes through (:func:`~speclab.families.eagle.model.load_eagle`,
+:func:`~speclab.families.medusa.model.load_medusa`) call :func:`load_public_eagle` /
 :func:`load_public_medusa` for the public ones; :func:`export_drafter` writes any of
 them in another format (``speclab export``; ``--format speculators`` / ``eagle`` write an
 EAGLE-3 drafter in the EAGLE-3 variant of the format).

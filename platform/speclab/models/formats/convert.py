@@ -1,7 +1,7 @@
 """Drafters in and out: load any supported drafter folder, export one to another format.
 
 - :func:`load_public_eagle` / :func:`load_public_medusa`: what
-  :func:`~speclab.models.eagle.load_eagle` / :func:`~speclab.models.medusa.load_medusa`
+  :func:`~speclab.families.eagle.model.load_eagle` / :func:`~speclab.families.medusa.model.load_medusa`
   call for a folder that is not speclab's own.
 - :func:`load_drafter`: any folder or ``models:/`` URI -> EagleModel, Eagle3Model or
   MedusaHeads.
@@ -37,7 +37,8 @@ from pathlib import Path
 
 from torch import nn
 
-from speclab.models.eagle import EagleMeta, load_eagle, save_eagle
+from speclab.families.eagle.model import EagleMeta, load_eagle, save_eagle
+from speclab.families.medusa.model import MedusaHeads, MedusaMeta, load_medusa, save_medusa
 from speclab.models.formats.detect import (
     EAGLE,
     EAGLE3,
@@ -69,7 +70,6 @@ from speclab.models.formats.speculators import (
     write_speculators,
     write_speculators_eagle3,
 )
-from speclab.models.medusa import MedusaHeads, MedusaMeta, load_medusa, save_medusa
 
 #: what ``speclab export --format`` writes
 EXPORT_FORMATS = ("speculators", "eagle", "medusa", "speclab")

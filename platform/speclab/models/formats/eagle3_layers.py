@@ -1,5 +1,5 @@
 """The tensors and config fields public EAGLE-3 checkpoints share, mapped onto speclab's
-:class:`~speclab.models.eagle3.Eagle3Model` and back.
+:class:`~speclab.families.eagle.model3.Eagle3Model` and back.
 
 Every public EAGLE-3 drafter (the EAGLE authors' ``cnets.py``, SpecForge's
 ``llama3_eagle.py``, speculators' ``eagle3``, vLLM's ``llama_eagle3.py``) computes what
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from speclab.models.eagle import EagleMeta
+from speclab.families.eagle.model import EagleMeta
 from speclab.models.formats.eagle_layers import check_target_shape
 from speclab.models.formats.files import DrafterFormatError, TargetParts, fail, shape
 
@@ -173,11 +173,11 @@ def _vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int, file: Path,
 
 def assemble(meta: EagleMeta, tensors: dict[str, torch.Tensor], prefix: str, file: Path,
              field: str, target: TargetParts | None, advice: str = ""):
-    """An :class:`~speclab.models.eagle3.Eagle3Model` from public EAGLE-3 tensors (the
+    """An :class:`~speclab.families.eagle.model3.Eagle3Model` from public EAGLE-3 tensors (the
     module docstring's table, layer under ``prefix``); ``embed_tokens.weight`` absent:
     ``target``'s. Missing tensors, leftovers and wrong shapes are errors naming ``file``,
     the tensor and the shape found."""
-    from speclab.models.eagle3 import Eagle3Model
+    from speclab.families.eagle.model3 import Eagle3Model
 
     tensors = dict(tensors)
     if "embed_tokens.weight" not in tensors:

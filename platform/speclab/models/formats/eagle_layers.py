@@ -1,5 +1,5 @@
 """The tensors public EAGLE-1/2 checkpoints share, mapped onto speclab's
-:class:`~speclab.models.eagle.EagleModel` and back.
+:class:`~speclab.families.eagle.model.EagleModel` and back.
 
 Both public layouts (the EAGLE research code and speculators' ``eagle``) compute
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from speclab.models.eagle import EagleMeta, EagleModel
+from speclab.families.eagle.model import EagleMeta, EagleModel
 from speclab.models.formats.files import DrafterFormatError, TargetParts, fail, shape
 
 #: a LLaMA decoder layer's tensors, without ``input_layernorm`` (absent in EAGLE's layer 0)

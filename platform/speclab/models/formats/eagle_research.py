@@ -14,7 +14,7 @@ and ``pytorch_model.bin`` or ``model.safetensors`` (or a sharded index) with
 - ``embed_tokens.weight [V, H]`` (a copy of the target's; absent: the target's is used).
 
 There is no final norm and no LM head: the target's LM head reads the last layer's
-output. Loading builds an :class:`~speclab.models.eagle.EagleModel` with
+output. Loading builds an :class:`~speclab.families.eagle.model.EagleModel` with
 ``input_norm = final_norm = False``; writing needs a drafter in that layout (a drafter
 with speclab's norms has tensors EAGLE's strict ``load_state_dict`` would refuse).
 
@@ -27,7 +27,7 @@ optional ``target_hidden_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids
 ``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight``,
 ``norm.weight``, ``lm_head.weight [V_d, H]``, ``d2t [V_d]``, ``t2d [V]`` and, from the
 EAGLE code, ``embed_tokens.weight`` (SpecForge leaves it out: the target's is used). The
-mapping onto :class:`~speclab.models.eagle3.Eagle3Model` is
+mapping onto :class:`~speclab.families.eagle.model3.Eagle3Model` is
 :mod:`.eagle3_layers`'. Writing (``--format eagle`` for an EAGLE-3 drafter) gives
 everything EAGLE's strict ``load_state_dict`` wants (embedding included) in
 ``pytorch_model.bin``, and names the drafter's target layers both ways (vLLM's top-level
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from speclab.models.eagle import EagleMeta, EagleModel
+from speclab.families.eagle.model import EagleMeta, EagleModel
 from speclab.models.formats import eagle3_layers as e3
 from speclab.models.formats.eagle_layers import (
     assemble,
@@ -147,7 +147,7 @@ def write_eagle_research(model: EagleModel, out: Path, field: str = "--format ea
 def read_eagle3_research(folder: Path, target: TargetParts | None, field: str,
                          advice: str = "", target_config=None):
     """The EAGLE-3 drafter in ``folder`` (the EAGLE authors' / SpecForge's format, module
-    docstring) as an :class:`~speclab.models.eagle3.Eagle3Model`, its shapes checked
+    docstring) as an :class:`~speclab.families.eagle.model3.Eagle3Model`, its shapes checked
     against ``target.config`` or ``target_config`` when given, its target layers the ones
     the config names or EAGLE-3's default for the target, its embedding (when the file has
     none) the target's. Errors name the file, the field and what was found."""

@@ -9,7 +9,7 @@ head) and ``base_model_name_or_path`` (the target). ``medusa_lm_head.safetensors
     <k>.<L>.weight [V, H]                                   (no bias)
 
 (keys may carry a ``medusa_head.`` prefix). speclab's heads are that with L = 1
-(``w1[k]``, ``b1[k]``, ``w2[k]`` of :class:`~speclab.models.medusa.MedusaHeads`); L = 0
+(``w1[k]``, ``b1[k]``, ``w2[k]`` of :class:`~speclab.families.medusa.model.MedusaHeads`); L = 0
 loads exactly as ``w1 = 0, b1 = 0`` (``SiLU(0) = 0``). L > 1 is refused: Medusa's code
 repeats ONE block L times, which speclab's heads cannot hold. speclab's ``tree.json``
 (the heads' calibration) travels beside the files when present; Medusa ignores it.
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from speclab.families.medusa.model import MedusaHeads, MedusaMeta
 from speclab.models.formats.files import (
     DrafterFormatError,
     fail,
@@ -29,7 +30,6 @@ from speclab.models.formats.files import (
     read_tensors,
     shape,
 )
-from speclab.models.medusa import MedusaHeads, MedusaMeta
 
 
 def read_medusa(folder: Path, target_config, field: str) -> MedusaHeads:

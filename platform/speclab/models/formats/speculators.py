@@ -59,7 +59,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from speclab.models.eagle import EagleMeta, EagleModel
+from speclab.families.eagle.model import EagleMeta, EagleModel
 from speclab.models.formats import eagle3_layers as e3
 from speclab.models.formats.eagle_layers import (
     assemble,
@@ -290,7 +290,7 @@ def write_speculators(model: EagleModel, out: Path, verifier: str | None,
 def read_speculators_eagle3(folder: Path, target: TargetParts | None, field: str,
                             advice: str = "", target_config=None):
     """The ``speculators_model_type: eagle3`` drafter in ``folder`` (module docstring) as
-    an :class:`~speclab.models.eagle3.Eagle3Model`, its shapes checked against
+    an :class:`~speclab.families.eagle.model3.Eagle3Model`, its shapes checked against
     ``target.config`` or ``target_config`` when given, its target layers the config's
     ``eagle_aux_hidden_state_layer_ids`` or EAGLE-3's default for the target; errors name
     the file and the field."""

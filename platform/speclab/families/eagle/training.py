@@ -38,7 +38,7 @@ counts the earlier ones, whose context is the sequence start). As in HASS the fe
 features are detached (``hass_detach``; False keeps their graph, a variant) and the step
 losses are summed (``hass_reduce: sum``; ``mean`` averages them, a variant).
 
-EAGLE-3 (``eagle3``, an :class:`~speclab.models.eagle3.Eagle3Model`): the drafter reads
+EAGLE-3 (``eagle3``, an :class:`~speclab.families.eagle.model3.Eagle3Model`): the drafter reads
 the FUSED features of the target's chosen layers (``feat3`` data) and has no regression
 target; its training-time test is :func:`hass_forward` over ``ttt_steps`` steps (step
 ``s`` feeds pair ``j`` the drafter's own step ``s - 1`` output at ``j - 1``, with the same
@@ -58,7 +58,7 @@ drafter READS (``L`` the window's positions, ``ref`` 512 as in their code:
 clean features (:func:`feature_noise`).
 
 Architecture (not a training knob): speclab's drafter keeps the LLaMA decoder's input norm
-in layer 0 and a final norm (:mod:`speclab.models.eagle`), which EAGLE-1/2 and HASS leave
+in layer 0 and a final norm (:mod:`speclab.families.eagle.model`), which EAGLE-1/2 and HASS leave
 out; saved drafters depend on it, so it stays.
 """
 
@@ -316,22 +316,22 @@ def feature_noise(shape: torch.Size | tuple[int, ...], std: float, ref_len: int 
     return (torch.rand(shape, generator=generator) - 0.5) * (std * ref_len / max(length, 1))
 
 
-def eagle_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: str = "eagle",
-               w_reg: float = 1.0, w_cls: float = 0.1, hass_k: int | None = None,
-               hass_steps: int = 3, w_topk: float = 1.0, hass_detach: bool = True,
-               hass_reduce: str = "sum") -> torch.Tensor:
-    """The drafter's loss on a :func:`collate_feat` batch (see the module docstring).
+def feature_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], w_reg: float = 1.0,
+                 w_cls: float = 0.1, w_topk: float = 0.0, top_k: int | None = None,
+                 steps: int = 1, detach: bool = True, reduce: str = "sum") -> torch.Tensor:
+    """EAGLE's and HASS's loss on a :func:`collate_feat` batch (the module docstring).
 
     ``model(features [B, T, H], input_ids [B, T], position_ids, attention_mask,
     past_key_values, use_cache) -> (f_hat [B, T, H], logits [B, T, V])`` (an
-    :class:`~speclab.models.eagle.EagleModel`). ``batch["feature_noise"]`` (``[B, L, H]``,
-    optional; :func:`feature_noise`) is added to the features the drafter reads, not to
-    the regression targets. ``hass``: ``w_reg * reg + w_cls * CE + w_topk * top-K`` at
-    each of ``hass_steps`` steps (:func:`hass_forward`; ``hass_detach``), summed over the
-    steps (``hass_reduce: sum``, HASS) or averaged (``mean``).
+    :class:`~speclab.families.eagle.model.EagleModel`). ``batch["feature_noise"]``
+    (``[B, L, H]``, optional; :func:`feature_noise`) is added to the features the drafter
+    reads, not to the regression targets. At each of ``steps`` steps
+    (:func:`hass_forward`; ``detach``): ``w_reg * reg + w_cls * CE``, plus ``w_topk *
+    top-K`` (the target's ``top_k``) when ``w_topk`` > 0, summed over the steps
+    (``reduce: sum``, HASS) or averaged (``mean``). EAGLE: one step, no top-K term.
     """
-    if hass_reduce not in ("sum", "mean"):
-        raise ValueError(f"hass_reduce: sum or mean, got {hass_reduce!r}")
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"hass_reduce: sum or mean, got {reduce!r}")
     tokens, feats = batch["tokens"], batch["features"]
     b, length, _ = feats.shape
     t = length - 1
@@ -345,17 +345,28 @@ def eagle_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: str
         reg = F.smooth_l1_loss(f_hat.float(), tgt_f.float(), reduction="none").mean(-1)
         reg = (reg * mask).sum() / mask.sum().clamp_min(1.0)
         out = w_reg * reg + w_cls * losses.soft_ce(logits, ids, probs, mask)
-        if loss == "hass":
-            out = out + w_topk * losses.hass_topk(logits, ids, probs, mask, top_k=hass_k)
+        if w_topk:
+            out = out + w_topk * losses.hass_topk(logits, ids, probs, mask, top_k=top_k)
         return out
 
-    steps = min(hass_steps, t) if loss == "hass" else 1
-    outputs = hass_forward(model, inp_f, inp_x, steps, hass_detach)
+    outputs = hass_forward(model, inp_f, inp_x, min(steps, t), detach)
     total = []
     for s, (f_hat, logits) in enumerate(outputs, start=1):
         valid = (torch.arange(t, device=feats.device) >= s - 1).float().expand(b, t)
         total.append(step_loss(f_hat, logits, valid))
-    return sum(total) / (len(total) if hass_reduce == "mean" else 1)
+    return sum(total) / (len(total) if reduce == "mean" else 1)
+
+
+def eagle_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], loss: str = "eagle",
+               w_reg: float = 1.0, w_cls: float = 0.1, hass_k: int | None = None,
+               hass_steps: int = 3, w_topk: float = 1.0, hass_detach: bool = True,
+               hass_reduce: str = "sum") -> torch.Tensor:
+    """:func:`feature_loss` with the ``eagle`` group's field names: ``loss`` ``hass``
+    runs ``hass_steps`` steps with the ``w_topk`` top-``hass_k`` term, ``eagle`` one step
+    without it (the objectives themselves: :mod:`speclab.families.eagle.objectives`)."""
+    hass = loss == "hass"
+    return feature_loss(model, batch, w_reg, w_cls, w_topk if hass else 0.0, hass_k,
+                        hass_steps if hass else 1, hass_detach, hass_reduce)
 
 
 @torch.no_grad()
@@ -373,7 +384,7 @@ def engine_acceptance(target: torch.nn.Module, model: torch.nn.Module, prompts: 
     """:func:`~speclab.train.engine_probe.engine_figures` of greedy EAGLE-2 decoding
     (``tree_top_k`` 4, ``depth``, 16 nodes) with the drafter as it is now."""
     from speclab.decoding.drafting import DraftTraits
-    from speclab.drafters.eagle import EagleDrafter
+    from speclab.families.eagle.drafter import EagleDrafter
     from speclab.train.engine_probe import engine_figures
 
     traits = DraftTraits(needs_features=True, feature_layers=model.meta.feature_layers)

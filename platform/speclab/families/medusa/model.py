@@ -13,7 +13,7 @@ On disk (``save_pretrained`` style): ``config.json`` (a :class:`MedusaMeta`: the
 the heads belong to — its name, architecture, sizes and a fingerprint of its LM head —
 and ``K``), ``model.safetensors`` and, once calibrated, ``tree.json``: the heads'
 measured top-``r`` accuracies and the sparse tree built from them
-(:mod:`speclab.drafters.medusa_trees`). :func:`load_medusa` also loads Medusa's own
+(:mod:`speclab.families.medusa.trees`). :func:`load_medusa` also loads Medusa's own
 format (``config.json`` with ``medusa_num_heads`` and ``medusa_lm_head.safetensors`` /
 ``.pt``; :mod:`speclab.models.formats.medusa_format`), whose heads carry no target
 fingerprint (only their shapes are checked against a target).
@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from speclab.models.loading import load_model
 
 KIND = "speclab-medusa"
 
@@ -187,3 +189,51 @@ def head_accuracies(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Te
     counts = [features.shape[0] * max(length - k, 0) for k in range(1, n_heads + 1)]
     return [(hits[k] / counts[k]).tolist() if counts[k] else [0.0] * top
             for k in range(n_heads)]
+
+
+def is_medusa_heads(model: object) -> bool:
+    """Whether ``model`` is a set of Medusa heads (the family's artifact)."""
+    return isinstance(model, MedusaHeads)
+
+
+def lm_head_fingerprint(folder: str, config) -> str:
+    """:func:`target_fingerprint` of the target in ``folder``: its LM head (or the tied
+    embedding) read from the safetensors files; the whole model is loaded only when they
+    do not hold it."""
+    from types import SimpleNamespace
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # the parameter names, no weights
+        skeleton = AutoModelForCausalLM.from_config(config)
+    head = skeleton.get_output_embeddings().weight
+    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is head]
+    names.append("lm_head.weight")
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            keys = set(f.keys())
+            for name in names:
+                if name in keys:
+                    lm = SimpleNamespace(weight=f.get_tensor(name))
+                    return target_fingerprint(SimpleNamespace(
+                        get_output_embeddings=lambda h=lm: h))
+    return target_fingerprint(load_model(folder, field="models.target"))
+
+
+def check_artifact(model: MedusaHeads, target_config, field: str, target_source: str | None,
+                   target_vocab: int) -> None:
+    """The family's artifact check (Serve's draft replica at load): ValueError naming
+    ``field`` unless the heads were trained for the target (its config and its LM
+    head's fingerprint, read from the target's folder ``target_source`` without loading
+    the model; without the folder, the vocabulary ``target_vocab`` alone)."""
+    from types import SimpleNamespace
+
+    if target_config is None:
+        if int(model.meta.vocab_size) != int(target_vocab):
+            raise ValueError(f"{field}: heads trained for a target with vocab_size="
+                             f"{model.meta.vocab_size}, but the target has {target_vocab}")
+        return
+    fingerprint = lm_head_fingerprint(target_source, target_config) \
+        if model.meta.fingerprint else None
+    model.meta.check_target(SimpleNamespace(config=target_config), field, fingerprint)

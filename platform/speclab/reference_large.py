@@ -30,7 +30,7 @@ and the base pair's own hash):
   reference target's function, which is the large target's function: it IS a standalone
   draft distilled from this target.
 * ``eagle/``: a 1-layer EAGLE drafter for the large target. It is trained in process
-  against the SMALL target with the project's EAGLE code (:mod:`speclab.train.eagle`,
+  against the SMALL target with the project's EAGLE code (:mod:`speclab.families.eagle.training`,
   the ``experiments/distill_eagle.yaml`` recipe: corpus windows, the target's features
   and top-16, ``eagle_loss``), kept as ``eagle-small/`` (a drafter for ``reference``), then
   widened the same way (:func:`widen_eagle`). The large target's features are the small
@@ -85,7 +85,20 @@ from pathlib import Path
 
 import torch
 
+from speclab.data.corpus import function_header_prompts, read_text, split_files
+from speclab.decoding.runner import ModelRunner
+from speclab.families.eagle.model import EagleMeta, EagleModel, build_eagle, load_eagle, save_eagle
+from speclab.families.eagle.training import (
+    collate_feat,
+    eagle_loss,
+    engine_acceptance,
+    top1_agreement,
+)
+from speclab.models.loading import DTYPES, load_model, load_tokenizer
+from speclab.models.reference import ensure_reference_pair
 from speclab.paths import speclab_home
+from speclab.train.distill_data import feat_example
+from speclab.train.lm import make_optimizer, random_windows
 
 #: the dtype the large target is stored in; it runs in :func:`run_dtype`
 DTYPE = "bfloat16"
@@ -306,8 +319,8 @@ def deepened_index(index: int, layers: int, depth: int) -> int:
 
 @torch.no_grad()
 def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
-    """An EAGLE drafter (EAGLE-1/2 :class:`~speclab.models.eagle.EagleModel` or EAGLE-3
-    :class:`~speclab.models.eagle3.Eagle3Model`) for the ``k``x wide target: features and
+    """An EAGLE drafter (EAGLE-1/2 :class:`~speclab.families.eagle.model.EagleModel` or EAGLE-3
+    :class:`~speclab.families.eagle.model3.Eagle3Model`) for the ``k``x wide target: features and
     embeddings are ``k`` copies side by side, so every map over concatenated inputs
     (``fc`` over ``concat(f, e)`` or EAGLE-3's fused layers, EAGLE-3's q/k/v over
     ``concat(e, h)``) has each input part tiled as a linear map and everything else is
@@ -318,8 +331,6 @@ def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
     ``target_config``'s depth, that hold the same features (:func:`deepened_index`). With
     ``target_config`` (the wide target's) the new meta is checked to be exactly that of a
     drafter for it."""
-    from speclab.models.eagle import EagleMeta, build_eagle
-
     m = model.meta
     feature_layers = m.feature_layers
     if m.version == 3 and target_config is not None and layers is None:
@@ -373,18 +384,10 @@ def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
 def train_small_eagle(target_dir: str, spec: LargeSpec,
                       log: Callable[[str], None] = build_log) -> tuple[torch.nn.Module, dict]:
     """A ``spec.eagle_layers``-layer EAGLE drafter for the reference target, trained in
-    process with :func:`speclab.train.eagle.eagle_loss` on ``eagle_windows`` random
+    process with :func:`speclab.families.eagle.training.eagle_loss` on ``eagle_windows`` random
     train-split windows (the target's float16 features and top-k, as the distill_eagle
     job stores them), AdamW with warm-up and cosine decay, gradient clipping at 1 (the
     Ray Train loop's settings). Returns the drafter (float32, eval) and its figures."""
-    from speclab.data.corpus import read_text, split_files
-    from speclab.decoding.runner import ModelRunner
-    from speclab.models.eagle import EagleModel
-    from speclab.models.loading import load_model, load_tokenizer
-    from speclab.train.distill_data import feat_example
-    from speclab.train.eagle import collate_feat, eagle_loss, top1_agreement
-    from speclab.train.lm import make_optimizer, random_windows
-
     t0 = time.perf_counter()
     target = load_model(target_dir)
     tok = load_tokenizer(target_dir)
@@ -435,13 +438,9 @@ def train_small_eagle(target_dir: str, spec: LargeSpec,
 
 def eagle_engine_figures(target: torch.nn.Module, drafter: torch.nn.Module, target_dir: str,
                          prompts: int = 8, max_new_tokens: int = 64) -> dict[str, float]:
-    """:func:`~speclab.train.eagle.engine_acceptance` (greedy EAGLE-2, top-4, depth 5, 16
-    nodes) on held-out stdlib function-header prompts: tau and acceptance per position,
-    the hardware-independent figures the large pair shares with the small one."""
-    from speclab.data.corpus import function_header_prompts
-    from speclab.models.loading import load_tokenizer
-    from speclab.train.eagle import engine_acceptance
-
+    """:func:`~speclab.families.eagle.training.engine_acceptance` (greedy EAGLE-2, top-4,
+    depth 5, 16 nodes) on held-out stdlib function-header prompts: tau and acceptance per
+    position, the hardware-independent figures the large pair shares with the small one."""
     tok = load_tokenizer(target_dir)
     ids = [tok.encode(p.text) for p in function_header_prompts("test", prompts)]
     return engine_acceptance(target, drafter, ids, max_new_tokens)
@@ -450,9 +449,6 @@ def eagle_engine_figures(target: torch.nn.Module, drafter: torch.nn.Module, targ
 def held_out_ids(target_dir: str, n: int) -> list[int]:
     """The first ``n`` token ids of the stdlib validation split, with ``target_dir``'s
     tokenizer."""
-    from speclab.data.corpus import read_text, split_files
-    from speclab.models.loading import load_tokenizer
-
     tok = load_tokenizer(target_dir)
     return tok.encode(read_text(split_files("validation"), 50_000))[:n]
 
@@ -503,8 +499,6 @@ def drafter_logits(target: torch.nn.Module, drafter: torch.nn.Module, ids: list[
     """``[T - 1, V]`` float32: an EAGLE drafter's (any version's) next-token logits at
     every pair of ``ids``, fed the features it reads (its ``feature_layers``) from one
     causal forward of ``target``."""
-    from speclab.decoding.runner import ModelRunner
-
     spec = drafter.meta.feature_layers or None
     runner = ModelRunner(target)
     runner.track_hidden(spec)
@@ -518,11 +512,18 @@ def drafter_logits(target: torch.nn.Module, drafter: torch.nn.Module, ids: list[
     return logits[0].float()
 
 
+def widened_summary(check: dict, out: str, what: str) -> str:
+    """The line ``speclab reference --large --widen`` prints for a widened drafter
+    (``what``: the drafter, e.g. ``EAGLE-3, feature layers [0, 2, 7]``)."""
+    return (f"{check['kind']}: {out} ({what} for reference-large; greedy agreement with "
+            f"{check['source']} {check['greedy_agreement']:.3f})")
+
+
 def widen_eagle_folder(src: str, out: str, large: ReferenceLarge | None = None,
                        log: Callable[[str], None] = build_log, ids: list[int] | None = None
                        ) -> dict:
     """``speclab reference --large --widen SRC --out DST``: an EAGLE drafter (EAGLE-1/2
-    or EAGLE-3, a :func:`~speclab.models.eagle.save_eagle` folder, e.g. a
+    or EAGLE-3, a :func:`~speclab.families.eagle.model.save_eagle` folder, e.g. a
     ``distill_eagle`` run's) trained against the ``reference`` target, widened (and its
     feature layers moved, :func:`widen_eagle`) into a drafter for ``reference-large``,
     saved in bfloat16 to ``out`` with ``widened.json`` (the source and the check). A
@@ -532,9 +533,6 @@ def widen_eagle_folder(src: str, out: str, large: ReferenceLarge | None = None,
     (1.0 up to the weights' rounding: the widened drafter proposes what the small one
     does, so its tau on ``reference-large`` is the small one's on ``reference``); ``ids``
     replaces those tokens."""
-    from speclab.models.eagle import load_eagle, save_eagle
-    from speclab.models.loading import load_model
-
     large = large or ensure_reference_large()
     small_dir, k = large.grown_from
     small = load_model(small_dir)
@@ -552,6 +550,9 @@ def widen_eagle_folder(src: str, out: str, large: ReferenceLarge | None = None,
              "logits_max_abs_diff": float((s_logits - l_logits)[finite].abs().max()),
              "greedy_agreement": float((s_logits.argmax(-1) == l_logits.argmax(-1))
                                        .float().mean())}
+    check["summary"] = widened_summary(
+        check, out, f"EAGLE-{check['version']}, feature layers "
+                    f"{check['feature_layers'] or 'the last'}")
     folder = save_eagle(wide.to(torch.bfloat16), out)
     (folder / "widened.json").write_text(json.dumps(check, indent=2))
     log(f"widened {src} (EAGLE-{wide.meta.version}) -> {folder}: greedy agreement "
@@ -574,10 +575,6 @@ def measure_cost(target_dir: str, eagle_dir: str | None = None, draft_dir: str |
     With ``eagle_dir`` / ``draft_dir``: that drafter's 1-token forward (the EAGLE drafter
     on top of ``prefix`` pairs with the target's features), timed alternately with the
     target's 1-token forward, and the ratio of the medians."""
-    from speclab.decoding.runner import ModelRunner
-    from speclab.models.eagle import load_eagle
-    from speclab.models.loading import DTYPES, load_model
-
     target = load_model(target_dir, dtype=dtype)
     ids = held_out_ids(target_dir, prefix + max(tokens) + 1)
     ctx, new = torch.tensor(ids[:prefix]), torch.tensor(ids[prefix:])
@@ -685,9 +682,6 @@ def format_cost(cost: dict) -> str:
 def build_reference_large(out: Path, spec: LargeSpec, pair) -> ReferenceLarge:
     """Widen, deepen, train and widen the EAGLE drafter, check and measure, into ``out``
     (about 5-10 minutes on 2 cores once the reference pair exists)."""
-    from speclab.models.eagle import save_eagle
-    from speclab.models.loading import load_model, load_tokenizer
-
     t0 = time.perf_counter()
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
@@ -758,8 +752,6 @@ def ensure_reference_large(spec: LargeSpec | None = None, root: Path | None = No
                            force: bool = False) -> ReferenceLarge:
     """Return the cached ``reference-large``, building it (and the reference pair it
     grows from) first if missing, or if ``force``."""
-    from speclab.models.reference import ensure_reference_pair
-
     spec = spec or LargeSpec()
     root = root or speclab_home() / "models"
     pair = ensure_reference_pair(root=root)

@@ -42,9 +42,9 @@ def held_out_metrics(h: HeadConfig, head, draft: str, data_dir: Path, dtype: str
     import pyarrow.parquet as pq
     import torch
 
+    from speclab.families.specdecpp.training import DraftFeatures, head_metrics, mixed_batch
     from speclab.losses import weighted_bce
     from speclab.models.loading import load_model
-    from speclab.train.head import DraftFeatures, head_metrics, mixed_batch
 
     rows = pq.read_table(sorted((data_dir / "accept").glob("shard-*.parquet"))[-1]).to_pylist()
     feats = DraftFeatures(load_model(draft, dtype, device, field="models.draft"))
@@ -67,9 +67,9 @@ def train_head(cfg: Any, prep: Prepared, draft: str, storage: Path, run_name: st
     import torch
 
     from speclab.decoding.acceptance_head import AcceptanceHead, save_head
+    from speclab.families.specdecpp.task import HeadTaskConfig
     from speclab.pipelines.fit import fit
     from speclab.pipelines.signals import generate
-    from speclab.train.tasks import HeadTaskConfig
 
     h = head_cfg or cfg.head
     data_dir = data_dir or storage / run_name / "data"

@@ -1,7 +1,7 @@
 """Batched EAGLE drafting: every row's tree step in ONE drafter forward (method ``eagle``
 in the batched engine and in Serve's draft replica).
 
-:class:`BatchEagleDrafter` is the batched :class:`~speclab.drafters.eagle.EagleDrafter`:
+:class:`BatchEagleDrafter` is the batched :class:`~speclab.families.eagle.drafter.EagleDrafter`:
 the same pairs, positions and trees row by row (see that module's docstring), with the
 rows' drafter forwards shared the way :class:`~speclab.drafters.batched.BatchTreeDrafter`
 shares a draft LM's:
@@ -33,7 +33,7 @@ from speclab.decoding.drafting import TopChildren, TreeSteps
 from speclab.decoding.runner import tree_node_inputs
 from speclab.decoding.tree import TokenTree
 from speclab.drafters.batched import BatchTreeDrafter
-from speclab.drafters.eagle import checked_features, owed_features
+from speclab.families.eagle.drafter import checked_features, owed_features
 
 
 class FeatureBatchRunner(BatchRunner):

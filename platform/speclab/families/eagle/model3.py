@@ -11,7 +11,7 @@ embedding and a hidden state side by side::
     out = h' + MLP(post_attention_norm(h'))
 
 ``h`` is ``fc(g_t)`` for a pair with target features and the drafter's OWN ``out`` of the
-parent for a pair inside the draft (:class:`~speclab.drafters.eagle.EagleDrafter` feeds
+parent for a pair inside the draft (:class:`~speclab.families.eagle.drafter.EagleDrafter` feeds
 it back exactly as it does for EAGLE; the model tells the two apart by width). The next
 token's logits are ``lm_head(norm(out))`` over the DRAFT vocabulary ``V_d``: draft id ``i``
 is target id ``i + d2t[i]`` and ``t2d`` ``[V]`` marks the target ids in it (the maps
@@ -20,7 +20,7 @@ the target's vocabulary (``finfo.min`` elsewhere, probability 0), so every tree 
 rule works unchanged. The embedding is a frozen copy of the target's; the LM head starts
 from the target's rows of the draft vocabulary and is trained.
 
-On disk it is a speclab EAGLE folder (:func:`speclab.models.eagle.save_eagle`) whose meta
+On disk it is a speclab EAGLE folder (:func:`speclab.families.eagle.model.save_eagle`) whose meta
 has ``version: 3``, ``feature_layers`` and ``draft_vocab_size``.
 """
 
@@ -42,14 +42,14 @@ from transformers.models.llama.modeling_llama import (
 from speclab.decoding.features import layer_ids, num_decoder_layers
 
 if TYPE_CHECKING:
-    from speclab.models.eagle import EagleMeta
+    from speclab.families.eagle.model import EagleMeta
 
 
 def eagle3_meta(config, feature_layers=None, draft_vocab_size: int = 0) -> EagleMeta:
     """The meta of an EAGLE-3 drafter for a target with HF ``config``: ``feature_layers``
     (None: EAGLE-3's low / middle / high, :func:`~speclab.decoding.features.eagle3_layers`)
     resolved against the target's depth; ``draft_vocab_size`` 0: the target's vocabulary."""
-    from speclab.models.eagle import EagleMeta
+    from speclab.families.eagle.model import EagleMeta
 
     ids = layer_ids("eagle3" if feature_layers is None else feature_layers,
                     num_decoder_layers(config), "eagle.feature_layers")
@@ -94,7 +94,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Model(nn.Module):
     """The EAGLE-3 drafter (module docstring); the same call as
-    :class:`~speclab.models.eagle.EagleModel`, so the EAGLE drafter, the training losses
+    :class:`~speclab.families.eagle.model.EagleModel`, so the EAGLE drafter, the training losses
     and the runners take either."""
 
     def __init__(self, meta: EagleMeta) -> None:
@@ -197,9 +197,9 @@ class Eagle3Model(nn.Module):
         return out, self.target_logits(self.lm_head(self.norm(out)))
 
     def cost_inputs(self, n: int) -> dict[str, torch.Tensor]:
-        """:func:`~speclab.models.eagle.feature_inputs`: what a forward of ``n`` new tokens
+        """:func:`~speclab.families.eagle.model.feature_inputs`: what a forward of ``n`` new tokens
         takes besides them."""
-        from speclab.models.eagle import feature_inputs
+        from speclab.families.eagle.model import feature_inputs
 
         return feature_inputs(self, n)
 

@@ -15,7 +15,7 @@ weights, so the architecture stays). The meta's layout flags ``input_norm``,
 research code, HASS or the speculators format has ``input_norm = final_norm = False``
 (its layer 0 reads ``fc``'s output directly, ``f_hat`` is the last layer's residual
 stream). A ``config.json`` without these keys means today's layout (all True). The
-training recipe's deviations are listed in :mod:`speclab.train.eagle`.
+training recipe's deviations are listed in :mod:`speclab.families.eagle.training`.
 
 On disk (``save_pretrained`` style): ``config.json`` (an :class:`EagleMeta`: the target
 it was trained for — architecture, hidden size, vocabulary — and the layer shape) and
@@ -58,7 +58,7 @@ class EagleMeta:
     input_norm: bool = True  # RMS norm at layer 0's input (EAGLE-1/2, HASS: none)
     final_norm: bool = True  # RMS norm before the LM head (EAGLE-1/2, HASS: none)
     fc_bias: bool = True  # fc has a bias (speculators' fusion_bias, EAGLE's "bias")
-    version: int = 1  # 1: EAGLE-1/2 (and HASS, TALF); 3: EAGLE-3 (speclab.models.eagle3)
+    version: int = 1  # 1: EAGLE-1/2 (and HASS, TALF); 3: EAGLE-3 (speclab.families.eagle.model3)
     feature_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states it fuses
     draft_vocab_size: int = 0  # EAGLE-3: the draft vocabulary (0: the target's)
     kind: str = KIND
@@ -258,9 +258,9 @@ def meta_from_dict(data: dict) -> EagleMeta:
 
 def build_eagle(meta: EagleMeta) -> nn.Module:
     """An untrained drafter of ``meta``'s architecture: :class:`EagleModel` (EAGLE-1/2,
-    ``version`` 1) or :class:`~speclab.models.eagle3.Eagle3Model` (``version`` 3)."""
+    ``version`` 1) or :class:`~speclab.families.eagle.model3.Eagle3Model` (``version`` 3)."""
     if meta.version == 3:
-        from speclab.models.eagle3 import Eagle3Model
+        from speclab.families.eagle.model3 import Eagle3Model
 
         return Eagle3Model(meta)
     if meta.version != 1:
@@ -278,7 +278,7 @@ def trained_meta(config, e) -> EagleMeta:
     ``layers``, ``norms``, ``feature_layers``, ``draft_vocab``) makes for a target with HF
     ``config``: EAGLE-1/2 or, ``version: 3``, EAGLE-3."""
     if e.version == 3:
-        from speclab.models.eagle3 import eagle3_meta
+        from speclab.families.eagle.model3 import eagle3_meta
 
         return eagle3_meta(config, e.feature_layers, e.draft_vocab)
     return EagleMeta.for_target(config, e.layers, e.norms, e.norms)
@@ -298,3 +298,17 @@ def load_init(folder: str | Path, target_config, e, field: str = "eagle.init_fro
         raise ValueError(f"{field}: the drafter's shape {asdict(model.meta)} is not that of "
                          f"the drafter eagle.* trains for this target, {asdict(want)}")
     return model
+
+
+def check_artifact(model: nn.Module, target_config, field: str, target_source: str | None,
+                   target_vocab: int) -> None:
+    """The family's artifact check (Serve's draft replica at load): ValueError naming
+    ``field`` unless the drafter was trained for the target (its HF config:
+    architecture, hidden size, vocabulary; without the target's folder, the
+    vocabulary ``target_vocab`` alone)."""
+    del target_source
+    if target_config is not None:
+        model.meta.check_target(target_config, field)
+    elif int(model.meta.vocab_size) != int(target_vocab):
+        raise ValueError(f"{field}: trained for a target with vocab_size="
+                         f"{model.meta.vocab_size}, but the target has {target_vocab}")

@@ -1,6 +1,6 @@
 """EAGLE: draft trees from the target's own features (method ``eagle``).
 
-The drafter (:class:`~speclab.models.eagle.EagleModel`) runs over PAIRS ``(f_j, x_{j+1})``:
+The drafter (:class:`~speclab.families.eagle.model.EagleModel`) runs over PAIRS ``(f_j, x_{j+1})``:
 the target's feature at committed position ``j`` and the token after it. Pair ``j`` sits
 at cache index and position ``j``; its output ``f_hat_{j+1}`` gives the distribution of
 ``x_{j+2}`` through the target's LM head. With ``n`` committed tokens the target has
@@ -34,7 +34,7 @@ from speclab.drafters.base import Drafter
 from speclab.drafters.eagle2 import build_eagle2_tree
 from speclab.drafters.knobs import TreeKnobs
 from speclab.drafters.optimal import build_optimal_tree
-from speclab.models.eagle import is_eagle_model, load_eagle
+from speclab.families.eagle.model import is_eagle_model, load_eagle
 from speclab.models.loading import registry_or_folder
 
 Builder = Literal["eagle2", "optimal", "salf"]
@@ -226,11 +226,11 @@ class EagleConfig(TreeKnobs):
                             self.salf_threshold)
 
     def build_batch(self, ctx):
-        """:class:`~speclab.drafters.eagle_batch.BatchEagleDrafter`: the same trees,
+        """:class:`~speclab.families.eagle.drafter_batch.BatchEagleDrafter`: the same trees,
         every row's drafter step in one forward."""
         from speclab.drafters.eagle2 import eagle2_steps
-        from speclab.drafters.eagle_batch import BatchEagleDrafter
         from speclab.drafters.optimal import optimal_steps
+        from speclab.families.eagle.drafter_batch import BatchEagleDrafter
 
         if self.builder == "eagle2":
             steps, k = eagle2_steps(self.tree_top_k, self.depth, self.nodes), self.tree_top_k

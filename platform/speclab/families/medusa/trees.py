@@ -10,7 +10,7 @@ so a tree is built parent-first by walking the list. Three shapes (the slides' l
   (``sum_k s^k`` nodes, the slides' "Tree attention" page);
 * :func:`sparse_template` — Medusa's optimised sparse tree: the ``nodes`` paths with the
   highest estimated acceptance probability ``prod_j acc[j][r_j]``, from the heads'
-  measured top-``r`` accuracies (:func:`speclab.models.medusa.head_accuracies`), under the
+  measured top-``r`` accuracies (:func:`speclab.families.medusa.model.head_accuracies`), under the
   independence assumption Medusa makes. A path's estimate is never above its parent's,
   so taking paths best first keeps every parent.
 

@@ -16,7 +16,7 @@ from speclab.pipelines.recommender import train_model
 
 def generate_alignment(target: str, draft: str | None, meta, prompts: list[list[int]],
                        k: int, lam: float, tasks: int) -> list[dict]:
-    """Alignment rows (:func:`speclab.train.rec_align.alignment_example`) for ``prompts``,
+    """Alignment rows (:func:`speclab.families.atspeed.training.alignment_example`) for ``prompts``,
     computed by ``tasks`` Ray tasks (0: one per cluster CPU), each loading the models
     once for its contiguous chunk; rows come back in prompt order."""
     import ray
@@ -26,8 +26,8 @@ def generate_alignment(target: str, draft: str | None, meta, prompts: list[list[
         import torch
 
         from speclab.decoding.runner import ModelRunner
+        from speclab.families.atspeed.training import alignment_example
         from speclab.models.loading import load_model
-        from speclab.train.rec_align import alignment_example
 
         torch.set_num_threads(1)
         runner = ModelRunner(load_model(target, field="rec_eval.target"))
@@ -102,7 +102,8 @@ def train_drafters(cfg: Any, meta, examples, target: str, storage, run_name: str
     the top-K beams of the mixture with the sft drafter, which is therefore trained
     first (added if absent). The drafter's loss and alpha go to its training task, not
     into the config."""
-    from speclab.train.tasks import RecAlignTaskConfig, RecTaskConfig
+    from speclab.families.atspeed.task import RecAlignTaskConfig
+    from speclab.train.tasks import RecTaskConfig
 
     re, reg = cfg.rec_eval, cfg.output.register_as
     losses = list(re.losses if losses is None else losses)

@@ -19,9 +19,9 @@ def save_final_medusa(result, variant: str, target: str, heads: int, run_dir: Pa
     import torch
     from transformers import AutoTokenizer
 
+    from speclab.families.medusa.model import MedusaHeads, MedusaMeta
+    from speclab.families.medusa.training import Medusa2Model
     from speclab.models.loading import load_model
-    from speclab.models.medusa import MedusaHeads, MedusaMeta
-    from speclab.train.medusa import Medusa2Model
 
     with result.checkpoint.as_directory() as d:
         state = torch.load(Path(d) / "state.pt", weights_only=False)
@@ -48,18 +48,18 @@ def calibrate(heads, target_model, sequences: list[tuple[list[int], int]], top: 
     every tree shape's tau two ways: ``expected_tau`` (Medusa's estimate, the product of
     the heads' accuracies along each path: independent heads) and ``replayed_tau`` (each
     shape replayed on the calibration positions: the heads' joint behaviour,
-    :func:`~speclab.drafters.medusa_trees.replayed_length`). ``source`` names the
+    :func:`~speclab.families.medusa.trees.replayed_length`). ``source`` names the
     sequences' origin in the result (``medusa.calibration``)."""
     import torch
 
-    from speclab.drafters.medusa_trees import (
+    from speclab.families.medusa.training import hit_rates, own_token_hits, own_token_ranks
+    from speclab.families.medusa.trees import (
         cartesian_template,
         chain_template,
         expected_length,
         replayed_length,
         sparse_template,
     )
-    from speclab.train.medusa import hit_rates, own_token_hits, own_token_ranks
 
     k = heads.meta.heads
     hits, counts = torch.zeros(k, top), torch.zeros(k)
@@ -105,6 +105,12 @@ def held_out_calibration_prompts(cfg: Any) -> list[str]:
     return texts
 
 
+def group_kinds(group: Any) -> set[str]:
+    """The data kinds the ``medusa`` group trains on: the target's ``medusa`` rows."""
+    del group
+    return {"medusa"}
+
+
 def prepare_medusa(cfg: Any) -> Prepared:
     """``train_medusa``'s checks before any work: the target and corpus
     (:func:`~speclab.pipelines.signals.prepare_target`) and, for ``medusa.calibration:
@@ -139,15 +145,15 @@ def calibration_sequences(cfg: Any, target: str, target_model, held_out: Path
 
 def quality_change(cfg: Any, original: str, tuned_model, prompts: list[list[int]]
                    ) -> dict[str, float]:
-    """:func:`~speclab.train.medusa.lm_quality` of the fine-tuned target against the
+    """:func:`~speclab.families.medusa.training.lm_quality` of the fine-tuned target against the
     original on held-out corpus windows (``distill.seq_len`` tokens, up to 64) and the
     evaluation prompts (``decoding.max_new_tokens`` greedy tokens)."""
     import torch
     from transformers import AutoTokenizer
 
     from speclab.data.text import load_corpus
+    from speclab.families.medusa.training import lm_quality
     from speclab.models.loading import load_model
-    from speclab.train.medusa import lm_quality
 
     _, val_text = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
                               cfg.corpus.val_chars, cfg.corpus.text_field)
@@ -171,11 +177,11 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
     against plain decoding of the variant's target (the original, or MEDUSA-2's
     fine-tuned one), ``medusa`` methods with ``medusa_model: trained`` using these heads.
     Returns (the heads' folder, the target's folder, the evaluation rows, AR first)."""
-    from speclab.models.medusa import save_medusa
+    from speclab.families.medusa.model import save_medusa
+    from speclab.families.medusa.task import MedusaTaskConfig
     from speclab.pipelines.actor_eval import evaluate_trained, tokenized_prompts
     from speclab.pipelines.export import export_final
     from speclab.pipelines.fit import fit
-    from speclab.train.tasks import MedusaTaskConfig
 
     task = MedusaTaskConfig(train=cfg.train, medusa=cfg.medusa, variant=variant,
                             target=prep.target, prompt_len=cfg.distill.prompt_len)

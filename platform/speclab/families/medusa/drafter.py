@@ -1,10 +1,10 @@
 """Medusa: draft trees from heads on the target's own last feature (method ``medusa``).
 
-The heads (:class:`~speclab.models.medusa.MedusaHeads`) read ONE vector per round: the
+The heads (:class:`~speclab.families.medusa.model.MedusaHeads`) read ONE vector per round: the
 target's feature at the last accepted node, the one whose LM head produced the bonus
 token that is now the root. Head ``k`` on it predicts the token ``k`` levels below the
 root. There is no draft model forward: one call of the ``K`` small heads, then the
-round's tree is a fixed template of rank paths (:mod:`speclab.drafters.medusa_trees`)
+round's tree is a fixed template of rank paths (:mod:`speclab.families.medusa.trees`)
 filled with each head's ranked tokens: ``tree: chain`` (each head's top-1), ``cartesian``
 (top-``tree_top_k`` of every head combined) or ``sparse`` (the ``nodes`` paths with the
 highest acceptance estimated from the heads' calibration, stored with them in
@@ -27,14 +27,14 @@ from pydantic import Field, field_validator
 from speclab.config.method import MethodSpec
 from speclab.decoding.tree import DETERMINISTIC, TokenTree
 from speclab.drafters.base import Drafter
-from speclab.drafters.medusa_trees import (
+from speclab.families.medusa.model import MedusaHeads, load_medusa, target_fingerprint
+from speclab.families.medusa.trees import (
     Template,
     cartesian_template,
     chain_template,
     sparse_template,
 )
 from speclab.models.loading import registry_or_folder
-from speclab.models.medusa import MedusaHeads, load_medusa, target_fingerprint
 
 TreeShape = Literal["sparse", "cartesian", "chain"]
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+from speclab.families.objectives import objective
 from speclab.pipelines.signals import Prepared, generate_logged, prepare_target
 
 
@@ -17,7 +19,7 @@ def prepare_eagle(cfg: Any) -> Prepared:
     formats of ``output.export`` are checked to hold the drafter the job will train."""
     from transformers import AutoConfig
 
-    from speclab.models.eagle import trained_meta
+    from speclab.families.eagle.model import trained_meta
 
     prep = prepare_target(cfg)
     config = AutoConfig.from_pretrained(prep.target, trust_remote_code=False)
@@ -26,7 +28,7 @@ def prepare_eagle(cfg: Any) -> Prepared:
     eagles = ([cfg.compare.row_eagle(row, cfg.eagle) for row in cfg.compare.losses]
               if hasattr(cfg, "compare") else [cfg.eagle])
     metas = [trained_meta(config, e) for e in eagles]
-    from speclab.models.eagle import load_init
+    from speclab.families.eagle.model import load_init
     from speclab.models.loading import resolve_source
 
     for name, source in getattr(getattr(cfg, "compare", None), "bases", {}).items():
@@ -72,11 +74,10 @@ def context_window(cfg: Any, tokenizer) -> dict[str, int]:
 
 
 def data_kind_of(loss: str, version: int = 1) -> str:
-    """The generated example kind an EAGLE-family ``loss`` trains on: ``feat`` (last-layer
-    features) or, for an EAGLE-3 drafter (``version`` 3), ``feat3`` (fused layer
-    features); TALF's kinds add the target-built trees (``_tree``)."""
-    base = "feat3" if version == 3 else "feat"
-    return f"{base}_tree" if loss == "talf" else base
+    """The generated example kind an EAGLE-family objective ``loss`` trains on with an
+    EAGLE-1/2 (``version`` 1) or EAGLE-3 drafter (its objective entry's data kind:
+    ``feat`` / ``feat3``, TALF's ``*_tree`` with the target-built trees)."""
+    return objective(loss, "eagle", "eagle.loss").kind_for(SimpleNamespace(version=version))
 
 
 def data_kinds(losses: list[str], version: int = 1) -> set[str]:
@@ -85,18 +86,23 @@ def data_kinds(losses: list[str], version: int = 1) -> set[str]:
     return {data_kind_of(loss, version) for loss in losses}
 
 
+def group_kinds(group: Any) -> set[str]:
+    """The data kinds the ``eagle`` group trains on (the family's ``data_kinds``)."""
+    return data_kinds([group.loss], group.version)
+
+
 def save_final_eagle(result, target: str, run_dir) -> Path:
-    """The last checkpoint's drafter written with :func:`~speclab.models.eagle.save_eagle`
+    """The last checkpoint's drafter written with :func:`~speclab.families.eagle.model.save_eagle`
     to ``run_dir/eagle`` (the checkpoint stores the drafter's meta)."""
     import torch
 
-    from speclab.models.eagle import build_eagle, meta_from_dict, save_eagle
+    from speclab.families.eagle.model import build_eagle, meta_from_dict, save_eagle
 
     with result.checkpoint.as_directory() as d:
         state = torch.load(Path(d) / "state.pt", weights_only=False, map_location="cpu")
     meta = state.get("meta")
     if meta is None:  # a checkpoint written before the meta was stored: EAGLE-1/2
-        from speclab.models.eagle import EagleModel
+        from speclab.families.eagle.model import EagleModel
         from speclab.models.loading import load_model
 
         model = EagleModel.from_target(
@@ -118,10 +124,10 @@ def train_register_evaluate_eagle(cfg: Any, prep: Prepared, storage: Path, run_n
     it, export it (``output.export``) and register it, then (``evaluate``) run
     ``methods`` against the target, ``eagle`` methods with ``eagle_model: trained`` using
     this drafter. Returns (the drafter's folder, the evaluation rows, AR first)."""
+    from speclab.families.eagle.task import EagleTaskConfig
     from speclab.pipelines.actor_eval import evaluate_trained, tokenized_prompts
     from speclab.pipelines.export import export_final
     from speclab.pipelines.fit import fit
-    from speclab.train.tasks import EagleTaskConfig
 
     task = EagleTaskConfig(train=cfg.train, eagle=cfg.eagle, target=prep.target)
     t1 = time.perf_counter()

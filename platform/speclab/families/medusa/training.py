@@ -13,7 +13,7 @@ that also trains on the corpus labels) and always when the heads are scored:
 ``val_head<k>_top1`` during training (:func:`own_token_accuracies`), and the calibration
 (:func:`own_token_hits` and :func:`own_token_ranks`: ``tree.json``, the sparse tree,
 ``expected_tau.*`` and ``replayed_tau.*``), which by default scores held-out prompts
-continued by the target (:mod:`speclab.pipelines.medusa`).
+continued by the target (:mod:`speclab.families.medusa.stages`).
 
 * MEDUSA-1 (frozen backbone; the slides' formula): ``sum_k lambda_k CE(p_t^(k),
   x_{t+k+1})`` with ``lambda_k = decay^k``, on the stored features, so a step never runs
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speclab import losses
-from speclab.models.medusa import MedusaHeads
+from speclab.families.medusa.model import MedusaHeads
 
 
 def _label_span(length: int, k: int, first_label: int) -> tuple[int, int]:
@@ -101,7 +101,7 @@ def own_token_ranks(heads: MedusaHeads, features: torch.Tensor, tokens: torch.Te
     1..K``; ``top`` when it is not among them or lies beyond what the round could still
     draft (``k > L - t - 2``: the last token of the sequence is a round's bonus at the
     latest, as when decoding stops at the token budget or EOS).
-    :func:`speclab.drafters.medusa_trees.replayed_length` replays a tree's rounds on
+    :func:`speclab.families.medusa.trees.replayed_length` replays a tree's rounds on
     them. ``features [B, L, H]`` at inputs ``tokens[:, :L]``; ``tokens [B, L+1]``."""
     n_heads, length = heads.meta.heads, features.shape[1]
     start, stop = max(first_label - 2, 0), length - 1
@@ -136,7 +136,7 @@ def own_token_accuracies(heads: MedusaHeads, features: torch.Tensor, tokens: tor
 
     ``features [B, L, H]``: the target's features at inputs ``tokens[:, :L]``; ``tokens
     [B, L+1]``. ``first_label`` 0 counts every position
-    (:func:`speclab.models.medusa.head_accuracies`). Sequences go through the heads
+    (:func:`speclab.families.medusa.model.head_accuracies`). Sequences go through the heads
     ``chunk`` at a time."""
     return hit_rates(*own_token_hits(heads, features, tokens, top, first_label, chunk))
 

@@ -1,0 +1,36 @@
+"""The AtSpeed family: a small recommendation drafter aligned with the target's top-K
+beams (AtSpeed-S / AtSpeed-R, or the KD baselines), for beam SD over item ids.
+
+One folder: :mod:`.training` (alignment data, batches, losses), :mod:`.objectives`,
+:mod:`.task` (the Ray Train task), :mod:`.stages` (alignment data and drafters on Ray)
+and :mod:`.trial` (its Tune trial kind). Its drafter is a plain causal LM decoded by the
+beam engine (:mod:`speclab.decoding.beam`), so no decoding method names it. This module
+is the declaration only.
+"""
+
+from speclab.families.spec import SweepSpec, TrainedFamily
+
+_P = "speclab.families.atspeed"
+
+FAMILY = TrainedFamily(
+    name="atspeed",
+    summary="AtSpeed recommendation drafters (AtSpeed-S/R alignment, KD baselines)",
+    task="rec_align",
+    task_module=f"{_P}.task",
+    train_group="rec_eval",
+    train_config="speclab.config.schema:RecTrialConfig",
+    objectives=("sft", "seq_kd", "word_kd", "tvd_kd", "atspeed_s", "atspeed_r"),
+    job="recommend_eval",
+    sweep=SweepSpec(
+        kind="atspeed",
+        groups=("rec", "rec_eval", "arch", "train", "scaling", "output"),
+        heldout_metric="val_loss",
+        trial=f"{_P}.trial:rec_trial",
+        prepare=f"{_P}.trial:prepare_sweep",
+        generate=f"{_P}.trial:generate_sweep",
+        best=f"{_P}.trial:best_config",
+        steps=f"{_P}.trial:sweep_steps",
+        cpu_only=True,
+        times=False,
+    ),
+)

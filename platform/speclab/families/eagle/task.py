@@ -1,0 +1,141 @@
+"""The EAGLE family's Ray Train task: an EAGLE-1/2 or EAGLE-3 feature drafter on the
+target's ``feat`` / ``feat3`` shards (TALF: ``*_tree``), its objective looked up in the
+objective registry (:mod:`speclab.families.eagle.objectives`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+import pyarrow.parquet as pq
+import torch
+
+from speclab.config.schema import ArchConfig, EagleTrainConfig
+from speclab.families.eagle.model import EagleModel, load_init
+from speclab.families.eagle.model3 import Eagle3Model
+from speclab.families.eagle.training import (
+    collate_feat,
+    collate_forest,
+    engine_acceptance,
+    top1_agreement,
+)
+from speclab.families.objectives import objective
+from speclab.families.spec import load
+from speclab.models.loading import load_model
+from speclab.train.tasks import TaskBase, TaskConfigBase, register_task, step_generator
+
+
+class EagleTaskConfig(TaskConfigBase):
+    """An EAGLE drafter for the target in local folder ``target`` (its embedding and LM
+    head are copied and frozen)."""
+
+    kind: Literal["eagle"] = "eagle"
+    arch: ArchConfig | None = None
+    eagle: EagleTrainConfig = EagleTrainConfig()
+    target: str
+
+
+class EagleTask(TaskBase):
+    """An EAGLE feature drafter on ``feat`` shards (``feat_tree`` for TALF; the last
+    shard held out), from scratch or from the drafter in ``eagle.init_from``."""
+
+    def __init__(self, cfg: EagleTaskConfig, data_dir: Path, device: torch.device) -> None:
+        self.tr, self.e, self.target, self.device = cfg.train, cfg.eagle, cfg.target, device
+        self.objective = objective(self.e.loss, "eagle", "eagle.loss")
+        self.kind = self.objective.kind_for(self.e)
+        shards = sorted((Path(data_dir) / self.kind).glob("shard-*.parquet"))
+        if len(shards) < 2:
+            raise ValueError(f"distill: need >= 2 {self.kind} shards (one is held out), "
+                             f"found {len(shards)} in {Path(data_dir) / self.kind}")
+        self.val = pq.read_table(shards[-1]).to_pylist()
+        self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
+
+    def build_model(self) -> torch.nn.Module:
+        # the target on the worker's device: the engine probe feeds it the drafter's inputs
+        self.target_model = load_model(self.target, field="models.target").to(self.device)
+        e = self.e
+        if e.version == 3:  # the draft vocabulary: the data's most frequent target tokens
+            ids = draft_vocabulary(self.train, e.draft_vocab) if e.draft_vocab else None
+            model = Eagle3Model.from_target(self.target_model, e.feature_layers, ids).float()
+        else:
+            model = EagleModel.from_target(self.target_model, e.layers, e.norms,
+                                           e.norms).float()
+        if e.init_from:
+            start = load_init(e.init_from, self.target_model.config, e)
+            model.load_state_dict(start.float().state_dict())
+        return model
+
+    def _collate(self, rows: list[dict], g: torch.Generator) -> dict:
+        if self.kind.endswith("_tree"):  # eagle.talf_roots trees per window, drawn with g
+            batch = collate_forest(rows, self.e.talf_roots, g)
+        else:
+            batch = collate_feat(rows)
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def batch(self, step: int, rank: int) -> dict:
+        """A training batch, with what the objective adds to it (``eagle`` / ``hass``:
+        EAGLE's uniform ``feature_noise`` for the features the drafter reads), drawn with
+        the step's generator."""
+        g = step_generator(self.tr.seed, step, rank)
+        idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
+        batch = self._collate([self.train[i] for i in idx], g)
+        if self.objective.extras:
+            extra = load(self.objective.extras)(self.e, batch, g)
+            batch.update({k: v.to(self.device) for k, v in extra.items()})
+        return batch
+
+    def _val_batch(self) -> dict:
+        """The held-out windows (a fixed draw of TALF roots; no feature noise)."""
+        return self._collate(self.val[: self.tr.batch_size * 4],
+                             step_generator(self.tr.seed, -1, 0))
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return self.objective.compute(model, batch, self.e)
+
+    def tokens_in(self, batch: dict) -> int:
+        return int(batch["tokens"].numel())
+
+    @torch.no_grad()
+    def validate(self, model: torch.nn.Module) -> float:
+        """The training loss on held-out windows."""
+        model.eval()
+        out = float(self.loss(model, self._val_batch()))
+        model.train()
+        return out
+
+    @torch.no_grad()
+    def val_metrics(self, model: torch.nn.Module) -> dict[str, float]:
+        """``val_top1``: the drafter's argmax equals the target's (teacher features), and
+        the engine's own figures with this drafter (:func:`engine_acceptance`)."""
+        model.eval()
+        out = {"val_top1": top1_agreement(model, self._val_batch())}
+        if self.e.engine_prompts:
+            prompts = [r["tokens"][: len(r["tokens"]) // 2]
+                       for r in self.val[: self.e.engine_prompts]]
+            out.update(engine_acceptance(self.target_model, model, prompts,
+                                         self.e.engine_tokens))
+        model.train()
+        return out
+
+
+def draft_vocabulary(rows: list[dict], size: int) -> torch.Tensor:
+    """EAGLE-3's draft vocabulary: the ``size`` target tokens most frequent in the
+    training ``rows`` (``feat`` rows: the target's top-1 prediction at every position,
+    then the window's tokens), ties to the lower id, then the lowest unseen ids; ``[size]``
+    ascending. Every rank computes the same from the same rows."""
+    counts: Counter = Counter()
+    for r in rows:
+        counts.update(int(ids[0]) for ids in r["topk_ids"])
+    seen = Counter(int(t) for r in rows for t in r["tokens"])
+    ranked = sorted(set(counts) | set(seen), key=lambda t: (-counts[t], -seen[t], t))
+    chosen = ranked[:size]
+    t = 0
+    while len(chosen) < size:  # fewer distinct tokens than the vocabulary asked for
+        if t not in counts and t not in seen:
+            chosen.append(t)
+        t += 1
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+register_task(EagleTaskConfig, EagleTask)
