@@ -91,7 +91,7 @@ from speclab.config.schema import (
     TrainScalingConfig,
 )
 from speclab.families.objectives import objective
-from speclab.families.registry import families, family, sweep_kinds
+from speclab.families.registry import family, sweep_kinds
 from speclab.families.spec import TrainedFamily, load
 
 DEFAULT_JOB = "evaluate"
@@ -289,6 +289,14 @@ class CompareLossesJob(DistillJob):
 TRAINED = "trained"
 
 
+def known_family(name: Any) -> TrainedFamily | None:
+    """The family ``name`` when there is one (built-ins first, plugins on a miss)."""
+    try:
+        return family(name) if isinstance(name, str) else None
+    except ValueError:
+        return None
+
+
 def default_trained(data: dict, fam: TrainedFamily | None) -> None:
     """Methods of ``fam``'s method (in ``method`` / ``methods`` of the raw ``data``)
     without its artifact field evaluate the artifact the job trains (``trained``)."""
@@ -318,7 +326,7 @@ class _TrainsFamily(_Trains, _Evaluates):
     def precheck(cls, data: dict) -> None:
         """The family's methods without their artifact field evaluate the trained one."""
         name = cls.family_name(data)
-        default_trained(data, families().get(name) if isinstance(name, str) else None)
+        default_trained(data, known_family(name))
 
     def objectives(self) -> list[tuple[str, Any]]:
         """(objective, the training group it trains with) of every artifact this job
@@ -431,12 +439,12 @@ class TrainDrafterJob(_TrainsFamily):
     @classmethod
     def family_name(cls, data: dict) -> str | None:
         name = data.get("family", cls.model_fields["family"].default)
-        return name if isinstance(name, str) and name in families() else None
+        return name if known_family(name) is not None else None
 
     def __getattr__(self, name: str) -> Any:
         """The typed ``drafter`` group also under the family's own group name
         (``cfg.eagle``), so a family's stages read it as in the family's own job."""
-        fam = families().get(self.__dict__.get("family", ""))
+        fam = known_family(self.__dict__.get("family"))
         if fam is not None and name == fam.train_group:
             return self.drafter_config()
         return super().__getattr__(name)
@@ -538,7 +546,7 @@ def tune_groups(kind: str) -> tuple[str, ...]:
     """The groups a ``sweep.kind`` uses: ``decode``'s, or those the trained family of
     that kind declares (:class:`speclab.families.spec.SweepSpec`); an unknown kind gets
     ``decode``'s (``sweep.kind`` itself refuses it)."""
-    fam = sweep_kinds().get(kind)
+    fam = sweep_kinds(kind).get(kind)
     return fam.sweep.groups if fam is not None else DECODE_GROUPS
 
 
@@ -623,7 +631,7 @@ class TuneJob(_Trains):
         method = data.get("method")
         kind = sweep.get("kind") if isinstance(sweep, dict) else None
         if isinstance(kind, str):
-            default_trained(data, sweep_kinds().get(kind))  # each trial's own artifact
+            default_trained(data, sweep_kinds(kind).get(kind))  # each trial's own artifact
         space = sweep.get("space") if isinstance(sweep, dict) else None
         if not isinstance(space, dict):
             return
@@ -656,7 +664,7 @@ class TuneJob(_Trains):
         gpus = self.sweep.trial_gpus if self.sweep is not None else None
         if gpus is None:
             return self
-        fam = sweep_kinds().get(self.sweep.kind)
+        fam = sweep_kinds(self.sweep.kind).get(self.sweep.kind)
         if fam is not None and fam.sweep.cpu_only and gpus > 0:
             raise ValueError(f"sweep.trial_gpus is {gpus:g} but an {self.sweep.kind} sweep's "
                              "trials run on the CPU (the rec groups have no device); leave "
@@ -668,7 +676,7 @@ class TuneJob(_Trains):
     def _family_sweep(self):
         """A trained family's sweep: its ``drafter`` group (a family from a plugin) is
         valid, and the family's own checks of a sweep config hold."""
-        fam = sweep_kinds().get(self.sweep.kind) if self.sweep is not None else None
+        fam = sweep_kinds(self.sweep.kind).get(self.sweep.kind) if self.sweep else None
         if fam is None:
             return self
         if fam.train_group == "drafter":

@@ -22,6 +22,7 @@ from pydantic import BeforeValidator, SerializeAsAny, ValidationError
 from pydantic_core import PydanticCustomError
 
 from speclab.config.base import ConfigError, StrictModel, format_validation_error, nested_error
+from speclab.plugins import load_plugins
 
 _METHODS: dict[str, type[MethodSpec]] = {}
 _LOADED = False
@@ -102,14 +103,20 @@ def _ensure_loaded() -> None:
 
 
 def methods() -> dict[str, type[MethodSpec]]:
-    """Every registered method: name -> config class (built-ins first)."""
+    """Every registered method: name -> config class (built-ins first), with those of
+    the plugin modules in ``$SPECLAB_PLUGINS`` (a plugin family's method)."""
     _ensure_loaded()
+    load_plugins()
     return dict(_METHODS)
 
 
 def method_class(name: str) -> type[MethodSpec]:
-    """The config class of method ``name``; ValueError naming ``method`` if unknown."""
-    known = methods()
+    """The config class of method ``name``; ValueError naming ``method`` if unknown.
+    Plugin modules are imported only when ``name`` is not registered yet, so config
+    defaults validated while ``speclab.config`` is imported never import a plugin
+    (which may itself import the config)."""
+    _ensure_loaded()
+    known = dict(_METHODS) if name in _METHODS else methods()
     if not isinstance(name, str) or name not in known:
         raise ValueError(f"method: must be one of {list(known)}, got {name!r}")
     return known[name]

@@ -525,7 +525,9 @@ class RecEvalConfig(StrictModel):
 
     @model_validator(mode="after")
     def _positive(self):
-        known = sorted(objectives("atspeed"))
+        known = sorted(objectives("atspeed", plugins=False))
+        if any(n not in known for n in self._losses()):  # a plugin's objective?
+            known = sorted(objectives("atspeed"))
         if not self.ks or min(self.ks) < 1 or not self.ns or min(self.ns) < 1:
             raise ValueError("ks and ns must be non-empty lists of positive integers")
         unknown = [n for n in self._losses() if n not in known]
@@ -664,7 +666,9 @@ class SweepConfig(StrictModel):
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, kind: str) -> str:
-        known = ["decode", *sorted(sweep_kinds())]
+        if kind == "decode":
+            return kind
+        known = ["decode", *sorted(sweep_kinds(kind))]
         if kind not in known:
             raise ValueError(f"unknown sweep kind {kind!r}; known: {', '.join(known)}")
         return kind

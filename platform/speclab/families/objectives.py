@@ -116,25 +116,31 @@ def register_objective(obj: Objective) -> Objective:
     return obj
 
 
-def _ensure_loaded() -> None:
+def _ensure_builtin() -> None:
     global _BUILTIN_LOADED
     if not _BUILTIN_LOADED:
         _BUILTIN_LOADED = True
         for module in BUILTIN_MODULES:
             __import__(module)
-    load_plugins()
 
 
-def objectives(family: str | None = None) -> dict[str, Objective]:
-    """Every registered objective (of ``family`` only, when given): name -> entry."""
-    _ensure_loaded()
+def objectives(family: str | None = None, plugins: bool = True) -> dict[str, Objective]:
+    """Every registered objective (of ``family`` only, when given): name -> entry;
+    ``plugins`` False: the built-ins only (no plugin module imported)."""
+    _ensure_builtin()
+    if plugins:
+        load_plugins()
     return {n: o for n, o in _OBJECTIVES.items() if family is None or o.family == family}
 
 
 def objective(name: str, family: str, field: str) -> Objective:
     """The objective ``name`` of ``family``; ValueError naming ``field`` and the known
-    objectives of the family."""
-    known = objectives(family)
+    objectives of the family. Plugin modules are imported only when ``name`` is not a
+    built-in (config defaults are validated while ``speclab.config`` is imported, and a
+    plugin may itself import the config)."""
+    known = objectives(family, plugins=False)
+    if name not in known:
+        known = objectives(family)
     if not isinstance(name, str) or name not in known:
         raise ValueError(f"{field}: unknown {family} objective {name!r}; known: "
                          f"{', '.join(sorted(known))}")

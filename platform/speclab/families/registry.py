@@ -34,24 +34,28 @@ def register_family(fam: TrainedFamily) -> TrainedFamily:
     return fam
 
 
-def _ensure_loaded() -> None:
+def _ensure_builtin() -> None:
     global _BUILTIN_LOADED
     if not _BUILTIN_LOADED:
         _BUILTIN_LOADED = True
         for ref in BUILTIN:
             register_family(load(ref))
-    load_plugins()
 
 
 def families() -> dict[str, TrainedFamily]:
-    """Every registered family: name -> declaration."""
-    _ensure_loaded()
+    """Every registered family: name -> declaration (the plugins' too)."""
+    _ensure_builtin()
+    load_plugins()
     return dict(_FAMILIES)
 
 
 def family(name: str, field: str = "family") -> TrainedFamily:
-    """The family ``name``; ``ValueError`` naming ``field`` and the known families."""
-    known = families()
+    """The family ``name``; ``ValueError`` naming ``field`` and the known families.
+    Plugin modules are imported only when ``name`` is not a built-in, so validating a
+    built-in name (config defaults, while ``speclab.config`` is imported) never imports
+    a plugin, which may itself import the config."""
+    _ensure_builtin()
+    known = dict(_FAMILIES) if name in _FAMILIES else families()
     if not isinstance(name, str) or name not in known:
         raise ValueError(f"{field}: unknown drafter family {name!r}; known: "
                          f"{', '.join(sorted(known))}")
@@ -63,8 +67,13 @@ def family_of_method(method: str) -> TrainedFamily | None:
     return next((f for f in families().values() if f.method == method), None)
 
 
-def sweep_kinds() -> dict[str, TrainedFamily]:
-    """``sweep.kind`` -> the family whose training trials it runs."""
+def sweep_kinds(kind: str | None = None) -> dict[str, TrainedFamily]:
+    """``sweep.kind`` -> the family whose training trials it runs. With ``kind``, the
+    plugins are imported only when no built-in family sweeps it."""
+    _ensure_builtin()
+    found = {f.sweep.kind: f for f in _FAMILIES.values() if f.sweep is not None}
+    if kind is not None and kind in found:
+        return found
     return {f.sweep.kind: f for f in families().values() if f.sweep is not None}
 
 

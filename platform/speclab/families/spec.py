@@ -94,8 +94,10 @@ class TrainedFamily:
       evaluate) -> (artifact folder, evaluation rows)``: train, save, register, evaluate;
     * ``is_artifact``: ``(model) -> bool``: whether a loaded model is one of the
       family's artifacts; ``check_artifact``: ``(model, target_config, field,
-      target_source) -> None``: a ValueError naming ``field`` when it was not trained
-      for the target (Serve's draft replica checks at load with it);
+      target_source, target_vocab) -> None``: a ValueError naming ``field`` when it was
+      not trained for the target (Serve's draft replica checks at load with it; without
+      the target's folder ``target_config`` and ``target_source`` are None and the
+      vocabulary ``target_vocab`` is all there is to check);
     * ``formats_in`` / ``formats_out``: drafter formats it reads and writes
       (:mod:`speclab.models.formats`);
     * ``job``: its own training job (``jobs.<job>``; the generic ``train_drafter``

@@ -1,8 +1,8 @@
 """Drafters in and out: load any supported drafter folder, export one to another format.
 
 - :func:`load_public_eagle` / :func:`load_public_medusa`: what
-  :func:`~speclab.families.eagle.model.load_eagle` / :func:`~speclab.families.medusa.model.load_medusa`
-  call for a folder that is not speclab's own.
+  :func:`~speclab.families.eagle.model.load_eagle` /
+  :func:`~speclab.families.medusa.model.load_medusa` call for a folder that is not speclab's own.
 - :func:`load_drafter`: any folder or ``models:/`` URI -> EagleModel, Eagle3Model or
   MedusaHeads.
 - :func:`export_drafter`: ``speclab export SOURCE --format F --out DIR``.
