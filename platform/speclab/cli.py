@@ -26,6 +26,7 @@ from speclab import commands
 from speclab.api import Decoder
 from speclab.method_flags import _knob_flags as _knob_flags  # read by the tests
 from speclab.method_flags import add_method_args, method_from_args, verify_params_from_args
+from speclab.models.tokenizer import chat_ids
 
 
 def _add_generate(sub) -> None:
@@ -41,6 +42,9 @@ def _add_generate(sub) -> None:
                             "decode several prompts together in the batched engine")
     group.add_argument("--prompt-ids", action="append",
                        help="comma-separated token ids, used as given (repeatable)")
+    p.add_argument("--chat", action="store_true",
+                   help="render each --prompt as one user turn with the target's chat "
+                        "template (the assistant's turn opened), as an instruct model expects")
     p.add_argument("--num-samples", type=int, default=1, help="samples; seeds seed..seed+S-1")
     p.add_argument("--batch-size", type=int, default=None,
                    help="several prompts: rows decoded at once (default: all of them)")
@@ -73,6 +77,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     dec = Decoder.from_pretrained(args.target, args.draft if cfg.needs_draft_model else None,
                                   args.dtype, args.device, compile=args.compile,
                                   attn_implementation=args.attn_implementation)
+    if args.chat:  # instruct models: the prompt as a user turn of the chat template
+        if args.prompt_ids is not None:
+            raise ValueError("chat: renders text prompts; --prompt-ids are used as given")
+        prompts = [chat_ids(dec.tokenizer, p, "chat") for p in prompts]
     gen = {"method": cfg, "max_new_tokens": args.max_new_tokens,
            "temperature": args.temperature, "sample_top_k": args.sample_top_k,
            "top_p": args.top_p, "verify": args.verify,

@@ -15,6 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from speclab.decoding.attention import UnsupportedModel, attention_layout
+from speclab.models.gguf import gguf_folder, is_gguf
+from speclab.models.real import ensure_real_model, real_model
 from speclab.tracking_store import resolve_model_uri
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,6 +80,10 @@ def check_registry_uri(source: str, field: str = "model") -> str:
 
 
 def _check_source(source: str, field: str) -> str:
+    if real_model(source) is not None:  # smollm2-135m: the cached folder, built once
+        return str(ensure_real_model(source))
+    if is_gguf(source):  # a GGUF file: its converted folder, cached by checksum
+        return str(gguf_folder(source, field))
     if source.startswith(("models:/", "runs:/")):  # MLflow registry: download, then a folder
 
         return resolve_model_uri(check_registry_uri(source, field))

@@ -31,3 +31,14 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Pa
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
     hf.save_pretrained(str(out_dir))
     return hf
+
+
+def chat_ids(tokenizer, text: str, field: str = "chat") -> list[int]:
+    """``text`` as one user turn through ``tokenizer``'s chat template, the assistant's
+    turn opened (``add_generation_prompt``): token ids. ValueError naming ``field`` when
+    the tokenizer has no chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"{field}: the target's tokenizer has no chat template")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
