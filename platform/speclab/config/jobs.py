@@ -335,9 +335,15 @@ class _TrainsFamily(_Trains, _Evaluates):
 
     @model_validator(mode="after")
     def _objectives_fit(self):
-        for name, group in self.objectives():
-            fam = family(self.family_name(self.__dict__))
+        """Each trained objective's own checks against the job, then the family's."""
+        pairs = self.objectives()
+        if not pairs:
+            return self
+        fam = family(self.family_name(self.__dict__))
+        for name, group in pairs:
             objective(name, fam.name, f"{fam.train_group}.loss").check_job(group, self)
+            if fam.check_job:
+                load(fam.check_job)(group, self)
         return self
 
 
@@ -367,11 +373,6 @@ class DistillEagleJob(_TrainsFamily):
 
     def objectives(self) -> list[tuple[str, Any]]:
         return [(self.eagle.loss, self.eagle)]
-
-    @model_validator(mode="after")
-    def _windows_leave_tokens(self):
-        check_data_prompt(self.eagle, self.distill)
-        return self
 
 
 class CompareEagleJob(DistillEagleJob):
@@ -459,15 +460,19 @@ class TrainDrafterJob(_TrainsFamily):
                              f"jobs.{fam.job or '<its own job>'}")
         return name
 
+    _group: Any = PrivateAttr(None)
+
     @model_validator(mode="after")
     def _drafter_group(self):
-        self.__dict__["drafter"] = typed_group(  # no re-validation on assignment
-            family(self.family), self.drafter, "drafter").model_dump(mode="json")
+        self.__dict__["drafter"] = self.drafter_config().model_dump(mode="json")
         return self
 
     def drafter_config(self) -> Any:
-        """The typed ``drafter`` group (the family's training-group class)."""
-        return typed_group(family(self.family), self.drafter, "drafter")
+        """The typed ``drafter`` group (the family's training-group class): one object
+        for the job's lifetime, so what a stage resolves in it (``init_from``) stays."""
+        if self._group is None:  # validators of the base classes run first
+            self._group = typed_group(family(self.family), self.drafter, "drafter")
+        return self._group
 
     def objectives(self) -> list[tuple[str, Any]]:
         """The objective the ``drafter`` group names (its ``loss``), if it has one."""

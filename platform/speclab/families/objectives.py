@@ -7,7 +7,8 @@ knobs, read from the family's training group by field name: :meth:`Objective.kno
 the data kind it trains on and its loss (``"module:function"``, imported when first
 used). Consumers (config validation of the family's objective field, data generation,
 the family's task) look the entry up by name and never compare names: a new objective
-is one entry in its family's ``objectives.py`` (or a plugin module named in
+is one entry in its family's ``OBJECTIVES`` (the declaration, ``__init__.py``) with its
+knobs and loss in the family's ``objectives.py`` (or a plugin module named in
 ``$SPECLAB_PLUGINS`` calling :func:`register_objective`).
 
 The plain distillation losses of the ``distill`` job (``word_kd``, ``tvd_kd``, ...) keep
@@ -22,17 +23,19 @@ receives only its objective's typed knobs.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from speclab.families.spec import load
 from speclab.plugins import load_plugins
 
-#: the built-in families' objective modules (each registers its entries when imported)
-BUILTIN_MODULES: tuple[str, ...] = (
-    "speclab.families.eagle.objectives",
-    "speclab.families.medusa.objectives",
-    "speclab.families.atspeed.objectives",
+#: the built-in family packages whose declarations list their objectives (``OBJECTIVES``:
+#: pure data, so reading them imports no config, no torch model and no loss)
+BUILTIN_PACKAGES: tuple[str, ...] = (
+    "speclab.families.eagle",
+    "speclab.families.medusa",
+    "speclab.families.atspeed",
 )
 
 
@@ -119,9 +122,10 @@ def register_objective(obj: Objective) -> Objective:
 def _ensure_builtin() -> None:
     global _BUILTIN_LOADED
     if not _BUILTIN_LOADED:
+        for package in BUILTIN_PACKAGES:
+            for obj in importlib.import_module(package).OBJECTIVES:
+                register_objective(obj)
         _BUILTIN_LOADED = True
-        for module in BUILTIN_MODULES:
-            __import__(module)
 
 
 def objectives(family: str | None = None, plugins: bool = True) -> dict[str, Objective]:

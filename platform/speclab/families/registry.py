@@ -37,9 +37,9 @@ def register_family(fam: TrainedFamily) -> TrainedFamily:
 def _ensure_builtin() -> None:
     global _BUILTIN_LOADED
     if not _BUILTIN_LOADED:
-        _BUILTIN_LOADED = True
         for ref in BUILTIN:
             register_family(load(ref))
+        _BUILTIN_LOADED = True
 
 
 def families() -> dict[str, TrainedFamily]:

@@ -43,7 +43,7 @@ class SweepSpec:
     * ``trial``: the Ray Tune trainable (``tune.with_parameters`` gets ``base``,
       ``target``, ``draft``, ``prompts``, ``t_draft``, ``t_target``, ``run_dir``,
       ``data_dir``, ``vocab``, ``eos``);
-    * ``best``: ``(cfg, best_params, data, trial_dir, target) -> (job, data)``: the
+    * ``best``: ``(cfg, best_params, data, trial_dir, target, trial) -> (job, data)``: the
       best trial as a ready config of ``job`` (``evaluate`` by default, with the trial's
       own artifact in the method's field);
     * ``fixed_fields``: dotted fields the once-per-sweep data depends on (refused in
@@ -101,7 +101,9 @@ class TrainedFamily:
     * ``formats_in`` / ``formats_out``: drafter formats it reads and writes
       (:mod:`speclab.models.formats`);
     * ``job``: its own training job (``jobs.<job>``; the generic ``train_drafter``
-      trains every family with a ``train`` stage);
+      trains every family that declares ``save``);
+    * ``check_job``: ``(group, job_cfg) -> None``: checks of the training group against
+      the job's other groups that hold for every objective (EAGLE's data windows);
     * ``save``: ``(result, target, run_dir) -> folder``: the artifact of a finished Ray
       Train run written under ``run_dir`` (the generic training stage and Tune trial);
     * ``draft_time``: ``(decoder, cfg, prompt) -> seconds``: one forward of the
@@ -126,6 +128,7 @@ class TrainedFamily:
     formats_in: tuple[str, ...] = ()
     formats_out: tuple[str, ...] = ()
     job: str | None = None
+    check_job: str | None = None
     save: str | None = None
     draft_time: str | None = None
     sweep: SweepSpec | None = None

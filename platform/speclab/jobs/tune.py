@@ -99,7 +99,7 @@ def prepare(cfg: TuneJob) -> Inputs:
     if "models.device" in sw.space:  # trials reserve resources once per sweep
         raise ValueError("sweep.space: 'models.device' cannot be swept: every trial reserves "
                          "the same resources (sweep.trial_gpus); run a sweep per device")
-    fam = sweep_family(cfg)
+    fam, train_prep = sweep_family(cfg), None
     if fam is not None:  # the training data is generated once per sweep
         fixed = sorted(p for p in sw.space if p.startswith("distill.")
                        or p in fam.sweep.fixed_fields)

@@ -8,9 +8,11 @@ beam engine (:mod:`speclab.decoding.beam`), so no decoding method names it. This
 is the declaration only.
 """
 
+from speclab.families.objectives import Objective
 from speclab.families.spec import SweepSpec, TrainedFamily
 
 _P = "speclab.families.atspeed"
+_HERE = f"{_P}.objectives"
 
 FAMILY = TrainedFamily(
     name="atspeed",
@@ -34,3 +36,14 @@ FAMILY = TrainedFamily(
         times=False,
     ),
 )
+
+_DOCS = {"sft": "L_Rec on the data", "seq_kd": "CE on the target's top beam",
+         "word_kd": "forward KL along the target's beams",
+         "tvd_kd": "total variation along the target's beams",
+         "atspeed_s": "AtSpeed-S: L_Align-S (strict top-K verification)",
+         "atspeed_r": "AtSpeed-R: L_Align-R (relaxed sampling verification)"}
+#: the family's objectives (their knobs and losses: :mod:`.objectives`)
+OBJECTIVES = tuple(
+    Objective(name, "atspeed", f"{_HERE}:{name}_objective", "align",
+              knobs=f"{_HERE}:AlignKnobs", fields={"alpha": "alpha", "k": "k"}, doc=doc)
+    for name, doc in _DOCS.items())

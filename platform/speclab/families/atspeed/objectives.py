@@ -13,9 +13,6 @@ from pydantic import Field
 
 from speclab.config.base import StrictModel
 from speclab.families.atspeed.training import rec_align_loss
-from speclab.families.objectives import Objective, register_objective
-
-_HERE = "speclab.families.atspeed.objectives"
 
 
 class AlignKnobs(StrictModel):
@@ -34,14 +31,9 @@ def _objective(name: str) -> Callable[[torch.nn.Module, dict, AlignKnobs], torch
     return loss
 
 
-_DOCS = {"sft": "L_Rec on the data", "seq_kd": "CE on the target's top beam",
-         "word_kd": "forward KL along the target's beams",
-         "tvd_kd": "total variation along the target's beams",
-         "atspeed_s": "AtSpeed-S: L_Align-S (strict top-K verification)",
-         "atspeed_r": "AtSpeed-R: L_Align-R (relaxed sampling verification)"}
-OBJECTIVES = []
-for _name, _doc in _DOCS.items():
-    globals()[f"{_name}_objective"] = _objective(_name)
-    OBJECTIVES.append(register_objective(Objective(
-        _name, "atspeed", f"{_HERE}:{_name}_objective", "align", knobs=f"{_HERE}:AlignKnobs",
-        fields={"alpha": "alpha", "k": "k"}, doc=_doc)))
+sft_objective = _objective("sft")
+seq_kd_objective = _objective("seq_kd")
+word_kd_objective = _objective("word_kd")
+tvd_kd_objective = _objective("tvd_kd")
+atspeed_s_objective = _objective("atspeed_s")
+atspeed_r_objective = _objective("atspeed_r")

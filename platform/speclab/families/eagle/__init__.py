@@ -9,9 +9,12 @@ and :mod:`.trial` (its Tune trial kind). Its formats in and out are in
 :mod:`speclab.models.formats`. This module is the family's declaration only.
 """
 
+from speclab.families.objectives import Objective
 from speclab.families.spec import SweepSpec, TrainedFamily
 
 _P = "speclab.families.eagle"
+_HERE = f"{_P}.objectives"
+_CHECKS = f"{_P}.checks"
 
 FAMILY = TrainedFamily(
     name="eagle",
@@ -32,6 +35,7 @@ FAMILY = TrainedFamily(
     formats_in=("speclab", "eagle", "eagle3", "specforge", "speculators"),
     formats_out=("speclab", "eagle", "speculators"),
     job="distill_eagle",
+    check_job=f"{_CHECKS}:windows_leave_tokens",
     draft_time=f"{_P}.trial:eagle_forward_time",
     sweep=SweepSpec(
         kind="eagle",
@@ -45,4 +49,27 @@ FAMILY = TrainedFamily(
                       "eagle.talf_top_k", "eagle.talf_depth"),
         validate=f"{_P}.trial:validate_sweep",
     ),
+)
+
+_FEATURES = {"w_reg": "w_reg", "w_cls": "w_cls", "feature_noise": "feature_noise",
+             "feature_noise_len": "feature_noise_len"}
+
+#: the family's objectives (their knobs, losses and checks: :mod:`.objectives`)
+OBJECTIVES = (
+    Objective("eagle", "eagle", f"{_HERE}:eagle_objective", f"{_CHECKS}:feature_kind",
+              knobs=f"{_HERE}:EagleKnobs", fields=_FEATURES,
+              check=f"{_CHECKS}:last_layer_drafter",
+              extras=f"{_HERE}:noise", doc="EAGLE-1/2: feature regression + CE"),
+    Objective("hass", "eagle", f"{_HERE}:hass_objective", f"{_CHECKS}:feature_kind",
+              knobs=f"{_HERE}:HassKnobs",
+              fields={**_FEATURES, "w_topk": "w_topk", "k": "hass_k", "steps": "hass_steps",
+                      "detach": "hass_detach", "reduce": "hass_reduce"},
+              check=f"{_CHECKS}:last_layer_drafter", validate=f"{_CHECKS}:hass_within_top_k",
+              extras=f"{_HERE}:noise", doc="HASS: EAGLE + top-K distillation, n steps"),
+    Objective("talf", "eagle", f"{_HERE}:talf_objective", f"{_CHECKS}:tree_kind",
+              validate=f"{_CHECKS}:talf_within_window",
+              doc="TALF: CE over every node of target-built trees"),
+    Objective("eagle3", "eagle", f"{_HERE}:eagle3_objective", "feat3",
+              knobs=f"{_HERE}:Eagle3Knobs", fields={"steps": "ttt_steps", "decay": "ttt_decay"},
+              check=f"{_CHECKS}:eagle3_drafter", doc="EAGLE-3: training-time test"),
 )

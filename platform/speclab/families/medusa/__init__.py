@@ -7,9 +7,11 @@ calibration), :mod:`.objectives`, :mod:`.task` (the Ray Train task) and :mod:`.s
 (generate, train, calibrate, register, evaluate). This module is the declaration only.
 """
 
+from speclab.families.objectives import Objective
 from speclab.families.spec import TrainedFamily
 
 _P = "speclab.families.medusa"
+_HERE = f"{_P}.objectives"
 
 FAMILY = TrainedFamily(
     name="medusa",
@@ -28,4 +30,12 @@ FAMILY = TrainedFamily(
     formats_in=("speclab", "medusa"),
     formats_out=("speclab", "medusa"),
     job="train_medusa",
+)
+
+#: the family's objectives (their knobs and losses: :mod:`.objectives`)
+OBJECTIVES = (
+    Objective("medusa1", "medusa", f"{_HERE}:medusa1_objective", "medusa",
+              knobs=f"{_HERE}:Medusa1Knobs", doc="MEDUSA-1: heads on the frozen backbone"),
+    Objective("medusa2", "medusa", f"{_HERE}:medusa2_objective", "medusa",
+              knobs=f"{_HERE}:Medusa2Knobs", doc="MEDUSA-2: heads + backbone, jointly"),
 )

@@ -12,9 +12,6 @@ from pydantic import Field
 
 from speclab.config.base import StrictModel
 from speclab.families.medusa.training import medusa1_loss, medusa2_loss
-from speclab.families.objectives import Objective, register_objective
-
-_HERE = "speclab.families.medusa.objectives"
 
 
 class Medusa1Knobs(StrictModel):
@@ -40,13 +37,3 @@ def medusa2_objective(model: torch.nn.Module, batch: dict, k: Medusa2Knobs) -> t
     """MEDUSA-2 on a ``medusa`` batch (``frozen``: the heads-only warm-up)."""
     return medusa2_loss(model, batch, k.decay, k.lambda0, k.lm_loss,
                         bool(batch.get("frozen", False)), batch.get("first_label", 0))
-
-
-OBJECTIVES = (
-    Objective("medusa1", "medusa", f"{_HERE}:medusa1_objective", "medusa",
-              knobs=f"{_HERE}:Medusa1Knobs", doc="MEDUSA-1: heads on the frozen backbone"),
-    Objective("medusa2", "medusa", f"{_HERE}:medusa2_objective", "medusa",
-              knobs=f"{_HERE}:Medusa2Knobs", doc="MEDUSA-2: heads + backbone, jointly"),
-)
-for _obj in OBJECTIVES:
-    register_objective(_obj)
