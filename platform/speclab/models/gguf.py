@@ -68,9 +68,11 @@ def _load_gguf(path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                            trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32,
+                                                     trust_remote_code=False)
     except (ImportError, ModuleNotFoundError) as err:  # gguf / accelerate missing
         raise GgufError(f"{path}: reading GGUF needs the gguf and accelerate packages "
                         f"({err})") from err
@@ -123,7 +125,8 @@ def convert_gguf(path: str | Path, out: str | Path, check_prompts: tuple[str, ..
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     _save_plain(tok, model, tmp)
-    saved = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32).eval()
+    saved = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32,
+                                                 trust_remote_code=False).eval()
     prompts = [render_prompt(tok, p) for p in check_prompts]
     for text, ids in zip(check_prompts, prompts):
         a, b = greedy(model, ids, check_tokens), greedy(saved, ids, check_tokens)

@@ -80,8 +80,9 @@ def _from_hub(model: RealModel, out: Path) -> Path:
     print(f"[models] {model.name}: downloading {model.hub_id} from the hub...", flush=True)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    AutoModelForCausalLM.from_pretrained(model.hub_id).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(model.hub_id).save_pretrained(tmp)
+    AutoModelForCausalLM.from_pretrained(model.hub_id,
+                                         trust_remote_code=False).save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(model.hub_id, trust_remote_code=False).save_pretrained(tmp)
     (tmp / "source.json").write_text(json.dumps({"source": f"hub:{model.hub_id}"}, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
