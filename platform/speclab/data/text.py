@@ -68,6 +68,10 @@ def _hf_text(dataset: str, field: str, max_chars: int) -> str:  # pragma: no cov
 def load_corpus(source: str, path: str | None, max_chars: int, val_chars: int,
                 text_field: str = "text") -> tuple[str, str]:
     """(train text, validation text) for a ``corpus`` config group."""
+    if source == "conversations":
+        raise ValueError("corpus.source: conversations are rendered with a target's chat "
+                         "template; this job reads plain text (stdlib, text_folder, jsonl, "
+                         "hf_dataset)")
     if source == "stdlib":
         return read_text(split_files("train"), max_chars), read_text(
             split_files("validation"), val_chars)

@@ -22,7 +22,7 @@ JOBS: tuple[str, ...] = ("evaluate", "train_target", "distill", "compare_losses"
                          "compare_eagle", "train_medusa", "train_drafter", "train_recommender",
                          "recommend_eval",
                          "train_head", "specdecpp_eval", "build_datastore", "retrieval_eval",
-                         "tune")
+                         "regenerate", "tune")
 
 
 def job_main(job: str) -> Callable[[list[str] | None], int]:

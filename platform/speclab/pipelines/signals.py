@@ -32,7 +32,7 @@ from typing import Any
 
 from speclab.api import Decoder
 from speclab.config.schema import DistillConfig
-from speclab.data.text import load_corpus
+from speclab.data.token_stream import TokenStream, row_loss_mask, token_stream
 from speclab.models.loading import load_model, resolve_source
 from speclab.models.registry import resolve_models
 from speclab.pipelines.fit import peak_rss_mb
@@ -45,17 +45,20 @@ ACTOR_START_TIMEOUT_S = 1800.0  # with no shard in flight, how long to wait for 
 PLAN_FILE = "plan.json"
 
 
-def plan_starts(d: DistillConfig, seed: int, tokens, kind: str) -> tuple[list[int], int]:
+def plan_starts(d: DistillConfig, seed: int, tokens: TokenStream | Any, kind: str
+                ) -> tuple[list[int], int]:
     """Deterministic corpus offsets and length of ``kind``'s inputs (windows / prompts /
-    contexts); the inputs themselves are sliced per shard, so memory stays bounded."""
+    contexts; inside one conversation and ending on an assistant token for a
+    conversation corpus: :meth:`TokenStream.starts`); the inputs themselves are sliced
+    per shard, so memory stays bounded."""
     import torch
 
     length = data_kind(kind).input_len(d)
+    tokens = TokenStream.of(tokens)
     if tokens.numel() <= length + 1:
         raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
     g = torch.Generator().manual_seed(seed + 7919 * len(kind))
-    starts = torch.randint(0, tokens.numel() - length - 1, (d.examples,), generator=g)
-    return starts.tolist(), length
+    return tokens.starts(d.examples, length, g), length
 
 
 def shard_name(index: int) -> str:
@@ -172,7 +175,8 @@ class _Actors:
             self.drop(slot)
 
 
-def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
+def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str],
+             tokens: TokenStream | Any,
              draft: str | None = None, head_temperature: float = 0.0,
              stats: dict | None = None, eagles: dict[str, Any] | None = None
              ) -> tuple[dict[str, int], float]:
@@ -198,6 +202,7 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
     import ray
 
     d, seed = cfg.distill, cfg.train.seed
+    tokens = TokenStream.of(tokens)  # a 1-D tensor: plain text
     job_eagle = getattr(cfg, "eagle", None)  # the settings of kinds that read it
     eagle_of = {k: (eagles or {}).get(k, job_eagle) for k in kinds}
     device = "cuda" if d.gen_gpus_per_actor > 0 else cfg.models.device
@@ -216,8 +221,11 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
 
             return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
 
-        def shard(self, kind: str, inputs: list[list[int]], path: str, first: int) -> float:
-            """Write one shard (whole, checked, atomically); returns the peak RSS in MB."""
+        def shard(self, kind: str, inputs: list[list[int]], path: str, first: int,
+                  masks: list[list[int]] | None = None) -> float:
+            """Write one shard (whole, checked, atomically); returns the peak RSS in MB.
+            ``masks``: the inputs' loss masks (conversations), stored as each row's
+            ``loss_mask`` over its ``tokens``."""
             import os
             import resource
             import uuid
@@ -230,6 +238,10 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
             rows = dd.data_kind(kind).make(ctx, inputs, first)
             if len(rows) != len(inputs):
                 raise RuntimeError(f"{path}: {len(rows)} rows for {len(inputs)} inputs")
+            if masks is not None:
+                for row, x, m in zip(rows, inputs, masks, strict=True):
+                    if "tokens" in row:
+                        row["loss_mask"] = row_loss_mask(row["tokens"], x, m)
             # a name of its own: a lost writer never shares a temporary file with its heir
             tmp = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
             try:
@@ -272,9 +284,10 @@ def generate(cfg: Any, target: str, data_dir: Path, kinds: set[str], tokens,
                 path.unlink()
             todo.append(_Shard(kind, i, path, i * d.shard_size, n))
 
-    def chunk(s: _Shard) -> list[list[int]]:
+    def chunk(s: _Shard) -> tuple[list[list[int]], list[list[int]] | None]:
         starts, length = inputs_of[s.kind]
-        return [tokens[x : x + length].tolist() for x in starts[s.first : s.first + s.rows]]
+        mine = starts[s.first : s.first + s.rows]
+        return tokens.inputs(mine, length), tokens.masks(mine, length)
 
     def make():
         return Generator.options(num_cpus=d.gen_cpus_per_actor, num_gpus=d.gen_gpus_per_actor,
@@ -323,7 +336,9 @@ def _run(actors: _Actors, todo: deque, chunk, size: int, stats: dict) -> float:
             while todo and actors.load[slot] < PER_ACTOR_IN_FLIGHT:
                 s = todo.popleft()
                 s.attempts += 1
-                ref = actors.handles[slot].shard.remote(s.kind, chunk(s), str(s.path), s.first)
+                inputs, masks = chunk(s)
+                ref = actors.handles[slot].shard.remote(s.kind, inputs, str(s.path), s.first,
+                                                        masks)
                 in_flight[ref] = (s, slot)
                 actors.load[slot] += 1
         if not in_flight and not actors.starting:  # shards left, every actor lost
@@ -406,7 +421,7 @@ class Prepared:
 
     target: str
     tokenizer: object
-    tokens: object  # 1-D LongTensor of the tokenised training corpus
+    tokens: TokenStream  # the tokenised training corpus
     vocab: int
     eos: int | None
     #: EAGLE jobs: the trained window against the evaluation's longest context
@@ -417,7 +432,6 @@ class Prepared:
 def prepare_target(cfg: Any) -> Prepared:
     """Resolve the target, check tokenizer/vocabulary, load the corpus (ValueError if bad).
     ``cfg``: a job config with ``models``, ``tokenizer`` and ``corpus`` groups."""
-    import torch
     from transformers import AutoTokenizer
 
     target, _ = resolve_models(cfg.models.target, None)
@@ -432,7 +446,5 @@ def prepare_target(cfg: Any) -> Prepared:
     if len(tok) > target_cfg.vocab_size:
         raise ValueError(f"models.target: tokenizer has {len(tok)} tokens but the model's "
                          f"vocab_size is {target_cfg.vocab_size}")
-    train_text, _ = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
-                                cfg.corpus.val_chars, cfg.corpus.text_field)
-    tokens = torch.tensor(tok.encode(train_text), dtype=torch.long)
+    tokens = token_stream(cfg.corpus, tok, "train")
     return Prepared(target, tok, tokens, int(target_cfg.vocab_size), tok.eos_token_id)

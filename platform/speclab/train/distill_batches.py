@@ -29,8 +29,10 @@ from speclab import losses
 def collate_kd(rows: list[dict]) -> dict:
     """Corpus windows with the target's top-k (all rows have the same length)."""
     tokens = torch.tensor([r["tokens"] for r in rows], dtype=torch.long)  # [B, L+1]
-    out = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:],
-           "mask": torch.ones(tokens.shape[0], tokens.shape[1] - 1)}
+    mask = torch.tensor([r["loss_mask"] for r in rows], dtype=torch.float)[:, 1:] \
+        if rows and rows[0].get("loss_mask") is not None else \
+        torch.ones(tokens.shape[0], tokens.shape[1] - 1)  # conversations: assistant tokens
+    out = {"inputs": tokens[:, :-1], "labels": tokens[:, 1:], "mask": mask}
     if rows and "topk_ids" in rows[0]:
         out["topk_ids"] = torch.tensor([r["topk_ids"] for r in rows], dtype=torch.long)
         out["topk_probs"] = torch.tensor([r["topk_probs"] for r in rows], dtype=torch.float)

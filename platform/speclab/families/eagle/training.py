@@ -85,14 +85,26 @@ def decode_features(data: bytes, hidden: int) -> torch.Tensor:
 
 def collate_feat(rows: list[dict]) -> dict[str, torch.Tensor]:
     """``feat`` rows of equal length -> ``tokens [B, L+1]``, ``features [B, L, H]``,
-    ``topk_ids/probs [B, L, K]``."""
+    ``topk_ids/probs [B, L, K]``, and ``loss_mask [B, L+1]`` (1 on the tokens the loss
+    covers: a conversation's assistant tokens) where the rows carry one."""
     hidden = int(rows[0]["hidden"])
-    return {
+    out = {
         "tokens": torch.tensor([r["tokens"] for r in rows], dtype=torch.long),
         "features": torch.stack([decode_features(r["features"], hidden) for r in rows]),
         "topk_ids": torch.tensor([r["topk_ids"] for r in rows], dtype=torch.long),
         "topk_probs": torch.tensor([r["topk_probs"] for r in rows], dtype=torch.float),
     }
+    if rows[0].get("loss_mask") is not None:
+        out["loss_mask"] = torch.tensor([r["loss_mask"] for r in rows], dtype=torch.float)
+    return out
+
+
+def pair_mask(batch: dict[str, torch.Tensor], t: int) -> torch.Tensor | None:
+    """``[B, T]``: 1 where pair ``j``'s prediction (the token ``tokens[:, j + 2]``) is one
+    the loss covers (``batch["loss_mask"]``: a conversation's assistant tokens); None
+    where the batch has no mask (every position counts)."""
+    m = batch.get("loss_mask")
+    return None if m is None else m[:, 2: t + 2]
 
 
 def _decode(data: bytes, dtype, shape) -> torch.Tensor:
@@ -163,7 +175,13 @@ def talf_weights(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     b, n_roots, depth, k = f_tok.shape
     t = feats.shape[1] - 1
     nodes = torch.full((b, depth * n_roots * k), t / n_roots, device=feats.device)
-    return torch.cat([torch.ones(b, t, device=feats.device), nodes], 1)
+    out = torch.cat([torch.ones(b, t, device=feats.device), nodes], 1)
+    pm = pair_mask(batch, t)
+    if pm is None:
+        return out
+    at_roots = pm.to(feats.device).gather(1, batch["forest_roots"].to(feats.device))  # [B, R]
+    return out * torch.cat([pm.to(feats.device), at_roots[:, None, :, None].expand(
+        b, depth, n_roots, k).reshape(b, -1)], 1)
 
 
 def talf_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -199,9 +217,11 @@ def eagle3_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: i
     ids = batch["topk_ids"][:, 1:]
     probs = draft_vocab_targets(model, ids, batch["topk_probs"][:, 1:])
     outputs = hass_forward(model, feats[:, :-1], tokens[:, 1:length], min(steps, t), False)
+    pm = pair_mask(batch, t)
     total = 0.0
     for s, (_, logits) in enumerate(outputs, start=1):
         valid = (torch.arange(t, device=feats.device) >= s - 1).float().expand(b, t)
+        valid = valid if pm is None else valid * pm.to(valid.device)
         total = total + decay ** (s - 1) * losses.soft_ce(logits, ids, probs, valid)
     return total
 
@@ -350,9 +370,11 @@ def feature_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], w_reg: 
         return out
 
     outputs = hass_forward(model, inp_f, inp_x, min(steps, t), detach)
+    pm = pair_mask(batch, t)
     total = []
     for s, (f_hat, logits) in enumerate(outputs, start=1):
         valid = (torch.arange(t, device=feats.device) >= s - 1).float().expand(b, t)
+        valid = valid if pm is None else valid * pm.to(valid.device)
         total.append(step_loss(f_hat, logits, valid))
     return sum(total) / (len(total) if reduce == "mean" else 1)
 

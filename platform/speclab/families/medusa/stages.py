@@ -148,17 +148,14 @@ def quality_change(cfg: Any, original: str, tuned_model, prompts: list[list[int]
     """:func:`~speclab.families.medusa.training.lm_quality` of the fine-tuned target against the
     original on held-out corpus windows (``distill.seq_len`` tokens, up to 64) and the
     evaluation prompts (``decoding.max_new_tokens`` greedy tokens)."""
-    import torch
     from transformers import AutoTokenizer
 
-    from speclab.data.text import load_corpus
+    from speclab.data.token_stream import token_stream
     from speclab.families.medusa.training import lm_quality
     from speclab.models.loading import load_model
 
-    _, val_text = load_corpus(cfg.corpus.source, cfg.corpus.path, cfg.corpus.max_chars,
-                              cfg.corpus.val_chars, cfg.corpus.text_field)
     tok = AutoTokenizer.from_pretrained(original, trust_remote_code=False)
-    ids = torch.tensor(tok.encode(val_text))
+    ids = token_stream(cfg.corpus, tok, "validation").tokens
     length = cfg.distill.seq_len + 1
     n = min(64, ids.numel() // length)
     if n == 0:
