@@ -35,18 +35,31 @@ class ModelsConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
-    """Prompt set: function headers from the stdlib test split, or a JSONL file."""
+    """Prompt set: function headers from the stdlib test split, a JSONL file of prompts
+    (``prompt``, optional ``category``), held-out ``conversations`` (the test split of
+    a conversation source, by the corpus's hash of the id), or ``questions`` (MT-bench /
+    Spec-Bench ``question.jsonl``: ``question_id``, ``category``, ``turns``). The chat
+    kinds (and ``jsonl`` with ``chat: true``) are rendered with the target's chat
+    template; tables, JSON and MLflow then give every figure per category too."""
 
-    prompts: Literal["stdlib_functions", "jsonl"] = "stdlib_functions"
+    prompts: Literal["stdlib_functions", "jsonl", "conversations", "questions"] = \
+        "stdlib_functions"
     path: str | None = None
     num_prompts: int = Field(16, gt=0)
     context_chars: int = Field(300, gt=0)
     seed: int = 0
+    turns: int = Field(1, ge=1, le=2, description=(
+        "conversations / questions: 2 adds each second user turn, after the target's own "
+        "greedy answer to the first (as MT-bench does)"))
+    chat: bool = Field(False, description="jsonl: render each prompt as a user message "
+                                          "through the chat template")
+    chat_template: str | None = Field(None, description=(
+        "a Jinja chat template (text or a file) for a target whose tokenizer has none"))
 
     @model_validator(mode="after")
     def _path_for_jsonl(self):
-        if self.prompts == "jsonl" and not self.path:
-            raise ValueError("path is required when prompts is 'jsonl'")
+        if self.prompts != "stdlib_functions" and not self.path:
+            raise ValueError(f"path is required when prompts is {self.prompts!r}")
         return self
 
 

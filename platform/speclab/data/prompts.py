@@ -60,3 +60,123 @@ def held_out_prompts(kind: str, num_prompts: int, skip: int, context_chars: int 
         return load_jsonl_prompts(path)[skip: skip + num_prompts]
     every = function_header_prompts("test", 10**9, context_chars, seed)
     return [p.text for p in every[max(skip, len(every) - num_prompts):]]
+
+
+#: the prompt kinds rendered with the chat template (``jsonl`` too with ``data.chat``)
+CHAT_KINDS = ("conversations", "questions")
+
+
+class Prompts(list):
+    """Token-id prompts (a list of id lists, usable wherever one is) with a category
+    each: ``categories[i]`` names prompt ``i``'s category (``all`` for a set without
+    categories)."""
+
+    def __init__(self, ids: list[list[int]], categories: list[str] | None = None) -> None:
+        super().__init__(ids)
+        self.categories = list(categories) if categories else ["all"] * len(ids)
+        if len(self.categories) != len(ids):
+            raise ValueError(f"{len(ids)} prompts but {len(self.categories)} categories")
+
+
+def is_chat(data) -> bool:
+    """Whether a ``data`` group's prompts go through the chat template."""
+    return data.prompts in CHAT_KINDS or (data.prompts == "jsonl" and data.chat)
+
+
+def _question_records(path: str, limit: int) -> list[tuple[str, list[str]]]:
+    """(category, user turns) of an MT-bench / Spec-Bench ``question.jsonl``."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"data.path: {str(p)!r} does not exist")
+    out = []
+    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"data.path: {p}:{i} is not JSON ({exc.msg})") from None
+        turns = obj.get("turns") if isinstance(obj, dict) else None
+        if not isinstance(turns, list) or not turns or not all(
+                isinstance(t, str) and t for t in turns):
+            raise ValueError(f"data.path: {p}:{i} needs 'turns', a non-empty list of texts "
+                             "(MT-bench / Spec-Bench question.jsonl)")
+        out.append((str(obj.get("category") or "all"), turns))
+        if len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"data.path: {p} holds no questions")
+    return out
+
+
+def _conversation_records(path: str, limit: int) -> list[tuple[str, list[dict]]]:
+    """(category, messages up to the second user turn) of held-out conversations: the
+    ``test`` split (:func:`speclab.data.conversations.split_of`, the corpus's default
+    fractions), so a drafter trained on the ``train`` split never saw them."""
+    from speclab.data.conversations import read_conversations, split_of
+
+    out = []
+    for conv in read_conversations(path):
+        if split_of(conv.id) != "test":
+            continue
+        msgs = [m for m in conv.messages if m["role"] != "assistant"]
+        if any(m["role"] == "user" for m in msgs):
+            out.append(("conversations", msgs))
+        if len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"data.path: {path!r} holds no held-out (test split) conversation")
+    return out
+
+
+def chat_prompts(data, tokenizer, answer=None) -> Prompts:
+    """The ``data`` group's chat prompts as token ids through the chat template
+    (``data.chat_template``, else the tokenizer's; neither: ValueError naming
+    ``data.chat_template``), with their categories. ``data.turns`` 2 adds each second
+    user turn after the target's own answer to the first: ``answer(ids) -> text``
+    (greedy decoding by the caller's target)."""
+    from speclab.data.token_stream import chat_template_of
+
+    template = chat_template_of(data)
+    if not template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.chat_template: the target's tokenizer has no chat template; "
+                         "give one")
+
+    def ids_of(messages: list[dict]) -> list[int]:
+        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                            add_generation_prompt=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    if data.prompts == "questions":
+        records = [(c, [{"role": "user", "content": t} for t in turns])
+                   for c, turns in _question_records(data.path, data.num_prompts)]
+    elif data.prompts == "conversations":
+        records = _conversation_records(data.path, data.num_prompts)
+    else:  # jsonl through the chat template
+        records = [(c, [{"role": "user", "content": t}])
+                   for c, t in jsonl_records(data.path, data.num_prompts)]
+    ids, cats = [], []
+    for cat, msgs in records:
+        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        first = msgs[: users[0] + 1]
+        ids.append(ids_of(first))
+        cats.append(cat)
+        if data.turns == 2 and len(users) > 1:
+            if answer is None:
+                raise ValueError("data.turns: 2 needs the target to answer the first turns")
+            second = first + [{"role": "assistant", "content": answer(ids[-1])},
+                              *msgs[users[0] + 1: users[1] + 1]]
+            ids.append(ids_of(second))
+            cats.append(cat)
+    return Prompts(ids, cats)
+
+
+def jsonl_records(path: str, limit: int) -> list[tuple[str, str]]:
+    """(category, prompt) of a prompt JSONL file (``category`` optional)."""
+    texts = load_jsonl_prompts(path, limit)
+    cats = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            cats.append(str(obj.get("category") or "all"))
+    return list(zip(cats, texts))

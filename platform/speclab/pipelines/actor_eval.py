@@ -22,7 +22,7 @@ from speclab.agreement import compare_outputs, merge_agreements
 from speclab.api import Decoder
 from speclab.config import MethodConfig
 from speclab.config.jobs import TRAINED
-from speclab.data.prompts import load_prompts
+from speclab.data.prompts import Prompts, chat_prompts, is_chat, jsonl_records, load_prompts
 from speclab.evaluation import (
     MethodRun,
     Totals,
@@ -33,6 +33,7 @@ from speclab.evaluation import (
     speedup_cell,
     summarize,
 )
+from speclab.models.loading import load_tokenizer
 from speclab.models.registry import resolve_models
 from speclab.pipelines.eval_plots import acceptance_table, method_figures
 from speclab.pipelines.method_runs import log_best, log_child_runs, method_params
@@ -56,8 +57,10 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
 
     runs = list(methods) if methods is not None else cfg.method_list()
     method_runs = [MethodRun(m.name, m.params(), m.label or "") for m in runs]
+    categories = getattr(prompts, "categories", None) or ["all"] * len(prompts)
     n_act = min(cfg.resources.num_actors, len(prompts))
-    shards = [prompts[i::n_act] for i in range(n_act)]
+    shards = [list(zip(categories[i::n_act], prompts[i::n_act], strict=True))
+              for i in range(n_act)]
     gen = cfg.decoding.model_dump()
     device = "cuda" if cfg.resources.num_gpus_per_actor > 0 else cfg.models.device
     dtype, attn = cfg.models.dtype, cfg.models.attn_implementation
@@ -76,14 +79,20 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
             self.dec = Decoder.from_pretrained(target, draft, dtype, device,
                                                attn_implementation=attn)
 
-        def run(self, shard: list[list[int]]) -> dict:
+        def run(self, shard: list[tuple[str, list[int]]]) -> dict[str, dict]:
+            """``{category: interleaved_comparison's result}`` over the shard's prompts
+            of each category (the paired protocol is per prompt, so splitting the shard
+            by category changes no figure of the whole)."""
             def progress(line: str) -> None:  # reaches the driver's console (log_to_driver)
                 print(f"[evaluate] {line}", flush=True)
 
-            out = interleaved_comparison(self.dec, method_runs, shard, gen,
-                                         progress=progress)
-            if gen.get("temperature", 0) == 0:  # greedy: how each method's outputs differ
-                shard_agreement(self.dec.target.model, shard, out)
+            out = {}
+            for cat in dict.fromkeys(c for c, _ in shard):
+                mine = [p for c, p in shard if c == cat]
+                out[cat] = interleaved_comparison(self.dec, method_runs, mine, gen,
+                                                  progress=progress)
+                if gen.get("temperature", 0) == 0:  # greedy: how each method's outputs differ
+                    shard_agreement(self.dec.target.model, mine, out[cat])
             return out
 
     actors = [EvalWorker.options(num_cpus=cfg.resources.num_cpus_per_actor,
@@ -95,6 +104,36 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
         for a in actors:
             ray.kill(a)
 
+    rows = table_rows(cfg, [out for part in parts for out in part.values()], method_runs)
+    print(format_table(rows), flush=True)
+    noisy = [f"{r['method']}: {r['timing_note']}" for r in rows if r.get("noisy")]
+    if noisy:
+        print("[evaluate] noisy timings (read those speedups with care): "
+              + "; ".join(noisy), flush=True)
+    log_evaluation(tracker, rows, runs, prefix, children)
+    names = list(dict.fromkeys(categories))
+    if len(names) > 1 or names != ["all"]:
+        by_cat = {c: table_rows(cfg, [p[c] for p in parts if c in p], method_runs)
+                  for c in names}
+        log_categories(tracker, by_cat, prefix)
+    firsts = [next(iter(part.values())) for part in parts]  # each actor's first category
+    costs = [c for out in firsts if (c := next(iter(out.values()), {}).get("costs"))]
+    if costs:  # the forward cost curves behind modelled_s, one per actor
+        import json
+
+        tracker.log_text(json.dumps([c.to_dict() for c in costs], indent=1),
+                         f"{prefix.replace('/', '_')}forward_costs.json")
+    return rows
+
+
+#: the figures of each method logged per category (besides the whole table in JSON)
+CATEGORY_METRICS = ("tau", "target_calls_per_token", "speedup", "speedup_lo", "speedup_hi",
+                    "tokens_per_s", "accept_at_1", "accept_at_2", "accept_at_3", "accept_at_4")
+
+
+def table_rows(cfg: Any, parts: list[dict], method_runs: list[MethodRun]) -> list[dict]:
+    """The table rows (AR first) of :func:`interleaved_comparison` results over disjoint
+    prompt sets (actors' shards, categories), merged."""
     merged: dict[str, dict] = {}
     for part in parts:
         for name, res in part.items():
@@ -102,7 +141,7 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
             slot["totals"].merge(res["totals"])
             slot["ar"].merge(res["ar"])
     first = merged[method_runs[0].name]
-    # outputs are in actor-shard order; the AR block of the first method is the reference
+    # outputs are in part order; the AR block of the first method is the reference
     reference = first["ar"].outputs if cfg.decoding.temperature == 0 else None
     ar = pooled_ar(merged)  # the AR row: every method's AR timings
     rows = [summarize(MethodRun("ar"), ar, ar, reference)]
@@ -112,20 +151,32 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
         agreed = [part[run.name].get("agreement") for part in parts]
         if rows[-1].get("identical_to_ar") is False and None not in agreed:
             rows[-1].update(merge_agreements(agreed))
-    print(format_table(rows), flush=True)
-    noisy = [f"{r['method']}: {r['timing_note']}" for r in rows if r.get("noisy")]
-    if noisy:
-        print("[evaluate] noisy timings (read those speedups with care): "
-              + "; ".join(noisy), flush=True)
-
-    log_evaluation(tracker, rows, runs, prefix, children)
-    costs = [c for part in parts if (c := next(iter(part.values()), {}).get("costs"))]
-    if costs:  # the forward cost curves behind modelled_s, one per actor
-        import json
-
-        tracker.log_text(json.dumps([c.to_dict() for c in costs], indent=1),
-                         f"{prefix.replace('/', '_')}forward_costs.json")
     return rows
+
+
+def log_categories(tracker, by_cat: dict[str, list[dict]], prefix: str = "") -> None:
+    """Print one table per category and log each method's :data:`CATEGORY_METRICS` as
+    ``<prefix>category/<category>/<method>/<metric>`` (names made valid MLflow keys:
+    ``chain(gamma=2)`` -> ``chain_gamma_2``) and every row as
+    ``<prefix>categories.json``."""
+    import json
+    import math
+
+    from speclab.tracking import metric_key
+
+    metrics = {}
+    for cat, rows in by_cat.items():
+        print(f"[evaluate] category {cat} ({rows[0]['prompts']} prompts)", flush=True)
+        print(format_table(rows), flush=True)
+        for row in rows:
+            key = f"{prefix}category/{metric_key(cat)}/{metric_key(row['method'])}"
+            for m in CATEGORY_METRICS:
+                v = row.get(m)
+                if isinstance(v, int | float) and not math.isnan(v):
+                    metrics[f"{key}/{m}"] = float(v)
+    tracker.log_metrics(metrics)
+    tracker.log_text(json.dumps(by_cat, indent=1, default=str),
+                     f"{prefix.replace('/', '_')}categories.json")
 
 
 def shard_agreement(model: torch.nn.Module, prompts: list[list[int]],
@@ -195,12 +246,31 @@ def evaluate_trained(cfg: Any, target: str, prompts: list[list[int]], tracker, f
     return evaluate_pair(cfg, target, draft, prompts, tracker, "eval/", methods)
 
 
-def tokenized_prompts(cfg: Any, target: str | None = None, tokenizer=None) -> list[list[int]]:
+def tokenized_prompts(cfg: Any, target: str | None = None, tokenizer=None) -> Prompts:
     """The ``data`` prompt set, tokenised with the target's tokenizer (on the driver):
-    ``tokenizer`` when already loaded, else the one in ``target``'s folder (a model folder)."""
-    texts = load_prompts(cfg.data.prompts, cfg.data.num_prompts, cfg.data.context_chars,
-                         cfg.data.path, cfg.data.seed)
+    ``tokenizer`` when already loaded, else the one in ``target``'s folder (a model
+    folder), with each prompt's category. Chat kinds go through the chat template; their
+    second turns (``data.turns: 2``) follow the target's own greedy answer to the first
+    (``decoding.max_new_tokens`` tokens)."""
+    data = cfg.data
     if tokenizer is None:
-        dec = Decoder.from_pretrained(target)
-        return [dec.encode(t) for t in texts]
-    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        tokenizer = load_tokenizer(target, field="models.target")
+    if is_chat(data):
+        dec: list[Decoder] = []
+
+        def answer(ids: list[int]) -> str:
+            if not dec:
+                dec.append(Decoder.from_pretrained(target, None, cfg.models.dtype))
+            res = dec[0].generate(prompt_ids=ids, method="ar",
+                                  max_new_tokens=cfg.decoding.max_new_tokens)
+            kept = [t for t in res.token_ids if t != dec[0].eos_token_id]
+            return tokenizer.decode(kept, skip_special_tokens=True).strip()
+
+        return chat_prompts(data, tokenizer, answer if target else None)
+    if data.prompts == "jsonl":
+        cats, texts = zip(*jsonl_records(data.path, data.num_prompts), strict=True)
+    else:
+        texts = load_prompts(data.prompts, data.num_prompts, data.context_chars, data.path,
+                             data.seed)
+        cats = None
+    return Prompts([tokenizer.encode(t, add_special_tokens=False) for t in texts], cats)
