@@ -121,3 +121,17 @@ def test_regenerate_resume_refuse_and_train(job_env, tmp_path, pair):
     for row in rows:
         mask = row["loss_mask"]
         assert len(mask) == len(row["tokens"]) and mask[-1] == 1 and 0 < sum(mask)
+
+    # online features: only the windows are stored, the target runs in the step
+    res = run_cmd([python(), "-m", "jobs.train_drafter", "--config",
+                   "experiments/smoke/train_drafter.yaml", f"models.target={pair['target']}",
+                   "corpus.source=conversations", f"corpus.path={out_ar}", "distill.seq_len=24",
+                   "train.steps=4", f"output.storage_path={storage}", "output.register_as=null",
+                   "output.run_name=online", "data.num_prompts=1", "drafter.features=online"],
+                  job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = storage / "online" / "data"
+    assert sorted(p.name for p in data.iterdir() if p.is_dir()) == ["windows"]
+    row = pq.read_table(next((data / "windows").glob("shard-*.parquet"))).to_pylist()[0]
+    assert set(row) == {"tokens", "loss_mask"}  # no features, no top-k on disk
+    assert "ETA" in res.stdout  # the training progress line

@@ -398,6 +398,14 @@ class EagleTrainConfig(StrictModel):
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "
                                                        "at every report (0: none)")
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
+    features: Literal["offline", "online"] = Field("offline", description=(
+        "offline: the target's features and top-k stored in Parquet shards generated on "
+        "Ray actors (feat / feat3); online: only the token windows are stored and the "
+        "frozen target computes them inside each training step on the worker's device, "
+        "as SpecForge's online mode (no feature cache; not for talf, whose trees are "
+        "generated offline)"))
+    online_top_k: int = Field(8, gt=0, description=(
+        "online: the target probabilities kept per position (offline: distill.top_k)"))
 
     @field_validator("loss")
     @classmethod
@@ -408,6 +416,9 @@ class EagleTrainConfig(StrictModel):
     @model_validator(mode="after")
     def _version_fits(self):
         objective(self.loss, "eagle", "loss").check_group(self)  # what the objective trains
+        if self.features == "online" and self.loss == "talf":
+            raise ValueError("features: online computes the target's features in the step; "
+                             "talf trains on target-built trees generated offline")
         if self.version == 3:
             if self.layers != 1:
                 raise ValueError(f"layers: an EAGLE-3 drafter has one layer, got {self.layers}")

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         t.set_tags({"job": "distill_eagle", "run_dir": str(storage / run_name),
                     "target": prep.target, "loss": cfg.eagle.loss})
         generate_features(cfg, prep, data_dir, t, data_kinds([cfg.eagle.loss],
-                                                            cfg.eagle.version))
+                                                            cfg.eagle.version,
+                                                            cfg.eagle.features))
         train_register_evaluate_eagle(cfg, prep, storage, run_name, data_dir, t,
                                       cfg.output.register_as)
     return 0

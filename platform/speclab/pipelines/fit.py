@@ -111,6 +111,7 @@ def train_loop(config: dict) -> None:
     scaler = torch.amp.GradScaler(device.type) if tr.precision == "float16" else None
     if scaler is not None and state is not None and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])  # a resumed run keeps its loss scale
+    t_begin = time.perf_counter()
     for step in range(start, tr.steps):
         batch = task.batch(step, rank)  # depends only on (seed, step, rank)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
@@ -134,7 +135,8 @@ def train_loop(config: dict) -> None:
         if done % tr.report_every and done != tr.steps:
             continue
         elapsed = time.perf_counter() - t_last
-        metrics = {"step": done, "loss": sum(losses) / len(losses),
+        eta = (time.perf_counter() - t_begin) / (done - start) * (tr.steps - done)
+        metrics = {"step": done, "loss": global_mean(sum(losses) / len(losses), world, device),
                    "tokens_per_s_per_worker": seen / elapsed, "peak_rss_mb": peak_rss_mb(),
                    "peak_gpu_mb": peak_gpu_mb(next(model.parameters()).device),
                    "workers": world}
@@ -157,12 +159,25 @@ def train_loop(config: dict) -> None:
                     metrics_out.add(config["run_id"], metrics, step=done)
                     metrics_out.save(spool)  # only while the server is unreachable
                 print(f"[train] step {done}/{tr.steps} loss {metrics['loss']:.3f} "
-                      f"val {val_loss:.3f} {metrics['tokens_per_s_per_worker']:.0f} tok/s/worker",
-                      flush=True)
+                      f"val {val_loss:.3f} {metrics['tokens_per_s_per_worker']:.0f} tok/s/worker"
+                      f", ETA {eta / 60:.1f} min", flush=True)
             ray.train.report(metrics, checkpoint=checkpoint)
         t_last, seen, losses = time.perf_counter(), 0, []
     if metrics_out is not None:  # wait (bounded) for the server; spool what is left
         _final_flush(metrics_out, config, spool)
+
+
+def global_mean(value: float, world: int, device: torch.device | None = None) -> float:
+    """``value`` averaged over the ``world`` workers (every rank calls it at the same
+    step): the training loss of the whole global batch, so a run on 2 workers reports the
+    curve a run on 1 worker with the same global batch reports."""
+    if world <= 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL: on the GPU
+    dist.all_reduce(t)
+    return float(t.item()) / world
 
 
 def _metric_buffer(config: dict):

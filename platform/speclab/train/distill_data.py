@@ -364,6 +364,10 @@ def _tree_settings(eagle) -> dict:
             **_data_settings(eagle)}
 
 
+def _make_windows(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
+    return [{"tokens": x} for x in _feat_windows(ctx, inputs)]
+
+
 def _make_feat(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
     return [feat_example(ctx.target, x, ctx.distill.top_k) for x in _feat_windows(ctx, inputs)]
 
@@ -428,6 +432,8 @@ BUILTIN_KINDS: tuple[DataKind, ...] = (
              doc="contexts + a target-built EAGLE-2 tree with top-k at every node"),
     DataKind("accept", _prompt, _make_accept, needs_draft=True,
              doc="SpecDec++ acceptance data (needs the drafter)"),
+    DataKind("windows", _window, _make_windows, settings=_data_settings,
+             doc="the token windows alone (online features: the target runs in the step)"),
     DataKind("feat", _window, _make_feat, settings=_data_settings,
              doc="windows + the target's features and top-k"),
     DataKind("feat_tree", _window, _make_feat_tree, settings=_tree_settings,

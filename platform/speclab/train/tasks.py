@@ -154,6 +154,21 @@ def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
 
 
+def global_batch_rows(seed: int, step: int, rank: int, rows: int, batch_size: int
+                      ) -> tuple[list[int], torch.Generator]:
+    """The row indices (of ``rows``) worker ``rank`` trains on at ``step``: its slice of
+    ONE draw of ``batch_size x world`` rows made with the step's generator, so that ``W``
+    workers of ``batch_size B / W`` see exactly the rows one worker of ``B`` sees (DDP
+    averages equal-sized slices: the same gradient). Returns the indices and the
+    generator (rank-specific, for what else the batch draws)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    g = step_generator(seed, step, 0)
+    idx = torch.randint(0, rows, (batch_size * world,), generator=g).tolist()
+    return idx[rank * batch_size: (rank + 1) * batch_size], step_generator(seed, step, rank)
+
+
 class LMTask(TaskBase):
     """Causal-LM training on ``data_dir/train.pt`` with validation on ``val.pt``."""
 

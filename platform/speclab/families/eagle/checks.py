@@ -8,7 +8,10 @@ from typing import Any
 
 
 def feature_kind(group: Any) -> str:
-    """``feat`` (last-layer features) or ``feat3`` (an EAGLE-3 drafter's fused layers)."""
+    """``feat`` (last-layer features) or ``feat3`` (an EAGLE-3 drafter's fused layers);
+    ``windows`` (the token windows alone) when the features are computed online."""
+    if getattr(group, "features", "offline") == "online":
+        return "windows"
     return "feat3" if group.version == 3 else "feat"
 
 

@@ -73,22 +73,24 @@ def context_window(cfg: Any, tokenizer) -> dict[str, int]:
     return {"trained_window": window, "eval_longest_context": longest}
 
 
-def data_kind_of(loss: str, version: int = 1) -> str:
+def data_kind_of(loss: str, version: int = 1, features: str = "offline") -> str:
     """The generated example kind an EAGLE-family objective ``loss`` trains on with an
     EAGLE-1/2 (``version`` 1) or EAGLE-3 drafter (its objective entry's data kind:
-    ``feat`` / ``feat3``, TALF's ``*_tree`` with the target-built trees)."""
-    return objective(loss, "eagle", "eagle.loss").kind_for(SimpleNamespace(version=version))
+    ``feat`` / ``feat3``, TALF's ``*_tree`` with the target-built trees; ``windows``
+    with ``features: online``)."""
+    return objective(loss, "eagle", "eagle.loss").kind_for(
+        SimpleNamespace(version=version, features=features))
 
 
-def data_kinds(losses: list[str], version: int = 1) -> set[str]:
+def data_kinds(losses: list[str], version: int = 1, features: str = "offline") -> set[str]:
     """The generated example kinds the EAGLE-family ``losses`` train on
     (:func:`data_kind_of`)."""
-    return {data_kind_of(loss, version) for loss in losses}
+    return {data_kind_of(loss, version, features) for loss in losses}
 
 
 def group_kinds(group: Any) -> set[str]:
     """The data kinds the ``eagle`` group trains on (the family's ``data_kinds``)."""
-    return data_kinds([group.loss], group.version)
+    return data_kinds([group.loss], group.version, group.features)
 
 
 def save_final_eagle(result, target: str, run_dir) -> Path:

@@ -12,18 +12,27 @@ import pyarrow.parquet as pq
 import torch
 
 from speclab.config.schema import ArchConfig, EagleTrainConfig
+from speclab.decoding.features import FeatureHooks
 from speclab.families.eagle.model import EagleModel, load_init
 from speclab.families.eagle.model3 import Eagle3Model
 from speclab.families.eagle.training import (
     collate_feat,
     collate_forest,
     engine_acceptance,
+    online_feat_batch,
     top1_agreement,
 )
 from speclab.families.objectives import objective
 from speclab.families.spec import load
 from speclab.models.loading import load_model
-from speclab.train.tasks import TaskBase, TaskConfigBase, register_task, step_generator
+from speclab.train.distill_data import fused_spec
+from speclab.train.tasks import (
+    TaskBase,
+    TaskConfigBase,
+    global_batch_rows,
+    register_task,
+    step_generator,
+)
 
 
 class EagleTaskConfig(TaskConfigBase):
@@ -38,7 +47,9 @@ class EagleTaskConfig(TaskConfigBase):
 
 class EagleTask(TaskBase):
     """An EAGLE feature drafter on ``feat`` shards (``feat_tree`` for TALF; the last
-    shard held out), from scratch or from the drafter in ``eagle.init_from``."""
+    shard held out), or on ``windows`` shards with the target's features computed in
+    each step (``eagle.features: online``), from scratch or from the drafter in
+    ``eagle.init_from``."""
 
     def __init__(self, cfg: EagleTaskConfig, data_dir: Path, device: torch.device) -> None:
         self.tr, self.e, self.target, self.device = cfg.train, cfg.eagle, cfg.target, device
@@ -50,6 +61,7 @@ class EagleTask(TaskBase):
                              f"found {len(shards)} in {Path(data_dir) / self.kind}")
         self.val = pq.read_table(shards[-1]).to_pylist()
         self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
+        self._hooks = None  # online features: hooks on the target, made on first use
 
     def build_model(self) -> torch.nn.Module:
         # the target on the worker's device: the engine probe feeds it the drafter's inputs
@@ -69,16 +81,22 @@ class EagleTask(TaskBase):
     def _collate(self, rows: list[dict], g: torch.Generator) -> dict:
         if self.kind.endswith("_tree"):  # eagle.talf_roots trees per window, drawn with g
             batch = collate_forest(rows, self.e.talf_roots, g)
+        elif self.kind == "windows":  # online: the target computes the features now
+            if self._hooks is None:
+                self._hooks = FeatureHooks(self.target_model)
+            spec = fused_spec(self.e) if self.e.version == 3 else None
+            batch = online_feat_batch(self.target_model, rows, self.e.online_top_k, spec,
+                                      self._hooks)
         else:
             batch = collate_feat(rows)
         return {k: v.to(self.device) for k, v in batch.items()}
 
     def batch(self, step: int, rank: int) -> dict:
-        """A training batch, with what the objective adds to it (``eagle`` / ``hass``:
-        EAGLE's uniform ``feature_noise`` for the features the drafter reads), drawn with
-        the step's generator."""
-        g = step_generator(self.tr.seed, step, rank)
-        idx = torch.randint(0, len(self.train), (self.tr.batch_size,), generator=g).tolist()
+        """A training batch (:func:`global_batch_rows`: the same global batch on any
+        number of workers), with what the objective adds to it (``eagle`` / ``hass``:
+        EAGLE's uniform ``feature_noise`` for the features the drafter reads, drawn with
+        the rank's generator)."""
+        idx, g = global_batch_rows(self.tr.seed, step, rank, len(self.train), self.tr.batch_size)
         batch = self._collate([self.train[i] for i in idx], g)
         if self.objective.extras:
             extra = load(self.objective.extras)(self.e, batch, g)
@@ -125,8 +143,8 @@ def draft_vocabulary(rows: list[dict], size: int) -> torch.Tensor:
     then the window's tokens), ties to the lower id, then the lowest unseen ids; ``[size]``
     ascending. Every rank computes the same from the same rows."""
     counts: Counter = Counter()
-    for r in rows:
-        counts.update(int(ids[0]) for ids in r["topk_ids"])
+    for r in rows:  # online windows hold no top-k: their tokens alone count
+        counts.update(int(ids[0]) for ids in r.get("topk_ids") or ())
     seen = Counter(int(t) for r in rows for t in r["tokens"])
     ranked = sorted(set(counts) | set(seen), key=lambda t: (-counts[t], -seen[t], t))
     chosen = ranked[:size]

@@ -99,6 +99,38 @@ def collate_feat(rows: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def online_feat_batch(target: torch.nn.Module, rows: list[dict], k: int, spec=None,
+                      hooks=None) -> dict[str, torch.Tensor]:
+    """:func:`collate_feat`'s tensors for token-window rows (``windows`` kind) computed
+    NOW by the frozen ``target`` on its device: one batched forward over the inputs
+    ``tokens[:, :L]`` (equal-length windows, no padding), the features ``spec`` names
+    (None: the last layer's; EAGLE-3: the fused layers) kept by ``hooks`` (a
+    :class:`~speclab.decoding.features.FeatureHooks` on ``target``; made when None) and
+    the target's top-``k`` probabilities. Equal to the offline rows' tensors up to the
+    float16 rounding those store."""
+    from speclab.decoding.features import FeatureHooks
+
+    device = next(target.parameters()).device
+    tokens = torch.tensor([r["tokens"] for r in rows], dtype=torch.long)  # [B, L + 1]
+    own = hooks is None
+    hooks = hooks or FeatureHooks(target)
+    hooks.add(spec)
+    try:
+        logits = target(input_ids=tokens[:, :-1].to(device), use_cache=False).logits
+        feats = hooks.get(spec).float()  # [B, L, F]
+        probs, ids = torch.topk(logits.float().softmax(-1), k, dim=-1)  # [B, L, K]
+    finally:
+        hooks.clear()
+        if own:
+            hooks.remove()
+    out = {"tokens": tokens, "features": feats.cpu(), "topk_ids": ids.cpu(),
+           "topk_probs": probs.cpu()}
+    if rows[0].get("loss_mask") is not None:
+        out["loss_mask"] = torch.tensor([r["loss_mask"] for r in rows], dtype=torch.float)
+    return out
+
+
 def pair_mask(batch: dict[str, torch.Tensor], t: int) -> torch.Tensor | None:
     """``[B, T]``: 1 where pair ``j``'s prediction (the token ``tokens[:, j + 2]``) is one
     the loss covers (``batch["loss_mask"]``: a conversation's assistant tokens); None

@@ -1,0 +1,69 @@
+"""Online features (``eagle.features: online``): the batch the target computes inside a
+training step equals the stored rows' batch (up to their float16 rounding) for EAGLE-1/2
+and EAGLE-3 features, so both modes train the same loss; and a global batch is the same
+rows on any number of workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from speclab.decoding.runner import ModelRunner
+from speclab.families.eagle.training import (
+    collate_feat,
+    eagle3_loss,
+    feature_loss,
+    online_feat_batch,
+)
+from speclab.models.tiny import tiny_llama_config
+from speclab.train.distill_data import feat_example
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=64, hidden_size=32, num_layers=4)
+                            ).eval()
+
+
+@pytest.mark.parametrize("spec", [None, (1, 2, 3)], ids=["last-layer", "eagle3-fused"])
+def test_online_batch_equals_the_offline_rows(target, spec):
+    g = torch.Generator().manual_seed(1)
+    windows = torch.randint(0, 64, (3, 17), generator=g).tolist()
+    offline = collate_feat([feat_example(ModelRunner(target), w, 5, spec) for w in windows])
+    rows = [{"tokens": w, "loss_mask": [0] * 5 + [1] * 12} for w in windows]
+    online = online_feat_batch(target, rows, 5, spec)
+    assert online["features"].shape == offline["features"].shape
+    assert torch.equal(online["tokens"], offline["tokens"])
+    assert torch.allclose(online["features"], offline["features"], atol=2e-3, rtol=1e-3)
+    assert torch.equal(online["topk_ids"], offline["topk_ids"])
+    assert torch.allclose(online["topk_probs"], offline["topk_probs"], atol=1e-5)
+    assert online["loss_mask"].shape == (3, 17)
+    offline["loss_mask"] = online["loss_mask"]  # a conversation's rows carry one alike
+
+    from speclab.families.eagle.model import EagleModel
+    from speclab.families.eagle.model3 import Eagle3Model
+
+    torch.manual_seed(0)
+    if spec is None:
+        drafter = EagleModel.from_target(target, 1).eval()
+        a, b = (feature_loss(drafter, x, steps=3, w_topk=1.0, top_k=3)
+                for x in (online, offline))
+    else:
+        drafter = Eagle3Model.from_target(target, spec).eval()
+        a, b = (eagle3_loss(drafter, x, steps=3) for x in (online, offline))
+    assert torch.allclose(a, b, rtol=1e-4), (float(a), float(b))
+
+
+def test_a_global_batch_is_the_same_rows_on_any_number_of_workers(monkeypatch):
+    import torch.distributed as dist
+
+    from speclab.train.tasks import global_batch_rows
+
+    one, _ = global_batch_rows(7, 3, 0, rows=100, batch_size=8)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    halves = [global_batch_rows(7, 3, r, rows=100, batch_size=4)[0] for r in (0, 1)]
+    assert halves[0] + halves[1] == one
+    assert global_batch_rows(7, 4, 0, 100, 4)[0] != halves[0]  # another step, other rows
