@@ -67,3 +67,31 @@ def test_a_global_batch_is_the_same_rows_on_any_number_of_workers(monkeypatch):
     halves = [global_batch_rows(7, 3, r, rows=100, batch_size=4)[0] for r in (0, 1)]
     assert halves[0] + halves[1] == one
     assert global_batch_rows(7, 4, 0, 100, 4)[0] != halves[0]  # another step, other rows
+
+
+def test_online_objectives_train_on_windows_and_talf_is_refused():
+    from speclab.config.schema import EagleTrainConfig
+    from speclab.families.eagle.stages import group_kinds
+
+    for loss, version in (("eagle", 1), ("hass", 1), ("eagle3", 3)):
+        online = EagleTrainConfig(loss=loss, version=version, features="online")
+        assert group_kinds(online) == {"windows"}
+        offline = EagleTrainConfig(loss=loss, version=version)
+        assert group_kinds(offline) == {"feat3" if version == 3 else "feat"}
+    with pytest.raises(ValueError, match="features: online"):
+        EagleTrainConfig(loss="talf", features="online")
+
+
+def test_window_kinds_cut_the_same_windows():
+    """Online (``windows``) and offline (``feat`` / ``feat3``) runs, and KD, train on the
+    same windows; prompt kinds draw their own."""
+    from speclab.config.schema import DistillConfig
+    from speclab.pipelines.signals import plan_starts
+
+    tokens = torch.arange(5000) % 97
+    d = DistillConfig(examples=20, seq_len=16)
+    same = {k: plan_starts(d, 3, tokens, k) for k in ("kd", "windows", "feat", "feat3",
+                                                       "feat_tree", "feat3_tree")}
+    assert len({tuple(s) for s, _ in same.values()}) == 1
+    assert plan_starts(d, 3, tokens, "seq")[0] != same["kd"][0]
+    assert plan_starts(d, 4, tokens, "feat")[0] != same["feat"][0]  # another seed

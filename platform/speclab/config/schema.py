@@ -416,9 +416,6 @@ class EagleTrainConfig(StrictModel):
     @model_validator(mode="after")
     def _version_fits(self):
         objective(self.loss, "eagle", "loss").check_group(self)  # what the objective trains
-        if self.features == "online" and self.loss == "talf":
-            raise ValueError("features: online computes the target's features in the step; "
-                             "talf trains on target-built trees generated offline")
         if self.version == 3:
             if self.layers != 1:
                 raise ValueError(f"layers: an EAGLE-3 drafter has one layer, got {self.layers}")

@@ -6,33 +6,30 @@ here). Bad lines are reported with their line number.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from speclab.data.corpus import function_header_prompts
+from speclab.data.jsonl import json_lines
 
 
-def load_jsonl_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """Prompts from a JSONL file (field ``prompt``)."""
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"data.path: {str(path)!r} does not exist")
+def jsonl_records(path: str | Path, limit: int | None = None) -> list[tuple[str, str]]:
+    """``(category, prompt)`` of a prompt JSONL file (field ``prompt``; ``category``
+    optional, ``all`` when absent)."""
     out = []
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"data.path: {path}:{i} is not JSON ({exc.msg})") from None
+    for i, obj in json_lines(path):
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
             raise ValueError(f"data.path: {path}:{i} needs a non-empty string field 'prompt'")
-        out.append(obj["prompt"])
+        out.append((str(obj.get("category") or "all"), obj["prompt"]))
         if limit is not None and len(out) >= limit:
             break
     if not out:
         raise ValueError(f"data.path: {path} holds no prompts")
     return out
+
+
+def load_jsonl_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """Prompts from a JSONL file (field ``prompt``)."""
+    return [prompt for _, prompt in jsonl_records(path, limit)]
 
 
 def load_prompts(kind: str, num_prompts: int, context_chars: int = 300, path: str | None = None,
@@ -85,27 +82,18 @@ def is_chat(data) -> bool:
 
 def _question_records(path: str, limit: int) -> list[tuple[str, list[str]]]:
     """(category, user turns) of an MT-bench / Spec-Bench ``question.jsonl``."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ValueError(f"data.path: {str(p)!r} does not exist")
     out = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"data.path: {p}:{i} is not JSON ({exc.msg})") from None
+    for i, obj in json_lines(path):
         turns = obj.get("turns") if isinstance(obj, dict) else None
         if not isinstance(turns, list) or not turns or not all(
                 isinstance(t, str) and t for t in turns):
-            raise ValueError(f"data.path: {p}:{i} needs 'turns', a non-empty list of texts "
+            raise ValueError(f"data.path: {path}:{i} needs 'turns', a non-empty list of texts "
                              "(MT-bench / Spec-Bench question.jsonl)")
         out.append((str(obj.get("category") or "all"), turns))
         if len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"data.path: {p} holds no questions")
+        raise ValueError(f"data.path: {path} holds no questions")
     return out
 
 
@@ -169,14 +157,3 @@ def chat_prompts(data, tokenizer, answer=None) -> Prompts:
             ids.append(ids_of(second))
             cats.append(cat)
     return Prompts(ids, cats)
-
-
-def jsonl_records(path: str, limit: int) -> list[tuple[str, str]]:
-    """(category, prompt) of a prompt JSONL file (``category`` optional)."""
-    texts = load_jsonl_prompts(path, limit)
-    cats = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            obj = json.loads(line)
-            cats.append(str(obj.get("category") or "all"))
-    return list(zip(cats, texts))

@@ -6,10 +6,10 @@ the others hold out the last ``val_chars`` characters.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from speclab.data.corpus import read_text, split_files
+from speclab.data.jsonl import json_lines
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".json", ".jsonl", ".csv", ".html", ".c", ".h"}
 
@@ -27,17 +27,8 @@ def _folder_text(path: str, max_chars: int) -> str:
 
 
 def _jsonl_text(path: str, field: str, max_chars: int) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"corpus.path: file {path!r} does not exist")
     parts, total = [], 0
-    for i, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"corpus.path: {path}:{i} is not JSON ({exc.msg})") from None
+    for i, obj in json_lines(path, "corpus.path"):
         text = obj.get(field) if isinstance(obj, dict) else None
         if text is None and isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
             text = obj["prompt"] + str(obj.get("response", ""))  # prompt/response pairs

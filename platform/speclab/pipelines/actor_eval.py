@@ -33,7 +33,7 @@ from speclab.evaluation import (
     speedup_cell,
     summarize,
 )
-from speclab.models.loading import load_tokenizer
+from speclab.models.loading import load_tokenizer, resolve_source
 from speclab.models.registry import resolve_models
 from speclab.pipelines.eval_plots import acceptance_table, method_figures
 from speclab.pipelines.method_runs import log_best, log_child_runs, method_params
@@ -254,7 +254,10 @@ def tokenized_prompts(cfg: Any, target: str | None = None, tokenizer=None) -> Pr
     (``decoding.max_new_tokens`` tokens)."""
     data = cfg.data
     if tokenizer is None:
-        tokenizer = load_tokenizer(target, field="models.target")
+        tokenizer = load_tokenizer(resolve_source(target, "models.target"), "models.target")
+        if tokenizer is None:
+            raise ValueError("models.target: no tokenizer next to the target to encode the "
+                             "data prompts")
     if is_chat(data):
         dec: list[Decoder] = []
 

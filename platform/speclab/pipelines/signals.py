@@ -50,14 +50,19 @@ def plan_starts(d: DistillConfig, seed: int, tokens: TokenStream | Any, kind: st
     """Deterministic corpus offsets and length of ``kind``'s inputs (windows / prompts /
     contexts; inside one conversation and ending on an assistant token for a
     conversation corpus: :meth:`TokenStream.starts`); the inputs themselves are sliced
-    per shard, so memory stays bounded."""
+    per shard, so memory stays bounded. Kinds of the same ``draw`` (every corpus-window
+    kind: ``kd``, ``windows``, ``feat``, ``feat3`` and their trees) cut the same inputs
+    from the same seed, so their drafters (and online against offline features) train
+    on the same windows."""
     import torch
 
     length = data_kind(kind).input_len(d)
     tokens = TokenStream.of(tokens)
     if tokens.numel() <= length + 1:
         raise ValueError(f"corpus: too little text for {kind} examples of {length} tokens")
-    g = torch.Generator().manual_seed(seed + 7919 * len(kind))
+    draw = data_kind(kind).draw or kind  # kinds of one draw cut the same inputs
+    offset = int(hashlib.sha256(draw.encode()).hexdigest()[:6], 16)
+    g = torch.Generator().manual_seed(seed + offset)
     return tokens.starts(d.examples, length, g), length
 
 

@@ -270,7 +270,8 @@ class DataKind:
     from the corpus); ``make(ctx, inputs, first)``: the rows (one per input, in order) of
     a chunk of inputs whose first is example number ``first``; ``needs_draft``: ``make``
     uses ``ctx.draft`` (the job must pass a drafter); ``settings(eagle)``: the job settings
-    the rows depend on, stamped into the shards' plan (shards made otherwise are refused)."""
+    the rows depend on, stamped into the shards' plan (shards made otherwise are refused);
+    ``draw``: kinds naming the same draw cut the same inputs from the corpus."""
 
     name: str
     input_len: Callable[[Any], int]
@@ -278,6 +279,8 @@ class DataKind:
     needs_draft: bool = False
     doc: str = ""
     settings: Callable[[Any], dict] | None = None  # job's eagle group -> the plan's extras
+    #: kinds of one draw cut the same inputs (same seed; None: a draw of its own)
+    draw: str | None = None
 
 
 _DATA_KINDS: dict[str, DataKind] = {}
@@ -426,21 +429,21 @@ def _make_accept(ctx: SignalContext, inputs: list[list[int]], first: int) -> lis
 
 
 BUILTIN_KINDS: tuple[DataKind, ...] = (
-    DataKind("kd", _window, _make_kd, doc="corpus windows + the target's top-k"),
+    DataKind("kd", _window, _make_kd, draw="window", doc="corpus windows + the target's top-k"),
     DataKind("seq", _prompt, _make_seq, doc="prompts + the target's greedy continuation"),
     DataKind("tree", _context, _make_tree,
              doc="contexts + a target-built EAGLE-2 tree with top-k at every node"),
     DataKind("accept", _prompt, _make_accept, needs_draft=True,
              doc="SpecDec++ acceptance data (needs the drafter)"),
-    DataKind("windows", _window, _make_windows, settings=_data_settings,
+    DataKind("windows", _window, _make_windows, draw="window", settings=_data_settings,
              doc="the token windows alone (online features: the target runs in the step)"),
-    DataKind("feat", _window, _make_feat, settings=_data_settings,
+    DataKind("feat", _window, _make_feat, draw="window", settings=_data_settings,
              doc="windows + the target's features and top-k"),
-    DataKind("feat_tree", _window, _make_feat_tree, settings=_tree_settings,
+    DataKind("feat_tree", _window, _make_feat_tree, draw="window", settings=_tree_settings,
              doc="feat windows + a target-built beam tree at every position (TALF)"),
-    DataKind("feat3", _window, _make_feat3, settings=_fused_settings,
+    DataKind("feat3", _window, _make_feat3, draw="window", settings=_fused_settings,
              doc="windows + the target's fused layer features (EAGLE-3) and top-k"),
-    DataKind("feat3_tree", _window, _make_feat3_tree, settings=_fused_tree_settings,
+    DataKind("feat3_tree", _window, _make_feat3_tree, draw="window", settings=_fused_tree_settings,
              doc="feat3 windows + a target-built beam tree at every position (EAGLE-3 TALF)"),
     DataKind("medusa", _prompt, _make_medusa,
              doc="prompts + greedy continuations with the target's features (Medusa)"),

@@ -67,9 +67,9 @@ OBJECTIVES = (
               check=f"{_CHECKS}:last_layer_drafter", validate=f"{_CHECKS}:hass_within_top_k",
               extras=f"{_HERE}:noise", doc="HASS: EAGLE + top-K distillation, n steps"),
     Objective("talf", "eagle", f"{_HERE}:talf_objective", f"{_CHECKS}:tree_kind",
-              validate=f"{_CHECKS}:talf_within_window",
+              check=f"{_CHECKS}:offline_trees", validate=f"{_CHECKS}:talf_within_window",
               doc="TALF: CE over every node of target-built trees"),
-    Objective("eagle3", "eagle", f"{_HERE}:eagle3_objective", "feat3",
+    Objective("eagle3", "eagle", f"{_HERE}:eagle3_objective", f"{_CHECKS}:feature_kind",
               knobs=f"{_HERE}:Eagle3Knobs", fields={"steps": "ttt_steps", "decay": "ttt_decay"},
               check=f"{_CHECKS}:eagle3_drafter", doc="EAGLE-3: training-time test"),
 )

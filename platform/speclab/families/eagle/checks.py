@@ -27,6 +27,13 @@ def last_layer_drafter(group: Any, name: str) -> None:
                          "an EAGLE-3 drafter (version 3) does not predict; use eagle3 or talf")
 
 
+def offline_trees(group: Any, name: str) -> None:
+    """TALF trains on target-built trees, generated offline: no online features."""
+    if getattr(group, "features", "offline") == "online":
+        raise ValueError(f"features: online computes the target's features in the step; "
+                         f"{name} trains on target-built trees generated offline")
+
+
 def eagle3_drafter(group: Any, name: str) -> None:
     """EAGLE-3's training-time test trains an EAGLE-3 drafter (``version: 3``)."""
     if group.version != 3:
