@@ -321,7 +321,7 @@ def test_shard_given_up_after_bounded_attempts(tmp_path):
         def ready(self) -> dict:
             return {"pid": os.getpid(), "node": "local"}
 
-        def shard(self, kind, inputs, path, first) -> float:
+        def shard(self, kind, inputs, path, first, masks=None) -> float:
             os._exit(1)  # the worker process dies mid-shard
 
     quiet_ray_env()
@@ -333,7 +333,7 @@ def test_shard_given_up_after_bounded_attempts(tmp_path):
     try:
         with pytest.raises(RuntimeError, match=r"shard kd/shard-00007.parquet .* failed 3 "
                                                r"times; last error: ActorDiedError"):
-            _run(actors, todo, lambda s: [[1, 2]] * s.rows, 1, stats)
+            _run(actors, todo, lambda s: ([[1, 2]] * s.rows, None), 1, stats)
     finally:
         actors.kill_all()
         ray.shutdown()
