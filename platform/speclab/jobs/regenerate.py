@@ -61,6 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[regenerate] {totals['answers']} answers, {totals['new_tokens']} tokens in "
           f"{totals['seconds']:.0f}s ({totals['tokens_per_s']:.1f} tokens/s, "
           f"{totals['target_calls_per_token']:.3f} target calls per token, "
-          f"{totals['capped']} answers capped at {cfg.regenerate.max_new_tokens} tokens): "
-          f"{out}", flush=True)
+          f"{totals['capped']} answers capped at {cfg.regenerate.max_new_tokens} tokens, "
+          f"{totals['too_long']} turns too long for the target's context): {out}", flush=True)
     return 0

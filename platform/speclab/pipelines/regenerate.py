@@ -87,51 +87,70 @@ def plan(cfg: Any) -> tuple[list[list[dict]], dict]:
 
 @dataclass
 class ShardResult:
-    """What one shard took: answers, new tokens, target calls, capped answers, seconds."""
+    """What one shard took: answers, new tokens, target calls, capped answers, turns too
+    long for the target's context, seconds."""
 
     index: int
     answers: int
     new_tokens: int
     target_calls: int
     capped: int
+    too_long: int
     seconds: float
 
 
 def answer_shard(dec: Any, records: list[dict], cfg: Any, template: str | None,
                  first_seed: int) -> tuple[list[dict], dict]:
     """The target's answers to ``records`` (turn by turn, batched): the regenerated
-    records and the totals. ``dec``: a :class:`~speclab.api.Decoder`."""
+    records and the totals. ``dec``: a :class:`~speclab.api.Decoder`. A turn whose
+    prompt plus ``regenerate.max_new_tokens`` exceeds the target's context is not
+    answered (counted as ``too_long``): its conversation ends before it, and one with
+    no answered turn is left out."""
     r = cfg.regenerate
     tok = dec.tokenizer
+    limit = getattr(dec.target.model.config, "max_position_embeddings", None)
+    eos = dec.eos_token_id
+    eos_ids = set(eos) if isinstance(eos, list | tuple) else {eos}
     prompts = [user_turns(Conversation(x["id"], x["messages"]), r.turns) for x in records]
     answers: list[list[str]] = [[] for _ in records]
     lengths: list[list[int]] = [[] for _ in records]
-    totals = {"answers": 0, "new_tokens": 0, "target_calls": 0, "capped": 0}
+    cut = [False] * len(records)
+    totals = {"answers": 0, "new_tokens": 0, "target_calls": 0, "capped": 0, "too_long": 0}
     for t in range(max(map(len, prompts))):
-        live = [i for i, p in enumerate(prompts) if len(p) > t]
-        ids = []
-        for i in live:
-            msgs = _with_answers(prompts[i][t], answers[i])
-            out = tok.apply_chat_template(msgs, chat_template=template, tokenize=True,
+        live, ids = [], []
+        for i, p in enumerate(prompts):
+            if len(p) <= t or cut[i]:
+                continue
+            out = tok.apply_chat_template(_with_answers(p[t], answers[i]),
+                                          chat_template=template, tokenize=True,
                                           add_generation_prompt=True)
-            ids.append(list(out["input_ids"] if hasattr(out, "keys") else out))
+            x = list(out["input_ids"] if hasattr(out, "keys") else out)
+            if limit and len(x) + r.max_new_tokens > limit:
+                cut[i] = True  # the conversation ends before this turn
+                totals["too_long"] += 1
+                continue
+            live.append(i)
+            ids.append(x)
+        if not ids:
+            continue
         results = dec.generate(prompts=ids, batch_size=r.batch_size, method=r.method,
                                max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                top_p=r.top_p, seed=first_seed + 7919 * t)
         for i, res in zip(live, results, strict=True):
-            toks = [x for x in res.token_ids if x != dec.eos_token_id]
+            toks = [x for x in res.token_ids if x not in eos_ids]
             answers[i].append(tok.decode(toks, skip_special_tokens=True).strip())
             lengths[i].append(len(res.token_ids))
             totals["answers"] += 1
             totals["new_tokens"] += len(res.token_ids)
             totals["target_calls"] += int(res.stats.target_calls)
             totals["capped"] += int(len(res.token_ids) >= r.max_new_tokens
-                                    and dec.eos_token_id not in res.token_ids)
+                                    and not eos_ids & set(res.token_ids))
     out = []
     for x, p, a, n in zip(records, prompts, answers, lengths, strict=True):
-        out.append({"id": x["id"], "messages": _with_answers(p[-1], a) + [
-            {"role": "assistant", "content": a[-1]}],
-            "regenerated": {"turns": len(a), "new_tokens": n}})
+        if a:  # the conversation up to its last answered turn
+            out.append({"id": x["id"], "messages": _with_answers(p[len(a) - 1], a) + [
+                {"role": "assistant", "content": a[-1]}],
+                "regenerated": {"turns": len(a), "new_tokens": n}})
     return out, totals
 
 
@@ -230,7 +249,8 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
             return ShardResult(index, seconds=time.perf_counter() - t0, **totals)
 
     todo = [i for i in range(len(shards)) if i not in done]
-    totals = {"answers": 0, "new_tokens": 0, "target_calls": 0, "capped": 0, "seconds": 0.0}
+    totals = {"answers": 0, "new_tokens": 0, "target_calls": 0, "capped": 0, "too_long": 0,
+              "seconds": 0.0}
     t0 = time.perf_counter()
     if todo:
         actors = [Answerer.options(num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor,
@@ -247,7 +267,7 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
                 actor = pending.pop(ref)
                 res: ShardResult = ray.get(ref)  # an actor's error stops the job
                 done.add(res.index)
-                for k in ("answers", "new_tokens", "target_calls", "capped"):
+                for k in ("answers", "new_tokens", "target_calls", "capped", "too_long"):
                     totals[k] += getattr(res, k)
                 wall = time.perf_counter() - t0
                 rate = totals["new_tokens"] / wall if wall else 0.0
