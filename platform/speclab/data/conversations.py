@@ -250,7 +250,10 @@ def sharegpt_file(downloads: Path | None = None) -> Path:
     return target
 
 
-def _ids(tokenizer, messages: list[dict], template: str | None, generation: bool) -> list[int]:
+def template_ids(tokenizer, messages: list[dict], template: str | None = None,
+                 generation: bool = True) -> list[int]:
+    """``messages`` through the chat template (``template``, else the tokenizer's) as
+    token ids; ``generation``: the assistant's turn opened (``add_generation_prompt``)."""
     if not messages:
         return []
     out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
@@ -268,13 +271,13 @@ def render(tokenizer, conv: Conversation, template: str | None = None,
     LLaMA-3, ... do); one that does not is refused, naming the conversation."""
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{field}: the target's tokenizer has no chat template; give one")
-    ids = _ids(tokenizer, conv.messages, template, False)
+    ids = template_ids(tokenizer, conv.messages, template, False)
     mask = [0] * len(ids)
     for i, m in enumerate(conv.messages):
         if m["role"] != "assistant":
             continue
-        start = len(_ids(tokenizer, conv.messages[:i], template, True))
-        prefix = _ids(tokenizer, conv.messages[: i + 1], template, False)
+        start = len(template_ids(tokenizer, conv.messages[:i], template, True))
+        prefix = template_ids(tokenizer, conv.messages[: i + 1], template, False)
         end = len(prefix)
         if ids[:end] != prefix or start > end:
             raise ValueError(f"{field}: the chat template does not render conversation "

@@ -123,17 +123,13 @@ def chat_prompts(data, tokenizer, answer=None) -> Prompts:
     ``data.chat_template``), with their categories. ``data.turns`` 2 adds each second
     user turn after the target's own answer to the first: ``answer(ids) -> text``
     (greedy decoding by the caller's target)."""
+    from speclab.data.conversations import template_ids
     from speclab.data.token_stream import chat_template_of
 
     template = chat_template_of(data)
     if not template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("data.chat_template: the target's tokenizer has no chat template; "
                          "give one")
-
-    def ids_of(messages: list[dict]) -> list[int]:
-        out = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                            add_generation_prompt=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     if data.prompts == "questions":
         records = [(c, [{"role": "user", "content": t} for t in turns])
@@ -147,13 +143,13 @@ def chat_prompts(data, tokenizer, answer=None) -> Prompts:
     for cat, msgs in records:
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
         first = msgs[: users[0] + 1]
-        ids.append(ids_of(first))
+        ids.append(template_ids(tokenizer, first, template))
         cats.append(cat)
         if data.turns == 2 and len(users) > 1:
             if answer is None:
                 raise ValueError("data.turns: 2 needs the target to answer the first turns")
             second = first + [{"role": "assistant", "content": answer(ids[-1])},
                               *msgs[users[0] + 1: users[1] + 1]]
-            ids.append(ids_of(second))
+            ids.append(template_ids(tokenizer, second, template))
             cats.append(cat)
     return Prompts(ids, cats)

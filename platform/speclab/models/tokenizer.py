@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from speclab.data.conversations import template_ids
+
 EOS = "<|endoftext|>"
 
 
@@ -39,6 +41,4 @@ def chat_ids(tokenizer, text: str, field: str = "chat") -> list[int]:
     the tokenizer has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"{field}: the target's tokenizer has no chat template")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return template_ids(tokenizer, [{"role": "user", "content": text}])

@@ -112,7 +112,7 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
               + "; ".join(noisy), flush=True)
     log_evaluation(tracker, rows, runs, prefix, children)
     names = list(dict.fromkeys(categories))
-    if len(names) > 1 or names != ["all"]:
+    if names != ["all"]:
         by_cat = {c: table_rows(cfg, [p[c] for p in parts if c in p], method_runs)
                   for c in names}
         log_categories(tracker, by_cat, prefix)

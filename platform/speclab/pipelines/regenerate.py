@@ -28,7 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from speclab.data.conversations import Conversation, read_conversations, split_of
+from speclab.data.conversations import (
+    Conversation,
+    read_conversations,
+    split_of,
+    template_ids,
+)
 
 MANIFEST = "manifest.json"
 
@@ -121,10 +126,7 @@ def answer_shard(dec: Any, records: list[dict], cfg: Any, template: str | None,
         for i, p in enumerate(prompts):
             if len(p) <= t or cut[i]:
                 continue
-            out = tok.apply_chat_template(_with_answers(p[t], answers[i]),
-                                          chat_template=template, tokenize=True,
-                                          add_generation_prompt=True)
-            x = list(out["input_ids"] if hasattr(out, "keys") else out)
+            x = template_ids(tok, _with_answers(p[t], answers[i]), template)
             if limit and len(x) + r.max_new_tokens > limit:
                 cut[i] = True  # the conversation ends before this turn
                 totals["too_long"] += 1
@@ -249,6 +251,8 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
             return ShardResult(index, seconds=time.perf_counter() - t0, **totals)
 
     todo = [i for i in range(len(shards)) if i not in done]
+    turns_in = [sum(len(user_turns(Conversation(x["id"], x["messages"]), r.turns))
+                    for x in s) for s in shards]  # user turns to answer, per shard
     totals = {"answers": 0, "new_tokens": 0, "target_calls": 0, "capped": 0, "too_long": 0,
               "seconds": 0.0}
     t0 = time.perf_counter()
@@ -271,7 +275,8 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
                     totals[k] += getattr(res, k)
                 wall = time.perf_counter() - t0
                 rate = totals["new_tokens"] / wall if wall else 0.0
-                eta = wall / max(1, totals["answers"]) * _answers_left(shards, done, r.turns)
+                left = sum(n for i, n in enumerate(turns_in) if i not in done)
+                eta = wall / max(1, totals["answers"]) * left
                 print(f"[regenerate] shard {res.index} done ({len(done)}/{len(shards)}): "
                       f"{res.answers} answers, {res.new_tokens} tokens in {res.seconds:.0f}s; "
                       f"{rate:.1f} tokens/s, ETA {eta / 60:.1f} min", flush=True)
@@ -290,8 +295,3 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
     write_manifest(out, settings, len(shards), done, {"last_run": totals, "read": read})
     return totals
 
-
-def _answers_left(shards: list[list[dict]], done: set[int], turns: int) -> int:
-    """User turns still to answer in the shards not done."""
-    return sum(len(user_turns(Conversation(x["id"], x["messages"]), turns))
-               for i, s in enumerate(shards) if i not in done for x in s)
