@@ -9,8 +9,11 @@ replica for plain decoding (no hop at all). :func:`stream_rounds` runs it with a
 batched forwards.
 
 :class:`DecodeRequest` is what the ingress sends; the replica streams back
-``{"tokens": [...]}`` per round and ends with ``{"stats": {...}}`` (the loop's
-statistics plus where the time went, :class:`Timing`).
+``{"tokens": [...], "progress": {...}}`` per round and ends with ``{"stats": {...}}``
+(the loop's statistics plus where the time went, :class:`Timing`). ``progress`` carries
+the statistics so far (the per-round lists as deltas), so a request the ingress ends
+early (a stop string, a gone client), which never sees ``stats``, still reports its
+rounds (:class:`LiveStats`).
 """
 
 from __future__ import annotations
@@ -86,6 +89,38 @@ class Timing:
         return asdict(self)
 
 
+#: :class:`GenerationStats`' per-round lists: ``progress`` sends only their new entries
+ROUND_LISTS = ("accepted_lengths", "round_accepted", "round_reach")
+
+
+def round_progress(stats: GenerationStats, sent: int) -> dict:
+    """``stats``' counters so far and its per-round list entries after the first ``sent``
+    rounds (what :class:`LiveStats` adds)."""
+    out = {k: v for k, v in asdict(stats).items() if k not in ROUND_LISTS}
+    out.update({k: getattr(stats, k)[sent:] for k in ROUND_LISTS})
+    return out
+
+
+class LiveStats:
+    """The ingress's copy of one request's statistics, rebuilt from its rounds'
+    ``progress``: the figures of a request ended before its ``stats`` came."""
+
+    def __init__(self) -> None:
+        self.stats = GenerationStats()
+
+    def add(self, progress: dict) -> None:
+        """Take one round's :func:`round_progress`."""
+        for key, value in progress.items():
+            if key in ROUND_LISTS:
+                getattr(self.stats, key).extend(value)
+            elif hasattr(self.stats, key):
+                setattr(self.stats, key, value)
+
+    def to_dict(self) -> dict:
+        """The statistics as the replica's ``stats`` gives them (derived rates too)."""
+        return self.stats.to_dict()
+
+
 Step = Callable[[object], Awaitable[object]]
 
 
@@ -94,13 +129,14 @@ async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing
     """Run ``req`` through the loop; ``step(msg)`` answers each Start / Propose / Verify
     (its answer to Start: the target's start reply, whose ``prompt_logprobs`` are passed
     on). Yields ``{"prompt_logprobs"}`` first when the request echoes them, then
-    ``{"tokens": [...]}`` per round (cut at EOS / ``max_tokens``; with ``"logprobs"``, one
-    entry per token, when the request asked for them), then ``{"stats": ...}`` once the
-    loop ended."""
+    ``{"tokens": [...], "progress": ...}`` per round (cut at EOS / ``max_tokens``; with
+    ``"logprobs"``, one entry per token, when the request asked for them;
+    :func:`round_progress`), then ``{"stats": ...}`` once the loop ended."""
     t0 = time.perf_counter()
     stats = GenerationStats()
     loop = rounds(req.prompt_ids, req.max_tokens, eos_set(req.eos), stats, req.drafting)
     reply: object = None
+    sent = 0  # rounds whose list entries went out with a chunk's progress
     try:
         while True:
             try:
@@ -109,7 +145,8 @@ async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing
                 break
             reply = None
             if isinstance(msg, Committed):
-                chunk = {"tokens": msg.tokens}
+                chunk = {"tokens": msg.tokens, "progress": round_progress(stats, sent)}
+                sent = len(stats.accepted_lengths)
                 if msg.logprobs is not None:
                     chunk["logprobs"] = msg.logprobs
                 yield chunk

@@ -41,7 +41,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_apps.chat import chat_prompt
-from serve_apps.decode import DecodeRequest
+from serve_apps.decode import DecodeRequest, LiveStats
 from serve_apps.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -170,6 +170,7 @@ class Decoding:
     logprobs: int | None = None  # the target's log-probs, with this many alternatives
     echo: bool = False  # and the prompt tokens' (with logprobs)
     stats: dict = field(default_factory=dict)
+    live: LiveStats = field(default_factory=LiveStats)  # stats so far, from each round
     tokens: list[int] = field(default_factory=list)  # generated so far
     token_logprobs: list = field(default_factory=list)  # an entry per token (logprobs)
     prompt_logprobs: list | None = None  # an entry per prompt token (echo)
@@ -245,6 +246,8 @@ class Ingress:
                 else:
                     response = self.target.options(stream=True).generate.remote(key, rid, req)
                 async for chunk in response:
+                    if "progress" in chunk:
+                        dec.live.add(chunk["progress"])
                     if "stats" in chunk:
                         dec.stats = chunk["stats"]
                     elif "prompt_logprobs" in chunk:
@@ -268,6 +271,10 @@ class Ingress:
             if not finished:
                 if response is not None:
                     response.cancel()
+                if not dec.stats:  # ended early (a stop string): the rounds that ran
+                    dec.stats = dec.live.to_dict()
+                    dec.stats["timing"] = {"ingress_s": time.perf_counter() - t0}
+                    dec.stats["wall_s"] = dec.stats["timing"]["ingress_s"]
                 await self._end(rid, key, drafting)
         if dec.tokens and dec.tokens[-1] in eos_set(info["eos"]):
             dec.finish_reason = "stop"

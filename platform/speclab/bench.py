@@ -26,7 +26,9 @@ import torch
 
 from speclab.agreement import agreement_cell, mark_agreement
 from speclab.api import Decoder
+from speclab.data.conversations import template_ids
 from speclab.data.corpus import function_header_prompts
+from speclab.data.prompts import Prompts, first_turn_records
 from speclab.evaluation import (
     COLUMNS,
     TIMING_PASSES,
@@ -35,6 +37,7 @@ from speclab.evaluation import (
     clocked,
     format_table,
     interleaved_comparison,
+    merge_results,
     overhead_cell,
     overheads,
     paired_passes,
@@ -182,12 +185,52 @@ def table_columns(columns: list[tuple[str, str]], device: str) -> list[tuple[str
 PAIRS = ("reference", "reference-large")
 
 
+def bench_prompts(dec: Decoder, num_prompts: int, prompt_file: str | None = None) -> Prompts:
+    """The bench's prompts as token ids with their categories: ``num_prompts`` held-out
+    stdlib function-header prompts (category ``all``), or the first ``num_prompts`` of
+    ``prompt_file`` (prompt JSONL or ``question.jsonl``, first turns; grouped by
+    category: :func:`~speclab.data.prompts.first_turn_records`), each a user turn
+    through the target's chat template where its tokenizer has one, else plain text."""
+    if prompt_file is None:
+        return Prompts([dec.encode(p.text) for p in function_header_prompts("test", num_prompts)])
+    records = first_turn_records(prompt_file, num_prompts, "--prompt-file")
+    chat = bool(getattr(dec.tokenizer, "chat_template", None))
+    ids = [template_ids(dec.tokenizer, [{"role": "user", "content": text}]) if chat
+           else dec.encode(text) for _, text in records]
+    return Prompts(ids, [cat for cat, _ in records])
+
+
+def by_category(dec: Decoder, runs: list[MethodRun], prompts: Prompts, gen: dict
+                ) -> dict[str, dict]:
+    """:func:`interleaved_comparison` over each category's prompts (``prompts`` grouped by
+    category, as :func:`bench_prompts` gives them): ``{category: results}``. The paired
+    protocol is per prompt, so the merged results (:func:`merge_results`) are the whole
+    set's."""
+    out = {}
+    for cat in dict.fromkeys(prompts.categories):
+        mine = [p for p, c in zip(prompts, prompts.categories, strict=True) if c == cat]
+        out[cat] = interleaved_comparison(dec, runs, mine, gen, progress=_progress)
+    return out
+
+
+def result_rows(dec: Decoder, prompts: list[list[int]], results: dict[str, dict]) -> list[dict]:
+    """The table rows (AR first) of :func:`interleaved_comparison`'s ``results`` over
+    ``prompts``, each method's outputs checked against AR's (greedy)."""
+    reference = results[next(iter(results))]["ar"].outputs  # AR, each prompt alone
+    ar = pooled_ar(results)
+    rows = [summarize(MethodRun("ar"), ar, ar, reference)]
+    for r in results.values():
+        rows.append(summarize(r["run"], r["totals"], r["ar"], reference))
+        mark_agreement(dec.target.model, prompts, rows[-1], r["totals"].outputs, reference)
+    return rows
+
+
 def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: bool = False,
-                    pair: str = "reference"):
+                    pair: str = "reference", prompt_file: str | None = None):
     """A reference pair (``reference``, or ``reference-large``, the memory-bound target;
-    built on first use), a Decoder over it and ``num_prompts`` held-out stdlib
-    function-header prompts as token ids. ``dtype`` None: float32 for ``reference``, the
-    large pair's ``run_dtype`` (bfloat16 where it is native) for ``reference-large``."""
+    built on first use), a Decoder over it and its prompts (:func:`bench_prompts`).
+    ``dtype`` None: float32 for ``reference``, the large pair's ``run_dtype`` (bfloat16
+    where it is native) for ``reference-large``."""
     if pair not in PAIRS:
         raise ValueError(f"pair: must be one of {list(PAIRS)}, got {pair!r}")
     if pair == "reference-large":
@@ -197,56 +240,65 @@ def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: b
         found, dtype = ensure_reference_pair(), dtype or "float32"
     pair = found
     dec = Decoder.from_pretrained(pair.target, pair.draft, dtype, device, compile=compile)
-    return pair, dec, [dec.encode(p.text) for p in function_header_prompts("test", num_prompts)]
+    return pair, dec, bench_prompts(dec, num_prompts, prompt_file)
 
 
 def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
               runs: list[MethodRun] | None = None, device: str = "cpu",
               dtype: str | None = None, passes: int | None = None,
               pair: str = "reference", eagles: list[str] | None = None,
-              medusas: list[str] | None = None) -> list[dict]:
+              medusas: list[str] | None = None, prompt_file: str | None = None) -> list[dict]:
     """Run the benchmark (``passes`` timed passes of the paired protocol, default
     :data:`~speclab.evaluation.TIMING_PASSES`) on ``pair``, print the table, write
     ``bench.json``; returns the rows. Without ``runs``: :data:`DEFAULT_RUNS`, an EAGLE
     row (:data:`EAGLE_RUN`) per drafter folder of ``eagles`` (none given: on
     ``reference-large``, its own EAGLE drafter's) and a Medusa row (:data:`MEDUSA_RUN`)
-    per heads folder of ``medusas``."""
+    per heads folder of ``medusas``. ``prompt_file`` (:func:`bench_prompts`) with more
+    than one category adds a table per category (printed, and ``categories`` in the
+    JSON: ``{category: rows}``)."""
     name = pair
     # refused before any model is loaded
     extra = [eagle_run(d) for d in eagles or []]
     medusa = [medusa_run(d) for d in medusas or []]
-    pair, dec, prompts = reference_setup(num_prompts, device, dtype, pair=name)
+    pair, dec, prompts = reference_setup(num_prompts, device, dtype, pair=name,
+                                         prompt_file=prompt_file)
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
     if not extra and name == "reference-large":
         extra = [eagle_run(pair.eagle)]
     runs = runs or DEFAULT_RUNS + extra + medusa
-    results = interleaved_comparison(dec, runs, prompts, gen, progress=_progress)
+    parts = by_category(dec, runs, prompts, gen)
+    results = merge_results(list(parts.values()))
     costs = results[runs[0].name]["costs"]
     reference = results[runs[0].name]["ar"].outputs  # AR, each prompt alone
-    ar = pooled_ar(results)
-    rows = [summarize(MethodRun("ar"), ar, ar, reference)]
-    for r in results.values():
-        rows.append(summarize(r["run"], r["totals"], r["ar"], reference))
-        mark_agreement(dec.target.model, prompts, rows[-1], r["totals"].outputs, reference)
+    rows = result_rows(dec, prompts, results)
     # Hugging Face baselines on the same pair and prompts, paired with AR the same way
     for row, outputs in hf_rows(
             dec, {"hf_assisted": {"assistant_model": dec.draft.model},
                   "hf_prompt_lookup": {"prompt_lookup_num_tokens": 3}},
             prompts, gen, reference, costs):
         rows.append(mark_agreement(dec.target.model, prompts, row, outputs, reference))
+    categories = {}
+    if len(parts) > 1:
+        for cat, part in parts.items():
+            mine = [p for p, c in zip(prompts, prompts.categories, strict=True) if c == cat]
+            categories[cat] = result_rows(dec, mine, part)
+            print(f"\ncategory {cat} ({len(mine)} prompts)")
+            print(format_table(categories[cat], table_columns(COLUMNS, device)))
+        print("\nall categories")
     print(format_table(rows, table_columns(COLUMNS, device)))
     _print_noisy(rows)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens, "torch_threads": torch.get_num_threads(),
+            "prompt_file": prompt_file, "max_new_tokens": max_new_tokens,
+            "torch_threads": torch.get_num_threads(),
             "machine": platform.platform(), "temperature": 0.0, "device": device,
             "dtype": str(dec.target.dtype).removeprefix("torch."),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
             else None, **protocol_meta(passes)}
     (out / "bench.json").write_text(json.dumps(
-        {"meta": meta, "rows": rows,
+        {"meta": meta, "rows": rows, **({"categories": categories} if categories else {}),
          "forward_costs_s": costs.to_dict() if costs is not None else None}, indent=2))
     print(f"\nwrote {out / 'bench.json'}")
     return rows
@@ -356,7 +408,7 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
                     device: str = "cpu", dtype: str | None = None, log_mlflow: bool = False,
                     tracking_uri: str | None = None, repeats: int = 1,
                     compile: bool = False, passes: int | None = None,
-                    pair: str = "reference") -> list[dict]:
+                    pair: str = "reference", prompt_file: str | None = None) -> list[dict]:
     """The batched engine at each batch size: each method paired with AR at the SAME
     batch size, one pair per pass over the whole batch, over ``passes`` x ``repeats``
     passes (``passes`` default :data:`~speclab.evaluation.TIMING_PASSES`): the median
@@ -369,11 +421,13 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     (the forwards that compiled a shape and, on CUDA, captured its CUDA graph: all in the
     untimed warm-up passes; any later one is taken out of the timed figures of the pass
     it fell in, see :class:`speclab.api.Decoder`) is reported apart as
-    ``compile_warmup_s``. Returns the rows."""
+    ``compile_warmup_s``. ``prompt_file``: :func:`bench_prompts` (no table per category
+    here). Returns the rows."""
     if num_prompts < max(batch_sizes):
         raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
                          f"of prompts ({num_prompts})")
-    pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile, pair)
+    pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile, pair,
+                                         prompt_file)
     runs = runs or BATCH_RUNS
     if compile:  # compile every shape before anything is timed (full-length warm-up)
         t0 = now(device)

@@ -47,7 +47,12 @@ def add_parsers(sub) -> None:
     HANDLERS["reference"] = cmd_reference
 
     p = sub.add_parser("bench", help="engine benchmark on the reference pair (table + JSON)")
-    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=16, help="how many prompts")
+    p.add_argument("--prompt-file", default=None, metavar="JSONL",
+                   help="prompts from a file instead of stdlib function headers: prompt "
+                        "JSONL (prompt, category) or MT-bench / Spec-Bench question.jsonl "
+                        "(turns, category; first turn), through the target's chat template "
+                        "where it has one; a table per category")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default="bench_out", help="folder for bench.json")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
@@ -151,13 +156,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run_batch_bench(parse_batch_sizes(args.batch_sizes), args.prompts, args.max_new_tokens,
                         args.out, device=args.device, dtype=args.dtype,
                         log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,
-                        repeats=args.repeats, compile=args.compile, pair=args.pair)
+                        repeats=args.repeats, compile=args.compile, pair=args.pair,
+                        prompt_file=args.prompt_file)
         return 0
     if args.mlflow is not None or args.compile:
         raise ValueError(f"{'mlflow' if args.mlflow is not None else 'compile'}: only with "
                          "--batch-sizes")
     run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype,
-              pair=args.pair, eagles=args.eagle, medusas=args.medusa)
+              pair=args.pair, eagles=args.eagle, medusas=args.medusa,
+              prompt_file=args.prompt_file)
     return 0
 
 

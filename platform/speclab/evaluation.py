@@ -428,6 +428,21 @@ def interleaved_comparison(
     return out
 
 
+def merge_results(parts: list[dict[str, dict]]) -> dict[str, dict]:
+    """:func:`interleaved_comparison`'s results over disjoint prompt sets (actors' shards,
+    categories) as one result of the same shape: each method's ``totals`` and ``ar``
+    merged in part order (so ``outputs`` follow the parts' prompts in that order), its
+    ``run`` and ``costs`` from the first part that has it."""
+    merged: dict[str, dict] = {}
+    for part in parts:
+        for name, res in part.items():
+            slot = merged.setdefault(name, {"run": res.get("run"), "totals": Totals(),
+                                            "ar": Totals(), "costs": res.get("costs")})
+            slot["totals"].merge(res["totals"])
+            slot["ar"].merge(res["ar"])
+    return merged
+
+
 def pooled_ar(results: dict[str, dict]) -> Totals:
     """The AR row's totals: the first pass's counters of the first method's AR, the timed
     figures and pairs of every method's AR (:func:`interleaved_comparison`'s results,

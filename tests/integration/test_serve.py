@@ -435,6 +435,24 @@ def test_generate_returns_tokens_and_the_sd_stats(server, offline):
         "prompt": p, "max_tokens": 24, "temperature": 0, "stop": stop})
     assert r.json()["choices"][0] == {"text": text[: text.find(stop)], "index": 0,
                                       "logprobs": None, "finish_reason": "stop"}
+    # ... and keeps the statistics of the rounds that ran, on every route, streamed or not
+    sd = r.json()["speclab"]
+    assert sd["tau"] >= 1 and sd["target_calls"] == len(sd["accepted_lengths"]) >= 1
+    assert sd["tau"] == pytest.approx(sum(sd["accepted_lengths"]) / sd["target_calls"])
+    assert sd["draft_calls"] >= 1
+    r = requests.post(server["url"] + "/generate", json={
+        "prompt": p, "max_tokens": 24, "temperature": 0, "stop": stop})
+    st = r.json()["stats"]
+    assert r.json()["finish_reason"] == "stop" and st["tau"] >= 1 and st["target_calls"] >= 1
+    assert len(st["accepted_lengths"]) == st["target_calls"] and st["timing"]["ingress_s"] > 0
+    r = requests.post(server["url"] + "/v1/completions", json={
+        "prompt": p, "max_tokens": 24, "temperature": 0, "stop": stop, "stream": True},
+        stream=True)
+    events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
+              if line.startswith("data: {")]
+    last = events[-1]
+    assert last["choices"][0]["finish_reason"] == "stop"
+    assert last["speclab"]["tau"] >= 1 and last["speclab"]["target_calls"] >= 1
     for st in _replica_stats(server["url"]).values():  # stopped early: states freed now
         assert st["sessions"] == 0, st
 

@@ -109,3 +109,36 @@ def test_a_target_without_a_chat_template_is_refused_unless_one_is_given(tokeniz
 def test_the_chat_kinds_need_a_path():
     with pytest.raises(ValueError, match="path is required when prompts is 'questions'"):
         DataConfig(prompts="questions")
+
+
+def test_bench_prompt_file_per_category(tmp_path):
+    """``speclab bench --prompt-file``: a question.jsonl's first turns (or prompt JSONL),
+    grouped by category, through the target's chat template; a table per category whose
+    counters add up to the whole set's; a line with neither field is refused by line."""
+    from speclab.api import Decoder
+    from speclab.bench import bench_prompts, by_category, result_rows
+    from speclab.evaluation import MethodRun, merge_results
+
+    target = tiny_chat_llama(tmp_path / "target", seed=0)
+    draft = tiny_chat_llama(tmp_path / "draft", seed=1)
+    dec = Decoder.from_pretrained(str(target), str(draft), "float32")
+    path = tmp_path / "question.jsonl"
+    path.write_text("\n".join(json.dumps(q) for q in QUESTIONS))
+    prompts = bench_prompts(dec, 16, str(path))
+    assert prompts.categories == ["writing", "writing", "coding"]  # grouped, first-seen order
+    assert prompts[2] == _render(dec.tokenizer, [{"role": "user", "content":
+                                                  "Reverse a string in Python."}])
+    parts = by_category(dec, [MethodRun("chain", {"gamma": 2})], prompts,
+                        {"max_new_tokens": 6, "timing_passes": 2})
+    assert list(parts) == ["writing", "coding"]
+    rows = result_rows(dec, prompts, merge_results(list(parts.values())))
+    cats = {c: result_rows(dec, [p for p, k in zip(prompts, prompts.categories) if k == c],
+                           part) for c, part in parts.items()}
+    for i, row in enumerate(rows):
+        assert row["new_tokens"] == sum(c[i]["new_tokens"] for c in cats.values())
+        assert row["prompts"] == sum(c[i]["prompts"] for c in cats.values())
+    assert rows[1]["identical_to_ar"] is True  # chain is exact at T=0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{"question": "no turns"}\n')
+    with pytest.raises(ValueError, match=r"--prompt-file: .*bad.jsonl:2 needs"):
+        bench_prompts(dec, 16, str(bad))

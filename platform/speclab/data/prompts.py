@@ -27,6 +27,32 @@ def jsonl_records(path: str | Path, limit: int | None = None) -> list[tuple[str,
     return out
 
 
+def first_turn_records(path: str | Path, limit: int | None = None,
+                       field: str = "data.path") -> list[tuple[str, str]]:
+    """``(category, prompt)`` of a prompt file whose lines are either prompt JSONL
+    (``prompt``) or MT-bench / Spec-Bench ``question.jsonl`` (``turns``: its first turn),
+    grouped by category (in the order the categories first appear; a line's
+    ``category`` optional, ``all`` when absent). A line with neither field: ValueError
+    naming ``field``, the file and the line."""
+    out: dict[str, list[str]] = {}
+    n = 0
+    for i, obj in json_lines(path):
+        turns = obj.get("turns") if isinstance(obj, dict) else None
+        text = obj.get("prompt") if isinstance(obj, dict) else None
+        if text is None and isinstance(turns, list) and turns:
+            text = turns[0]
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{field}: {path}:{i} needs a non-empty 'prompt' text or "
+                             "'turns' list of texts")
+        out.setdefault(str(obj.get("category") or "all"), []).append(text)
+        n += 1
+        if limit is not None and n >= limit:
+            break
+    if not n:
+        raise ValueError(f"{field}: {path} holds no prompts")
+    return [(cat, t) for cat, texts in out.items() for t in texts]
+
+
 def load_jsonl_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     """Prompts from a JSONL file (field ``prompt``)."""
     return [prompt for _, prompt in jsonl_records(path, limit)]

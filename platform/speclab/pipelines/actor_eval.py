@@ -25,10 +25,10 @@ from speclab.config.jobs import TRAINED
 from speclab.data.prompts import Prompts, chat_prompts, is_chat, jsonl_records, load_prompts
 from speclab.evaluation import (
     MethodRun,
-    Totals,
     format_table,
     interleaved_comparison,
     markdown_table,
+    merge_results,
     pooled_ar,
     speedup_cell,
     summarize,
@@ -134,12 +134,7 @@ CATEGORY_METRICS = ("tau", "target_calls_per_token", "speedup", "speedup_lo", "s
 def table_rows(cfg: Any, parts: list[dict], method_runs: list[MethodRun]) -> list[dict]:
     """The table rows (AR first) of :func:`interleaved_comparison` results over disjoint
     prompt sets (actors' shards, categories), merged."""
-    merged: dict[str, dict] = {}
-    for part in parts:
-        for name, res in part.items():
-            slot = merged.setdefault(name, {"totals": Totals(), "ar": Totals()})
-            slot["totals"].merge(res["totals"])
-            slot["ar"].merge(res["ar"])
+    merged = merge_results(parts)
     first = merged[method_runs[0].name]
     # outputs are in part order; the AR block of the first method is the reference
     reference = first["ar"].outputs if cfg.decoding.temperature == 0 else None

@@ -115,7 +115,7 @@ def train_loop(config: dict) -> None:
     for step in range(start, tr.steps):
         batch = task.batch(step, rank)  # depends only on (seed, step, rank)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp):
-            loss = task.loss(model, batch)
+            loss = global_share(task.loss(model, batch), task.scored(batch), world, device)
         opt.zero_grad(set_to_none=True)
         if scaler is not None:  # float16: scaled gradients, unscaled before clipping
             scaler.scale(loss).backward()
@@ -178,6 +178,24 @@ def global_mean(value: float, world: int, device: torch.device | None = None) ->
     t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL: on the GPU
     dist.all_reduce(t)
     return float(t.item()) / world
+
+
+def global_share(loss: torch.Tensor, scored: float | None, world: int,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """A worker's masked-mean ``loss`` over its ``scored`` positions, rescaled so that
+    DDP's average over the ``world`` workers (of gradients and of the reported loss) is
+    the masked mean over the whole global batch: ``loss * scored * world / sum(scored)``
+    (every rank calls it at the same step). Without a mask (``scored`` None) or on one
+    worker: ``loss`` unchanged. Exact for a loss with one mask; a loss that sums terms
+    over shorter masks (EAGLE-3's later steps) is weighted by its first term's."""
+    if world <= 1 or scored is None:
+        return loss
+    import torch.distributed as dist
+
+    t = torch.tensor([scored], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    total = float(t.item())
+    return loss * (scored * world / total) if total > 0 else loss
 
 
 def _metric_buffer(config: dict):

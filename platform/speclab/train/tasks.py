@@ -75,6 +75,7 @@ class Task(Protocol):
     def batch(self, step: int, rank: int) -> Any: ...
     def loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor: ...
     def tokens_in(self, batch: Any) -> int: ...
+    def scored(self, batch: Any) -> float | None: ...
     def validate(self, model: torch.nn.Module) -> float: ...
     def val_metrics(self, model: torch.nn.Module) -> dict[str, float]: ...
 
@@ -96,6 +97,13 @@ class TaskBase:
     def val_metrics(self, model: torch.nn.Module) -> dict[str, float]:
         del model
         return {}
+
+    def scored(self, batch: Any) -> float | None:
+        """How many positions of ``batch`` the loss averages over, where a loss mask makes
+        that differ between workers' slices of one global batch (conversations: the
+        assistant tokens); None: every slice counts the same."""
+        del batch
+        return None
 
 
 class _Registry(dict):
@@ -154,6 +162,19 @@ def step_generator(seed: int, step: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
 
 
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def val_count(batch_size: int) -> int:
+    """How many held-out rows a validation reads: 4 global batches (``batch_size`` per
+    worker x the workers), so that 2 workers of ``B / 2`` validate on the rows one
+    worker of ``B`` does."""
+    return batch_size * 4 * _world()
+
+
 def global_batch_rows(seed: int, step: int, rank: int, rows: int, batch_size: int
                       ) -> tuple[list[int], torch.Generator]:
     """The row indices (of ``rows``) worker ``rank`` trains on at ``step``: its slice of
@@ -161,9 +182,7 @@ def global_batch_rows(seed: int, step: int, rank: int, rows: int, batch_size: in
     workers of ``batch_size B / W`` see exactly the rows one worker of ``B`` sees (DDP
     averages equal-sized slices: the same gradient). Returns the indices and the
     generator (rank-specific, for what else the batch draws)."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    world = _world()
     g = step_generator(seed, step, 0)
     idx = torch.randint(0, rows, (batch_size * world,), generator=g).tolist()
     return idx[rank * batch_size: (rank + 1) * batch_size], step_generator(seed, step, rank)
@@ -243,7 +262,7 @@ class DistillTask(TaskBase):
     @torch.no_grad()
     def validate(self, model: torch.nn.Module) -> float:
         model.eval()
-        val = self._collated({k: rows[: self.tr.batch_size * 4]
+        val = self._collated({k: rows[: val_count(self.tr.batch_size)]
                               for k, rows in self.val_rows.items()})
         out = float(self.loss(model, val))
         model.train()
@@ -289,7 +308,7 @@ class RecTask(TaskBase):
     @torch.no_grad()
     def validate(self, model: torch.nn.Module) -> float:
         model.eval()
-        out = float(self.loss(model, self._collate(self.val[: self.tr.batch_size * 4])))
+        out = float(self.loss(model, self._collate(self.val[: val_count(self.tr.batch_size)])))
         model.train()
         return out
 

@@ -17,6 +17,7 @@ from speclab.train.tasks import (
     TaskConfigBase,
     register_task,
     step_generator,
+    val_count,
 )
 
 
@@ -65,7 +66,8 @@ class RecAlignTask(RecTask):
         """L_Rec on held-out validation examples: comparable across losses and alphas
         (the alignment loss itself is scaled by alpha), so ASHA can rank drafters."""
         model.eval()
-        out = float(RecTask.loss(self, model, self._collate(self.val[: self.tr.batch_size * 4])))
+        val = self._collate(self.val[: val_count(self.tr.batch_size)])
+        out = float(RecTask.loss(self, model, val))
         model.train()
         return out
 

@@ -20,6 +20,7 @@ from speclab.families.eagle.training import (
     collate_forest,
     engine_acceptance,
     online_feat_batch,
+    pair_mask,
     top1_agreement,
 )
 from speclab.families.objectives import objective
@@ -32,6 +33,7 @@ from speclab.train.tasks import (
     global_batch_rows,
     register_task,
     step_generator,
+    val_count,
 )
 
 
@@ -105,7 +107,7 @@ class EagleTask(TaskBase):
 
     def _val_batch(self) -> dict:
         """The held-out windows (a fixed draw of TALF roots; no feature noise)."""
-        return self._collate(self.val[: self.tr.batch_size * 4],
+        return self._collate(self.val[: val_count(self.tr.batch_size)],
                              step_generator(self.tr.seed, -1, 0))
 
     def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -113,6 +115,12 @@ class EagleTask(TaskBase):
 
     def tokens_in(self, batch: dict) -> int:
         return int(batch["tokens"].numel())
+
+    def scored(self, batch: dict) -> float | None:
+        """The pairs the loss covers (:func:`pair_mask` of every pair), None without a
+        loss mask."""
+        m = pair_mask(batch, batch["loss_mask"].shape[1] - 2) if "loss_mask" in batch else None
+        return None if m is None else float(m.sum())
 
     @torch.no_grad()
     def validate(self, model: torch.nn.Module) -> float:

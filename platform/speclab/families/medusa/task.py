@@ -20,7 +20,7 @@ from speclab.families.medusa.trees import sparse_template
 from speclab.families.objectives import objective
 from speclab.models.loading import load_model
 from speclab.train.engine_probe import engine_figures
-from speclab.train.tasks import TaskBase, TaskConfigBase, register_task, step_generator
+from speclab.train.tasks import TaskBase, TaskConfigBase, register_task, step_generator, val_count
 
 
 class MedusaTaskConfig(TaskConfigBase):
@@ -113,7 +113,7 @@ class MedusaTask(TaskBase):
     def validate(self, model: torch.nn.Module) -> float:
         """The training loss on held-out sequences (MEDUSA-2: past the warm-up's)."""
         model.eval()
-        val = self._collate(self.val[: self.tr.batch_size * 4])
+        val = self._collate(self.val[: val_count(self.tr.batch_size)])
         out = float(self.loss(model, val))
         model.train()
         return out
@@ -125,7 +125,7 @@ class MedusaTask(TaskBase):
         the sparse tree built from them."""
         model.eval()
         target, heads = self._parts(model)
-        val = self._collate(self.val[: self.tr.batch_size * 4])
+        val = self._collate(self.val[: val_count(self.tr.batch_size)])
         acc = own_token_accuracies(heads, self.features(model, val["tokens"]), val["tokens"],
                                    self.m.calibration_top, self.prompt_len)
         out = {f"val_head{k}_top1": a[0] for k, a in enumerate(acc, start=1)}

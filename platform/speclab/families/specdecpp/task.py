@@ -14,7 +14,7 @@ from speclab.decoding.acceptance_head import AcceptanceHead
 from speclab.families.specdecpp.training import DraftFeatures, mixed_batch
 from speclab.losses import weighted_bce
 from speclab.models.loading import load_model
-from speclab.train.tasks import TaskBase, TaskConfigBase, register_task, step_generator
+from speclab.train.tasks import TaskBase, TaskConfigBase, register_task, step_generator, val_count
 
 
 class HeadTaskConfig(TaskConfigBase):
@@ -62,7 +62,7 @@ class HeadTask(TaskBase):
     def validate(self, model: torch.nn.Module) -> float:
         model.eval()
         g = torch.Generator().manual_seed(self.tr.seed)
-        out = float(self.loss(model, self._batch(self.val[: self.tr.batch_size * 4], g)))
+        out = float(self.loss(model, self._batch(self.val[: val_count(self.tr.batch_size)], g)))
         model.train()
         return out
 
