@@ -106,15 +106,35 @@ async def _count_errors(request: Request, call_next):
 
 
 @api.exception_handler(RequestValidationError)
-async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
     if first.get("type") == "json_invalid":  # loc: the character offset, not a field
         why = (first.get("ctx") or {}).get("error", "")
         return HTTPError(400, f"invalid JSON body{': ' + why if why else ''}").response()
+    if tuple(first.get("loc", ())) == ("body",):  # no body, or not a JSON object
+        return _bad_body(request, first).response()
     param = request_param(first.get("loc", ()))
     text = str(first["msg"]).removeprefix("Value error, ")
     msg = f"{param}: {text}" if param else text
     return HTTPError(400, msg, param).response()
+
+
+def _bad_body(request: Request, error: dict) -> HTTPError:
+    """A body that is missing or not a JSON object: the route's first required field is
+    the one at fault (``param``), named with what was sent."""
+    route = request.scope.get("route")
+    model = getattr(getattr(getattr(route, "body_field", None), "field_info", None),
+                    "annotation", None)
+    fields = getattr(model, "model_fields", {})
+    required = [n for n, f in fields.items() if f.is_required()] or list(fields)[:1]
+    kinds = {list: "an array", str: "a string", int: "a number", float: "a number",
+             bool: "a boolean"}
+    got = "no body" if error.get("type") == "missing" else \
+        kinds.get(type(error.get("input")), "null")
+    need = f" with {', '.join(required)}" if required else ""
+    return HTTPError(400, f"{required[0] if required else 'body'}: the request body must be "
+                          f"a JSON object{need} (got {got})",
+                     required[0] if required else "body")
 
 
 def request_param(loc: tuple) -> str | None:

@@ -36,6 +36,46 @@ def _stops(value: str | list[str] | None) -> list[str]:
 NonEmpty = Annotated[str, Field(min_length=1)]
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in value)
+
+
+def _prompt_shape(value: Any) -> Any:
+    """``prompt``'s shape checked before pydantic tries each member of its union (whose
+    errors would all say "Input should be a valid string"): one sentence per cause."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("must be a string or a list of token ids, got "
+                         f"{type(value).__name__}")
+    if not value:
+        raise ValueError("must not be empty")
+    if _is_ids(value):
+        bad = [(i, t) for i, t in enumerate(value) if t < 0]
+        if bad:
+            raise ValueError(f"token ids must be >= 0 (got {bad[0][1]} at index {bad[0][0]})")
+        return value
+    if all(isinstance(p, str) for p in value) or all(_is_ids(p) for p in value):
+        if len(value) > 1:
+            raise ValueError(f"one prompt per request (got a list of {len(value)}); send "
+                             "each prompt as its own request")
+        return _prompt_shape(value[0])
+    raise ValueError("must be a string, a list of token ids, or a list of one of them")
+
+
+def _text_parts(value: Any) -> Any:
+    """A message's list content: every part must be a text part (this server decodes
+    text models); a part of another type is refused by its index and type."""
+    if isinstance(value, list):
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"part {i} is of type {kind!r}: this model reads text "
+                                 "only (parts of type 'text')")
+    return value
+
+
 def _registered_rule(name: str | None) -> str | None:
     """A name of the rule registry (checked when the request arrives, so a rule a plugin
     module registered is as good as a built-in one)."""
@@ -128,10 +168,10 @@ class CompletionRequest(_OpenAIBody):
                                                     "with this many alternatives each")
     user: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: str | list) -> str | list[int]:
-        return v[0] if isinstance(v, list) and isinstance(v[0], str | list) else v
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        return _prompt_shape(v)
 
     @field_validator("stop")
     @classmethod
@@ -153,6 +193,11 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _only_text(cls, v: Any) -> Any:
+        return _text_parts(v)
 
     def for_template(self) -> dict:
         """``{"role", "content"}`` for the tokenizer's chat template."""
@@ -180,8 +225,9 @@ class ChatCompletionRequest(_OpenAIBody):
     n: Literal[1] = 1
     logprobs: bool | None = Field(None, description="the target's log-probs of the tokens")
     top_logprobs: TopLogprobs = Field(None, description="alternatives per token (with logprobs)")
-    response_format: Annotated[dict[str, str] | None,
-                               _neutral(({"type": "text"}, None), 'only {"type": "text"}')] = None
+    response_format: Annotated[dict[str, Any] | None, _neutral(
+        ({"type": "text"}, None), 'only {"type": "text"}: this server does not constrain '
+                                  'the output to JSON or a schema')] = None
     tools: Annotated[list[dict] | None, _neutral(([], None), "only []: this server calls no "
                                                              "tools")] = None
     tool_choice: Annotated[str | None, _neutral(("none", None), 'only "none": this server '

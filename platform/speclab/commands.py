@@ -302,13 +302,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if sv.metrics_port and not (args.address or os.environ.get("RAY_ADDRESS")):
         check_port_free("serve.metrics_port", sv.host, sv.metrics_port)
     app = app_from_config(cfg)  # resolves the models and checks them before Ray starts
-    where = init_ray(args.address, cfg.ray.num_cpus, sv.metrics_port)
+    where = init_ray(args.address, cfg.ray.num_cpus)
+    forwarder, metrics = None, ""
+    if sv.metrics_port and where == "embedded local Ray":  # on serve.host, not Ray's bind
+        from speclab.metrics_forward import MetricsForwarder, ray_exporter_port
+
+        forwarder = MetricsForwarder(sv.host, sv.metrics_port, ray_exporter_port())
+        metrics = f"; Prometheus metrics on http://{sv.host}:{sv.metrics_port}/metrics"
     from ray import serve
 
     serve.start(http_options={"host": sv.host, "port": sv.port})
     serve.run(app, name=sv.app_name, route_prefix="/")
-    metrics = (f"; Prometheus metrics on :{sv.metrics_port}/metrics"
-               if sv.metrics_port and where == "embedded local Ray" else "")
     print(f"[serve] {cfg.method.name} on {where}: http://{sv.host}:{sv.port} "
           f"(/v1/completions, /v1/chat/completions, /v1/models, /generate, /recommend, "
           f"/health, /openapi.json){metrics}; stop with Ctrl-C", flush=True)
@@ -322,6 +326,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _shutdown_ray(timeout_s=20)
         os._exit(1)  # Ray's own exit hooks would wait on a dead cluster
     print("[serve] shutting down", flush=True)
+    if forwarder is not None:
+        forwarder.close()
     serve.shutdown()
     return 0
 

@@ -27,15 +27,14 @@ def quiet_ray_env() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None,
-             metrics_port: int | None = None) -> str:
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Join ``address`` (or ``$RAY_ADDRESS``), else start an embedded local Ray.
 
     The embedded Ray is always a fresh instance owned by this process (``address="local"``):
     a bare ``ray.init()`` would join whatever cluster ``ray start --head`` last recorded
-    in /tmp/ray/ray_current_cluster. It stops when this process exits. ``metrics_port``:
-    where the embedded Ray serves its Prometheus metrics (default: a free port).
-    Returns a short description of where the job runs.
+    in /tmp/ray/ray_current_cluster. It stops when this process exits. Its ports (GCS,
+    raylet, workers, the metrics exporter) are Ray's own choice and listen on every
+    interface (the README's list). Returns a short description of where the job runs.
     """
     quiet_ray_env()
     import ray
@@ -46,9 +45,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, log_to_driver=True)
         return f"cluster at {address}"
-    extra = {"_metrics_export_port": metrics_port} if metrics_port else {}
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             log_to_driver=True, **extra)
+             log_to_driver=True)
     return "embedded local Ray"
 
 

@@ -315,10 +315,17 @@ def test_chat_completions_through_the_openai_client(server):
         client.chat.completions.create(model="smoke-serve", messages=[], max_tokens=4)
 
 
-def test_the_http_port_listens_on_the_loopback_only(server):
-    """serve.host defaults to 127.0.0.1: nothing else can reach the app."""
+def test_the_http_and_metrics_ports_listen_on_the_loopback_only(server):
+    """serve.host defaults to 127.0.0.1: nothing else can reach the app, nor its
+    Prometheus port (serve.metrics_port: speclab's forwarder to Ray's exporter)."""
     port = int(server["url"].rsplit(":", 1)[1])
     assert listening_addresses(port) == {"127.0.0.1"}
+    metrics_port = int(server["metrics"].rsplit(":", 1)[1].split("/")[0])
+    assert listening_addresses(metrics_port) == {"127.0.0.1"}
+    r = requests.get(server["metrics"], timeout=10)
+    assert r.status_code == 200 and "ray_" in r.text
+    assert requests.get(server["metrics"].replace("/metrics", "/x"), timeout=10
+                        ).status_code == 404
 
 
 def test_unknown_routes_and_methods_answer_in_openai_error_shape(server):
@@ -513,6 +520,33 @@ def test_malformed_json_is_a_400(server):
     r = requests.post(server["url"] + "/generate", data="{not json",
                       headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_each_error_cause_gets_its_own_sentence_and_param(server):
+    """The causes a pydantic union once reported as "Input should be a valid string" (a
+    list of prompts, negative token ids, an image part, a JSON-schema response format)
+    and a missing or non-object body: one sentence each, ``param`` naming the field."""
+    image = [{"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt",
+         "one prompt per request (got a list of 2)"),
+        ("/v1/completions", {"prompt": [5, -1]}, "prompt",
+         "token ids must be >= 0 (got -1 at index 1)"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": image}]},
+         "messages.0.content", "part 0 is of type 'image_url'"),
+        ("/v1/chat/completions", {**chat, "response_format": schema}, "response_format",
+         "does not constrain the output"),
+        ("/v1/completions", None, "prompt", "a JSON object with prompt (got no body)"),
+        ("/v1/chat/completions", [], "messages", "(got an array)"),
+    ]
+    for route, body, param, words in cases:
+        r = requests.post(server["url"] + route, json=body, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (body, err)
+        assert words in err["message"] and "valid string" not in err["message"], (body, err)
+    assert requests.get(server["url"] + "/health", timeout=30).status_code == 200
 
 
 # ---- fuzzing every route's JSON body (Hypothesis) ----

@@ -107,6 +107,22 @@ def test_completion_request_errors_name_the_field(body, field):
     assert field in {str(p) for e in err.value.errors() for p in e["loc"]}
 
 
+@pytest.mark.parametrize("prompt,words", [
+    (["a", "b"], "one prompt per request (got a list of 2)"),
+    ([[1], [2]], "one prompt per request"),
+    ([3, -2], "token ids must be >= 0 (got -2 at index 1)"),
+    ([["x"]], "a list of one of them"),
+    (7, "must be a string or a list of token ids, got int"),
+    ([], "must not be empty"),
+])
+def test_prompt_errors_say_their_cause(prompt, words):
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest(prompt=prompt)
+    (e,) = err.value.errors()
+    assert words in e["msg"] and e["loc"] == ("prompt",)
+    assert CompletionRequest(prompt=[[4, 5]]).prompt == [4, 5]
+
+
 def test_request_defaults():
     c = CompletionRequest(prompt=["only one"], stop="\n")
     assert c.prompt == "only one" and c.stop == ["\n"] and c.temperature == 1.0
