@@ -119,7 +119,7 @@ def app_from_config(cfg: ServeJob):
     settings = {"method": cfg.method.name, "model_name": sv.model_name or cfg.name,
                 "max_tokens": sv.max_tokens, "target_path": target, "created": int(time.time()),
                 "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma, "api_key": sv.api_key,
-                "max_cached_tokens": sv.max_cached_tokens,
+                "max_cached_tokens": sv.max_cached_tokens, "max_model_len": sv.max_model_len,
                 "target_buckets": buckets,
                 "replicas": {"target": sv.target.max_count, "draft": sv.draft.max_count}}
     common["attn_implementation"] = m.attn_implementation

@@ -336,21 +336,29 @@ class Ingress:
                         top_p: float, top_k: int, seed: int, stops: list[str],
                         rule: str | None, rule_params: dict | None,
                         max_param: str = "max_tokens", logprobs: int | None = None,
-                        echo: bool = False) -> Decoding:
+                        echo: bool = False, prompt_param: str = "prompt") -> Decoding:
         """A request's decoding parameters, checked against this server's bounds, the
         vocabulary and the rule registry (``rule`` / ``rule_params``: the request's
         ``verify`` / ``verify_params``; ``logprobs``: alternatives per token of the
         target's log-probs to report, None: none; ``echo``: the prompt's too); HTTPError
-        400 names the field."""
+        400 names the field (``prompt_param``: the request's prompt field, for a request
+        beyond the model's context length)."""
         if max_tokens > self.s["max_tokens"]:
             raise HTTPError(400, f"{max_param}: must be <= {self.s['max_tokens']} on this "
                                  f"server, got {max_tokens}", max_param)
+        info = await self._infos()
+        limit = min(x for x in (info.get("context"), self.s.get("max_model_len"), 10**12) if x)
+        if len(ids) + max_tokens > limit:
+            raise HTTPError(400, f"{prompt_param}: this model's maximum context length is "
+                                 f"{limit} tokens; the prompt has {len(ids)} tokens and "
+                                 f"{max_param} asks for {max_tokens} more ({len(ids) + max_tokens}"
+                                 " in all): shorten the prompt or lower "
+                                 f"{max_param}", prompt_param, code="context_length_exceeded")
         if len(ids) + max_tokens > self.s["max_cached_tokens"]:
             raise HTTPError(400, f"{max_param}: the prompt's {len(ids)} tokens plus "
                                  f"{max_param}={max_tokens} exceed the "
                                  f"{self.s['max_cached_tokens']} positions a replica holds "
                                  f"(serve.max_cached_tokens)", max_param)
-        info = await self._infos()
         bad = [t for t in ids if t >= info["vocab_size"]]
         if bad:
             raise HTTPError(400, f"prompt_ids: token ids {bad[:5]} outside the vocabulary "
@@ -482,7 +490,8 @@ class Ingress:
         ids = self._encode(body.prompt) if body.prompt is not None else body.prompt_ids
         dec = await self._decoding(ids, body.max_tokens, body.temperature, body.top_p,
                                    body.top_k, body.seed, body.stop, body.verify,
-                                   body.verify_params)
+                                   body.verify_params, prompt_param="prompt" if
+                                   body.prompt is not None else "prompt_ids")
         rid = uuid.uuid4().hex
         text = await self._complete_text("generate", rid, dec)
         return {"id": rid, "text": text, "token_ids": dec.tokens,
@@ -552,7 +561,8 @@ class Ingress:
                                    body.temperature, body.top_p, 0,
                                    body.seed if body.seed is not None else 0, body.stop,
                                    body.verify, body.verify_params, param,
-                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                                   logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                                   prompt_param="messages")
         rid = uuid.uuid4().hex
         head = {"id": f"chatcmpl-{rid}", "created": int(time.time()),
                 "model": self.s["model_name"]}

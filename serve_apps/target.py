@@ -48,7 +48,7 @@ from speclab.decoding.rules import RuleSpec
 from speclab.decoding.sampling import SamplingParams
 from speclab.decoding.sides import VerifyResult, check_prompt
 from speclab.decoding.wire import pack_tensor
-from speclab.models.loading import load_model
+from speclab.models.loading import context_length, load_model
 from speclab.timing import now, split_forward_time
 
 
@@ -88,6 +88,7 @@ class TargetDeployment(RequestStates):
         eos = gen.eos_token_id if gen is not None else None
         self.eos = eos if eos is not None else self.model.config.eos_token_id
         self.vocab = int(self.model.config.vocab_size)
+        self.context = context_length(self.model.config)  # None: no position limit
         super().__init__(max_sessions, max_cached_tokens, idle_timeout_s)
         self.pool = TargetPool(BatchRunner(self.model))
         self.sources: dict[str, str] = {}  # request id -> who drives it
@@ -100,8 +101,9 @@ class TargetDeployment(RequestStates):
             self.rec = RecTargetSide(rec_target, dtype, device)
 
     async def info(self) -> dict:
-        """Vocabulary size, EOS id(s), the recommender's items and id length (if any)."""
-        return {"vocab_size": self.vocab, "eos": self.eos,
+        """Vocabulary size, EOS id(s), context length (positions; None: unlimited), the
+        recommender's items and id length (if any)."""
+        return {"vocab_size": self.vocab, "eos": self.eos, "context": self.context,
                 "rec_items": len(self.rec.meta.items) if self.rec else 0,
                 "rec_levels": self.rec.trie.length if self.rec else 0}
 

@@ -549,6 +549,30 @@ def test_each_error_cause_gets_its_own_sentence_and_param(server):
     assert requests.get(server["url"] + "/health", timeout=30).status_code == 200
 
 
+def test_a_prompt_beyond_the_context_is_refused_at_once_naming_it(server):
+    """prompt + max_tokens beyond the target's max_position_embeddings: 400 before any
+    decoding, naming the route's prompt field, with OpenAI's code; at the limit: 200."""
+    from transformers import AutoConfig
+
+    context = AutoConfig.from_pretrained(server["target"]).max_position_embeddings
+    url = server["url"]
+    cases = [("/generate", {"prompt_ids": [5] * context, "max_tokens": 1}, "prompt_ids"),
+             ("/v1/completions", {"prompt": [5] * (context - 3), "max_tokens": 4}, "prompt"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * context}],
+                                       "max_tokens": 4}, "messages")]
+    for route, body, param in cases:
+        t0 = time.perf_counter()
+        r = requests.post(url + route, json=body, timeout=60)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (route, err)
+        assert err["code"] == "context_length_exceeded"
+        assert f"maximum context length is {context} tokens" in err["message"]
+        assert time.perf_counter() - t0 < 5  # refused, not decoded
+    r = requests.post(url + "/v1/completions", json={"prompt": [5] * (context - 4),
+                                                      "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
 # ---- fuzzing every route's JSON body (Hypothesis) ----
 
 FUZZ_BASE = {  # a valid body per route; examples mutate, drop or add fields

@@ -818,6 +818,9 @@ class ServeConfig(StrictModel):
     draft: ReplicaConfig = ReplicaConfig()
     ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.25, max_ongoing_requests=64)
     max_tokens: int = Field(512, gt=0, description="largest max_tokens a request may ask")
+    max_model_len: int | None = Field(
+        None, gt=0, description="prompt + max_tokens a request may ask, below the target's "
+                                "own context length (default: the target's)")
     max_sessions: int = Field(64, gt=0, description="live requests per replica (LRU evicted)")
     max_cached_tokens: int = Field(
         65536, gt=0, description="KV positions per replica over all its requests")

@@ -156,6 +156,22 @@ def load_tokenizer(source: str, field: str = "tokenizer"):
         return None
 
 
+#: config attributes that hold a model's context length, by family
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
+                "seq_length")
+
+
+def context_length(config) -> int | None:
+    """The positions a model with this (transformers) ``config`` attends over: its
+    ``max_position_embeddings`` or a family's other name for it; None when the config
+    names none (a model without a position limit)."""
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def check_same_vocab(target: PreTrainedModel, draft: PreTrainedModel) -> None:
     """Target and draft must index the same vocabulary."""
     vt, vd = int(target.config.vocab_size), int(draft.config.vocab_size)

@@ -34,6 +34,7 @@ from speclab.data.conversations import (
     split_of,
     template_ids,
 )
+from speclab.models.loading import context_length
 
 MANIFEST = "manifest.json"
 
@@ -113,7 +114,7 @@ def answer_shard(dec: Any, records: list[dict], cfg: Any, template: str | None,
     no answered turn is left out."""
     r = cfg.regenerate
     tok = dec.tokenizer
-    limit = getattr(dec.target.model.config, "max_position_embeddings", None)
+    limit = context_length(dec.target.model.config)
     eos = dec.eos_token_id
     eos_ids = set(eos) if isinstance(eos, list | tuple) else {eos}
     prompts = [user_turns(Conversation(x["id"], x["messages"]), r.turns) for x in records]
