@@ -48,7 +48,7 @@ from serve_apps.logprobs import (
     echoed_prompt_logprobs,
     join_completion_logprobs,
 )
-from serve_apps.metrics import RequestMetrics, count_error, count_errors_in
+from serve_apps.metrics import RequestMetrics, count_error, count_errors_in, count_refusal
 from serve_apps.openapi import server_schema
 from serve_apps.protocol import (
     ChatCompletionRequest,
@@ -91,6 +91,9 @@ class HTTPError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
+        """The JSON answer; a 4xx counts as a refusal by its code, else its type."""
+        if self.status < 500:
+            count_refusal(self.code or self.kind)
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
         return JSONResponse(status_code=self.status, content=self.body(), headers=headers)
 
@@ -424,8 +427,9 @@ class Ingress:
 
     def _events(self, route: str, rid: str, dec: Decoding, head: dict,
                 choice: callable) -> StreamingResponse:
-        """Server-sent events: ``choice(delta, finish_reason)`` per round, a last chunk
-        with the finish reason, ``usage`` and the SD stats, then ``[DONE]``."""
+        """Server-sent events: ``choice(delta, finish_reason)`` per round, a chunk with
+        the finish reason, then (as OpenAI and vLLM end a stream with usage) a chunk with
+        ``"choices": []``, ``usage`` and the SD stats, then ``[DONE]``."""
 
         async def events() -> AsyncIterator[str]:
             t0 = time.perf_counter()
@@ -433,8 +437,9 @@ class Ingress:
                 async for delta in self._run_text(rid, dec, True):
                     yield "data: " + json.dumps({**head, "choices": [choice(delta, None)]}) + \
                         "\n\n"
-                yield "data: " + json.dumps({**head, "choices": [choice("", dec.finish_reason)],
-                                             "usage": self._usage(dec),
+                yield "data: " + json.dumps({**head, "choices": [choice("", dec.finish_reason)]}
+                                            ) + "\n\n"
+                yield "data: " + json.dumps({**head, "choices": [], "usage": self._usage(dec),
                                              "speclab": self._sd(dec)}) + "\n\n"
                 self.metrics.request(route, time.perf_counter() - t0, dec.stats)
             except HTTPError as exc:  # headers are sent: report in the stream (counted

@@ -103,6 +103,10 @@ class RequestMetrics:
         self.tokens = counter("speclab_generation_tokens", "Tokens generated.")
         self.errors = counter("speclab_request_errors", "Requests answered with an error.",
                               ("status",))
+        self.refused = counter("speclab_requests_refused",
+                               "Requests refused, by reason (the error's code, else its type: "
+                               "context_length_exceeded, invalid_request_error, ...).",
+                               ("reason",))
         self.latency = metrics.Histogram(
             "speclab_request_latency_seconds", description="End-to-end request latency.",
             boundaries=LATENCY_BUCKETS, tag_keys=("model_name", "route"))
@@ -143,6 +147,10 @@ class RequestMetrics:
     def error(self, status: int) -> None:
         """Count a request answered with HTTP ``status``."""
         self.errors.inc(tags={"status": str(status)})
+
+    def refusal(self, reason: str) -> None:
+        """Count a request refused for ``reason`` (a bounded set: error codes and types)."""
+        self.refused.inc(tags={"reason": reason})
 
 
 def sd_counts(stats: dict) -> dict:
@@ -236,3 +244,9 @@ def count_error(status: int) -> None:
     """Count an answer with HTTP ``status`` (no-op before :func:`count_errors_in`)."""
     if "ingress" in _ERRORS:
         _ERRORS["ingress"].error(status)
+
+
+def count_refusal(reason: str) -> None:
+    """Count a refusal for ``reason`` (no-op before :func:`count_errors_in`)."""
+    if "ingress" in _ERRORS:
+        _ERRORS["ingress"].refusal(reason)

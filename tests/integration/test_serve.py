@@ -129,7 +129,8 @@ def test_openai_client_completion_equals_the_offline_engine(server, offline):
         assert res.choices[0].text == offline[p][1]
         assert res.usage.completion_tokens == len(offline[p][0])
         chunks = [c.choices[0].text for c in client.completions.create(
-            model="smoke-serve", prompt=p, max_tokens=24, temperature=0, stream=True)]
+            model="smoke-serve", prompt=p, max_tokens=24, temperature=0, stream=True)
+            if c.choices]  # the last chunk: usage, no choices (as OpenAI's)
         assert "".join(chunks) == offline[p][1]
         assert sum(1 for c in chunks if c) > 1  # really streamed, round by round
 
@@ -309,7 +310,8 @@ def test_chat_completions_through_the_openai_client(server):
     chunks = list(client.chat.completions.create(model="smoke-serve", messages=msgs,
                                                  max_tokens=16, temperature=0, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="smoke-serve", messages=[], max_tokens=4)
@@ -365,6 +367,8 @@ def test_sd_counters_reach_prometheus_under_vllm_names(server):
                              json={"prompt": p, "max_tokens": 16}).status_code == 200
     assert requests.post(server["url"] + "/generate", json={"max_tokens": 2}).status_code == 400
     assert requests.get(server["url"] + "/nope").status_code == 404
+    assert requests.post(server["url"] + "/generate", json={  # beyond any tiny context
+        "prompt_ids": [5] * 4096, "max_tokens": 2}).status_code == 400
     deadline, text = time.time() + 90, ""
     names = ["ray_vllm_spec_decode_num_drafts_total",
              "ray_vllm_spec_decode_num_draft_tokens_total",
@@ -374,7 +378,8 @@ def test_sd_counters_reach_prometheus_under_vllm_names(server):
              "ray_speclab_batch_rows_total", "ray_speclab_batch_steps_total",
              "ray_speclab_requests_total", "ray_speclab_request_seconds_total",
              "ray_speclab_draft_ahead_misses_total",
-             'ray_speclab_request_errors_total{', 'status="404"']
+             'ray_speclab_request_errors_total{', 'status="404"',
+             'ray_speclab_requests_refused_total{', 'reason="context_length_exceeded"']
     while time.time() < deadline:
         text = requests.get(server["metrics"], timeout=10).text
         if all(n in text for n in names):
@@ -400,6 +405,9 @@ def test_sd_counters_reach_prometheus_under_vllm_names(server):
     for status in ("400", "404"):
         assert value("ray_speclab_request_errors_total", f'status="{status}"') >= 1, \
             [ln for ln in text.splitlines() if "errors" in ln]
+    for reason in ("context_length_exceeded", "invalid_request_error"):  # what and why
+        assert value("ray_speclab_requests_refused_total", f'reason="{reason}"') >= 1, \
+            [ln for ln in text.splitlines() if "refused" in ln]
     # the app's own /metrics: a standalone vLLM server's exact names (one ingress replica)
     own = requests.get(server["url"] + "/metrics", timeout=10)
     assert own.status_code == 200 and own.headers["content-type"].startswith("text/plain")
@@ -457,8 +465,9 @@ def test_generate_returns_tokens_and_the_sd_stats(server, offline):
         stream=True)
     events = [json.loads(line[6:]) for line in r.iter_lines(decode_unicode=True)
               if line.startswith("data: {")]
-    last = events[-1]
-    assert last["choices"][0]["finish_reason"] == "stop"
+    last = events[-1]  # OpenAI's shape: usage and stats ride on a chunk without choices
+    assert events[-2]["choices"][0]["finish_reason"] == "stop" and last["choices"] == []
+    assert last["usage"]["completion_tokens"] >= 1
     assert last["speclab"]["tau"] >= 1 and last["speclab"]["target_calls"] >= 1
     for st in _replica_stats(server["url"]).values():  # stopped early: states freed now
         assert st["sessions"] == 0, st
