@@ -18,7 +18,7 @@ from speclab.jobs import JOBS, job_main  # names and a lookup: imports no job mo
 from speclab.method_flags import add_method_args, method_from_args, verify_params_from_args
 from speclab.models.grow_drafters import widen_drafter_folder
 from speclab.models.reference import check_reference_pair, ensure_reference_pair
-from speclab.paths import repo_root
+from speclab.paths import repo_root, speclab_home
 from speclab.ports import answers, check_port_free
 from speclab.raylib import init_ray, project_runtime_env, quiet_ray_env
 from speclab.recommend import Recommender
@@ -101,7 +101,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--attn-implementation", default="auto", help="auto, sdpa or eager")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--out", default="check_model_out", help="folder for check_model.json")
+    p.add_argument("--out", default=None, help="folder for check_model.json (default: "
+                                               "$SPECLAB_HOME/check_model/<target's name>)")
     HANDLERS["check-model"] = cmd_check_model
     add_export_parser(sub, HANDLERS)  # `speclab export` (drafter formats)
     _add_job_parsers(sub)
@@ -202,6 +203,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     """Print the report (:mod:`speclab.compat`), write ``<out>/check_model.json``; 2 when
     the model is refused or a method's output differs."""
     import json
+    import re
     from pathlib import Path
 
     import torch
@@ -209,7 +211,8 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
-    out = Path(args.out)
+    name = re.sub(r"[^\w.-]+", "_", args.target.rstrip("/").rsplit("/", 1)[-1]) or "model"
+    out = Path(args.out) if args.out else speclab_home() / "check_model" / name
     try:
         dec = Decoder.from_pretrained(args.target, args.draft, args.dtype, args.device,
                                       attn_implementation=args.attn_implementation)

@@ -10,6 +10,7 @@ embedded store ``sqlite:///$SPECLAB_HOME/mlflow.db`` with artifacts in
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -35,12 +36,32 @@ def resolve_tracking_uri(configured: str | None = None) -> str:
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
+#: ``(store, uri) -> HF folder`` of this process's downloads (each downloaded once)
+_DOWNLOADS: dict[tuple[str, str], str] = {}
+#: the download folders this process made, removed when it exits
+_FOLDERS: list[Path] = []
+
+
+def _remove_downloads() -> None:
+    for folder in _FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
-    """Download ``models:/name/version`` (or ``runs:/...``) and return the HF folder in it."""
+    """Download ``models:/name/version`` (or ``runs:/...``) and return the HF folder in it.
+    One download per store and URI in a process, into a temporary folder that lives as
+    long as the process (removed at its exit: the models it loaded are in memory)."""
     import mlflow
 
-    mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
+    store = resolve_tracking_uri(tracking_uri)
+    known = _DOWNLOADS.get((store, uri))
+    if known is not None and Path(known).is_dir():
+        return known
+    mlflow.set_tracking_uri(store)
     target = Path(tempfile.mkdtemp(prefix="speclab-model-")).resolve()
+    if not _FOLDERS:
+        atexit.register(_remove_downloads)
+    _FOLDERS.append(target)
     try:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri,
                                                          dst_path=str(target)))
@@ -56,7 +77,8 @@ def resolve_model_uri(uri: str, tracking_uri: str | None = None) -> str:
     if not configs:
         shutil.rmtree(target, ignore_errors=True)
         raise ValueError(f"model: {uri!r} holds no saved HF model (no config.json)")
-    return str(configs[0].parent)
+    _DOWNLOADS[(store, uri)] = str(configs[0].parent)
+    return _DOWNLOADS[(store, uri)]
 
 
 def check_inside(folder: Path, path: Path) -> None:

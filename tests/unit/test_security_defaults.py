@@ -120,3 +120,32 @@ def test_a_downloaded_artifact_stays_inside_its_folder(tmp_path, monkeypatch, ti
     with pytest.raises(ValueError, match="outside the download folder"):
         check_inside(folder, local)
     mlflow.set_tracking_uri(None)
+
+
+def test_a_models_uri_is_downloaded_once_per_process_and_removed_at_exit(tmp_path):
+    """Each ``models:/`` lookup once left a folder in /tmp: now one download per store
+    and URI in a process, removed when the process exits."""
+    import mlflow
+
+    from speclab import tracking_store
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_experiment("dl")
+    from speclab.tracking import log_hf_model
+
+    with mlflow.start_run():
+        assert log_hf_model(folder, "tiny") == "models:/tiny/1"
+    first = tracking_store.resolve_model_uri("models:/tiny/1", uri)
+    again = tracking_store.resolve_model_uri("models:/tiny/1", uri)
+    assert first == again and (Path(first) / "config.json").exists()
+    made = [f for f in tracking_store._FOLDERS if Path(first).is_relative_to(f)]
+    assert len(made) == 1
+    tracking_store._remove_downloads()  # what the process's exit runs
+    assert not made[0].exists()
+    third = tracking_store.resolve_model_uri("models:/tiny/1", uri)  # gone: fetched anew
+    assert (Path(third) / "config.json").exists()
+    tracking_store._remove_downloads()

@@ -194,7 +194,7 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path,
     depth = _target_depth(target)
     problem = export_problem(fmt, drafter.meta, depth)
     if problem:
-        raise DrafterFormatError(f"--format {fmt}: cannot write {folder} ({src_fmt}): "
+        raise DrafterFormatError(f"--format {fmt}: cannot write {source} ({src_fmt}): "
                                  f"{problem}")
     name = target if isinstance(target, str | Path) else None
     verifier = str(name) if name else _verifier_of(folder, src_fmt)

@@ -115,7 +115,8 @@ def eagle_research_problem(meta: EagleMeta) -> str | None:
         return (f"the drafter has {which} (speclab's layout: config.json input_norm="
                 f"{meta.input_norm}, final_norm={meta.final_norm}); EAGLE-1/2's layer 0 has "
                 f"no input norm and there is no final norm, so these weights have no place "
-                f"in the format (EAGLE's code loads its state dict strictly)")
+                f"in the format (EAGLE's code loads its state dict strictly); train the "
+                f"drafter with eagle.norms: false to export it here")
     if meta.embed_scale != 1.0:
         return (f"the drafter scales the token embedding by {meta.embed_scale:g} (its "
                 f"target family's multiplier, embed_scale); EAGLE's code embeds unscaled")

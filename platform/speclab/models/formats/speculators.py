@@ -217,7 +217,8 @@ def speculators_problem(meta: EagleMeta) -> str | None:
                 f"{meta.input_norm}, final_norm={meta.final_norm}); speculators' eagle "
                 f"format has one switch for norms, layernorms: false drops both, and true "
                 f"adds a third on the token embedding (embedding_layernorm) that this "
-                f"drafter does not have, so neither computes what the drafter computes")
+                f"drafter does not have, so neither computes what the drafter computes; "
+                f"train the drafter with eagle.norms: false to export it here")
     if meta.layers != 1:
         return (f"the drafter has {meta.layers} decoder layers; speculators' eagle drafter "
                 f"has one (transformer)")
