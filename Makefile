@@ -4,7 +4,7 @@ export RAY_AUTH_MODE ?= disabled
 export RAY_USAGE_STATS_ENABLED ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-unit lint bench gpu-report ui clean
+.PHONY: setup demo test test-unit lint bench gpu-report ui docs clean
 
 .venv/.installed: pyproject.toml constraints.txt
 	python3 -m venv .venv
@@ -41,5 +41,9 @@ gpu-report: setup ## CUDA tests + benchmark on a GPU -> gpu_report/gpu_report.md
 ui: setup
 	.venv/bin/speclab ui
 
+docs: setup ## the generated pages (configuration, home), then the site into site/
+	$(PY) -m speclab.docs_pages
+	$(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf .venv bench_out
+	rm -rf .venv bench_out site

@@ -26,6 +26,7 @@ from speclab import commands
 from speclab.api import Decoder
 from speclab.method_flags import _knob_flags as _knob_flags  # read by the tests
 from speclab.method_flags import add_method_args, method_from_args, verify_params_from_args
+from speclab.models.registry import resolve_models
 from speclab.models.tokenizer import chat_ids
 
 
@@ -68,6 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.num_samples < 1:
         raise ValueError(f"num_samples: must be >= 1, got {args.num_samples}")
     cfg = method_from_args(args)
+    # a pair's name (reference, reference-large, tiny): its folders, its draft by default
+    args.target, args.draft = resolve_models(args.target, args.draft)
     if cfg.needs_draft_model and not args.draft:
         raise ValueError(f"draft: method {args.method!r} needs --draft")
     prompts = ([_parse_ids(t) for t in args.prompt_ids] if args.prompt_ids is not None
@@ -115,7 +118,10 @@ def _print_result(res, as_json: bool, extra: dict) -> None:
           f"target calls={st.target_calls}, {st.wall_s:.2f}s]", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``speclab``'s command line as its subcommand's arguments (``key=value`` overrides
+    after the options joined to ``overrides``); a bad line exits with status 2 and the
+    usage, as argparse does."""
     parser = argparse.ArgumentParser(prog="speclab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = [*args.overrides, *extra]
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     handler = cmd_generate if args.command == "generate" else commands.HANDLERS[args.command]
     try:
         return int(handler(args) or 0)

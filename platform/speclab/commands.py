@@ -18,6 +18,7 @@ from speclab.jobs import JOBS, job_main  # names and a lookup: imports no job mo
 from speclab.method_flags import add_method_args, method_from_args, verify_params_from_args
 from speclab.models.grow_drafters import widen_drafter_folder
 from speclab.models.reference import check_reference_pair, ensure_reference_pair
+from speclab.models.registry import resolve_models
 from speclab.paths import repo_root, speclab_home
 from speclab.ports import answers, check_port_free
 from speclab.raylib import init_ray, project_runtime_env, quiet_ray_env
@@ -175,6 +176,7 @@ def cmd_shift(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     cfg = method_from_args(args)
+    args.target, args.draft = resolve_models(args.target, args.draft)  # a pair's name
     if cfg.needs_draft_model and not args.draft:
         raise ValueError(f"draft: method {args.method!r} needs --draft")
     dec = Decoder.from_pretrained(args.target, args.draft if cfg.needs_draft_model else None,
@@ -214,7 +216,8 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     name = re.sub(r"[^\w.-]+", "_", args.target.rstrip("/").rsplit("/", 1)[-1]) or "model"
     out = Path(args.out) if args.out else speclab_home() / "check_model" / name
     try:
-        dec = Decoder.from_pretrained(args.target, args.draft, args.dtype, args.device,
+        target, draft = resolve_models(args.target, args.draft)  # a pair's name: both
+        dec = Decoder.from_pretrained(target, draft, args.dtype, args.device,
                                       attn_implementation=args.attn_implementation)
     except (ValueError, OSError) as exc:  # refused or unloadable: the reason, status 2
         print(f"[check-model] REFUSED: {exc}")

@@ -38,7 +38,10 @@ def _renamed_flags() -> dict[str, dict[str, str]]:
 def add_method_args(p: argparse.ArgumentParser) -> None:
     """The target/draft, ``--method`` with every registered knob, the verification rule
     and the sampling flags (shared by ``generate`` and ``shift``)."""
-    p.add_argument("--target", required=True, help="target model folder or hub id")
+    p.add_argument("--target", required=True,
+                   help="target model: a folder, hub id, models:/ URI, .gguf file, a real "
+                        "model's name (smollm2-135m) or a pair's (reference, "
+                        "reference-large, tiny: its draft is the default --draft)")
     p.add_argument("--draft", help="draft model folder or hub id (methods with a draft LM)")
     p.add_argument("--method", default="chain", choices=list(methods()))
     knobs = p.add_argument_group("method knobs (default: the method's own default)")

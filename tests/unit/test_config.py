@@ -181,3 +181,15 @@ def test_serve_refuses_a_non_loopback_host_without_an_api_key():
     key = "k: {1} #x"
     job = ServeJob.from_yaml(cfg, ["serve.host=0.0.0.0", f"serve.api_key={json.dumps(key)}"])
     assert job.serve.api_key == key
+
+
+def test_switching_the_method_by_override_drops_the_old_methods_knobs():
+    """``speclab serve --config experiments/smoke/serve.yaml method.name=chain`` once failed
+    with ``method.nodes: Extra inputs are not permitted`` (SALF's knobs stayed)."""
+    from speclab.config import ServeJob
+
+    cfg = ServeJob.from_yaml("experiments/smoke/serve.yaml", ["method.gamma=3",
+                                                               "method.name=chain"])
+    assert cfg.method.name == "chain" and cfg.method.gamma == 3
+    same = ServeJob.from_yaml("experiments/smoke/serve.yaml", ["method.nodes=6"])
+    assert same.method.name == "salf" and same.method.nodes == 6  # same method: kept

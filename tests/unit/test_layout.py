@@ -118,7 +118,7 @@ def test_jobs_are_thin_and_never_import_each_other():
 
 
 def _readme_layout() -> dict[Path, str]:
-    """Every path the README's Layout block names -> the line naming it.
+    """Every path the Layout block of docs/layout.md names -> the line naming it.
 
     An entry (a name at the start of a line, indented 2 per level under its parent
     directory) is a path relative to its parent entry (the root for the first level). A
@@ -127,7 +127,7 @@ def _readme_layout() -> dict[Path, str]:
     (``platform/`` in the description of ``platform/speclab/``)."""
     import re
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "layout.md").read_text()
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     block = re.search(r"```\w*\n(.*?)```", section, re.S).group(1)
     mention = re.compile(r"(?<![\w./$<>-])([\w-]+(?:/[\w.-]+)*(?:\.py|\.yaml|/))(?=[\s,):;+]|$)")
@@ -139,14 +139,14 @@ def _readme_layout() -> dict[Path, str]:
         m = re.match(r"( *)(\S+)(?: {2,}(.*))?$", line)
         indent, desc = len(line) - len(line.lstrip(" ")), line
         if indent <= 8:  # an entry (its name, then 2+ spaces); descriptions start further right
-            assert m, f"README Layout: an entry line without its name first: {line!r}"
+            assert m, f"docs/layout.md Layout: an entry line without its name first: {line!r}"
             while stack and stack[-1][0] >= indent:
                 stack.pop()
             path = (stack[-1][1] if stack else ROOT) / m.group(2).rstrip("/")
             named[path] = line
             stack.append((indent, path))
             desc = m.group(3) or ""
-        assert stack, f"README Layout: a description before any entry: {line!r}"
+        assert stack, f"docs/layout.md Layout: a description before any entry: {line!r}"
         entry = stack[-1][1]
         base = entry if entry.is_dir() else entry.parent
         for name in mention.findall(re.sub(r"`[^`]*`", "", desc)):
@@ -156,17 +156,17 @@ def _readme_layout() -> dict[Path, str]:
 
 
 def test_readme_layout_names_only_paths_that_exist():
-    """The README's Layout block cannot drift from the tree: every path it names exists,
+    """The Layout block of docs/layout.md cannot drift from the tree: every path it names exists,
     and every package directory of ``platform/speclab`` is in it."""
     named = _readme_layout()
     assert ROOT / "platform" / "speclab" / "decoding" / "rules" in named  # parsed deep
     missing = {str(p.relative_to(ROOT)): line.strip() for p, line in named.items()
                if not p.exists()}
-    assert not missing, f"README Layout names paths that do not exist: {missing}"
+    assert not missing, f"docs/layout.md Layout names paths that do not exist: {missing}"
     lib = ROOT / "platform" / "speclab"
     packages = {p.parent for p in lib.rglob("__init__.py") if "__pycache__" not in p.parts}
     absent = sorted(str(p.relative_to(ROOT)) for p in packages - set(named) - {lib})
-    assert not absent, f"README Layout omits these packages: {absent}"
+    assert not absent, f"docs/layout.md Layout omits these packages: {absent}"
     assert lib in named
 
 

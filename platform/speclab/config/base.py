@@ -80,6 +80,35 @@ def apply_override(data: dict, dotted: str, value: Any) -> None:
             node = node.setdefault(key, {})
 
 
+def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
+    """``data`` with the command line's ``key=value`` ``overrides`` set
+    (:func:`apply_override`). A group picked by its ``name`` (a method:
+    ``method.name=chain``) that an override switches to another name starts afresh (the
+    old method's knobs do not fit the new one); names are set first, so the knobs given
+    with the new name land in the new group."""
+    pairs = parse_overrides(overrides or [])
+    for key, value in sorted(pairs, key=lambda kv: not kv[0].endswith(".name")):
+        if key.endswith(".name"):
+            group = _node_at(data, key.rsplit(".", 1)[0])
+            if isinstance(group, dict) and group.get("name", value) != value:
+                group.clear()
+        apply_override(data, key, value)
+    return data
+
+
+def _node_at(data: Any, dotted: str) -> Any:
+    """``data[a][b]...`` for ``dotted = "a.b..."`` (integers index lists); None if absent."""
+    node = data
+    for key in dotted.split("."):
+        if isinstance(node, list) and key.isdigit() and int(key) < len(node):
+            node = node[int(key)]
+        elif isinstance(node, dict):
+            node = node.get(key)
+        else:
+            return None
+    return node
+
+
 def parse_overrides(pairs: list[str]) -> list[tuple[str, Any]]:
     """``["a.b=3", "c=x"]`` -> ``[("a.b", 3), ("c", "x")]``."""
     out = []
@@ -119,9 +148,7 @@ class StrictModel(BaseModel):
         """Validate ``data`` after applying ``key=value`` overrides."""
         import copy
 
-        data = copy.deepcopy(data or {})
-        for key, value in parse_overrides(overrides or []):
-            apply_override(data, key, value)
+        data = apply_overrides(copy.deepcopy(data or {}), overrides)
         try:
             return cls.model_validate(data)
         except ValidationError as err:

@@ -56,10 +56,9 @@ from pydantic import (
 from speclab.config.base import (
     ConfigError,
     StrictModel,
-    apply_override,
+    apply_overrides,
     error_lines,
     format_validation_error,
-    parse_overrides,
 )
 from speclab.config.method import MethodConfig, MethodSpec, parse_method
 from speclab.config.schema import (
@@ -182,9 +181,7 @@ class ExperimentConfig(StrictModel):
     @classmethod
     def from_dict(cls, data: dict, overrides: list[str] | None = None) -> ExperimentConfig:
         """Validate ``data`` (after ``key=value`` overrides) as the config of its job."""
-        data = copy.deepcopy(data or {})
-        for key, value in parse_overrides(overrides or []):
-            apply_override(data, key, value)
+        data = apply_overrides(copy.deepcopy(data or {}), overrides)
         if not isinstance(data, dict):
             raise ConfigError("config: must hold a mapping at the top level")
         own = cls.job_name()

@@ -1,0 +1,115 @@
+"""The configuration reference page (``docs/configuration.md``), generated from the
+config models, so it cannot drift from them: every group of every job with each
+field's type, default and description, and every registered method's knobs.
+
+``python -m speclab.config.reference`` prints it; ``make docs`` writes it.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from speclab.config.jobs import JOB_CONFIGS
+from speclab.config.method import MethodSpec, methods
+
+INTRO = """# Configuration reference
+
+Every job reads one YAML file of config groups (`--config`), with `key=value`
+overrides on the command line (`method.gamma=5`, `train.steps=100`). A job refuses the
+groups it does not use, naming them; the `config.yaml` a run logs holds only the job's
+own groups, so it loads back as is. This page is generated from the config models
+(`platform/speclab/config/`) by `python -m speclab.config.reference` (`make docs`); a
+test keeps it equal to them.
+"""
+
+
+def _type_name(annotation: Any) -> str:
+    """A short, readable name of a field's type."""
+    text = getattr(annotation, "__name__", None) if not typing.get_args(annotation) else None
+    text = text or str(annotation)
+    for noise in ("typing.", "speclab.config.schema.", "speclab.config.method.",
+                  "speclab.config.jobs.", "pydantic.functional_validators.", "NoneType"):
+        text = text.replace(noise, "None" if noise == "NoneType" else "")
+    return text.replace("|", "\\|")
+
+
+def _default(field) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default
+    if value is PydanticUndefined or field.default_factory is not None:
+        try:
+            value = field.get_default(call_default_factory=True)
+        except Exception:  # a factory that needs context: say so
+            return "(computed)"
+    if isinstance(value, BaseModel):
+        return "(group defaults)"
+    try:
+        text = json.dumps(value, default=str)
+    except (TypeError, ValueError):
+        text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"`{text}`".replace("|", "\\|")
+
+
+def _describe(field) -> str:
+    text = (field.description or "").replace("\n", " ").replace("|", "\\|")
+    signs = {"Ge": ("ge", ">="), "Gt": ("gt", ">"), "Le": ("le", "<="), "Lt": ("lt", "<")}
+    meta = [f"{sign} {getattr(m, attr)}" for m in field.metadata
+            for attr, sign in [signs.get(type(m).__name__, (None, None))] if attr]
+    return (text + (f" ({', '.join(meta)})" if meta else "")).strip()
+
+
+def model_table(model: type[BaseModel]) -> list[str]:
+    """A markdown table of ``model``'s fields: name, type, default, description."""
+    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+    for name, field in model.model_fields.items():
+        rows.append(f"| `{name}` | {_type_name(field.annotation)} | {_default(field)} | "
+                    f"{_describe(field)} |")
+    return rows
+
+
+def groups() -> dict[str, tuple[type, list[str]]]:
+    """``{group: (its model class or None for a plain field, the jobs using it)}``."""
+    out: dict[str, tuple[type, list[str]]] = {}
+    for job, cls in JOB_CONFIGS.items():
+        for name, field in cls.model_fields.items():
+            entry = out.setdefault(name, (field.annotation, []))
+            entry[1].append(job)
+    return out
+
+
+def reference() -> str:
+    """The whole page (markdown)."""
+    lines = [INTRO, "## Groups by job", "", "| job | groups |", "|---|---|"]
+    for job, cls in JOB_CONFIGS.items():
+        lines.append(f"| `{job}` | {', '.join(f'`{g}`' for g in cls.model_fields)} |")
+    lines.append("")
+    for name, (annotation, jobs) in sorted(groups().items()):
+        lines += [f"## `{name}`", "", f"Used by: {', '.join(f'`{j}`' for j in jobs)}.", ""]
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel) and \
+                not issubclass(annotation, MethodSpec):
+            if annotation.__doc__:
+                lines += [" ".join(annotation.__doc__.split()), ""]
+            lines += model_table(annotation) + [""]
+        elif name in ("method", "methods"):
+            lines += ["A method of the method registry: `name` picks it, the other fields "
+                      "are its knobs (below, per method). `methods` is a list of them.", ""]
+        else:
+            lines += [f"Type: {_type_name(annotation)}.", ""]
+    lines += ["## Methods and their knobs", ""]
+    for name, cls in methods().items():
+        lines += [f"### `{name}`", ""]
+        if cls.__doc__:
+            lines += [" ".join(cls.__doc__.split()), ""]
+        lines += model_table(cls) + [""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    print(reference(), end="")
