@@ -124,7 +124,8 @@ def app_from_config(cfg: ServeJob):
                 "replicas": {"target": sv.target.max_count, "draft": sv.draft.max_count}}
     common["attn_implementation"] = m.attn_implementation
     target_app = t.bind(target, m.dtype, cfg.device_of("target"), rec_target=rec_target,
-                        torch_threads=sv.target.torch_threads, **common)
+                        torch_threads=sv.target.torch_threads,
+                        prefill_chunk=sv.prefill_chunk, **common)
     draft_app = d.bind(target_app, draft, cfg.method.model_dump(mode="json"), vocab, m.dtype,
                        cfg.device_of("draft"), rec_draft=rec_draft,
                        plugins=plugin_modules(cfg.method),

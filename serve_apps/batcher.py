@@ -9,6 +9,10 @@ never waits, clients in lockstep batch fully, and a straggler delays the others 
 most ``max_wait_s`` (the bounded wait of Ray Serve's ``@serve.batch``, which alone would
 make a single client pay the full wait every round).
 
+A step whose work takes several batches (a long prompt prefilled a chunk per batch)
+answers :data:`AGAIN` from ``run``: it joins the next batch, first in line, and its
+caller keeps waiting.
+
 Nothing here imports Ray: the deployments own the batcher and their model work.
 """
 
@@ -19,6 +23,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+#: ``run``'s result for a step that is not done yet: it runs again in the next batch
+AGAIN = object()
+
 
 class StepBatcher:
     """Collects steps into batches; see the module docstring."""
@@ -26,10 +33,13 @@ class StepBatcher:
     def __init__(self, run: Callable[[list[Any]], Awaitable[list[Any]]],
                  expected: Callable[[], int], max_batch: int = 64,
                  max_wait_s: float = 0.005,
-                 on_batch: Callable[[int, float], None] | None = None) -> None:
+                 on_batch: Callable[[int, float], None] | None = None,
+                 dropped: Callable[[Any], None] | None = None) -> None:
         """``run(steps)`` returns one result per step (an exception instance fails only
-        its step); ``on_batch(size, wait_s)`` is told about every batch."""
-        self.run, self.expected = run, expected
+        its step; :data:`AGAIN`: run it again); ``on_batch(size, wait_s)`` is told about
+        every batch; ``dropped(step)`` about a step whose caller stopped waiting before
+        it ran (again)."""
+        self.run, self.expected, self.dropped = run, expected, dropped
         self.max_batch, self.max_wait_s = max_batch, max_wait_s
         self.on_batch = on_batch
         self._queue: list[tuple[Any, str, asyncio.Future]] = []
@@ -67,7 +77,11 @@ class StepBatcher:
                 except TimeoutError:
                     break
             batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-            live = [(s, f) for s, _, f in batch if not f.done()]  # cancelled callers drop out
+            live = [(s, src, f) for s, src, f in batch if not f.done()]  # cancelled: out
+            if self.dropped is not None:
+                for s, _, f in batch:
+                    if f.done():
+                        self.dropped(s)
             if not live:
                 continue
             self.batches += 1
@@ -75,15 +89,19 @@ class StepBatcher:
             try:
                 if self.on_batch is not None:
                     self.on_batch(len(live), time.perf_counter() - t_open)
-                results = await self.run([s for s, _ in live])
+                results = await self.run([s for s, _, _ in live])
                 if len(results) != len(live):
                     raise RuntimeError(f"batch: {len(results)} results for {len(live)} steps")
             except Exception as exc:  # the whole batch failed: every step hears why
                 results = [exc] * len(live)
-            for (_, fut), res in zip(live, results, strict=True):
+            again = []
+            for (step, src, fut), res in zip(live, results, strict=True):
                 if fut.done():
                     continue
-                if isinstance(res, BaseException):
+                if res is AGAIN:
+                    again.append((step, src, fut))
+                elif isinstance(res, BaseException):
                     fut.set_exception(res)
                 else:
                     fut.set_result(res)
+            self._queue[:0] = again  # first in line for the next batch

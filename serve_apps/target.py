@@ -22,13 +22,14 @@ evicted) gets an error entry, the others their verdicts. State is bounded by
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from serve_apps.batcher import StepBatcher
+from serve_apps.batcher import AGAIN, StepBatcher
 from serve_apps.beams import RecTargetSide
 from serve_apps.channel import ChannelServer
 from serve_apps.decode import DecodeRequest, Timing, collect, stream_rounds
@@ -51,13 +52,16 @@ from speclab.decoding.wire import pack_tensor
 from speclab.models.loading import context_length, load_model
 from speclab.timing import now, split_forward_time
 
+_KEYS = itertools.count()
 
-@dataclass
+
+@dataclass(eq=False)
 class _Starts:
     source: str
     rows: list[dict]
     prefill_top_k: int
     features: bool | list | str  # serve_apps.draft.features_wire
+    key: int = field(default_factory=lambda: next(_KEYS))  # its replies while prefilling
 
 
 @dataclass
@@ -81,8 +85,13 @@ class TargetDeployment(RequestStates):
                  max_sessions: int = 64, max_cached_tokens: int = 65536,
                  idle_timeout_s: float = 60.0, rec_target: str | None = None,
                  max_batch: int = 64, batch_wait_ms: float = 5.0,
-                 torch_threads: int = 1, attn_implementation: str = "auto") -> None:
+                 torch_threads: int = 1, attn_implementation: str = "auto",
+                 prefill_chunk: int | None = None) -> None:
         torch.set_num_threads(torch_threads)
+        #: prompt tokens a batch step prefills (chunked prefill; None: whole prompts)
+        self.prefill_chunk = prefill_chunk
+        self._waiting: dict[int, list] = {}  # a start step's replies, while it prefills
+        self._pending: dict[str, tuple[_Starts, int]] = {}  # prefilling rid -> step, row
         self.model = load_model(target, dtype, device, "models.target", attn_implementation)
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
@@ -94,7 +103,7 @@ class TargetDeployment(RequestStates):
         self.sources: dict[str, str] = {}  # request id -> who drives it
         self.metrics = ServeMetrics()
         self.batcher = StepBatcher(self._run, self._expected, max_batch, batch_wait_ms / 1e3,
-                                   self.metrics.batch)
+                                   self.metrics.batch, dropped=self._dropped)
         self.channel_server = ChannelServer(self._channel_op)
         self.rec = None
         if rec_target:
@@ -113,12 +122,26 @@ class TargetDeployment(RequestStates):
 
     async def _run(self, steps: list) -> list:
         """One batch: the joining rows of each start call in one prefill, then every
-        tree of every verify call in ONE forward."""
+        tree of every verify call in ONE forward. With ``prefill_chunk``, a prompt enters
+        the cache at most that many tokens per batch (its first chunk when it joins,
+        then one forward per batch feeds the prefilling rows ``prefill_chunk`` tokens in
+        all), so a long prompt never holds the other requests' rounds for more than a
+        chunk; its start call answers (:data:`AGAIN` until then) once its rows are in."""
         out: list = [None] * len(steps)
         starts = [i for i, s in enumerate(steps) if isinstance(s, _Starts)]
         verifies = [i for i, s in enumerate(steps) if isinstance(s, _Verifies)]
         for i in starts:
-            out[i] = self._start(steps[i])
+            if steps[i].key not in self._waiting:
+                self._waiting[steps[i].key] = self._start(steps[i])
+        if self.pool.prefilling:
+            for rid, p in self.pool.prefill_step(self.prefill_chunk or 1).items():
+                step, j = self._pending.pop(rid)
+                if step.key in self._waiting:
+                    self._waiting[step.key][j] = self._started(step, rid, p)
+        for i in starts:
+            replies = self._waiting[steps[i].key]
+            out[i] = AGAIN if any(r is None for r in replies) else \
+                self._waiting.pop(steps[i].key)
         if verifies:
             t0 = now(self.pool.runner.device)
             flat: list[tuple[int, int, str, dict | None, bytes | None]] = []
@@ -169,16 +192,38 @@ class TargetDeployment(RequestStates):
             except (ValueError, TypeError) as exc:
                 return [row_error(ValueError(f"features: {exc}")) for _ in step.rows]
         started = (self.pool.start([r for _, r in rows], step.prefill_top_k,
-                                   spec if step.features else True) if rows else [])
+                                   spec if step.features else True, self.prefill_chunk)
+                   if rows else [])
         for (j, row), p in zip(rows, started, strict=True):
-            self.sources[row.rid] = step.source
-            self.sessions.put(row.rid, PoolRow(self.pool, row.rid), release_old=False)
-            replies[j] = {"top": p.top, "prompt_logprobs": p.prompt_logprobs,
-                          "features": pack_tensor(p.features) if step.features else None}
+            if p is None:  # still prefilling: answered by a later batch
+                self._pending[row.rid] = (step, j)
+            else:
+                replies[j] = self._started(step, row.rid, p)
         return replies
+
+    def _started(self, step: _Starts, rid: str, p) -> dict:
+        """A row whose prompt is in: it becomes a session; its start reply."""
+        self.sources[rid] = step.source
+        self.sessions.put(rid, PoolRow(self.pool, rid), release_old=False)
+        return {"top": p.top, "prompt_logprobs": p.prompt_logprobs,
+                "features": pack_tensor(p.features) if step.features else None}
+
+    def _dropped(self, step) -> None:
+        """A start call whose caller went away while its rows prefilled: they leave."""
+        if isinstance(step, _Starts) and self._waiting.pop(step.key, None) is not None:
+            for rid in [r for r, (s, _) in self._pending.items() if s is step]:
+                self._pending.pop(rid)
+                self.pool.end(rid)
 
     def _forget(self, rid: str) -> bool:
         self.sources.pop(rid, None)
+        pending = self._pending.pop(rid, None)
+        if pending is not None:  # ended while prefilling: its start reply says so
+            step, j = pending
+            self.pool.end(rid)
+            if step.key in self._waiting:
+                self._waiting[step.key][j] = row_error(SessionGone(f"request {rid} ended"))
+            return True
         return self.sessions.end(rid)
 
     # ------------------------------------------------------------------ a draft replica's calls

@@ -88,14 +88,16 @@ def tiny(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny):
-    """The smoke app (SALF) with two target replicas and a recommender pair."""
+    """The smoke app (SALF) with two target replicas and a recommender pair; prompts
+    longer than 16 tokens are prefilled in chunks (``serve.prefill_chunk``), so every
+    test here checks chunked prefill against the offline engine too."""
     root = tmp_path_factory.mktemp("serve")
     target, draft = tiny
     rec_target, rec_draft = build_rec_pair(root)
     metrics_port = free_port()
     proc, url = _start(root, [
         f"models.target={target}", f"models.draft={draft}", "serve.target.replicas=2",
-        f"serve.metrics_port={metrics_port}",
+        f"serve.metrics_port={metrics_port}", "serve.prefill_chunk=16",  # every test
         "serve.target.num_cpus=0.4", "serve.draft.num_cpus=0.4",
         f"serve.rec_target={rec_target}", f"serve.rec_draft={rec_draft}", "serve.rec_n=6",
         "serve.rec_gamma=2"])

@@ -3,6 +3,7 @@ batched drafters, joining and leaving at any round, verified in subsets; and the
 batching clock and loopback channel the deployments use."""
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -337,3 +338,64 @@ def test_drafting_ahead_while_the_target_verifies_changes_no_token(tiny_pair, na
         assert set(flags) == {None}
     else:  # the close pair agrees often enough for both outcomes
         assert flags.count(True) > 0 and flags.count(False) > 0
+
+
+def _close(a, b, tol: float = 1e-4) -> bool:
+    """Nested lists of numbers equal up to ``tol`` (ints exactly)."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(a - b) <= tol
+    return a == b
+
+
+def test_a_prompt_prefilled_in_chunks_gives_what_one_prefill_gives(tiny_pair):
+    """Chunked prefill (Serve's ``serve.prefill_chunk``): rows whose prompts enter the
+    cache a few tokens per step, beside rows prefilled whole, end with the same top
+    tokens, features and prompt log-probs as one prefill, and then verify to the same
+    tokens (greedy)."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    ps = [p * 3 for p in prompts(3)]  # long enough for several chunks
+    greedy = SamplingParams()
+
+    def rows():
+        return [NewRow(f"r{i}", p, greedy, RuleSpec("greedy"), seeded(0), logprobs=2,
+                       echo=True) for i, p in enumerate(ps)]
+
+    whole = TargetPool(BatchRunner(dec.target.model), features=True)
+    want = whole.start(rows(), prefill_top_k=3)
+    chunked = TargetPool(BatchRunner(dec.target.model), features=True)
+    first = chunked.start(rows(), prefill_top_k=3, chunk=4)
+    assert all(f is None for f in first) and set(chunked.prefilling) == {"r0", "r1", "r2"}
+    got, steps = {}, 0
+    while chunked.prefilling:
+        got.update(chunked.prefill_step(budget=6, chunk=4))
+        steps += 1
+    assert steps >= max(len(p) for p in ps) // 6
+    for i, w in enumerate(want):
+        g = got[f"r{i}"]
+        assert g.top == w.top
+        assert torch.allclose(g.features, w.features, atol=1e-5)
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(ps[i])
+        flat = [json.loads(json.dumps(x)) for x in (g.prompt_logprobs, w.prompt_logprobs)]
+        assert _close(*flat)
+    a = whole.verify([(f"r{i}", None) for i in range(3)])
+    b = chunked.verify([(f"r{i}", None) for i in range(3)])
+    assert [r.new for r in a] == [r.new for r in b]
+    with pytest.raises(ValueError, match="chunk"):
+        chunked.start(rows()[:1], chunk=0)
+    # rows that fit decode while a long one is prefilled apart; one that leaves mid-way
+    # takes its staged cache with it
+    pool = TargetPool(BatchRunner(dec.target.model))
+    short = NewRow("s", prompts(1)[0][:3], greedy, RuleSpec("greedy"), seeded(0))
+    assert pool.start([short, *rows()[:2]], chunk=5)[0] is not None
+    out = []
+    while pool.prefilling:
+        out.append(pool.verify([("s", None)])[0].new)
+        if "r1" in pool.prefilling and len(out) == 2:
+            assert pool.end("r1") and "r1" not in pool.prefilling
+        pool.prefill_step(budget=5)
+    alone = TargetPool(BatchRunner(dec.target.model))
+    alone.start([NewRow("s", prompts(1)[0][:3], greedy, RuleSpec("greedy"), seeded(0))])
+    assert out == [alone.verify([("s", None)])[0].new for _ in out]
+    assert pool.rids == ["s", "r0"] and pool.verify([("r0", None)])[0].new == b[0].new

@@ -818,6 +818,10 @@ class ServeConfig(StrictModel):
     draft: ReplicaConfig = ReplicaConfig()
     ingress: ReplicaConfig = ReplicaConfig(num_cpus=0.25, max_ongoing_requests=64)
     max_tokens: int = Field(512, gt=0, description="largest max_tokens a request may ask")
+    prefill_chunk: int | None = Field(
+        None, gt=0, description="prompt tokens a target replica prefills per batch step "
+                                "(chunked prefill: a long prompt never holds the other "
+                                "requests' rounds for more; null: whole prompts)")
     max_model_len: int | None = Field(
         None, gt=0, description="prompt + max_tokens a request may ask, below the target's "
                                 "own context length (default: the target's)")

@@ -170,16 +170,49 @@ class BatchRunner(TracksFeatures):
         logits = out if logits else None
         if old_cache is None or not old_slots:
             return logits
-        new_cache, new_width = self.cache, self.width
-        width = max(old_width, new_width)
-        for old, new in zip(old_cache.layers, new_cache.layers):
-            old.keys, old.values = (
-                torch.cat([_pad_seq(old.keys, width), _pad_seq(new.keys, width)]),
-                torch.cat([_pad_seq(old.values, width), _pad_seq(new.values, width)]))
-        self.live = torch.cat([_pad_cols(old_live, width), _pad_cols(self.live, width)])
-        self.slot_pos = torch.cat([_pad_cols(old_pos, width), _pad_cols(self.slot_pos, width)])
-        self.cache, self.slots, self.width = old_cache, old_slots + self.slots, width
+        new = ([(layer.keys, layer.values) for layer in self.cache.layers], self.slots,
+               self.live, self.slot_pos, self.width)
+        self.cache, self.slots, self.width = old_cache, old_slots, old_width
+        self.live, self.slot_pos = old_live, old_pos
+        self._append(*new)
         return logits
+
+    def _append(self, kv: list[tuple[torch.Tensor, torch.Tensor]], slots: list[torch.Tensor],
+                live: torch.Tensor, slot_pos: torch.Tensor, width: int) -> None:
+        """Append rows given as their cache (``kv``: per layer ``[R, heads, width, D]``
+        keys and values), slots, ``live`` / ``slot_pos`` ``[R, width]``, to this batch's
+        (which has rows and a cache)."""
+        both = max(self.width, width)
+        for layer, (k, v) in zip(self.cache.layers, kv, strict=True):
+            layer.keys, layer.values = (
+                torch.cat([_pad_seq(layer.keys, both), _pad_seq(k, both)]),
+                torch.cat([_pad_seq(layer.values, both), _pad_seq(v, both)]))
+        self.live = torch.cat([_pad_cols(self.live, both), _pad_cols(live, both)])
+        self.slot_pos = torch.cat([_pad_cols(self.slot_pos, both), _pad_cols(slot_pos, both)])
+        self.slots, self.width = self.slots + slots, both
+
+    @inference
+    def take_rows(self, other: BatchRunner, rows: list[int]) -> None:
+        """Move rows ``rows`` of ``other`` (a runner over the same model) to the end of
+        this batch, with their cache: a prompt prefilled in a batch of its own (chunk by
+        chunk, without padding the verified rows) joins the rows that decode."""
+        if not rows:
+            return
+        idx = to_device(torch.tensor(rows), other.device)
+        kv = [(layer.keys.index_select(0, idx), layer.values.index_select(0, idx))
+              for layer in other.cache.layers]
+        slots = [other.slots[b] for b in rows]
+        live, slot_pos, width = other.live[rows], other.slot_pos[rows], other.width
+        other.drop(rows)
+        if self.cache is None or not self.slots:
+            self.cache = preallocated_cache(self.model.config)
+            for layer, (k, v) in zip(self.cache.layers, kv, strict=True):
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+            self.slots, self.live, self.slot_pos, self.width = slots, live, slot_pos, width
+        else:
+            self._append(kv, slots, live, slot_pos, width)
+        self.maybe_compact()
 
     @inference
     def drop(self, rows: list[int]) -> None:

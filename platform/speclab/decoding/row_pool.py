@@ -72,6 +72,48 @@ class Prefilled:
     prompt_logprobs: list | None = None
 
 
+@dataclass
+class _Prefilling:
+    """A row whose prompt enters the cache chunk by chunk: ``done`` of its prefill tokens
+    (``prompt_ids[:-1]``) are in, with what their forwards gave so far."""
+
+    row: NewRow
+    spec: tuple[int, ...]
+    top_k: int
+    done: int = 0
+    top: list | None = None
+    features: list | None = None
+    logits: list | None = None  # echo: the prompt positions' logits, for its log-probs
+
+    @property
+    def total(self) -> int:
+        return len(self.row.prompt_ids) - 1
+
+    def absorb(self, logits: torch.Tensor | None, features: torch.Tensor | None,
+               n: int) -> None:
+        """Take one chunk's ``n`` positions: ``logits`` ``[n, V]`` (None when nothing
+        reads them), ``features`` ``[n, F]`` (None without features)."""
+        if self.top_k and n:
+            self.top = (self.top or []) + fetch_lists(
+                logits[:n].topk(min(self.top_k, logits.shape[-1]), -1).indices)[0]
+        if features is not None:
+            self.features = (self.features or []) + [features[:n].clone()]
+        if self.row.logprobs is not None and self.row.echo and n:
+            self.logits = (self.logits or []) + [logits[:n]]
+        self.done += n
+
+    def result(self) -> Prefilled:
+        """What the whole prefill gives the row (:class:`Prefilled`)."""
+        r = self.row
+        feats = None if self.features is None else torch.cat(self.features) if \
+            self.features else torch.zeros(0)
+        echo = None
+        if r.logprobs is not None and r.echo:
+            echo = prompt_logprobs(torch.cat(self.logits) if self.logits else None,
+                                   r.prompt_ids, r.logprobs)
+        return Prefilled(self.top if self.top_k and self.total else None, feats, echo)
+
+
 def seeded(seed: int) -> torch.Generator:
     """A row's random generator from its request's seed (the same everywhere)."""
     return torch.Generator().manual_seed(int(seed))
@@ -106,6 +148,8 @@ class TargetPool:
         self.runner = runner
         self.features = False
         self.spec = self._resolve(feature_spec)  # the rows' default
+        self.staging: BatchRunner | None = None  # rows prefilled apart (chunked prefill)
+        self.tracked: list[tuple[int, ...]] = []  # the feature layers both runners keep
         if features:
             self.track_features(feature_spec)
         self.rids: list[str] = []
@@ -115,6 +159,9 @@ class TargetPool:
         self.generators: list[torch.Generator] = []
         self.logprobs: list[int | None] = []
         self.specs: list[tuple[int, ...]] = []  # each row's features (when returned)
+        #: rows whose prompt is still entering a cache of its own (the staging runner's
+        #: rows, in this order; :meth:`start` with ``chunk``)
+        self.prefilling: dict[str, _Prefilling] = {}
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.rids
@@ -129,42 +176,105 @@ class TargetPool:
         """From now on return features, keeping those ``spec`` names too (a feature
         drafter's rows arrived)."""
         self.features = True
-        self.runner.track_hidden(self._resolve(spec))
+        self.tracked.append(self._resolve(spec))
+        for runner in (self.runner, self.staging):
+            if runner is not None:
+                runner.track_hidden(self.tracked[-1])
 
     def start(self, rows: list[NewRow], prefill_top_k: int = 0,
-              feature_spec: FeatureSpec | bool = True) -> list[Prefilled]:
+              feature_spec: FeatureSpec | bool = True,
+              chunk: int | None = None) -> list[Prefilled | None]:
         """Prefill ``prompt_ids[:-1]`` of every new row in ONE forward (a row id that is
         already here starts over). Returns per row what the prefill gives it
         (:class:`Prefilled`). ``feature_spec``: the features these rows get (True: the
-        pool's; tracked with :meth:`track_features` first)."""
+        pool's; tracked with :meth:`track_features` first). ``chunk``: a row with more
+        prompt tokens than that is prefilled apart, ``chunk`` tokens now and the rest by
+        :meth:`prefill_step` (None in its place until then; it joins the verified rows
+        once its prompt is in), so a long prompt never makes one forward long."""
         spec = self.spec if feature_spec is True else self._resolve(feature_spec)
         if len({r.rid for r in rows}) != len(rows):
             raise ValueError("rows: a request id appears twice")
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk: must be >= 1, got {chunk}")
         for r in rows:
             check_prompt(r.prompt_ids, self.runner.vocab_size)
         for r in rows:
             self.end(r.rid)
-        needed = bool(prefill_top_k) or any(r.logprobs is not None and r.echo for r in rows)
-        logits = self.runner.add_rows([list(r.prompt_ids[:-1]) for r in rows], needed)
-        out = []
-        for j, r in enumerate(rows):
-            n = len(r.prompt_ids) - 1
-            top = None
-            if prefill_top_k and n:
-                top = fetch_lists(logits[j, :n].topk(min(prefill_top_k, logits.shape[-1]),
-                                                     -1).indices)[0]
-            feats = self.runner.features(spec)[j, :n].clone() if self.features else None
-            echo = None
-            if r.logprobs is not None and r.echo:
-                echo = prompt_logprobs(logits[j, :n] if n else None, r.prompt_ids, r.logprobs)
-            out.append(Prefilled(top, feats, echo))
-            self.rids.append(r.rid)
-            self.roots.append(int(r.prompt_ids[-1]))
-            self.samplings.append(r.sampling)
-            self.rules.append(r.rule or RuleSpec("greedy"))
-            self.generators.append(r.generator if r.generator is not None else seeded(0))
-            self.logprobs.append(r.logprobs)
-            self.specs.append(spec)
+        states = [_Prefilling(r, spec, prefill_top_k) for r in rows]
+        long = [st for st in states if chunk is not None and st.total > chunk]
+        whole = [st for st in states if st not in long]
+        self._prefill(self.runner, whole, None)
+        for st in whole:
+            self._join(st)
+        if long:
+            if self.staging is None:
+                self.staging = BatchRunner(self.runner.model)
+                for layers in self.tracked:
+                    self.staging.track_hidden(layers)
+            self._prefill(self.staging, long, chunk)
+            for st in long:
+                self.prefilling[st.row.rid] = st
+        return [None if st in long else st.result() for st in states]
+
+    def _prefill(self, runner: BatchRunner, states: list[_Prefilling],
+                 chunk: int | None) -> None:
+        """New rows for ``states`` in ``runner``, each with its first ``chunk`` prompt
+        tokens (None: all), in ONE forward."""
+        if not states:
+            return
+        first = [min(st.total, chunk or st.total) for st in states]
+        needed = any(st.top_k or (st.row.logprobs is not None and st.row.echo)
+                     for st in states)
+        logits = runner.add_rows([list(st.row.prompt_ids[:n])
+                                  for st, n in zip(states, first, strict=True)], needed)
+        for j, (st, n) in enumerate(zip(states, first, strict=True)):
+            feats = runner.features(st.spec)[j] if self.features else None
+            st.absorb(logits[j] if needed else None, feats, n)
+
+    def _join(self, st: _Prefilling) -> None:
+        """The row of ``st`` (its prompt all in the main runner) becomes a verified row."""
+        r = st.row
+        self.rids.append(r.rid)
+        self.roots.append(int(r.prompt_ids[-1]))
+        self.samplings.append(r.sampling)
+        self.rules.append(r.rule or RuleSpec("greedy"))
+        self.generators.append(r.generator if r.generator is not None else seeded(0))
+        self.logprobs.append(r.logprobs)
+        self.specs.append(st.spec)
+
+    def prefill_step(self, budget: int, chunk: int | None = None) -> dict[str, Prefilled]:
+        """ONE forward over the rows prefilled apart that feeds them their next prompt
+        tokens, oldest first, at most ``chunk`` per row (default ``budget``) and
+        ``budget`` in all. The rows whose prompt is then all in join the verified rows;
+        returns ``{row id: Prefilled}`` of those."""
+        if not self.prefilling or budget < 1:
+            return {}
+        order = list(self.prefilling)  # the staging runner's rows, in this order
+        tokens = [torch.zeros(0, dtype=torch.long) for _ in order]
+        fed: list[tuple[int, _Prefilling, int]] = []
+        for b, rid in enumerate(order):
+            st = self.prefilling[rid]
+            n = min(st.total - st.done, chunk or budget, budget)
+            if n < 1:
+                break
+            tokens[b] = torch.tensor(st.row.prompt_ids[st.done: st.done + n], dtype=torch.long)
+            fed.append((b, st, n))
+            budget -= n
+        needed = any(st.top_k or (st.row.logprobs is not None and st.row.echo)
+                     for _, st, _ in fed)
+        logits = self.staging.forward(tokens, last_only=not needed)
+        done = []
+        for b, st, n in fed:
+            feats = self.staging.features(st.spec)[b] if self.features else None
+            st.absorb(logits[b] if needed else None, feats, n)
+            if st.done == st.total:
+                done.append(b)
+        out = {}
+        for b in sorted(done, reverse=True):  # highest first: the others keep their index
+            st = self.prefilling.pop(order[b])
+            self.runner.take_rows(self.staging, [b])
+            self._join(st)
+            out[st.row.rid] = st.result()
         return out
 
     def verify(self, items: list[tuple[str, TokenTree | dict | None]]
@@ -243,8 +353,12 @@ class TargetPool:
 
     def end(self, rid: str) -> bool:
         """Row ``rid`` leaves (False if it was not here)."""
-        if rid not in self.rids:
+        if rid not in self.rids and rid not in self.prefilling:
             return False
+        if rid in self.prefilling:  # not verified yet: its cache is the staging runner's
+            self.staging.drop([list(self.prefilling).index(rid)])
+            del self.prefilling[rid]
+            return True
         b = self.rids.index(rid)
         self.runner.drop([b])
         for state in (self.rids, self.roots, self.samplings, self.rules, self.generators,
