@@ -103,6 +103,21 @@ def git_commit() -> str:
         return "unknown"
 
 
+def launch_tags() -> dict[str, str]:
+    """How this run was started: ``command`` (this process's command line) and, under
+    Ray Jobs, ``ray_job_id`` (the submission id ``ray job submit`` / ``speclab submit``
+    printed), so two submissions of one config are told apart."""
+    tags = {"command": " ".join(["python", *sys.argv])[:5000]}
+    try:
+        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata")
+    except ValueError:
+        meta = None
+    job = (meta or {}).get("job_submission_id")
+    if job:
+        tags["ray_job_id"] = str(job)
+    return tags
+
+
 def metric_key(name: str) -> str:
     """Make a string a valid MLflow metric/param key (letters, digits, _-./ and spaces)."""
     return "".join(ch if ch.isalnum() or ch in "_-./ " else "_" for ch in name).strip("_")
@@ -133,6 +148,9 @@ class Tracker(Protocol):
     def log_table(self, rows: list[dict], name: str) -> None: ...
 
     def log_figure(self, fig, name: str) -> None: ...
+
+    def log_dataset(self, rows: list[dict], name: str, context: str) -> None:
+        """``rows`` as the run's dataset input ``name`` (MLflow's Datasets column)."""
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
 
@@ -167,6 +185,9 @@ class NullTracker:
     def log_table(self, rows: list[dict], name: str) -> None: ...
 
     def log_figure(self, fig, name: str) -> None: ...
+
+    def log_dataset(self, rows: list[dict], name: str, context: str) -> None:
+        """``rows`` as the run's dataset input ``name``; no-op here."""
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
 
@@ -262,7 +283,8 @@ class MlflowTracker:
                          nested=self.nested)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         try:
-            self.set_tags({"git_commit": git_commit(), "config_hash": config_hash(self.config)})
+            self.set_tags({"git_commit": git_commit(), "config_hash": config_hash(self.config),
+                           **({} if self.nested else launch_tags())})
             self.log_params(flatten(self.config))
             import yaml
 
@@ -338,6 +360,14 @@ class MlflowTracker:
 
     def log_figure(self, fig, name: str) -> None:
         self._call(f"logging figure {name}", self.mlflow.log_figure, fig, name)
+
+    def log_dataset(self, rows: list[dict], name: str, context: str) -> None:
+        """``rows`` (a pandas frame's records) as the run's dataset input ``name`` with
+        ``context`` (``evaluation``): the runs page's Datasets column shows it."""
+        import pandas as pd
+
+        data = self.mlflow.data.from_pandas(pd.DataFrame(rows), name=name)
+        self._call(f"logging dataset {name}", self.mlflow.log_input, data, context=context)
 
     def log_model(self, folder: str | Path, registered_name: str | None) -> str | None:
         """Log a saved HF folder as this run's model; register it when named (retried

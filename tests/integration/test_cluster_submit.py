@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -101,7 +102,8 @@ def test_submit_evaluate_to_two_node_cluster(two_node_cluster, job_env):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "submitted job" in out.stdout and "SUCCEEDED" in out.stdout
     assert "cluster at" in out.stdout  # the job joined the cluster, no embedded Ray
-    check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
+    job_id = re.search(r"submitted job (\S+)", out.stdout).group(1)
+    check_evaluate_run(job_env["MLFLOW_TRACKING_URI"], ray_job=job_id.strip("'\",:"))
 
     # plain Ray works too: the working_dir honours .gitignore (no .venv upload)
     plain = run_cmd(["ray", "job", "submit", "--address", two_node_cluster, "--working-dir",

@@ -22,16 +22,25 @@ pytestmark = pytest.mark.integration
 SMOKE = "experiments/smoke/evaluate.yaml"
 
 
-def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> None:
+def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke",
+                       ray_job: str | None = None) -> None:
     """One parent run (config, table, plots, best_*) and one child run per method, AR
-    included, with the method's settings as params and identical metric keys."""
+    included, with the method's settings as params and identical metric keys;
+    ``ray_job``: the Ray Jobs submission id its ``ray_job_id`` tag must hold."""
     client, run = find_run(tracking_uri, experiment)
+    if ray_job is not None:
+        assert run.data.tags.get("ray_job_id") == ray_job, run.data.tags
     assert run.info.status == "FINISHED"
     m = run.data.metrics
     assert {"best_speedup", "best_tau", "best_tokens_per_s", "prompts"} <= set(m), sorted(m)
     assert not any("." in k for k in m), sorted(m)  # no more "<method>.<metric>" keys
     assert run.data.params["methods.0.gamma"] == "2"
     assert run.data.tags["git_commit"] and run.data.tags["config_hash"]
+    assert "evaluate" in run.data.tags["command"]  # how it was started
+    assert m["summary/best_speedup"] == m["best_speedup"]  # the chart view leads with these
+    [ds] = run.inputs.dataset_inputs  # the prompt set, in the runs page's Datasets column
+    assert ds.dataset.name.startswith("stdlib_functions") and \
+        ds.tags[0].value == "evaluation"
     note = run.data.tags["mlflow.note.content"]  # the run page's description
     assert note.startswith("**Best speedup") and "| method | tau |" in note, note
     assert "| chain(gamma=2) |" in note
@@ -49,6 +58,7 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke") -> 
                 "measured_over_predicted", "accept_at_1"):
         assert key in cm, sorted(cm)
     assert children["ar"].data.metrics["tau"] == 1.0 and cm["tau"] >= 1.0
+    assert cm["summary/tau"] == cm["tau"] and cm["summary/speedup"] == cm["speedup"]
     assert cm["tau_std"] >= 0 and cm["speedup_std"] >= 0
     assert m["best_tau"] == max(c.data.metrics["tau"] for k, c in children.items() if k != "ar")
     history = client.get_metric_history(chain.info.run_id, "acceptance_at_least")

@@ -63,6 +63,9 @@ def test_one_child_per_row_with_method_params_and_acceptance_steps():
     assert chain.tags == {"kind": "method", "method": "chain(gamma=2)", "loss": "talf"}
     [(flat, step)] = chain.metrics
     assert flat["tau"] == 1.5 and step is None
+    assert flat["summary/tau"] == 1.5 and flat["summary/speedup"] == flat["speedup"]
+    assert not [k for k in flat if k.startswith("summary/")
+                and k.removeprefix("summary/") not in flat]
     assert chain.series == ("acceptance_at_least", {k: 0.5 / k for k in range(1, 7)})
     loss = parent.child("compare-talf", {})
     loss.nested = True  # a child run itself: its methods carry its name
@@ -91,7 +94,10 @@ def test_child_run_names_keep_only_the_knobs_that_tell_runs_apart():
 def test_best_metrics_name_the_best_row():
     parent = Recorder()
     log_best(parent, ROWS, "eval/")
-    assert parent.metrics[0][0] == {"eval/best_speedup": 1.2, "eval/best_tau": 1.5}
+    assert parent.metrics[0][0] == {"eval/best_speedup": 1.2, "eval/best_tau": 1.5,
+                                    # the same under summary/: the chart view leads with them
+                                    "summary/eval/best_speedup": 1.2,
+                                    "summary/eval/best_tau": 1.5}
     assert parent.tags["eval/best_tau_method"] == "chain(gamma=2)"
 
 

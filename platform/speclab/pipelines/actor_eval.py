@@ -16,6 +16,7 @@ active run gets the table (CSV/JSON/TXT), the per-position acceptance table, the
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from speclab.agreement import compare_outputs, merge_agreements
@@ -58,6 +59,11 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     runs = list(methods) if methods is not None else cfg.method_list()
     method_runs = [MethodRun(m.name, m.params(), m.label or "") for m in runs]
     categories = getattr(prompts, "categories", None) or ["all"] * len(prompts)
+    data = getattr(cfg, "data", None)
+    source = f"{data.prompts}:{data.path or 'built-in'}" if data is not None else "prompts"
+    tracker.log_dataset([{"category": c, "tokens": len(p), "prompt_ids": json.dumps(p)}
+                         for c, p in zip(categories, prompts, strict=True)], source,
+                        "evaluation")
     n_act = min(cfg.resources.num_actors, len(prompts))
     shards = [list(zip(categories[i::n_act], prompts[i::n_act], strict=True))
               for i in range(n_act)]
@@ -119,8 +125,6 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     firsts = [next(iter(part.values())) for part in parts]  # each actor's first category
     costs = [c for out in firsts if (c := next(iter(out.values()), {}).get("costs"))]
     if costs:  # the forward cost curves behind modelled_s, one per actor
-        import json
-
         tracker.log_text(json.dumps([c.to_dict() for c in costs], indent=1),
                          f"{prefix.replace('/', '_')}forward_costs.json")
     return rows
@@ -154,7 +158,6 @@ def log_categories(tracker, by_cat: dict[str, list[dict]], prefix: str = "") -> 
     ``<prefix>category/<category>/<method>/<metric>`` (names made valid MLflow keys:
     ``chain(gamma=2)`` -> ``chain_gamma_2``) and every row as
     ``<prefix>categories.json``."""
-    import json
     import math
 
     from speclab.tracking import metric_key

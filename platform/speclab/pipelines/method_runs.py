@@ -67,11 +67,24 @@ def log_child_runs(tracker, rows: list[dict], params: list[dict], tags: dict | N
         label = str(p.get("label") or p.get("name") or row.get("method"))
         with tracker.child(child_run_name(tracker, short), {"method": p}) as child:
             child.set_tags({"kind": "method", "method": label, **(tags or {})})
-            child.log_metrics(metrics)
+            child.log_metrics({**metrics, **summary_metrics(metrics)})
             steps = {k: metrics[f"accept_at_{k}"] for k in range(1, ACCEPT_POSITIONS + 1)
                      if f"accept_at_{k}" in metrics}
             if steps:
                 child.log_series("acceptance_at_least", steps)
+
+
+#: the figures that answer "which method, how much faster": also logged under
+#: ``summary/`` (MLflow's chart view groups metrics by prefix, so these lead)
+HEADLINE = ("tau", "speedup", "speedup_lo", "speedup_hi", "target_calls_per_token",
+            "tokens_per_s", "acceptance_rate")
+
+
+def summary_metrics(metrics: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """``summary/<prefix><name>`` copies of the :data:`HEADLINE` figures in ``metrics``
+    (keys ``<prefix><name>``)."""
+    return {f"summary/{prefix}{m}": metrics[f"{prefix}{m}"] for m in HEADLINE
+            if f"{prefix}{m}" in metrics}
 
 
 def short_run_names(params: list[dict], fallback: list[str]) -> list[str]:
@@ -123,5 +136,5 @@ def log_best(tracker, rows: list[dict], prefix: str = "",
                 v = best.get(f"{m}_{end}")
                 if isinstance(v, (int, float)) and not math.isnan(v):
                     values[f"{prefix}best_{m}_{end}"] = v
-    tracker.log_metrics(values)
+    tracker.log_metrics({**values, **{f"summary/{k}": v for k, v in values.items()}})
     tracker.set_tags(tags)
