@@ -15,7 +15,8 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from speclab.config.jobs import JOB_CONFIGS
-from speclab.config.method import MethodSpec, methods
+from speclab.config.method import MethodSpec
+from speclab.drafters.registry import BUILTIN
 
 INTRO = """# Configuration reference
 
@@ -102,8 +103,11 @@ def reference() -> str:
                       "are its knobs (below, per method). `methods` is a list of them.", ""]
         else:
             lines += [f"Type: {_type_name(annotation)}.", ""]
-    lines += ["## Methods and their knobs", ""]
-    for name, cls in methods().items():
+    lines += ["## Methods and their knobs", "",
+              "The built-in methods (a plugin module's methods are listed by `speclab "
+              "generate --help` once `$SPECLAB_PLUGINS` names it).", ""]
+    for cls in BUILTIN:
+        name = cls.model_fields["name"].default
         lines += [f"### `{name}`", ""]
         if cls.__doc__:
             lines += [" ".join(cls.__doc__.split()), ""]
