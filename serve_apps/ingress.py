@@ -350,8 +350,9 @@ class Ingress:
             raise HTTPError(400, f"{max_param}: must be <= {self.s['max_tokens']} on this "
                                  f"server, got {max_tokens}", max_param)
         info = await self._infos()
-        limit = min(x for x in (info.get("context"), self.s.get("max_model_len"), 10**12) if x)
-        if len(ids) + max_tokens > limit:
+        limit = min((x for x in (info.get("context"), self.s.get("max_model_len")) if x),
+                    default=None)  # None: neither the model nor the server sets one
+        if limit is not None and len(ids) + max_tokens > limit:
             raise HTTPError(400, f"{prompt_param}: this model's maximum context length is "
                                  f"{limit} tokens; the prompt has {len(ids)} tokens and "
                                  f"{max_param} asks for {max_tokens} more ({len(ids) + max_tokens}"

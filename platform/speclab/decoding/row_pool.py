@@ -89,6 +89,16 @@ class _Prefilling:
     def total(self) -> int:
         return len(self.row.prompt_ids) - 1
 
+    @property
+    def echo(self) -> bool:
+        """Its prompt tokens' log-probs are asked for."""
+        return self.row.logprobs is not None and self.row.echo
+
+    @property
+    def needs_logits(self) -> bool:
+        """A prefill forward must return its logits (top tokens or echoed log-probs)."""
+        return bool(self.top_k) or self.echo
+
     def absorb(self, logits: torch.Tensor | None, features: torch.Tensor | None,
                n: int) -> None:
         """Take one chunk's ``n`` positions: ``logits`` ``[n, V]`` (None when nothing
@@ -98,17 +108,16 @@ class _Prefilling:
                 logits[:n].topk(min(self.top_k, logits.shape[-1]), -1).indices)[0]
         if features is not None:
             self.features = (self.features or []) + [features[:n].clone()]
-        if self.row.logprobs is not None and self.row.echo and n:
+        if self.echo and n:
             self.logits = (self.logits or []) + [logits[:n]]
         self.done += n
 
     def result(self) -> Prefilled:
         """What the whole prefill gives the row (:class:`Prefilled`)."""
         r = self.row
-        feats = None if self.features is None else torch.cat(self.features) if \
-            self.features else torch.zeros(0)
+        feats = None if self.features is None else torch.cat(self.features)
         echo = None
-        if r.logprobs is not None and r.echo:
+        if self.echo:
             echo = prompt_logprobs(torch.cat(self.logits) if self.logits else None,
                                    r.prompt_ids, r.logprobs)
         return Prefilled(self.top if self.top_k and self.total else None, feats, echo)
@@ -223,8 +232,7 @@ class TargetPool:
         if not states:
             return
         first = [min(st.total, chunk or st.total) for st in states]
-        needed = any(st.top_k or (st.row.logprobs is not None and st.row.echo)
-                     for st in states)
+        needed = any(st.needs_logits for st in states)
         logits = runner.add_rows([list(st.row.prompt_ids[:n])
                                   for st, n in zip(states, first, strict=True)], needed)
         for j, (st, n) in enumerate(zip(states, first, strict=True)):
@@ -260,8 +268,7 @@ class TargetPool:
             tokens[b] = torch.tensor(st.row.prompt_ids[st.done: st.done + n], dtype=torch.long)
             fed.append((b, st, n))
             budget -= n
-        needed = any(st.top_k or (st.row.logprobs is not None and st.row.echo)
-                     for _, st, _ in fed)
+        needed = any(st.needs_logits for _, st, _ in fed)
         logits = self.staging.forward(tokens, last_only=not needed)
         done = []
         for b, st, n in fed:
@@ -353,12 +360,12 @@ class TargetPool:
 
     def end(self, rid: str) -> bool:
         """Row ``rid`` leaves (False if it was not here)."""
-        if rid not in self.rids and rid not in self.prefilling:
-            return False
         if rid in self.prefilling:  # not verified yet: its cache is the staging runner's
             self.staging.drop([list(self.prefilling).index(rid)])
             del self.prefilling[rid]
             return True
+        if rid not in self.rids:
+            return False
         b = self.rids.index(rid)
         self.runner.drop([b])
         for state in (self.rids, self.roots, self.samplings, self.rules, self.generators,
