@@ -27,6 +27,7 @@ state on both deployments is freed when it ends, fails or its client goes away.
 """
 
 
+import asyncio
 import json
 import secrets
 import time
@@ -180,6 +181,14 @@ def _replica_error(exc: Exception, what: str) -> HTTPError:
     return HTTPError(503, f"{what}: {text}", kind="service_unavailable")
 
 
+async def _before(step, deadline: float | None):
+    """``await step``, or TimeoutError once ``time.perf_counter()`` passes ``deadline``
+    (None: no deadline)."""
+    if deadline is None:
+        return await step
+    return await asyncio.wait_for(step, max(deadline - time.perf_counter(), 0.0))
+
+
 @dataclass
 class Decoding:
     """One request's decoding parameters and, once decoded, its tokens and stats."""
@@ -198,6 +207,8 @@ class Decoding:
     token_logprobs: list = field(default_factory=list)  # an entry per token (logprobs)
     prompt_logprobs: list | None = None  # an entry per prompt token (echo)
     finish_reason: str = "length"
+    deadline: float | None = None  # time.perf_counter() at which decoding stops
+    deadline_exceeded: bool = False  # it did: the reply holds the rounds decoded by then
 
     def kept_logprobs(self) -> list:
         """The entries of the tokens kept (a stop string may have cut the last round)."""
@@ -250,10 +261,11 @@ class Ingress:
         return self._info
 
     # ------------------------------------------------------------------ decoding
-    async def _decode(self, rid: str, dec: Decoding, stream: bool) -> AsyncIterator[list[int]]:
-        """Request ``rid`` on the deployment that drives it; yields the tokens of each
-        round (``stream``) or all at once; fills ``dec.stats``. On failure or an early
-        close (a stop string, a gone client) both deployments free its state."""
+    async def _decode(self, rid: str, dec: Decoding) -> AsyncIterator[list[int]]:
+        """Request ``rid`` on the deployment that drives it, streamed from there: yields
+        the tokens of each round; fills ``dec.stats``. On failure, an early close (a stop
+        string, a gone client: Serve cancels this task) or the request's deadline both
+        deployments free its state at once, and the stats are those of the rounds run."""
         info = await self._infos()
         drafting = info["drafting"]
         key = target_key(rid, self.s["target_buckets"])
@@ -261,40 +273,38 @@ class Ingress:
                             dec.seed, sorted(eos_set(info["eos"])), drafting, dec.logprobs,
                             dec.echo).__dict__
         t0 = time.perf_counter()
-        finished, response = False, None
+        finished = False
+        if drafting:
+            response = self.draft.options(stream=True).generate.remote(rid, req)
+        else:
+            response = self.target.options(stream=True).generate.remote(key, rid, req)
         try:
-            if stream:
-                if drafting:
-                    response = self.draft.options(stream=True).generate.remote(rid, req)
-                else:
-                    response = self.target.options(stream=True).generate.remote(key, rid, req)
-                async for chunk in response:
-                    if "progress" in chunk:
-                        dec.live.add(chunk["progress"])
-                    if "stats" in chunk:
-                        dec.stats = chunk["stats"]
-                    elif "prompt_logprobs" in chunk:
-                        dec.prompt_logprobs = chunk["prompt_logprobs"]
-                    elif chunk["tokens"]:
-                        dec.tokens += chunk["tokens"]
-                        dec.token_logprobs += chunk.get("logprobs", [])
-                        yield chunk["tokens"]
-            else:
-                reply = await (self.draft.complete.remote(rid, req) if drafting
-                               else self.target.complete.remote(key, rid, req))
-                dec.tokens, dec.stats = list(reply["tokens"]), reply["stats"]
-                dec.token_logprobs = reply.get("logprobs", [])
-                dec.prompt_logprobs = reply.get("prompt_logprobs")
-                if dec.tokens:
-                    yield dec.tokens
-            finished = True
+            chunks = aiter(response)
+            while True:
+                try:
+                    chunk = await _before(anext(chunks), dec.deadline)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    dec.deadline_exceeded = True
+                    break
+                if "progress" in chunk:
+                    dec.live.add(chunk["progress"])
+                if "stats" in chunk:
+                    dec.stats = chunk["stats"]
+                elif "prompt_logprobs" in chunk:
+                    dec.prompt_logprobs = chunk["prompt_logprobs"]
+                elif chunk["tokens"]:
+                    dec.tokens += chunk["tokens"]
+                    dec.token_logprobs += chunk.get("logprobs", [])
+                    yield chunk["tokens"]
+            finished = not dec.deadline_exceeded
         except Exception as exc:
             raise _replica_error(exc, f"request {rid}") from None
         finally:
             if not finished:
-                if response is not None:
-                    response.cancel()
-                if not dec.stats:  # ended early (a stop string): the rounds that ran
+                response.cancel()
+                if not dec.stats:  # ended early: the rounds that ran
                     dec.stats = dec.live.to_dict()
                     dec.stats["timing"] = {"ingress_s": time.perf_counter() - t0}
                     dec.stats["wall_s"] = dec.stats["timing"]["ingress_s"]
@@ -339,13 +349,15 @@ class Ingress:
                         top_p: float, top_k: int, seed: int, stops: list[str],
                         rule: str | None, rule_params: dict | None,
                         max_param: str = "max_tokens", logprobs: int | None = None,
-                        echo: bool = False, prompt_param: str = "prompt") -> Decoding:
+                        echo: bool = False, prompt_param: str = "prompt",
+                        timeout: float | None = None) -> Decoding:
         """A request's decoding parameters, checked against this server's bounds, the
         vocabulary and the rule registry (``rule`` / ``rule_params``: the request's
         ``verify`` / ``verify_params``; ``logprobs``: alternatives per token of the
         target's log-probs to report, None: none; ``echo``: the prompt's too); HTTPError
         400 names the field (``prompt_param``: the request's prompt field, for a request
-        beyond the model's context length)."""
+        beyond the model's context length). ``timeout``: the seconds the request may
+        decode from now, at most ``serve.request_timeout_s``; None: that bound alone."""
         if max_tokens > self.s["max_tokens"]:
             raise HTTPError(400, f"{max_param}: must be <= {self.s['max_tokens']} on this "
                                  f"server, got {max_tokens}", max_param)
@@ -382,15 +394,17 @@ class Ingress:
             raise HTTPError(400, str(exc), "verify_params") from None
         except ValueError as exc:
             raise HTTPError(400, str(exc), "verify") from None
+        limit_s = min((x for x in (timeout, self.s.get("request_timeout_s")) if x), default=None)
         return Decoding(ids, max_tokens, {"temperature": temperature, "top_k": top_k,
-                                          "top_p": top_p}, spec, seed, stops, logprobs, echo)
+                                          "top_p": top_p}, spec, seed, stops, logprobs, echo,
+                        deadline=None if limit_s is None else time.perf_counter() + limit_s)
 
-    async def _run_text(self, rid: str, dec: Decoding, stream: bool) -> AsyncIterator[str]:
+    async def _run_text(self, rid: str, dec: Decoding) -> AsyncIterator[str]:
         """Text deltas per round, cut at a stop string (not included; see
         :class:`serve_apps.stops.StopText`); a stop string or a gone client ends the
         request's rounds early and frees its states at once."""
         text = StopText(self._text, dec.stops)
-        async for delta in text.deltas(self._decode(rid, dec, stream or bool(dec.stops))):
+        async for delta in text.deltas(self._decode(rid, dec)):
             yield delta
         if text.stopped:
             dec.finish_reason, dec.tokens = "stop", list(text.tokens)
@@ -398,7 +412,7 @@ class Ingress:
     async def _complete_text(self, route: str, rid: str, dec: Decoding) -> str:
         """The whole text of a non-streamed request (metrics recorded)."""
         t0 = time.perf_counter()
-        text = "".join([d async for d in self._run_text(rid, dec, False)])
+        text = "".join([d async for d in self._run_text(rid, dec)])
         self.metrics.request(route, time.perf_counter() - t0, dec.stats)
         return text
 
@@ -424,7 +438,8 @@ class Ingress:
                 "accepted_lengths": st.get("accepted_lengths", []),
                 "acceptance_rate": st.get("acceptance_rate", 0.0),
                 "ahead_rounds": timing.get("ahead_rounds", 0),
-                "ahead_hits": timing.get("ahead_hits", 0)}
+                "ahead_hits": timing.get("ahead_hits", 0),
+                "deadline_exceeded": dec.deadline_exceeded}
 
     def _events(self, route: str, rid: str, dec: Decoding, head: dict,
                 choice: callable) -> StreamingResponse:
@@ -435,7 +450,7 @@ class Ingress:
         async def events() -> AsyncIterator[str]:
             t0 = time.perf_counter()
             try:
-                async for delta in self._run_text(rid, dec, True):
+                async for delta in self._run_text(rid, dec):
                     yield "data: " + json.dumps({**head, "choices": [choice(delta, None)]}) + \
                         "\n\n"
                 yield "data: " + json.dumps({**head, "choices": [choice("", dec.finish_reason)]}
@@ -497,12 +512,13 @@ class Ingress:
         dec = await self._decoding(ids, body.max_tokens, body.temperature, body.top_p,
                                    body.top_k, body.seed, body.stop, body.verify,
                                    body.verify_params, prompt_param="prompt" if
-                                   body.prompt is not None else "prompt_ids")
+                                   body.prompt is not None else "prompt_ids",
+                                   timeout=body.timeout)
         rid = uuid.uuid4().hex
         text = await self._complete_text("generate", rid, dec)
         return {"id": rid, "text": text, "token_ids": dec.tokens,
                 "finish_reason": dec.finish_reason, "method": self.s["method"],
-                "stats": dec.stats}
+                "deadline_exceeded": dec.deadline_exceeded, "stats": dec.stats}
 
     @api.post("/v1/completions", responses=_errors(400, 401, 404, 503))
     async def completions(self, body: CompletionRequest, request: Request):
@@ -513,7 +529,7 @@ class Ingress:
         dec = await self._decoding(ids, body.max_tokens, body.temperature, body.top_p, 0,
                                    body.seed if body.seed is not None else 0, body.stop,
                                    body.verify, body.verify_params, logprobs=body.logprobs,
-                                   echo=bool(body.echo))
+                                   echo=bool(body.echo), timeout=body.timeout)
         rid = uuid.uuid4().hex
         head = {"id": f"cmpl-{rid}", "object": "text_completion",
                 "created": int(time.time()), "model": self.s["model_name"]}
@@ -568,7 +584,7 @@ class Ingress:
                                    body.seed if body.seed is not None else 0, body.stop,
                                    body.verify, body.verify_params, param,
                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                                   prompt_param="messages")
+                                   prompt_param="messages", timeout=body.timeout)
         rid = uuid.uuid4().hex
         head = {"id": f"chatcmpl-{rid}", "created": int(time.time()),
                 "model": self.s["model_name"]}

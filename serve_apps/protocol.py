@@ -123,6 +123,13 @@ class _OpenAIBody(_Body):
     metadata: dict[str, str] | None = None
 
 
+#: seconds a request may decode (``timeout``)
+Timeout = Annotated[float | None, Field(
+    gt=0.0, description="seconds this request may decode, at most "
+                              "serve.request_timeout_s; past it the reply holds the tokens "
+                              "decoded by then, finish_reason length and "
+                              "deadline_exceeded: true")]
+
 #: alternatives per token a request may ask for (``logprobs`` / ``top_logprobs``)
 TopLogprobs = Annotated[int | None, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 
@@ -158,6 +165,7 @@ class CompletionRequest(_OpenAIBody):
     seed: int | None = None
     verify: RuleName = None
     verify_params: RuleParams = None
+    timeout: Timeout = None
     stream: bool = False
     n: Literal[1] = 1
     best_of: Annotated[int | None, _neutral((1, None), "only 1")] = None
@@ -221,6 +229,7 @@ class ChatCompletionRequest(_OpenAIBody):
     seed: int | None = None
     verify: RuleName = None
     verify_params: RuleParams = None
+    timeout: Timeout = None
     stream: bool = False
     n: Literal[1] = 1
     logprobs: bool | None = Field(None, description="the target's log-probs of the tokens")
@@ -260,6 +269,7 @@ class GenerateRequest(_Body):
     seed: int = 0
     verify: RuleName = None
     verify_params: RuleParams = None
+    timeout: Timeout = None
 
     @field_validator("stop")
     @classmethod

@@ -25,7 +25,7 @@ from speclab.raylib import init_ray, project_runtime_env, quiet_ray_env
 from speclab.recommend import Recommender
 from speclab.reference_large import ensure_reference_large, format_cost, record_cost
 from speclab.shift import first_token_shift
-from speclab.tracking import default_artifact_root, resolve_tracking_uri
+from speclab.tracking import default_artifact_root, resolve_tracking_uri, ui_record
 
 HANDLERS: dict = {}
 
@@ -439,7 +439,9 @@ def ui_pages(uri: str, base: str) -> list[str]:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    """Run ``mlflow server`` (light mode) on 127.0.0.1 over the store jobs write to."""
+    """Run ``mlflow server`` (light mode) on 127.0.0.1 over the store jobs write to; its
+    port is recorded (:func:`speclab.tracking.ui_record`) while it runs."""
+    import json
     import os
     import signal
     import subprocess
@@ -460,6 +462,9 @@ def cmd_ui(args: argparse.Namespace) -> int:
     # `mlflow server` runs uvicorn as a child: give them a process group of their own and
     # stop that group on Ctrl-C or SIGTERM, so nothing outlives this command
     server = subprocess.Popen(cmd, env=env, start_new_session=True)
+    record = ui_record()  # jobs print run links on this port while it runs
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"port": args.port, "pid": os.getpid(), "uri": uri}))
 
     stopping = []
 
@@ -482,6 +487,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
             stop_server(signal.SIGKILL)
             server.wait()
         return 0
+    finally:
+        record.unlink(missing_ok=True)
 
 
 def cmd_recommend(args: argparse.Namespace) -> int:

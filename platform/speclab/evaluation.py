@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -258,6 +259,18 @@ def run_prompts(dec: Decoder, run: MethodRun, prompts: list[list[int]], gen: dic
 Block = Callable[[list[list[int]], int], Totals]
 
 
+#: seconds between two progress lines within a pass of :func:`paired_passes`
+PROGRESS_EVERY_S = 20.0
+
+
+def _eta(done: float, elapsed: float) -> str:
+    """``N s, ETA M s``: ``elapsed`` seconds for the fraction ``done`` of the work, the
+    rest at the same pace (``N s`` alone once done)."""
+    if done >= 1:
+        return f"{elapsed:.0f} s"
+    return f"{elapsed:.0f} s, ETA {elapsed * (1 - done) / done:.0f} s"
+
+
 def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[int]],
                   passes: int = TIMING_PASSES, batched: bool = False,
                   record: Callable[[], Counter] | None = None,
@@ -289,9 +302,10 @@ def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[
             t.shapes, t.forward_s = record()
         return t
 
+    t_start = said = time.perf_counter()
     for k in range(passes):
         cur = {name: [Totals(), Totals()] for name in blocks}
-        for unit, ps, first in units:
+        for j, (unit, ps, first) in enumerate(units, start=1):
             for name, block in blocks.items():
                 if k % 2 == 0:
                     ar = timed(baseline, ps, first)
@@ -305,6 +319,11 @@ def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[
                                         m.new_tokens, shapes=m.shapes, ar_shapes=ar.shapes))
             if between is not None:
                 between()
+            now = time.perf_counter()
+            if progress is not None and j < len(units) and now - said >= PROGRESS_EVERY_S:
+                said = now
+                progress(f"pass {k + 1}/{passes}, prompt {j}/{len(units)}: "
+                         + _eta((k * len(units) + j) / (passes * len(units)), now - t_start))
         for name, (m, ar) in cur.items():
             if k == 0:
                 final[name] = [m, ar]
@@ -312,8 +331,9 @@ def paired_passes(blocks: dict[str, Block], baseline: Block, prompts: list[list[
                 final[name][0].absorb(m)
                 final[name][1].absorb(ar)
         if progress is not None:
+            said = time.perf_counter()
             progress(f"pass {k + 1}/{passes}: {len(prompts)} prompts x {len(blocks)} "
-                     f"methods, each paired with AR")
+                     f"methods, each paired with AR; " + _eta((k + 1) / passes, said - t_start))
     flat = normalize_ar([p for name in blocks for p in pairs[name]])
     at = 0
     for name in blocks:
@@ -537,6 +557,7 @@ def summarize(
         "discard_rate": (totals.drafted - totals.accepted) / n,
         "tokens_per_s": tokens_per_s,
         "ar_tokens_per_s": ar_tps,
+        "decode_s": totals.wall_s,  # this method's timed decoding, every pass
         **timing,
         "passes": totals.passes,
         "c": c,
@@ -637,15 +658,67 @@ def cell(row: dict, key: str, fmt) -> str:
     return fmt.format(v)
 
 
+#: method labels longer than this are shown by a short name and a legend
+SHORT_LABEL = 24
+
+
+def auto_label(p: dict) -> str:
+    """The automatic label of a method's settings ``p`` (``name`` and knobs):
+    ``name(k=v,...)``, knobs sorted; ``name`` alone without knobs."""
+    knobs = {k: v for k, v in p.items() if k not in ("name", "label")}
+    inner = ",".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+    return f"{p.get('name')}({inner})" if knobs else str(p.get("name"))
+
+
+def distinct_knobs(params: list[dict]) -> list[str]:
+    """Each method's ``name`` with only the knobs whose values differ between the
+    methods of that name in ``params`` (``chain(gamma=2)`` beside ``chain(gamma=4)``,
+    but ``salf`` alone)."""
+    out = []
+    for p in params:
+        same = [q for q in params if q.get("name") == p.get("name")]
+        differ = sorted(k for k in p if k not in ("name", "label")
+                        and any(q.get(k) != p[k] for q in same))
+        inner = ",".join(f"{k}={p[k]}" for k in differ)
+        out.append(f"{p.get('name')}({inner})" if inner else str(p.get("name")))
+    return out
+
+
+def short_labels(labels: list[str]) -> dict[str, str]:
+    """Short names for the automatic labels (``name(k=v,...)``) longer than
+    :data:`SHORT_LABEL`: the name with only the knobs that differ between the labels of
+    that name (:func:`distinct_knobs`, as the MLflow child runs are named), e.g.
+    ``tree(depth=3,nodes=6,...)`` -> ``tree``; ``{}`` when every label fits, or when two
+    names would be the same."""
+    unique = list(dict.fromkeys(labels))
+    parsed = []
+    for label in unique:
+        name, _, inner = label.partition("(")
+        pairs = [kv.split("=", 1) for kv in inner[:-1].split(",")] if inner else []
+        p = {"name": name, **{kv[0]: kv[1] for kv in pairs if len(kv) == 2}}
+        parsed.append(p if label.endswith(")") == bool(inner) and auto_label(p) == label
+                      else None)
+    shorts = distinct_knobs([p or {"name": label} for p, label in zip(parsed, unique)])
+    out = {label: short for label, short, p in zip(unique, shorts, parsed)
+           if p is not None and len(label) > SHORT_LABEL and short != label}
+    names = [out.get(label, label) for label in unique]
+    return out if len(set(names)) == len(names) else {}
+
+
 def format_table(rows: list[dict], columns=COLUMNS) -> str:
-    """A plain-text table of ``rows`` (missing cells shown as ``-``)."""
+    """A plain-text table of ``rows`` (missing cells shown as ``-``); method labels
+    longer than :data:`SHORT_LABEL` get a short name and a legend under the table."""
     header = [c for c, _ in columns]
-    cells = [[cell(r, c, fmt) for c, fmt in columns] for r in rows]
+    short = short_labels([str(r.get("method", "")) for r in rows]) if "method" in header \
+        else {}
+    cells = [[short.get(v, v) if c == "method" else v
+              for c, v in ((c, cell(r, c, fmt)) for c, fmt in columns)] for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in cells)) if cells else len(h)
               for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    lines += [f"  {s}: {label}" for label, s in short.items()]
     return "\n".join(lines)
 
 

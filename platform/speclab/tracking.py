@@ -159,6 +159,10 @@ class Tracker(Protocol):
     def child(self, run_name: str, config: dict) -> Tracker:
         """A nested run (a trial, one loss of a comparison)."""
 
+    def set_duration(self, seconds: float) -> None:
+        """After the run ended: its end time set ``seconds`` after its start (a method's
+        run, logged after the paired timing, then shows the method's decoding time)."""
+
 
 class NullTracker:
     """Does nothing: a :class:`Tracker` for tests and for tracking off."""
@@ -197,6 +201,8 @@ class NullTracker:
     def child(self, run_name: str, config: dict) -> NullTracker:
         """A nested run (a trial, one loss of a comparison); no-op here."""
         return NullTracker()
+
+    def set_duration(self, seconds: float) -> None: ...
 
 
 class MlflowTracker:
@@ -380,6 +386,15 @@ class MlflowTracker:
         return MlflowTracker(self.uri, self.experiment, run_name, config, nested=True,
                              retry_s=self.retry_s)
 
+    def set_duration(self, seconds: float) -> None:
+        """After the run ended: its end time set ``seconds`` after its start."""
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.uri)
+        run = self._call("reading the run", client.get_run, self.run_id)
+        self._call("setting the run's end time", client.set_terminated, self.run_id,
+                   run.info.status, run.info.start_time + max(int(seconds * 1000), 1))
+
 
 def _bounded_mlflow_http() -> None:
     """Make one MLflow HTTP call of this process fail within seconds, not minutes, when
@@ -400,14 +415,34 @@ def open_tracker(enabled: bool, uri: str | None, experiment: str, run_name: str 
     return MlflowTracker(resolved, experiment, run_name, config)
 
 
-def run_link(tracker: Tracker, ui_port: int = 5000) -> str | None:
+def ui_record() -> Path:
+    """Where a running ``speclab ui`` records its port, pid and store."""
+    from speclab.paths import speclab_home
+
+    return speclab_home() / "ui.json"
+
+
+def running_ui_port(uri: str) -> int | None:
+    """The port of a ``speclab ui`` running now over the store ``uri`` (its record, with
+    a live pid); None when there is none."""
+    try:
+        rec = json.loads(ui_record().read_text())
+        os.kill(int(rec["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return int(rec["port"]) if rec.get("uri") == str(uri) else None
+
+
+def run_link(tracker: Tracker, ui_port: int | None = None) -> str | None:
     """The browser address of ``tracker``'s run: on its tracking server, or on the UI
-    that ``speclab ui`` starts over a local store (default port 5000); None untracked."""
+    that ``speclab ui`` serves over a local store (``ui_port``; default: the port of the
+    one running now, else 5000, its default); None untracked."""
     if not tracker.run_id or not tracker.experiment_id:
         return None
     uri = str(tracker.uri or "")
+    port = ui_port or running_ui_port(uri) or 5000
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else \
-        f"http://127.0.0.1:{ui_port}"
+        f"http://127.0.0.1:{port}"
     return (f"{base}/#/experiments/{tracker.experiment_id}/runs/{tracker.run_id}"
             "?workflowType=machine_learning")
 

@@ -60,6 +60,10 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke",
     assert children["ar"].data.metrics["tau"] == 1.0 and cm["tau"] >= 1.0
     assert cm["summary/tau"] == cm["tau"] and cm["summary/speedup"] == cm["speedup"]
     assert cm["tau_std"] >= 0 and cm["speedup_std"] >= 0
+    # each method's run lasts its timed decoding and has a colour of its own
+    assert chain.info.end_time - chain.info.start_time == max(int(cm["decode_s"] * 1000), 1)
+    colours = [c.data.tags["mlflow.runColor"] for c in children.values()]
+    assert len(set(colours)) == len(colours) == 5, colours
     assert m["best_tau"] == max(c.data.metrics["tau"] for k, c in children.items() if k != "ar")
     history = client.get_metric_history(chain.info.run_id, "acceptance_at_least")
     assert [h.step for h in sorted(history, key=lambda h: h.step)] == [1, 2, 3, 4, 5, 6]
@@ -111,8 +115,11 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         assert "tau" in res.stdout and "salf(" in res.stdout  # the printed table
         assert "True" in res.stdout  # greedy outputs identical to AR
         assert "(after `speclab ui`)" in res.stdout
-        assert "[evaluate] method 1/" in res.stdout + res.stderr  # progress per method
-        assert "[evaluate] actor: torch threads 1" in res.stdout + res.stderr  # resources
+        out = res.stdout
+        assert "[evaluate] actor 1: method 1/" in out  # progress per method, per actor
+        assert "[evaluate] actor 2: models loaded, torch threads 1" in out  # resources
+        assert out.rindex("[evaluate] actor ") < out.index("\nmethod ")  # then the table
+        assert "\n  salf: salf(batch=2," in out  # a short label's legend
         assert "http://127.0.0.1:5000/#/experiments/" in res.stdout  # a direct link
         check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
     if job == "compare_losses":
@@ -125,7 +132,8 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         check_datastore_serves_rest(job_env)
     if job == "retrieval_eval":  # every task, every method, all lossless (greedy, no relax
         for task in ("code_completion", "docstring_qa", "docstring_summary"):  # for pld)
-            assert any(ln.startswith(task) and " pld(" in ln and ln.rstrip().endswith("True")
+            assert any(ln.startswith(task) and ln.split()[1].startswith("pld")
+                       and ln.rstrip().endswith("True")
                        for ln in res.stdout.splitlines()), res.stdout[-3000:]
         check_retrieval_runs(job_env["MLFLOW_TRACKING_URI"])
 

@@ -61,8 +61,12 @@ def test_ui_serves_the_embedded_store(job_env, monkeypatch):
             {"key": m["key"], "value": m["value"]} for m in runs[0]["data"]["metrics"]]
         params = {p["key"]: p["value"] for p in runs[0]["data"]["params"]}
         assert params["a.b"] == "1"
+        # a job's printed link names the port of the UI running now, not always 5000
+        assert tracking.run_link(t).startswith(f"{base}/#/experiments/")
     finally:  # `speclab ui` and the mlflow server it runs: its whole process group
         stop_process_tree(proc, grace=30)
+    assert not tracking.ui_record().exists()  # removed when the UI stops
+    assert tracking.run_link(t).startswith("http://127.0.0.1:5000/")
 
 
 def test_ui_lists_one_child_run_per_method_with_identical_metric_keys(job_env):

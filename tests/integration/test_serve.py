@@ -584,6 +584,76 @@ def test_a_prompt_beyond_the_context_is_refused_at_once_naming_it(server):
     assert r.status_code == 200, r.text
 
 
+def _states_freed_at(url: str, limit_s: float = 30) -> float:
+    """``time.perf_counter()`` once no target or draft replica holds a request state."""
+    from serve_apps.soak import replica_states
+
+    t_end = time.perf_counter() + limit_s
+    while time.perf_counter() < t_end:
+        if all(st["sessions"] == 0 for st in replica_states(url)):
+            return time.perf_counter()
+        time.sleep(0.05)
+    pytest.fail(f"request states still held {limit_s} s later")
+
+
+def test_a_client_that_goes_away_stops_its_requests_work_within_a_second(server):
+    """A non-streamed completion whose client closes the connection after 0.3 s: its
+    rounds stop and both deployments free its states within a second, long before the
+    request would have ended (its full run, timed first, is the yardstick)."""
+    url = server["url"]
+    body = {"prompt": "def f(x):", "max_tokens": 256, "temperature": 0}
+    t0 = time.perf_counter()
+    full = requests.post(url + "/v1/completions", json=body, timeout=120).json()
+    full_s = time.perf_counter() - t0
+    assert full["usage"]["completion_tokens"] == 256  # no early end of sequence
+    _states_freed_at(url)
+    t0 = time.perf_counter()
+    with pytest.raises(requests.ReadTimeout):
+        requests.post(url + "/v1/completions", json=body, timeout=(10, 0.3))
+    gone = time.perf_counter()  # the client closed its connection here
+    freed = _states_freed_at(url)
+    print(f"full request {full_s:.2f} s; states freed {freed - gone:.2f} s after the client left")
+    assert freed - gone < 1.0, (freed - gone, full_s)
+    assert freed - t0 < full_s, (freed - t0, full_s)
+
+
+def test_a_request_deadline_returns_what_was_decoded_by_then(server):
+    """``timeout`` on each route: decoding ends at the deadline; the reply holds a prefix
+    of the full greedy output, ``deadline_exceeded``, finish_reason length and the SD
+    stats of the rounds run (tau >= 1); the states are freed; a bad timeout is a 400."""
+    url = server["url"]
+    body = {"prompt": "def f(x):", "max_tokens": 256, "temperature": 0}
+    full = requests.post(url + "/generate", json=body, timeout=120).json()
+    assert len(full["token_ids"]) == 256 and full["deadline_exceeded"] is False
+    t0 = time.perf_counter()
+    cut = requests.post(url + "/generate", json={**body, "timeout": 0.2}, timeout=120).json()
+    took = time.perf_counter() - t0
+    n = len(cut["token_ids"])
+    print(f"timeout 0.2 s: {n} tokens in {took:.2f} s")
+    assert cut["deadline_exceeded"] is True and cut["finish_reason"] == "length", cut
+    assert n < 256 and cut["token_ids"] == full["token_ids"][:n], (n, took)
+    stats = cut["stats"]
+    if n:
+        assert stats["tau"] >= 1 and stats["target_calls"] == len(stats["accepted_lengths"])
+    comp = requests.post(url + "/v1/completions", json={**body, "timeout": 0.2},
+                         timeout=120).json()
+    assert comp["speclab"]["deadline_exceeded"] is True
+    assert comp["choices"][0]["finish_reason"] == "length"
+    assert comp["usage"]["completion_tokens"] < 256
+    chunks = []
+    with requests.post(url + "/v1/chat/completions", stream=True, timeout=120, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 256,
+            "temperature": 0, "stream": True, "timeout": 0.2}) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                chunks.append(json.loads(line[6:]))
+    assert chunks[-1]["choices"] == [] and chunks[-1]["speclab"]["deadline_exceeded"] is True
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    _states_freed_at(url)
+    r = requests.post(url + "/generate", json={**body, "timeout": -1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout", r.text
+
+
 # ---- fuzzing every route's JSON body (Hypothesis) ----
 
 FUZZ_BASE = {  # a valid body per route; examples mutate, drop or add fields
@@ -594,7 +664,8 @@ FUZZ_BASE = {  # a valid body per route; examples mutate, drop or add fields
 }
 FUZZ_FIELDS = ["prompt", "prompt_ids", "max_tokens", "max_completion_tokens", "temperature",
                "top_p", "top_k", "stop", "seed", "stream", "n", "verify", "model", "messages",
-               "history", "k", "gamma", "echo", "logprobs", "user", "stream_options", "bogus"]
+               "history", "k", "gamma", "echo", "logprobs", "user", "stream_options", "timeout",
+               "bogus"]
 RAW_BODIES = [b"", b"{", b"null", b"[]", b'"x"', b"1e999", b'{"max_tokens": NaN}',
               b'{"prompt": "x", "temperature": Infinity}', b"\xff\xfe", b'{"prompt": "\\ud800"}',
               b'{"prompt": "x", "prompt": 3}', b'{"history": [1e400]}', b"[" * 2000]

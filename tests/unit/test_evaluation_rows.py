@@ -74,6 +74,7 @@ def test_the_comparison_reports_each_pass_and_each_method(tiny_pair):
                                  progress=lines.append, forward_costs=False)
     assert len(out) == 2 and len(lines) == 4
     assert lines[0].startswith("pass 1/2: 2 prompts x 2 methods")
+    assert ", ETA " in lines[0] and "ETA" not in lines[1]  # the rest at the pace so far
     assert lines[2].startswith("method 1/2 chain(gamma=2): 2 prompts, 16 tokens, ")
     assert lines[3].startswith("method 2/2 chain(gamma=3): ") and "tau " in lines[3]
     assert "speedup " in lines[3] and "x [" in lines[3]  # the median with its interval
@@ -97,3 +98,29 @@ def test_accept_at_k_counts_only_rounds_that_could_reach_k():
     assert accept_at_least([s], 4) == [1.0, 1.0, 1.0, 0.5]
     ar = summarize(MethodRun("ar"), Totals(), Totals())
     assert math.isnan(ar["accept_at_1"])  # no round could reach a draft position
+
+
+def test_long_method_labels_get_a_short_name_and_a_legend():
+    """A table narrower than 270 characters: a label over SHORT_LABEL characters is shown
+    by its method's name and the knobs that differ (as the MLflow child runs are named),
+    and spelt out under the table."""
+    from speclab.evaluation import format_table, short_labels
+
+    tree = "tree(depth=3,nodes=6,score_temperature=1.0,tree_top_k=2)"
+    salf = [f"salf(batch={b},depth=5,nodes=8,salf_threshold=0.3,score_temperature=1.0)"
+            for b in (2, 4)]
+    labels = ["ar", "chain(gamma=2)", tree, *salf]
+    assert short_labels(labels) == {tree: "tree", salf[0]: "salf(batch=2)",
+                                    salf[1]: "salf(batch=4)"}
+    assert short_labels(["ar", "chain(gamma=2)"]) == {}
+    assert short_labels(["tree", tree]) == {}  # never equal to another label
+    hand = "my own label that is rather long, with (parens"
+    assert short_labels([hand, tree]) == {tree: "tree"}  # a hand-given label stays
+    text = format_table([{"method": m, "tau": 1.5} for m in labels],
+                        [("method", "{}"), ("tau", "{:.2f}")])
+    lines = text.splitlines()
+    assert [x.split()[0] for x in lines[2:7]] == ["ar", "chain(gamma=2)", "tree",
+                                                  "salf(batch=2)", "salf(batch=4)"]
+    assert lines[7:] == [f"  tree: {tree}", f"  salf(batch=2): {salf[0]}",
+                         f"  salf(batch=4): {salf[1]}"]
+    assert max(len(x) for x in lines[:7]) < 30

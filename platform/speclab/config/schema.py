@@ -825,6 +825,11 @@ class ServeConfig(StrictModel):
     max_model_len: int | None = Field(
         None, gt=0, description="prompt + max_tokens a request may ask, below the target's "
                                 "own context length (default: the target's)")
+    request_timeout_s: float | None = Field(
+        None, gt=0.0, description="seconds a request may decode (a request's own timeout "
+                                  "can only lower it); past it the reply holds the tokens "
+                                  "decoded by then, its replicas' states are freed; null: "
+                                  "no deadline")
     max_sessions: int = Field(64, gt=0, description="live requests per replica (LRU evicted)")
     max_cached_tokens: int = Field(
         65536, gt=0, description="KV positions per replica over all its requests")

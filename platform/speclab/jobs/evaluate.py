@@ -21,7 +21,7 @@ from speclab.models.registry import resolve_models
 from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
 from speclab.pipelines.cli import start_job
 from speclab.raylib import init_ray
-from speclab.tracking import run_link
+from speclab.tracking import run_link, running_ui_port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         evaluate_pair(cfg, target, draft, prompts, t)
         t.log_metrics({"wall_s": time.perf_counter() - t_start})
     if tracker.run_id:
-        local = "" if str(tracker.uri).startswith("http") else " (after `speclab ui`)"
+        running = str(tracker.uri).startswith("http") or running_ui_port(str(tracker.uri))
+        local = "" if running else " (after `speclab ui`)"
         print(f"\n[evaluate] MLflow run {tracker.run_id}: {run_link(tracker)}{local}",
               flush=True)
     return 0

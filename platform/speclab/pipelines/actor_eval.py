@@ -17,6 +17,7 @@ active run gets the table (CSV/JSON/TXT), the per-position acceptance table, the
 from __future__ import annotations
 
 import json
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from speclab.agreement import compare_outputs, merge_agreements
@@ -72,7 +73,7 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     dtype, attn = cfg.models.dtype, cfg.models.attn_implementation
     threads = cfg.resources.torch_threads
 
-    @ray.remote
+    @ray.remote(max_concurrency=2)  # run() in one thread, lines() answered beside it
     class EvalWorker:
         """Holds the target and draft; evaluates methods over a shard of prompts."""
 
@@ -81,16 +82,22 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
 
             if threads:
                 torch.set_num_threads(threads)
-            print(f"[evaluate] actor: torch threads {torch.get_num_threads()}", flush=True)
             self.dec = Decoder.from_pretrained(target, draft, dtype, device,
                                                attn_implementation=attn)
+            # progress lines the driver has not taken yet
+            self.said = deque([f"models loaded, torch threads {torch.get_num_threads()}"])
+
+        def lines(self) -> list[str]:
+            """The progress lines since the last call (the driver prints them, so every
+            one comes before the table)."""
+            return [self.said.popleft() for _ in range(len(self.said))]
 
         def run(self, shard: list[tuple[str, list[int]]]) -> dict[str, dict]:
             """``{category: interleaved_comparison's result}`` over the shard's prompts
             of each category (the paired protocol is per prompt, so splitting the shard
             by category changes no figure of the whole)."""
-            def progress(line: str) -> None:  # reaches the driver's console (log_to_driver)
-                print(f"[evaluate] {line}", flush=True)
+            def progress(line: str) -> None:
+                self.said.append(line)
 
             out = {}
             for cat in dict.fromkeys(c for c, _ in shard):
@@ -105,7 +112,7 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
                                  num_gpus=cfg.resources.num_gpus_per_actor).remote()
               for _ in range(n_act)]
     try:
-        parts = ray.get([a.run.remote(s) for a, s in zip(actors, shards)])
+        parts = gather_with_progress(actors, [a.run.remote(s) for a, s in zip(actors, shards)])
     finally:
         for a in actors:
             ray.kill(a)
@@ -128,6 +135,23 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
         tracker.log_text(json.dumps([c.to_dict() for c in costs], indent=1),
                          f"{prefix.replace('/', '_')}forward_costs.json")
     return rows
+
+
+def gather_with_progress(actors: list, refs: list, every_s: float = 2.0) -> list:
+    """``ray.get(refs)`` (``refs[i]``: a call on ``actors[i]``, whose ``lines()`` returns
+    its new progress lines), printing each actor's lines as they come, tagged with the
+    actor's number when there are several: every line is printed before this returns."""
+    import ray
+
+    tag = len(actors) > 1
+    left = list(refs)
+    while True:
+        _, left = ray.wait(left, num_returns=len(left), timeout=every_s)
+        for i, got in enumerate(ray.get([a.lines.remote() for a in actors])):
+            for line in got:
+                print(f"[evaluate]{f' actor {i + 1}:' if tag else ''} {line}", flush=True)
+        if not left:
+            return ray.get(list(refs))
 
 
 #: the figures of each method logged per category (besides the whole table in JSON)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from speclab.evaluation import ACCEPT_POSITIONS
+from speclab.evaluation import ACCEPT_POSITIONS, auto_label, distinct_knobs
 
 
 def uniform_metrics(rows: list[dict], skip: Iterable[str] = ()) -> list[dict[str, float]]:
@@ -55,23 +55,37 @@ def log_child_runs(tracker, rows: list[dict], params: list[dict], tags: dict | N
                    skip: Iterable[str] = ()) -> None:
     """One child run of ``tracker``'s run per row: ``params[i]`` logged as
     ``method.<key>`` params, every numeric column of the rows as a metric under the
-    same keys in every child (:func:`uniform_metrics`), ``tags`` beside ``kind`` and
-    ``method`` (the full label). The run is named by :func:`short_run_names` (see
+    same keys in every child (:func:`uniform_metrics`), ``tags`` beside ``kind``,
+    ``method`` (the full label) and a colour of its own (:data:`RUN_COLORS`); a row's
+    ``decode_s`` becomes the run's duration (its decoding time). The run is named by :func:`short_run_names` (see
     :func:`child_run_name`), short enough for the UI's run column. Rows with ``accept_at_k`` columns
     also get the metric ``acceptance_at_least`` at step ``k`` (one line per method in
     MLflow's charts)."""
     if len(rows) != len(params):
         raise ValueError(f"{len(rows)} rows but {len(params)} parameter sets")
     names = short_run_names(params, [str(r.get("method")) for r in rows])
-    for row, p, metrics, short in zip(rows, params, uniform_metrics(rows, skip), names):
+    for i, (row, p, metrics, short) in enumerate(zip(rows, params, uniform_metrics(rows, skip),
+                                                     names)):
         label = str(p.get("label") or p.get("name") or row.get("method"))
         with tracker.child(child_run_name(tracker, short), {"method": p}) as child:
-            child.set_tags({"kind": "method", "method": label, **(tags or {})})
+            child.set_tags({"kind": "method", "method": label,
+                            RUN_COLOR: RUN_COLORS[i % len(RUN_COLORS)], **(tags or {})})
             child.log_metrics({**metrics, **summary_metrics(metrics)})
             steps = {k: metrics[f"accept_at_{k}"] for k in range(1, ACCEPT_POSITIONS + 1)
                      if f"accept_at_{k}" in metrics}
             if steps:
                 child.log_series("acceptance_at_least", steps)
+        if isinstance(row.get("decode_s"), int | float) and row["decode_s"] > 0:
+            child.set_duration(row["decode_s"])  # the Duration column: its decoding time
+
+
+#: the tag the MLflow UI reads a run's colour from (charts, runs table)
+RUN_COLOR = "mlflow.runColor"
+#: one colour per method run, in order (matplotlib's tab20, the strong ones first): no
+#: two of up to 20 methods share a colour in the chart view
+RUN_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+              "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896",
+              "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5")
 
 
 #: the figures that answer "which method, how much faster": also logged under
@@ -93,22 +107,9 @@ def short_run_names(params: list[dict], fallback: list[str]) -> list[str]:
     ``chain(gamma=4)``, but ``salf`` alone), e.g. ``salf(batch=4,depth=6,nodes=16,...)``
     becomes ``salf``. A label given by hand (not the automatic ``name(k=v,...)``) is
     kept, and so is every full label if two short names would be the same."""
-    def auto(p: dict) -> str:
-        knobs = {k: v for k, v in p.items() if k not in ("name", "label")}
-        inner = ",".join(f"{k}={v}" for k, v in sorted(knobs.items()))
-        return f"{p.get('name')}({inner})" if knobs else str(p.get("name"))
-
     full = [str(p.get("label") or p.get("name") or f) for p, f in zip(params, fallback)]
-    out = []
-    for p, label in zip(params, full):
-        if not p.get("name") or label != auto(p):
-            out.append(label)
-            continue
-        same = [q for q in params if q.get("name") == p["name"]]
-        differ = sorted(k for k in p if k not in ("name", "label")
-                        and any(q.get(k) != p[k] for q in same))
-        inner = ",".join(f"{k}={p[k]}" for k in differ)
-        out.append(f"{p['name']}({inner})" if inner else str(p["name"]))
+    out = [label if not p.get("name") or label != auto_label(p) else short
+           for p, label, short in zip(params, full, distinct_knobs(params))]
     return out if len(set(out)) == len(out) else full
 
 
