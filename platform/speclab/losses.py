@@ -47,8 +47,10 @@ from speclab.plugins import load_plugins
 LossFn = Callable[..., torch.Tensor]
 
 
-def _reduce(per_pos: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None):
-    """Weighted mean of ``per_pos [B, L]`` over positions where ``mask [B, L]`` is 1."""
+def masked_mean(per_pos: torch.Tensor, mask: torch.Tensor,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted mean of ``per_pos [B, L]`` over positions where ``mask [B, L]`` is 1
+    (``weights [B]``: per row)."""
     mask = mask.to(per_pos.dtype)
     if weights is not None:
         mask = mask * weights.to(per_pos.dtype)[:, None]
@@ -59,7 +61,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
                   weights: torch.Tensor | None = None) -> torch.Tensor:
     """``logits [B, L, V]``, ``labels [B, L]`` -> scalar CE (``sft`` and ``seq_kd``)."""
     per_pos = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")  # [B, L]
-    return _reduce(per_pos, mask, weights)
+    return masked_mean(per_pos, mask, weights)
 
 
 def _kept(probs: torch.Tensor) -> torch.Tensor:
@@ -82,7 +84,7 @@ def word_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: 
     logq = _student_logq(logits, ids)  # [B, L, K]
     p = _kept(probs)
     per_pos = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)  # [B, L]
-    return _reduce(per_pos, mask, weights)
+    return masked_mean(per_pos, mask, weights)
 
 
 def tvd_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
@@ -92,7 +94,7 @@ def tvd_kd(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: t
     q_kept = _student_logq(logits, ids).exp()  # [B, L, K]
     outside = (1.0 - q_kept.sum(-1)).clamp_min(0.0)  # q mass where p is 0: [B, L]
     per_pos = 0.5 * ((_kept(probs) - q_kept).abs().sum(-1) + outside)
-    return _reduce(per_pos, mask, weights)
+    return masked_mean(per_pos, mask, weights)
 
 
 def hass_topk(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
@@ -107,7 +109,7 @@ def hass_topk(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask
         ids, probs = ids[..., :top_k], probs[..., :top_k]
     logq = _student_logq(logits, ids)
     per_pos = -(probs.float() * logq).sum(-1)  # [B, L]
-    return _reduce(per_pos, mask, weights)
+    return masked_mean(per_pos, mask, weights)
 
 
 def topk_kl(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
@@ -121,7 +123,7 @@ def topk_kl(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: 
     q_rest = (1.0 - logq.exp().sum(-1)).clamp_min(1e-12)
     kept = (p * (torch.log(p.clamp_min(1e-12)) - logq)).sum(-1)
     rest = p_rest * (torch.log(p_rest.clamp_min(1e-12)) - torch.log(q_rest))
-    return _reduce(kept + rest, mask, weights)
+    return masked_mean(kept + rest, mask, weights)
 
 
 def soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor,
@@ -129,7 +131,7 @@ def soft_ce(logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor, mask: 
     """Cross-entropy to the target's kept distribution (renormalised over its ``K``
     entries): ``-sum_k p_k log q_k`` with ``logits [B, L, V]``, ``ids/probs [B, L, K]``."""
     per_pos = -(_kept(probs) * _student_logq(logits, ids)).sum(-1)  # [B, L]
-    return _reduce(per_pos, mask, weights)
+    return masked_mean(per_pos, mask, weights)
 
 
 def talf(node_logits: torch.Tensor, node_ids: torch.Tensor, node_probs: torch.Tensor,

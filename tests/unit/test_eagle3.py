@@ -310,13 +310,18 @@ def test_training_config_refuses_what_eagle3_cannot_train():
         EagleTrainConfig(loss="eagle3")
 
 
-def test_draft_vocabulary_is_the_most_frequent_target_tokens():
+def test_draft_vocabulary_is_the_most_frequent_trained_tokens():
+    """As EAGLE-3 counts: the tokens under the loss mask (every token without one); ties
+    to the target's more frequent top-1, then the lower id; then the lowest unseen ids."""
     from speclab.families.eagle.task import draft_vocabulary
 
-    rows = [{"topk_ids": [[5, 1], [5, 2], [7, 1]], "tokens": [9, 9, 9, 3]}]
-    assert draft_vocabulary(rows, 2).tolist() == [5, 7]
-    assert draft_vocabulary(rows, 4).tolist() == [3, 5, 7, 9]
-    assert draft_vocabulary(rows, 6).tolist() == [0, 1, 3, 5, 7, 9]
+    rows = [{"topk_ids": [[5, 1], [5, 2], [7, 1]], "tokens": [9, 9, 4, 3],
+             "loss_mask": [1, 1, 0, 1]}]  # token 4 is a prompt token: not counted
+    assert draft_vocabulary(rows, 2).tolist() == [3, 9]
+    assert draft_vocabulary(rows, 3).tolist() == [3, 5, 9]
+    assert draft_vocabulary(rows, 5).tolist() == [0, 3, 5, 7, 9]
+    rows[0].pop("loss_mask")
+    assert draft_vocabulary(rows, 3).tolist() == [3, 4, 9]  # the prompt token counts now
 
 
 def test_target_data_windows_are_the_targets_greedy_text(deep_target):

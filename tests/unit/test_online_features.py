@@ -56,6 +56,77 @@ def test_online_batch_equals_the_offline_rows(target, spec):
     assert torch.allclose(a, b, rtol=1e-4), (float(a), float(b))
 
 
+def _eagle3_reference(target, model, tokens: torch.Tensor, loss_mask: torch.Tensor,
+                      steps: int, decay: float = 0.8) -> torch.Tensor:
+    """EAGLE-3's loss as its ``traineagle3`` code computes it, written out on its own: the
+    target's logits (all positions) restricted to the draft vocabulary (``t2d``) and
+    softmaxed; ``position_mask`` = the target's argmax is in the draft vocabulary x the
+    loss mask; per TTT step ``-sum(position_mask * target_p * log_softmax(drafter logits
+    over the draft vocabulary))``, weighted ``0.8 ** step``. Each step is divided by its
+    scored positions (EAGLE-3's code divides by B * T: a constant factor per batch). The
+    drafter's step outputs come from :func:`hass_forward`, which other tests check
+    against step-by-step decoding."""
+    from speclab.decoding.features import FeatureHooks
+    from speclab.families.eagle.training import hass_forward
+
+    hooks = FeatureHooks(target)
+    hooks.add(model.meta.feature_layers)
+    with torch.no_grad():
+        logits = target(input_ids=tokens[:, :-1]).logits.float()  # [B, L, V]
+        fused = hooks.get(model.meta.feature_layers).float()
+    hooks.remove()
+    length = logits.shape[1]
+    t = length - 1
+    t2d = model.t2d
+    target_head = logits[:, 1:][..., t2d]  # [B, T, V_d]: pair j predicts position j + 1
+    target_p = target_head.softmax(-1)
+    target_mask = t2d[logits[:, 1:].argmax(-1)].float()  # [B, T]
+    position_mask = target_mask * loss_mask[:, 2: t + 2]
+    total = torch.zeros(())
+    outs = hass_forward(model, fused[:, :-1], tokens[:, 1:length], steps, False)
+    for s, (_, out_logits) in enumerate(outs):
+        out_logp = out_logits[..., t2d].float().log_softmax(-1)  # the draft head's V_d
+        valid = position_mask * (torch.arange(t) >= s).float()
+        plogp = target_p * out_logp
+        total = total + decay ** s * -(valid[..., None] * plogp).sum() / valid.sum()
+    return total
+
+
+@pytest.mark.parametrize("draft_vocab", [24, 64], ids=["draft-vocab-24", "whole-vocab"])
+def test_eagle3_loss_is_eagle3s_reference_computation(target, draft_vocab):
+    """The ``draft_vocab`` teacher (EAGLE-3's, computed with online features) gives
+    exactly EAGLE-3's loss; with a draft vocabulary, positions whose target argmax lies
+    outside it are masked, so the ``topk`` variant (today's, kept as an option) differs
+    there; the config refuses the EAGLE-3 teacher with offline features."""
+    from speclab.config.schema import EagleTrainConfig
+    from speclab.families.eagle.model3 import Eagle3Model
+
+    g = torch.Generator().manual_seed(3)
+    windows = torch.randint(0, 64, (3, 17), generator=g).tolist()
+    rows = [{"tokens": w, "loss_mask": [0] * 5 + [1] * 12} for w in windows]
+    spec = (1, 2, 3)
+    torch.manual_seed(0)
+    ids = torch.arange(0, 64, 64 // draft_vocab)[:draft_vocab] if draft_vocab < 64 else None
+    model = Eagle3Model.from_target(target, spec, ids).eval()
+    batch = online_feat_batch(target, rows, 5, spec, draft_ids=model.draft_ids)
+    assert batch["teacher_probs"].shape == (3, 16, draft_vocab)
+    ours = eagle3_loss(model, batch, steps=3)
+    want = _eagle3_reference(target, model, batch["tokens"], batch["loss_mask"], 3)
+    assert torch.allclose(ours, want, rtol=1e-5), (float(ours), float(want))
+    outside = 1 - batch["teacher_mask"][:, 1:]
+    topk = eagle3_loss(model, {k: v for k, v in batch.items()
+                               if not k.startswith("teacher_")}, steps=3)
+    if draft_vocab < 64:
+        assert outside.sum() > 0 and not torch.allclose(topk, ours, rtol=1e-3)
+    else:
+        assert outside.sum() == 0
+    assert EagleTrainConfig(version=3, loss="eagle3", features="online").teacher == \
+        "draft_vocab"
+    assert EagleTrainConfig(version=3, loss="eagle3").teacher == "topk"
+    with pytest.raises(ValueError, match="eagle3_teacher: draft_vocab reads"):
+        EagleTrainConfig(version=3, loss="eagle3", eagle3_teacher="draft_vocab")
+
+
 def test_a_global_batch_is_the_same_rows_on_any_number_of_workers(monkeypatch):
     import torch.distributed as dist
 

@@ -357,6 +357,12 @@ class EagleTrainConfig(StrictModel):
                                                 "paper's 7)")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="eagle3: step s weighs "
                                                               "ttt_decay ** (s - 1)")
+    eagle3_teacher: Literal["draft_vocab", "topk"] | None = Field(None, description=(
+        "eagle3: draft_vocab, EAGLE-3's teacher (the target's whole distribution "
+        "renormalised over the draft vocabulary, positions whose target argmax lies "
+        "outside it masked; needs features: online) or topk (the stored top-k "
+        "restricted to the draft vocabulary and renormalised, no mask: a variant); null: "
+        "draft_vocab with online features, topk with offline ones"))
     layers: int = Field(1, gt=0, description="decoder layers of the drafter")
     norms: bool = Field(True, description="speclab's layout: an RMS norm at layer 0's input "
                                           "and before the LM head; false: EAGLE-1/2's "
@@ -413,14 +419,24 @@ class EagleTrainConfig(StrictModel):
         objective(name, "eagle", "unknown objective")  # ValueError listing the known ones
         return name
 
+    @property
+    def teacher(self) -> str:
+        """EAGLE-3's teacher in use: ``eagle3_teacher``, else ``draft_vocab`` with online
+        features and ``topk`` with offline ones."""
+        return self.eagle3_teacher or ("draft_vocab" if self.features == "online" else "topk")
+
     @model_validator(mode="after")
     def _version_fits(self):
         objective(self.loss, "eagle", "loss").check_group(self)  # what the objective trains
         if self.version == 3:
             if self.layers != 1:
                 raise ValueError(f"layers: an EAGLE-3 drafter has one layer, got {self.layers}")
+            if self.eagle3_teacher == "draft_vocab" and self.features == "offline":
+                raise ValueError("eagle3_teacher: draft_vocab reads the target's whole "
+                                 "distribution in the training step; set features: online "
+                                 "(or eagle3_teacher: topk, the stored top-k)")
         else:
-            for field in ("feature_layers", "draft_vocab"):
+            for field in ("feature_layers", "draft_vocab", "eagle3_teacher"):
                 if getattr(self, field):
                     raise ValueError(f"{field}: an EAGLE-3 setting; set eagle.version: 3")
         return self

@@ -57,10 +57,10 @@ def log_child_runs(tracker, rows: list[dict], params: list[dict], tags: dict | N
     ``method.<key>`` params, every numeric column of the rows as a metric under the
     same keys in every child (:func:`uniform_metrics`), ``tags`` beside ``kind``,
     ``method`` (the full label) and a colour of its own (:data:`RUN_COLORS`); a row's
-    ``decode_s`` becomes the run's duration (its decoding time). The run is named by :func:`short_run_names` (see
-    :func:`child_run_name`), short enough for the UI's run column. Rows with ``accept_at_k`` columns
-    also get the metric ``acceptance_at_least`` at step ``k`` (one line per method in
-    MLflow's charts)."""
+    ``decode_s`` becomes the run's duration (its decoding time). The run is named by
+    :func:`short_run_names` (see :func:`child_run_name`), short enough for the UI's run
+    column. Rows with ``accept_at_k`` columns also get the metric ``acceptance_at_least``
+    at step ``k`` (one line per method in MLflow's charts)."""
     if len(rows) != len(params):
         raise ValueError(f"{len(rows)} rows but {len(params)} parameter sets")
     names = short_run_names(params, [str(r.get("method")) for r in rows])

@@ -78,6 +78,9 @@ class EagleTask(TaskBase):
         if e.init_from:
             start = load_init(e.init_from, self.target_model.config, e)
             model.load_state_dict(start.float().state_dict())
+        # EAGLE-3's teacher over the draft vocabulary, computed with the online features
+        self._teacher_ids = model.draft_ids.clone() if e.version == 3 and \
+            self.kind == "windows" and e.teacher == "draft_vocab" else None
         return model
 
     def _collate(self, rows: list[dict], g: torch.Generator) -> dict:
@@ -88,7 +91,7 @@ class EagleTask(TaskBase):
                 self._hooks = FeatureHooks(self.target_model)
             spec = fused_spec(self.e) if self.e.version == 3 else None
             batch = online_feat_batch(self.target_model, rows, self.e.online_top_k, spec,
-                                      self._hooks)
+                                      self._hooks, getattr(self, "_teacher_ids", None))
         else:
             batch = collate_feat(rows)
         return {k: v.to(self.device) for k, v in batch.items()}
@@ -146,19 +149,23 @@ class EagleTask(TaskBase):
 
 
 def draft_vocabulary(rows: list[dict], size: int) -> torch.Tensor:
-    """EAGLE-3's draft vocabulary: the ``size`` target tokens most frequent in the
-    training ``rows`` (``feat`` rows: the target's top-1 prediction at every position,
-    then the window's tokens), ties to the lower id, then the lowest unseen ids; ``[size]``
-    ascending. Every rank computes the same from the same rows."""
+    """EAGLE-3's draft vocabulary: the ``size`` tokens most frequent in the training
+    ``rows``, counted as EAGLE-3's ``traineagle3`` counts them (the tokens the loss covers:
+    under a row's ``loss_mask``, a conversation's assistant tokens; every token of a row
+    without one); ties to the token the target predicts first more often (``feat`` rows'
+    top-1), then to the lower id; then the lowest unseen ids; ``[size]`` ascending. Every
+    rank computes the same from the same rows."""
     counts: Counter = Counter()
-    for r in rows:  # online windows hold no top-k: their tokens alone count
-        counts.update(int(ids[0]) for ids in r.get("topk_ids") or ())
-    seen = Counter(int(t) for r in rows for t in r["tokens"])
-    ranked = sorted(set(counts) | set(seen), key=lambda t: (-counts[t], -seen[t], t))
+    top1: Counter = Counter()
+    for r in rows:
+        mask = r.get("loss_mask")
+        counts.update(int(t) for i, t in enumerate(r["tokens"]) if mask is None or mask[i])
+        top1.update(int(ids[0]) for ids in r.get("topk_ids") or ())  # online: none
+    ranked = sorted(set(counts) | set(top1), key=lambda t: (-counts[t], -top1[t], t))
     chosen = ranked[:size]
     t = 0
     while len(chosen) < size:  # fewer distinct tokens than the vocabulary asked for
-        if t not in counts and t not in seen:
+        if t not in counts and t not in top1:
             chosen.append(t)
         t += 1
     return torch.tensor(sorted(chosen), dtype=torch.long)

@@ -101,14 +101,18 @@ def collate_feat(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def online_feat_batch(target: torch.nn.Module, rows: list[dict], k: int, spec=None,
-                      hooks=None) -> dict[str, torch.Tensor]:
+                      hooks=None, draft_ids: torch.Tensor | None = None
+                      ) -> dict[str, torch.Tensor]:
     """:func:`collate_feat`'s tensors for token-window rows (``windows`` kind) computed
     NOW by the frozen ``target`` on its device: one batched forward over the inputs
     ``tokens[:, :L]`` (equal-length windows, no padding), the features ``spec`` names
     (None: the last layer's; EAGLE-3: the fused layers) kept by ``hooks`` (a
     :class:`~speclab.decoding.features.FeatureHooks` on ``target``; made when None) and
     the target's top-``k`` probabilities. Equal to the offline rows' tensors up to the
-    float16 rounding those store."""
+    float16 rounding those store. ``draft_ids [V_d]`` (an EAGLE-3 draft vocabulary, target
+    ids): also EAGLE-3's teacher, ``teacher_probs [B, L, V_d]`` (the target's logits at
+    those ids, softmaxed) and ``teacher_mask [B, L]`` (1 where the target's argmax over
+    the whole vocabulary is one of them)."""
     from speclab.decoding.features import FeatureHooks
 
     device = next(target.parameters()).device
@@ -126,6 +130,12 @@ def online_feat_batch(target: torch.nn.Module, rows: list[dict], k: int, spec=No
             hooks.remove()
     out = {"tokens": tokens, "features": feats.cpu(), "topk_ids": ids.cpu(),
            "topk_probs": probs.cpu()}
+    if draft_ids is not None:
+        draft_ids = draft_ids.to(logits.device)
+        inside = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        inside[draft_ids] = True
+        out["teacher_probs"] = logits.float().index_select(-1, draft_ids).softmax(-1).cpu()
+        out["teacher_mask"] = inside[logits.argmax(-1)].float().cpu()
     if rows[0].get("loss_mask") is not None:
         out["loss_mask"] = torch.tensor([r["loss_mask"] for r in rows], dtype=torch.float)
     return out
@@ -240,21 +250,37 @@ def eagle3_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: i
                 decay: float = 0.8) -> torch.Tensor:
     """EAGLE-3's training-time test on a :func:`collate_feat` batch of fused features
     (the module docstring): ``sum_s decay ** (s - 1) * CE_s`` over ``steps`` steps of
-    :func:`hass_forward` (fed-back outputs not detached), ``CE_s`` the cross-entropy to the
-    target's kept top-k (restricted to the draft vocabulary) at pairs ``j >= s - 1``.
-    ``features [B, L, F]``, ``tokens [B, L + 1]``, ``topk_ids/probs [B, L, K]``."""
+    :func:`hass_forward` (fed-back outputs not detached), ``CE_s`` the cross-entropy at
+    pairs ``j >= s - 1`` to EAGLE-3's teacher where the batch has it (``teacher_probs [B,
+    L, V_d]``, the target's distribution over the draft vocabulary, and ``teacher_mask [B,
+    L]``, its argmax inside it: :func:`online_feat_batch`), else to the target's kept
+    top-k restricted to the draft vocabulary (the ``topk`` variant). ``features [B, L,
+    F]``, ``tokens [B, L + 1]``, ``topk_ids/probs [B, L, K]``. Each step's CE is the mean
+    over its scored positions (EAGLE-3's code divides by all ``B * T`` positions: a
+    factor per batch, the fraction scored, that only rescales the step size)."""
     tokens, feats = batch["tokens"], batch["features"]
     b, length, _ = feats.shape
     t = length - 1
-    ids = batch["topk_ids"][:, 1:]
-    probs = draft_vocab_targets(model, ids, batch["topk_probs"][:, 1:])
     outputs = hass_forward(model, feats[:, :-1], tokens[:, 1:length], min(steps, t), False)
     pm = pair_mask(batch, t)
+    if "teacher_probs" in batch:  # EAGLE-3's: the whole distribution over the draft vocab
+        draft_ids = getattr(model, "module", model).draft_ids  # DDP wraps the drafter
+        probs = batch["teacher_probs"][:, 1:]
+        inside = batch["teacher_mask"][:, 1:]
+        pm = inside if pm is None else pm.to(inside.device) * inside
+    else:  # the variant: the stored top-k, restricted to the draft vocabulary
+        ids = batch["topk_ids"][:, 1:]
+        probs = draft_vocab_targets(model, ids, batch["topk_probs"][:, 1:])
     total = 0.0
     for s, (_, logits) in enumerate(outputs, start=1):
         valid = (torch.arange(t, device=feats.device) >= s - 1).float().expand(b, t)
         valid = valid if pm is None else valid * pm.to(valid.device)
-        total = total + decay ** (s - 1) * losses.soft_ce(logits, ids, probs, valid)
+        if "teacher_probs" in batch:
+            logq = logits.float().log_softmax(-1).index_select(-1, draft_ids)  # [B, T, V_d]
+            step = losses.masked_mean(-(probs * logq).sum(-1), valid)
+        else:
+            step = losses.soft_ce(logits, ids, probs, valid)
+        total = total + decay ** (s - 1) * step
     return total
 
 
