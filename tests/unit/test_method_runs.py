@@ -5,7 +5,12 @@ import math
 import pytest
 
 from speclab.pipelines.eval_plots import acceptance_table, method_figures, wrap_label
-from speclab.pipelines.method_runs import log_best, log_child_runs, uniform_metrics
+from speclab.pipelines.method_runs import (
+    RUN_COLORS,
+    log_best,
+    log_child_runs,
+    uniform_metrics,
+)
 from speclab.tracking import NullTracker
 
 
@@ -32,10 +37,13 @@ class Recorder(NullTracker):
         self.children.append(c)
         return c
 
+    def set_duration(self, seconds):
+        self.duration = seconds
+
 
 ROWS = [
     {"method": "ar", "tau": 1.0, "speedup": 1.0, "predicted_speedup": 1.0,
-     "identical_to_ar": True, **{f"accept_at_{k}": 0.0 for k in range(1, 7)}},
+     "identical_to_ar": True, "decode_s": 2.5, **{f"accept_at_{k}": 0.0 for k in range(1, 7)}},
     {"method": "chain(gamma=2)", "tau": 1.5, "speedup": 1.2, "predicted_speedup": None,
      "identical_to_ar": False, "tau_std": 0.2, **{f"accept_at_{k}": 0.5 / k for k in range(1, 7)}},
 ]
@@ -60,7 +68,11 @@ def test_one_child_per_row_with_method_params_and_acceptance_steps():
     assert [c.run_name for c in parent.children] == ["ar", "chain"]  # short: one chain
     chain = parent.children[1]
     assert chain.config == {"method": params[1]}  # logged as method.name, method.gamma
-    assert chain.tags == {"kind": "method", "method": "chain(gamma=2)", "loss": "talf"}
+    assert chain.tags == {"kind": "method", "method": "chain(gamma=2)", "loss": "talf",
+                          "mlflow.runColor": RUN_COLORS[1]}  # a colour of its own
+    assert parent.children[0].tags["mlflow.runColor"] == RUN_COLORS[0] != RUN_COLORS[1]
+    assert parent.children[0].duration == 2.5  # the run lasts its decoding time
+    assert not hasattr(chain, "duration")  # a row without decode_s: left as logged
     [(flat, step)] = chain.metrics
     assert flat["tau"] == 1.5 and step is None
     assert flat["summary/tau"] == 1.5 and flat["summary/speedup"] == flat["speedup"]
