@@ -127,6 +127,36 @@ def test_eagle3_loss_is_eagle3s_reference_computation(target, draft_vocab):
         EagleTrainConfig(version=3, loss="eagle3", eagle3_teacher="draft_vocab")
 
 
+def test_medusa_online_batch_equals_the_offline_medusa_rows(target):
+    """``medusa.features: online``: the shards hold prompts + the target's greedy
+    continuations alone (``medusa_windows``), and the frozen target's features and top-k
+    computed in the step equal the offline ``medusa`` rows' (up to their float16
+    rounding), so both modes train the same heads' loss."""
+    from speclab.config.schema import MedusaTrainConfig
+    from speclab.families.medusa.model import MedusaHeads
+    from speclab.families.medusa.objectives import Medusa1Knobs, medusa1_objective
+    from speclab.families.medusa.stages import data_kind, group_kinds
+    from speclab.train.distill_data import greedy_continuations, medusa_examples
+
+    g = torch.Generator().manual_seed(2)
+    prompts = torch.randint(0, 64, (4, 6), generator=g).tolist()
+    runner = ModelRunner(target)
+    offline = collate_feat(medusa_examples(runner, prompts, 8, 5))
+    outs = greedy_continuations(runner, prompts, 8, None, 64)
+    online = online_feat_batch(target, [{"tokens": p + o} for p, o in zip(prompts, outs)], 5)
+    assert torch.equal(online["tokens"], offline["tokens"])
+    assert torch.allclose(online["features"], offline["features"], atol=2e-3, rtol=1e-3)
+    assert torch.equal(online["topk_ids"], offline["topk_ids"])
+    assert torch.allclose(online["topk_probs"], offline["topk_probs"], atol=1e-5)
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_target(target, "tiny", 3).eval()
+    knobs = Medusa1Knobs()
+    a, b = (medusa1_objective(heads, {**x, "first_label": 6}, knobs) for x in (online, offline))
+    assert torch.allclose(a, b, rtol=1e-4), (float(a), float(b))
+    assert data_kind(MedusaTrainConfig(features="online")) == "medusa_windows"
+    assert group_kinds(MedusaTrainConfig()) == {"medusa"}
+
+
 def test_a_global_batch_is_the_same_rows_on_any_number_of_workers(monkeypatch):
     import torch.distributed as dist
 

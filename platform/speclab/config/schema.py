@@ -485,6 +485,14 @@ class MedusaTrainConfig(StrictModel):
     engine_prompts: int = Field(4, ge=0, description="held-out prompts the engine decodes "
                                                        "at every report (0: none)")
     engine_tokens: int = Field(32, gt=0, description="greedy tokens per engine prompt")
+    features: Literal["offline", "online"] = Field("offline", description=(
+        "offline: the target's features and top-k stored beside each prompt + greedy "
+        "continuation (medusa shards); online: only the tokens are stored (medusa_windows "
+        "shards) and the frozen target computes its features and top-k inside each "
+        "training step on the worker's device"))
+    online_top_k: int = Field(8, gt=0, description=(
+        "online: the target probabilities kept per position (MEDUSA-2's KL; offline: "
+        "distill.top_k)"))
 
     @field_validator("variants")
     @classmethod

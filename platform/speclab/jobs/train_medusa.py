@@ -29,7 +29,11 @@ variant x method table and plots.
 
 from __future__ import annotations
 
-from speclab.families.medusa.stages import prepare_medusa, train_register_evaluate_medusa
+from speclab.families.medusa.stages import (
+    group_kinds,
+    prepare_medusa,
+    train_register_evaluate_medusa,
+)
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.comparison import comparison_rows, log_comparison
 from speclab.pipelines.signals import generate_logged
@@ -48,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     with tracker as parent:
         parent.set_tags({"job": "train_medusa", "run_dir": str(storage / run_name),
                          "target": prep.target})
-        generate_logged(cfg, prep, data_dir, parent, {"medusa"}, "train_medusa")
+        generate_logged(cfg, prep, data_dir, parent, group_kinds(cfg.medusa), "train_medusa")
         for variant in cfg.medusa.variants:
             register = (f"{cfg.output.register_as}-{variant}" if cfg.output.register_as
                         else None)

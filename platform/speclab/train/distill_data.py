@@ -412,6 +412,12 @@ def _make_medusa(ctx: SignalContext, inputs: list[list[int]], first: int) -> lis
     return medusa_examples(ctx.target, inputs, d.response_len, d.top_k)
 
 
+def _make_medusa_windows(ctx: SignalContext, inputs: list[list[int]], first: int
+                         ) -> list[dict]:
+    outs = greedy_continuations(ctx.target, inputs, ctx.distill.response_len, None, 64)
+    return [{"tokens": p + o} for p, o in zip(inputs, outs, strict=True)]
+
+
 def _make_seq(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
     return seq_examples(ctx.target, inputs, ctx.distill.response_len, ctx.eos)
 
@@ -447,6 +453,8 @@ BUILTIN_KINDS: tuple[DataKind, ...] = (
              doc="feat3 windows + a target-built beam tree at every position (EAGLE-3 TALF)"),
     DataKind("medusa", _prompt, _make_medusa,
              doc="prompts + greedy continuations with the target's features (Medusa)"),
+    DataKind("medusa_windows", _prompt, _make_medusa_windows,
+             doc="prompts + greedy continuations, tokens only (Medusa, online features)"),
 )
 for _kind in BUILTIN_KINDS:
     register_data_kind(_kind)

@@ -34,8 +34,8 @@ FAMILY = TrainedFamily(
 
 #: the family's objectives (their knobs and losses: :mod:`.objectives`)
 OBJECTIVES = (
-    Objective("medusa1", "medusa", f"{_HERE}:medusa1_objective", "medusa",
+    Objective("medusa1", "medusa", f"{_HERE}:medusa1_objective", f"{_P}.stages:data_kind",
               knobs=f"{_HERE}:Medusa1Knobs", doc="MEDUSA-1: heads on the frozen backbone"),
-    Objective("medusa2", "medusa", f"{_HERE}:medusa2_objective", "medusa",
+    Objective("medusa2", "medusa", f"{_HERE}:medusa2_objective", f"{_P}.stages:data_kind",
               knobs=f"{_HERE}:Medusa2Knobs", doc="MEDUSA-2: heads + backbone, jointly"),
 )

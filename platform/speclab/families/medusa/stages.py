@@ -105,10 +105,15 @@ def held_out_calibration_prompts(cfg: Any) -> list[str]:
     return texts
 
 
+def data_kind(group: Any) -> str:
+    """``medusa`` (prompts + the target's greedy continuations, with its features and
+    top-k), or ``medusa_windows`` (the tokens alone) when ``medusa.features: online``."""
+    return "medusa_windows" if getattr(group, "features", "offline") == "online" else "medusa"
+
+
 def group_kinds(group: Any) -> set[str]:
-    """The data kinds the ``medusa`` group trains on: the target's ``medusa`` rows."""
-    del group
-    return {"medusa"}
+    """The data kinds the ``medusa`` group trains on (:func:`data_kind`)."""
+    return {data_kind(group)}
 
 
 def prepare_medusa(cfg: Any) -> Prepared:
@@ -188,7 +193,7 @@ def train_register_evaluate_medusa(cfg: Any, prep: Prepared, storage: Path, run_
     run_dir = storage / run_name
     target_model, heads, target = save_final_medusa(result, variant, prep.target,
                                                     cfg.medusa.heads, run_dir)
-    held_out = sorted((data_dir / "medusa").glob("shard-*.parquet"))[-1]
+    held_out = sorted((data_dir / data_kind(cfg.medusa)).glob("shard-*.parquet"))[-1]
     tree = calibrate(heads, target_model,
                      calibration_sequences(cfg, str(target), target_model, held_out),
                      cfg.medusa.calibration_top, cfg.medusa.sparse_nodes,

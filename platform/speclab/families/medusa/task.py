@@ -12,7 +12,8 @@ import torch
 from pydantic import Field
 
 from speclab.config.schema import ArchConfig, MedusaTrainConfig
-from speclab.families.eagle.training import collate_feat
+from speclab.decoding.features import FeatureHooks
+from speclab.families.eagle.training import collate_feat, online_feat_batch
 from speclab.families.medusa.drafter import MedusaDrafter
 from speclab.families.medusa.model import MedusaHeads
 from speclab.families.medusa.training import Medusa2Model, own_token_accuracies
@@ -39,7 +40,9 @@ class MedusaTaskConfig(TaskConfigBase):
 
 
 class MedusaTask(TaskBase):
-    """Medusa heads on ``medusa`` shards (the last one held out). MEDUSA-1 trains
+    """Medusa heads on ``medusa`` shards (the last one held out), or on
+    ``medusa_windows`` shards with the target's features computed in each step
+    (``medusa.features: online``). MEDUSA-1 trains
     :class:`~speclab.families.medusa.model.MedusaHeads` on the stored features; MEDUSA-2 a
     :class:`~speclab.families.medusa.training.Medusa2Model` (a copy of the target with the heads),
     with two parameter groups (heads at ``train.lr``, backbone at ``backbone_lr_scale``
@@ -53,10 +56,12 @@ class MedusaTask(TaskBase):
         self.first_label = 0 if self.m.prompt_labels else cfg.prompt_len  # the heads' loss
         # MEDUSA-2's backbone gets no gradient during the warm-up (DDP must allow it)
         self.unused_parameters = self.variant == "medusa2" and self.m.heads_warmup > 0
-        shards = sorted((Path(data_dir) / "medusa").glob("shard-*.parquet"))
+        self.kind = self.objective.kind_for(self.m)  # medusa, or medusa_windows (online)
+        shards = sorted((Path(data_dir) / self.kind).glob("shard-*.parquet"))
         if len(shards) < 2:
-            raise ValueError(f"distill: need >= 2 medusa shards (one is held out), "
-                             f"found {len(shards)} in {Path(data_dir) / 'medusa'}")
+            raise ValueError(f"distill: need >= 2 {self.kind} shards (one is held out), "
+                             f"found {len(shards)} in {Path(data_dir) / self.kind}")
+        self._hooks = None  # online features: hooks on the frozen target, made on first use
         self.val = pq.read_table(shards[-1]).to_pylist()
         self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
         length = len(self.val[0]["tokens"]) if self.val else 0
@@ -82,7 +87,17 @@ class MedusaTask(TaskBase):
                  "lr_scale": self.m.backbone_lr_scale}]
 
     def _collate(self, rows: list[dict]) -> dict:
-        return {k: v.to(self.device) for k, v in collate_feat(rows).items()}
+        """The rows' tensors (:func:`collate_feat`'s); online, the frozen original target
+        computes the features and top-k now (MEDUSA-2's KL is from it, not from the
+        backbone being tuned)."""
+        if self.kind == "medusa_windows":
+            if self._hooks is None:
+                self._hooks = FeatureHooks(self.target_model)
+            batch = online_feat_batch(self.target_model, rows, self.m.online_top_k, None,
+                                      self._hooks)
+        else:
+            batch = collate_feat(rows)
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def batch(self, step: int, rank: int) -> dict:
         g = step_generator(self.tr.seed, step, rank)
