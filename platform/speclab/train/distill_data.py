@@ -451,9 +451,9 @@ BUILTIN_KINDS: tuple[DataKind, ...] = (
              doc="windows + the target's fused layer features (EAGLE-3) and top-k"),
     DataKind("feat3_tree", _window, _make_feat3_tree, draw="window", settings=_fused_tree_settings,
              doc="feat3 windows + a target-built beam tree at every position (EAGLE-3 TALF)"),
-    DataKind("medusa", _prompt, _make_medusa,
+    DataKind("medusa", _prompt, _make_medusa, draw="medusa",
              doc="prompts + greedy continuations with the target's features (Medusa)"),
-    DataKind("medusa_windows", _prompt, _make_medusa_windows,
+    DataKind("medusa_windows", _prompt, _make_medusa_windows, draw="medusa",
              doc="prompts + greedy continuations, tokens only (Medusa, online features)"),
 )
 for _kind in BUILTIN_KINDS:
