@@ -28,7 +28,7 @@ import torch
 
 from serve_apps.batcher import StepBatcher
 from serve_apps.channel import ChannelClient, ChannelError
-from serve_apps.decode import DecodeRequest, Timing, collect, stream_rounds
+from serve_apps.decode import DecodeRequest, Timing, stream_rounds
 from serve_apps.errors import request_error
 from serve_apps.metrics import ServeMetrics
 from serve_apps.router import target_key
@@ -351,10 +351,6 @@ class DraftDeployment(RequestStates):
             task = asyncio.create_task(self._end_target(key, rid))
             self._ending.add(task)
             task.add_done_callback(self._ending.discard)
-
-    async def complete(self, rid: str, request: dict) -> dict:
-        """:meth:`generate` as one reply: ``{"tokens", "stats"}``."""
-        return await collect(self.generate(rid, request))
 
     async def _call(self, key: str, op: str, *args) -> object:
         """``op(key, *args)`` on the target replica of ``key``: over its same-node channel

@@ -15,10 +15,12 @@ A decoding request is ONE handle call from here: to the draft deployment, which 
 the request's rounds next to its drafter and verifies on the target in batched calls
 (:mod:`serve_apps.draft`), or, for plain decoding, to the target deployment, which
 drives it alone (:mod:`serve_apps.target`); ``/recommend`` too goes to the draft
-deployment, which runs its beam SD rounds (:mod:`serve_apps.beams`). Streams and stop
-strings get the rounds' tokens as they come (a streamed call) and are cut at a stop
-string by :mod:`serve_apps.stops`; other requests get one reply. This module keeps the
-routes and the mapping of errors to HTTP statuses.
+deployment, which runs its beam SD rounds (:mod:`serve_apps.beams`). Every request gets
+the rounds' tokens as they come (a streamed call, whether or not its client streams),
+cut at a stop string by :mod:`serve_apps.stops`, so a stop string, a client that goes
+away or the request's deadline (``timeout``, ``serve.request_timeout_s``) ends its
+rounds at once. This module keeps the routes and the mapping of errors to HTTP
+statuses.
 
 Every error answers OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``:
 400 naming the field, 401 without the API key (``serve.api_key``), 404 for an unknown

@@ -32,7 +32,7 @@ import torch
 from serve_apps.batcher import AGAIN, StepBatcher
 from serve_apps.beams import RecTargetSide
 from serve_apps.channel import ChannelServer
-from serve_apps.decode import DecodeRequest, Timing, collect, stream_rounds
+from serve_apps.decode import DecodeRequest, Timing, stream_rounds
 from serve_apps.errors import request_error
 from serve_apps.metrics import ServeMetrics
 from serve_apps.sessions import PoolRow, RequestStates, SessionGone
@@ -297,10 +297,6 @@ class TargetDeployment(RequestStates):
                 yield chunk
         finally:
             self._forget(rid)
-
-    async def complete(self, key: str, rid: str, request: dict) -> dict:
-        """:meth:`generate` as one reply: ``{"tokens", "stats"}``."""
-        return await collect(self.generate(key, rid, request))
 
     # ------------------------------------------------------------------ recommend
     async def rec_start(self, rid: str, history: list[int], k: int, mode: str = "strict",

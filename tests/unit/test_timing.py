@@ -182,7 +182,7 @@ def test_serve_target_time_splits_the_forward_from_the_rest(tiny_pair, monkeypat
     clock); the host work after it (each row's pruning, slowed down here) is
     ``target_rule_s``. Plain decoding driven by the target replica reports the forward
     as ``target_model_s`` and the forward plus the rest as ``target_call_s`` (no hop)."""
-    from serve_apps.decode import DecodeRequest
+    from serve_apps.decode import DecodeRequest, collect
     from serve_apps.target import TargetDeployment, _Starts, _Verifies
     from speclab.decoding.rules import RuleSpec
 
@@ -211,7 +211,7 @@ def test_serve_target_time_splits_the_forward_from_the_rest(tiny_pair, monkeypat
 
     req = DecodeRequest([3, 9, 27], 4, {"temperature": 0.0}, RuleSpec("greedy").to_dict(), 0,
                         [], drafting=False)
-    out = asyncio.run(dep.complete("k", "r1", req.__dict__))
+    out = asyncio.run(collect(dep.generate("k", "r1", req.__dict__)))
     timing = out["stats"]["timing"]
     assert len(out["tokens"]) == 4 and timing["rounds"] == 4
     assert timing["target_model_s"] < 4 * delay
