@@ -1,9 +1,9 @@
 """``DraftDeployment``: the draft side of any registered method, and the replica that
 DRIVES each drafting request's rounds.
 
-A request reaches this replica once (``generate``: streamed rounds, or ``complete``:
-one reply), routed by its id (:mod:`serve_apps.router`). Its round loop
-(:func:`serve_apps.decode.stream_rounds`) runs here: the proposal is local, and the
+A request reaches this replica once (``generate``: streamed rounds), routed by its id
+(:mod:`serve_apps.router`). Its round loop (:func:`serve_apps.decode.stream_rounds`) runs
+here: the proposal is local, and the
 target is ONE call per round and target routing key for every request of this replica
 that is ready (its :class:`~serve_apps.batcher.StepBatcher` collects them): one batched draft pass
 (:class:`~speclab.decoding.row_pool.DraftPool`: batched chain / EAGLE-2 / optimal / SALF

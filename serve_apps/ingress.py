@@ -183,12 +183,33 @@ def _replica_error(exc: Exception, what: str) -> HTTPError:
     return HTTPError(503, f"{what}: {text}", kind="service_unavailable")
 
 
+class _DeadlinePassed(Exception):
+    """A request's deadline passed while it waited for its next round."""
+
+
+class _OwnTimeout(Exception):
+    """Carries a TimeoutError the awaited step raised itself (``__cause__``)."""
+
+
 async def _before(step, deadline: float | None):
-    """``await step``, or TimeoutError once ``time.perf_counter()`` passes ``deadline``
-    (None: no deadline)."""
+    """``await step``, or :class:`_DeadlinePassed` once ``time.perf_counter()`` passes
+    ``deadline`` (None: no deadline); a TimeoutError of the step itself (a replica's)
+    passes through as the error it is."""
     if deadline is None:
         return await step
-    return await asyncio.wait_for(step, max(deadline - time.perf_counter(), 0.0))
+
+    async def own() -> object:
+        try:
+            return await step
+        except TimeoutError as exc:
+            raise _OwnTimeout from exc
+
+    try:
+        return await asyncio.wait_for(own(), max(deadline - time.perf_counter(), 0.0))
+    except _OwnTimeout as wrapped:
+        raise wrapped.__cause__ from None
+    except TimeoutError:
+        raise _DeadlinePassed from None
 
 
 @dataclass
@@ -226,6 +247,7 @@ class Ingress:
         self.s = settings
         self.tokenizer = load_tokenizer(settings["target_path"], field="models.target")
         self._info: dict | None = None
+        self._ending: set[asyncio.Task] = set()  # states being freed (early ends)
         self.metrics = RequestMetrics(settings["model_name"])
         count_errors_in(self.metrics)  # the middleware's (Serve runs a copy of `api`)
         api.openapi_schema = None
@@ -287,14 +309,15 @@ class Ingress:
                     chunk = await _before(anext(chunks), dec.deadline)
                 except StopAsyncIteration:
                     break
-                except TimeoutError:
+                except _DeadlinePassed:
                     dec.deadline_exceeded = True
                     break
                 if "progress" in chunk:
                     dec.live.add(chunk["progress"])
-                if "stats" in chunk:
+                if "stats" in chunk:  # the last chunk: the request is done
                     dec.stats = chunk["stats"]
-                elif "prompt_logprobs" in chunk:
+                    break
+                if "prompt_logprobs" in chunk:
                     dec.prompt_logprobs = chunk["prompt_logprobs"]
                 elif chunk["tokens"]:
                     dec.tokens += chunk["tokens"]
@@ -310,7 +333,11 @@ class Ingress:
                     dec.stats = dec.live.to_dict()
                     dec.stats["timing"] = {"ingress_s": time.perf_counter() - t0}
                     dec.stats["wall_s"] = dec.stats["timing"]["ingress_s"]
-                await self._end(rid, key, drafting)
+                # freed in the background: the reply (a deadline's) does not wait for
+                # replicas that may be busy
+                task = asyncio.ensure_future(self._end(rid, key, drafting))
+                self._ending.add(task)
+                task.add_done_callback(self._ending.discard)
         if dec.tokens and dec.tokens[-1] in eos_set(info["eos"]):
             dec.finish_reason = "stop"
         dec.stats.setdefault("timing", {})["ingress_s"] = time.perf_counter() - t0
@@ -401,10 +428,16 @@ class Ingress:
                                           "top_p": top_p}, spec, seed, stops, logprobs, echo,
                         deadline=None if limit_s is None else time.perf_counter() + limit_s)
 
-    async def _run_text(self, rid: str, dec: Decoding) -> AsyncIterator[str]:
-        """Text deltas per round, cut at a stop string (not included; see
+    async def _run_text(self, rid: str, dec: Decoding, stream: bool) -> AsyncIterator[str]:
+        """Text deltas per round (``stream``), cut at a stop string (not included; see
         :class:`serve_apps.stops.StopText`); a stop string or a gone client ends the
-        request's rounds early and frees its states at once."""
+        request's rounds early and frees its states at once. A request neither streamed
+        nor with stop strings gets its text decoded once, at the end."""
+        if not stream and not dec.stops:
+            async for _ in self._decode(rid, dec):
+                pass
+            yield self._text(dec.tokens)
+            return
         text = StopText(self._text, dec.stops)
         async for delta in text.deltas(self._decode(rid, dec)):
             yield delta
@@ -414,7 +447,7 @@ class Ingress:
     async def _complete_text(self, route: str, rid: str, dec: Decoding) -> str:
         """The whole text of a non-streamed request (metrics recorded)."""
         t0 = time.perf_counter()
-        text = "".join([d async for d in self._run_text(rid, dec)])
+        text = "".join([d async for d in self._run_text(rid, dec, False)])
         self.metrics.request(route, time.perf_counter() - t0, dec.stats)
         return text
 
@@ -452,7 +485,7 @@ class Ingress:
         async def events() -> AsyncIterator[str]:
             t0 = time.perf_counter()
             try:
-                async for delta in self._run_text(rid, dec):
+                async for delta in self._run_text(rid, dec, True):
                     yield "data: " + json.dumps({**head, "choices": [choice(delta, None)]}) + \
                         "\n\n"
                 yield "data: " + json.dumps({**head, "choices": [choice("", dec.finish_reason)]}

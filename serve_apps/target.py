@@ -9,7 +9,7 @@ Calls (first argument: the routing key, see :func:`serve_apps.router.target_key`
   replicas that arrive together are merged into one batch by the replica's
   :class:`~serve_apps.batcher.StepBatcher`. A draft replica on the same node makes these
   calls (and ``end``) over a Unix socket (``channel``, :mod:`serve_apps.channel`).
-* ``generate`` / ``complete``: plain decoding (no draft), driven here: the rounds of all
+* ``generate``: plain decoding (no draft), streamed and driven here: the rounds of all
   concurrent requests share one forward.
 * ``end``, ``stats``, ``info``; ``rec_start`` / ``rec_verify`` are the target's half of
   AtSpeed beam SD for ``POST /recommend``, called by the draft replica that drives the

@@ -462,9 +462,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
     # `mlflow server` runs uvicorn as a child: give them a process group of their own and
     # stop that group on Ctrl-C or SIGTERM, so nothing outlives this command
     server = subprocess.Popen(cmd, env=env, start_new_session=True)
-    record = ui_record()  # jobs print run links on this port while it runs
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps({"port": args.port, "pid": os.getpid(), "uri": uri}))
+    record = ui_record()  # jobs print run links on this port while it runs (the newest
+    # UI's; removed by the UI that wrote it)
 
     stopping = []
 
@@ -477,6 +476,10 @@ def cmd_ui(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, lambda *_: stop_server())
     try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        part = record.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps({"port": args.port, "pid": os.getpid(), "uri": uri}))
+        part.replace(record)
         rc = server.wait()
         return 0 if stopping else rc
     except KeyboardInterrupt:
@@ -488,7 +491,11 @@ def cmd_ui(args: argparse.Namespace) -> int:
             server.wait()
         return 0
     finally:
-        record.unlink(missing_ok=True)
+        try:
+            if json.loads(record.read_text()).get("pid") == os.getpid():
+                record.unlink()
+        except (OSError, ValueError):
+            pass
 
 
 def cmd_recommend(args: argparse.Namespace) -> int:

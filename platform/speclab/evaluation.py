@@ -557,7 +557,7 @@ def summarize(
         "discard_rate": (totals.drafted - totals.accepted) / n,
         "tokens_per_s": tokens_per_s,
         "ar_tokens_per_s": ar_tps,
-        "decode_s": totals.wall_s,  # this method's timed decoding, every pass
+        "decode_s": totals.wall_s,  # its timed decoding, every pass (summed over actors)
         **timing,
         "passes": totals.passes,
         "c": c,

@@ -613,8 +613,8 @@ def test_a_client_that_goes_away_stops_its_requests_work_within_a_second(server)
     gone = time.perf_counter()  # the client closed its connection here
     freed = _states_freed_at(url)
     print(f"full request {full_s:.2f} s; states freed {freed - gone:.2f} s after the client left")
-    assert freed - gone < 1.0, (freed - gone, full_s)
-    assert freed - t0 < full_s, (freed - t0, full_s)
+    # within a second, and well before the rounds left would have ended on their own
+    assert freed - gone < min(1.0, (full_s - 0.3) / 2), (freed - gone, full_s)
 
 
 def test_a_request_deadline_returns_what_was_decoded_by_then(server):

@@ -113,6 +113,11 @@ def test_eagle3_loss_is_eagle3s_reference_computation(target, draft_vocab):
     ours = eagle3_loss(model, batch, steps=3)
     want = _eagle3_reference(target, model, batch["tokens"], batch["loss_mask"], 3)
     assert torch.allclose(ours, want, rtol=1e-5), (float(ours), float(want))
+    from speclab.families.eagle.task import EagleTask
+    from speclab.families.eagle.training import pair_mask
+
+    scored = pair_mask(batch, 15) * batch["teacher_mask"][:, 1:16]  # what global_share weighs
+    assert EagleTask.scored(None, batch) == float(scored.sum())
     outside = 1 - batch["teacher_mask"][:, 1:]
     topk = eagle3_loss(model, {k: v for k, v in batch.items()
                                if not k.startswith("teacher_")}, steps=3)

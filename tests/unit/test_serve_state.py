@@ -132,3 +132,28 @@ def test_request_defaults():
         GenerateRequest(prompt_ids=[])
     with pytest.raises(ValidationError):
         RecommendRequest(history=[])
+
+
+def test_a_deadline_is_told_from_a_replicas_own_timeout():
+    """``_before``: a step slower than the deadline raises _DeadlinePassed; a step that
+    itself raises TimeoutError (a replica's error) before the deadline stays that error;
+    no deadline waits."""
+    import asyncio
+    import time
+
+    from serve_apps.ingress import _before, _DeadlinePassed
+
+    async def slow():
+        await asyncio.sleep(5)
+
+    async def broken():
+        raise TimeoutError("the replica's own")
+
+    async def fine():
+        return 7
+
+    with pytest.raises(_DeadlinePassed):
+        asyncio.run(_before(slow(), time.perf_counter() + 0.05))
+    with pytest.raises(TimeoutError, match="the replica's own"):
+        asyncio.run(_before(broken(), time.perf_counter() + 60))
+    assert asyncio.run(_before(fine(), None)) == 7

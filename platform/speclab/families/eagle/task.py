@@ -120,9 +120,14 @@ class EagleTask(TaskBase):
         return int(batch["tokens"].numel())
 
     def scored(self, batch: dict) -> float | None:
-        """The pairs the loss covers (:func:`pair_mask` of every pair), None without a
-        loss mask."""
-        m = pair_mask(batch, batch["loss_mask"].shape[1] - 2) if "loss_mask" in batch else None
+        """The pairs the loss covers: :func:`pair_mask` of every pair, times EAGLE-3's
+        teacher mask (the target's argmax inside the draft vocabulary) where the batch
+        has one; None when neither masks anything."""
+        t = batch["tokens"].shape[1] - 2
+        m = pair_mask(batch, t)
+        if "teacher_mask" in batch:
+            inside = batch["teacher_mask"][:, 1:t + 1]
+            m = inside if m is None else m * inside.to(m.device)
         return None if m is None else float(m.sum())
 
     @torch.no_grad()

@@ -134,8 +134,9 @@ def online_feat_batch(target: torch.nn.Module, rows: list[dict], k: int, spec=No
         draft_ids = draft_ids.to(logits.device)
         inside = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         inside[draft_ids] = True
-        out["teacher_probs"] = logits.float().index_select(-1, draft_ids).softmax(-1).cpu()
-        out["teacher_mask"] = inside[logits.argmax(-1)].float().cpu()
+        # kept on the target's device: [B, L, V_d] floats need no round trip
+        out["teacher_probs"] = logits.float().index_select(-1, draft_ids).softmax(-1)
+        out["teacher_mask"] = inside[logits.argmax(-1)].float()
     if rows[0].get("loss_mask") is not None:
         out["loss_mask"] = torch.tensor([r["loss_mask"] for r in rows], dtype=torch.float)
     return out
