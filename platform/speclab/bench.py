@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,7 +55,14 @@ from speclab.forward_costs import CostModel
 from speclab.models.reference import ensure_reference_pair
 from speclab.paired_timing import AR_SPREAD_BOUND, speedup_figures
 from speclab.pipelines.eval_plots import interval_errors
-from speclab.reference_large import ensure_reference_large, run_dtype
+from speclab.reference_large import ensure_reference_large, held_out_ids, run_dtype
+from speclab.reference_xl import (
+    ReferenceXL,
+    XLSpec,
+    checksum_key,
+    forward_cost,
+    grow_reference_xl,
+)
 from speclab.timing import now, peak_gpu_mb, reset_peak_gpu
 from speclab.tracking import MlflowTracker, resolve_tracking_uri
 
@@ -182,7 +190,7 @@ def table_columns(columns: list[tuple[str, str]], device: str) -> list[tuple[str
 
 
 #: the pairs ``--pair`` names
-PAIRS = ("reference", "reference-large")
+PAIRS = ("reference", "reference-large", "reference-xl")
 
 
 def bench_prompts(dec: Decoder, num_prompts: int, prompt_file: str | None = None) -> Prompts:
@@ -225,14 +233,61 @@ def result_rows(dec: Decoder, prompts: list[list[int]], results: dict[str, dict]
     return rows
 
 
+@dataclass(frozen=True)
+class XLPair:
+    """``reference-xl`` as the bench uses it: names for the JSON's meta and the grown
+    models (:class:`~speclab.reference_xl.ReferenceXL`)."""
+
+    target: str
+    draft: str
+    xl: ReferenceXL
+
+
+def grow_xl(device: str, dtype: str, eagles: list[str] | None, xl: XLSpec | None,
+            checksums: str | None) -> XLPair:
+    """``reference-xl`` grown on ``device`` (:func:`~speclab.reference_xl.grow_reference_xl`)
+    from the reference pair and the small EAGLE drafters ``eagles``, checked against the
+    checksums in the JSON file ``checksums`` (``speclab gpu-bundle`` writes it) when
+    given (``{checksum_key: {model: checksum}}``), with its forward cost measured
+    (``xl.meta["cost"]``, with the first drafter)."""
+    spec = xl or XLSpec()
+    expected = None
+    if checksums:
+        recorded = json.loads(Path(checksums).read_text())
+        key = checksum_key(spec, dtype)
+        if key not in recorded:
+            raise ValueError(f"--xl-checksums: {checksums} holds {sorted(recorded)}, not {key}")
+        expected = recorded[key]
+    pair = ensure_reference_pair()
+    grown = grow_reference_xl(pair.target, pair.draft, eagles, spec, device, dtype, expected,
+                              log=_progress)
+    first = next(iter(grown.drafters.values()), None)
+    grown.meta["cost"] = forward_cost(grown.target, held_out_ids(pair.target, 160),
+                                      drafter=first)
+    cost = grown.meta["cost"]
+    _progress("forward cost at batch 1 (ms): " + ", ".join(
+        f"{n} tokens {ms:.2f} ({cost['target_ratio'][n]:.2f}x)"
+        for n, ms in cost["target_ms"].items())
+              + (f"; EAGLE drafter {cost['eagle_vs_target']:.3f} of a target forward"
+                 if "eagle_ms" in cost else ""))
+    return XLPair(f"reference-xl {spec.name} grown from {pair.target}", pair.draft, grown)
+
+
 def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: bool = False,
-                    pair: str = "reference", prompt_file: str | None = None):
-    """A reference pair (``reference``, or ``reference-large``, the memory-bound target;
-    built on first use), a Decoder over it and its prompts (:func:`bench_prompts`).
-    ``dtype`` None: float32 for ``reference``, the large pair's ``run_dtype`` (bfloat16
-    where it is native) for ``reference-large``."""
+                    pair: str = "reference", prompt_file: str | None = None,
+                    eagles: list[str] | None = None, xl: XLSpec | None = None,
+                    checksums: str | None = None):
+    """A reference pair (``reference``, or ``reference-large``, the memory-bound target,
+    built on first use; or ``reference-xl``, the GPU-scale target grown on ``device``,
+    :func:`grow_xl`, with ``eagles``, ``xl`` and ``checksums``), a Decoder over it and
+    its prompts (:func:`bench_prompts`). ``dtype`` None: float32 for ``reference``,
+    bfloat16 where it is native for the others (:func:`run_dtype`)."""
     if pair not in PAIRS:
         raise ValueError(f"pair: must be one of {list(PAIRS)}, got {pair!r}")
+    if pair == "reference-xl":
+        found = grow_xl(device, dtype or run_dtype(device), eagles, xl, checksums)
+        dec = Decoder(found.xl.target, found.xl.draft, found.xl.tokenizer, compile=compile)
+        return found, dec, bench_prompts(dec, num_prompts, prompt_file)
     if pair == "reference-large":
         found = ensure_reference_large()
         dtype = dtype or run_dtype(device)
@@ -243,11 +298,35 @@ def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: b
     return pair, dec, bench_prompts(dec, num_prompts, prompt_file)
 
 
+#: the rows on ``reference-xl`` besides its EAGLE drafters': the chains and the tree of
+#: the standalone draft (optimal and SALF with the standalone draft are left to the
+#: reference pairs: the GPU run's minutes go to the EAGLE rows)
+XL_RUNS = DEFAULT_RUNS[:3]
+#: each EAGLE drafter on ``reference-xl`` also drafts optimal trees (EAGLE-3 on the
+#: reference target: tau 4.32 at 16 nodes, batch 4, ranking at 0.3; distill_eagle3.yaml)
+EAGLE_OPTIMAL_RUN = {"builder": "optimal", "nodes": 16, "batch": 4, "depth": 10,
+                     "score_temperature": 0.3}
+
+
+def xl_eagle_runs(xl: ReferenceXL) -> list[MethodRun]:
+    """The EAGLE rows on ``reference-xl``: each grown drafter under :data:`EAGLE_RUN`'s
+    tree and :data:`EAGLE_OPTIMAL_RUN`, labelled by its source folder's name."""
+    runs = []
+    for name, model in xl.drafters.items():
+        v = "3" if model.meta.version == 3 else ""
+        for knobs in (EAGLE_RUN, EAGLE_OPTIMAL_RUN):
+            inner = ",".join(f"{k}={v}" for k, v in knobs.items())
+            runs.append(MethodRun("eagle", {**knobs, "eagle_model": model},
+                                  f"eagle{v} {name} {inner}"))
+    return runs
+
+
 def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "bench_out",
               runs: list[MethodRun] | None = None, device: str = "cpu",
               dtype: str | None = None, passes: int | None = None,
               pair: str = "reference", eagles: list[str] | None = None,
-              medusas: list[str] | None = None, prompt_file: str | None = None) -> list[dict]:
+              medusas: list[str] | None = None, prompt_file: str | None = None,
+              xl: XLSpec | None = None, checksums: str | None = None) -> list[dict]:
     """Run the benchmark (``passes`` timed passes of the paired protocol, default
     :data:`~speclab.evaluation.TIMING_PASSES`) on ``pair``, print the table, write
     ``bench.json``; returns the rows. Without ``runs``: :data:`DEFAULT_RUNS`, an EAGLE
@@ -255,17 +334,24 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     ``reference-large``, its own EAGLE drafter's) and a Medusa row (:data:`MEDUSA_RUN`)
     per heads folder of ``medusas``. ``prompt_file`` (:func:`bench_prompts`) with more
     than one category adds a table per category (printed, and ``categories`` in the
-    JSON: ``{category: rows}``)."""
+    JSON: ``{category: rows}``). On ``reference-xl`` (``xl``, ``checksums``:
+    :func:`grow_xl`) ``eagles`` are drafters for the SMALL reference target, grown with
+    it, and the rows are :data:`XL_RUNS` and :func:`xl_eagle_runs`."""
     name = pair
     # refused before any model is loaded
     extra = [eagle_run(d) for d in eagles or []]
     medusa = [medusa_run(d) for d in medusas or []]
+    if name == "reference-xl" and medusa:
+        raise ValueError("--medusa: not on reference-xl (only EAGLE drafters are grown)")
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, pair=name,
-                                         prompt_file=prompt_file)
+                                         prompt_file=prompt_file, eagles=eagles, xl=xl,
+                                         checksums=checksums)
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
     if not extra and name == "reference-large":
         extra = [eagle_run(pair.eagle)]
+    if name == "reference-xl":
+        runs = runs or XL_RUNS + xl_eagle_runs(pair.xl)
     runs = runs or DEFAULT_RUNS + extra + medusa
     parts = by_category(dec, runs, prompts, gen)
     results = merge_results(list(parts.values()))
@@ -296,7 +382,8 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
             "machine": platform.platform(), "temperature": 0.0, "device": device,
             "dtype": str(dec.target.dtype).removeprefix("torch."),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
-            else None, **protocol_meta(passes)}
+            else None, **protocol_meta(passes),
+            **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {})}
     (out / "bench.json").write_text(json.dumps(
         {"meta": meta, "rows": rows, **({"categories": categories} if categories else {}),
          "forward_costs_s": costs.to_dict() if costs is not None else None}, indent=2))
@@ -408,7 +495,8 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
                     device: str = "cpu", dtype: str | None = None, log_mlflow: bool = False,
                     tracking_uri: str | None = None, repeats: int = 1,
                     compile: bool = False, passes: int | None = None,
-                    pair: str = "reference", prompt_file: str | None = None) -> list[dict]:
+                    pair: str = "reference", prompt_file: str | None = None,
+                    xl: XLSpec | None = None, checksums: str | None = None) -> list[dict]:
     """The batched engine at each batch size: each method paired with AR at the SAME
     batch size, one pair per pass over the whole batch, over ``passes`` x ``repeats``
     passes (``passes`` default :data:`~speclab.evaluation.TIMING_PASSES`): the median
@@ -422,12 +510,12 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     untimed warm-up passes; any later one is taken out of the timed figures of the pass
     it fell in, see :class:`speclab.api.Decoder`) is reported apart as
     ``compile_warmup_s``. ``prompt_file``: :func:`bench_prompts` (no table per category
-    here). Returns the rows."""
+    here). ``xl``, ``checksums``: ``reference-xl``'s (:func:`grow_xl`). Returns the rows."""
     if num_prompts < max(batch_sizes):
         raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
                          f"of prompts ({num_prompts})")
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile, pair,
-                                         prompt_file)
+                                         prompt_file, xl=xl, checksums=checksums)
     runs = runs or BATCH_RUNS
     if compile:  # compile every shape before anything is timed (full-length warm-up)
         t0 = now(device)
@@ -474,11 +562,19 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
             "torch_threads": torch.get_num_threads(), "machine": platform.platform(),
             "device": device, "dtype": str(dec.target.dtype).removeprefix("torch."),
             "temperature": 0.0, "compile": compile,
-            "compile_warmup_s": dec.warmup_s, **protocol_meta(passes)}
+            "compile_warmup_s": dec.warmup_s, **protocol_meta(passes),
+            **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {})}
     costs = {bs: c.to_dict() if c is not None else None for bs, c in costs_by_size.items()}
     (out / "batch_bench.json").write_text(json.dumps(
         {"meta": meta, "rows": rows, "crossover": cross, "forward_costs_s": costs}, indent=2))
-    fig = batch_plot(rows)
+    try:
+        fig = batch_plot(rows)
+    except ModuleNotFoundError as err:  # an offline GPU machine (speclab gpu-bundle)
+        if err.name != "matplotlib":
+            raise
+        print(f"\nwrote {out / 'batch_bench.json'} (no batch_scaling.png: matplotlib is "
+              "not installed here; the JSON holds every figure)")
+        return rows
     fig.savefig(out / "batch_scaling.png", dpi=110)
     print(f"\nwrote {out / 'batch_bench.json'} and {out / 'batch_scaling.png'}")
     if log_mlflow:

@@ -3,6 +3,8 @@
     speclab generate --target DIR --draft DIR --method salf --prompt "def f(" --json
     speclab bench [--out bench_out] [--pair reference-large] [--eagle DIR] [--medusa DIR]
                                                         # engine benchmark
+    speclab bench --pair reference-xl --device cuda --eagle SMALL_DIR   # GPU-scale target
+    speclab gpu-bundle OUT --eagle DIR                  # the GPU report for an offline GPU
     speclab shift --target DIR --method medusa ... --verify typical --temperature 0.7
                                                         # first-token TV of a relaxed rule
     speclab reference                                   # build (or find) the reference pair

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from speclab.api import Decoder
-from speclab.bench import parse_batch_sizes, run_batch_bench, run_bench
+from speclab.bench import PAIRS, parse_batch_sizes, run_batch_bench, run_bench
 from speclab.compat import check_model
 from speclab.config import JOB_CONFIGS, ServeJob
 from speclab.data.prompts import load_prompts
@@ -24,6 +24,7 @@ from speclab.ports import answers, check_port_free
 from speclab.raylib import init_ray, project_runtime_env, quiet_ray_env
 from speclab.recommend import Recommender
 from speclab.reference_large import ensure_reference_large, format_cost, record_cost
+from speclab.reference_xl import XLSpec
 from speclab.shift import first_token_shift
 from speclab.tracking import default_artifact_root, resolve_tracking_uri, ui_record
 
@@ -59,9 +60,17 @@ def add_parsers(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument("--dtype", default=None,
                    help="default: float32 (reference), bfloat16 where native (reference-large)")
-    p.add_argument("--pair", default="reference", choices=["reference", "reference-large"],
-                   help="reference (tiny, overhead-bound on CPU) or reference-large "
-                        "(memory-bound; adds an EAGLE row)")
+    p.add_argument("--pair", default="reference", choices=list(PAIRS),
+                   help="reference (tiny, overhead-bound on CPU), reference-large "
+                        "(memory-bound; adds an EAGLE row) or reference-xl (GPU-scale, grown "
+                        "on the device; --eagle then names drafters for the SMALL reference "
+                        "target, grown with it)")
+    p.add_argument("--xl", default="24x16", metavar="WIDENxDEPTH",
+                   help="with --pair reference-xl: how far the reference target is grown "
+                        "(default 24x16: 5.45B parameters)")
+    p.add_argument("--xl-checksums", default=None, metavar="JSON",
+                   help="with --pair reference-xl: the checksums the grown models must have "
+                        "(speclab gpu-bundle writes them)")
     p.add_argument("--eagle", action="append", default=None, metavar="DIR",
                    help="an EAGLE drafter (any version) for the pair's target: adds its row "
                         "(the bench's EAGLE tree); repeat for more; on reference-large it "
@@ -81,6 +90,21 @@ def add_parsers(sub) -> None:
     p.add_argument("--mlflow", nargs="?", const="", default=None, metavar="TRACKING_URI",
                    help="with --batch-sizes: also log an MLflow run (default store if no URI)")
     HANDLERS["bench"] = cmd_bench
+
+    p = sub.add_parser("gpu-bundle", help="the Ray-free GPU report for an offline machine with "
+                                          "only PyTorch: one folder, one script (run.sh)")
+    p.add_argument("out", help="the bundle's folder (replaced if it exists)")
+    p.add_argument("--eagle", action="append", default=[], metavar="DIR",
+                   help="an EAGLE / EAGLE-3 drafter trained against the reference target, "
+                        "grown with reference-xl on the GPU (repeat)")
+    p.add_argument("--python", default="3.12", help="the GPU machine's Python (wheels)")
+    p.add_argument("--platform", default="manylinux2014_x86_64",
+                   help="the GPU machine's wheel platform tag")
+    p.add_argument("--xl", default="24x16", metavar="WIDENxDEPTH",
+                   help="reference-xl's size on the GPU")
+    p.add_argument("--budget-s", type=int, default=450,
+                   help="run.sh's default time budget for its steps")
+    HANDLERS["gpu-bundle"] = cmd_gpu_bundle
 
     p = sub.add_parser("shift", help="first-token distribution shift of a method's rule "
                                      "against the target (total variation; table + JSON)")
@@ -159,14 +183,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         args.out, device=args.device, dtype=args.dtype,
                         log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,
                         repeats=args.repeats, compile=args.compile, pair=args.pair,
-                        prompt_file=args.prompt_file)
+                        prompt_file=args.prompt_file, xl=XLSpec.parse(args.xl),
+                        checksums=args.xl_checksums)
         return 0
     if args.mlflow is not None or args.compile:
         raise ValueError(f"{'mlflow' if args.mlflow is not None else 'compile'}: only with "
                          "--batch-sizes")
     run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype,
               pair=args.pair, eagles=args.eagle, medusas=args.medusa,
-              prompt_file=args.prompt_file)
+              prompt_file=args.prompt_file, xl=XLSpec.parse(args.xl), checksums=args.xl_checksums)
+    return 0
+
+
+def cmd_gpu_bundle(args: argparse.Namespace) -> int:
+    """Write the offline GPU bundle (:mod:`speclab.gpu_bundle`)."""
+    from pathlib import Path
+
+    from speclab.gpu_bundle import build_bundle
+
+    build_bundle(Path(args.out), args.eagle, args.python, args.platform, XLSpec.parse(args.xl),
+                 args.budget_s)
     return 0
 
 

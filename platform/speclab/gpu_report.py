@@ -158,26 +158,10 @@ def markdown(rows: list[dict], columns: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the report (see the module docstring); 0 without a GPU, else 0 when every
-    step finished with status 0."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="gpu_report")
-    ap.add_argument("--budget-s", type=float, default=600.0, help="all steps together")
-    ap.add_argument("--pair", action="append", default=None,
-                    help="bench pairs (default: reference and reference-large)")
-    ap.add_argument("--prompts", type=int, default=8, help="bench prompts at batch 1")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--test-args", default="",
-                    help="extra pytest arguments, e.g. '-n 4 --dist loadfile' with "
-                         "pytest-xdist installed")
-    args = ap.parse_args(argv)
-    gpu = cuda_device()
-    if gpu is None:
-        print("gpu-report: no CUDA GPU on this machine; nothing to run (exit 0)")
-        return 0
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+def full_steps(args: argparse.Namespace, out: Path) -> tuple[list, dict, dict]:
+    """``make gpu-report``'s steps ``[(name, command, share of the budget)]`` and where
+    their bench JSONs go (``{pair: folder}``, ``{mode: folder}``): every CUDA test, the
+    bench on each pair, the batched engine eager and compiled at batch 1 and 16."""
     py = sys.executable
     speclab = [py, "-m", "speclab.cli"]  # also where speclab is on PYTHONPATH, not installed
     pairs = args.pair or ["reference", "reference-large"]
@@ -195,6 +179,110 @@ def main(argv: list[str] | None = None) -> int:
                                         "--out", str(out / f"batch_{mode}"),
                                         *(["--compile"] if mode == "compiled" else [])],
                       0.125))
+    return (steps, {p: out / p for p in pairs},
+            {m: out / f"batch_{m}" for m in ("eager", "compiled")})
+
+
+def offline_steps(args: argparse.Namespace, out: Path) -> tuple[list, dict, dict]:
+    """The Ray-free report's steps (``--offline``, what ``speclab gpu-bundle``'s script
+    runs): the Ray-free CUDA tests, ``speclab bench`` on ``reference-xl`` (``--xl``,
+    ``--xl-checksums``, the small drafters ``--eagle``) eager, and the batched engine
+    compiled at batch 1 on it. ``--rehearse``: on the CPU in float32, 2 prompts x 16
+    tokens, the batched engine eager (compiling on a CPU takes minutes)."""
+    from speclab.gpu_bundle import RAY_FREE_TESTS
+
+    py = sys.executable
+    device, dtype = ("cpu", "float32") if args.rehearse else ("cuda", "bfloat16")
+    prompts, tokens = ((min(args.prompts, 2), min(args.max_new_tokens, 16)) if args.rehearse
+                       else (args.prompts, args.max_new_tokens))
+    xl = ["--pair", "reference-xl", "--xl", args.xl, "--device", device, "--dtype", dtype,
+          "--max-new-tokens", str(tokens),
+          *(["--xl-checksums", args.xl_checksums] if args.xl_checksums else [])]
+    eagles = [x for e in args.eagle for x in ("--eagle", e)]
+    steps = [("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+                             *RAY_FREE_TESTS, *shlex.split(args.test_args)], 0.3),
+             ("bench_reference-xl", [py, "-m", "speclab.cli", "bench", *xl, *eagles,
+                                     "--prompts", str(prompts),
+                                     "--out", str(out / "reference-xl")], 0.4),
+             ("batch_compiled", [py, "-m", "speclab.cli", "bench", *xl, "--prompts",
+                                 str(min(prompts, 4)), "--batch-sizes", "1",
+                                 *([] if args.rehearse else ["--compile"]),
+                                 "--out", str(out / "batch_compiled")], 0.3)]
+    return steps, {"reference-xl": out / "reference-xl"}, {"compiled": out / "batch_compiled"}
+
+
+def xl_meta(dirs: list[Path]) -> dict | None:
+    """``reference-xl``'s build record (sizes, checksums, function check, forward cost)
+    from the first bench JSON under ``dirs`` that has one."""
+    for d in dirs:
+        for name in ("bench.json", "batch_bench.json"):
+            f = d / name
+            if f.exists():
+                meta = json.loads(f.read_text()).get("meta", {})
+                if "reference_xl" in meta:
+                    return meta["reference_xl"]
+    return None
+
+
+def xl_section(meta: dict) -> str:
+    """Markdown of :func:`xl_meta`: size, build time, checksums, function check, cost."""
+    lines = [f"{meta['spec']['widen']}x wide, {meta['layers']} layers: "
+             f"{meta['params'] / 1e9:.2f}B parameters, {meta['weights_gb']:.1f} GB "
+             f"{meta['dtype']} on {meta['device']}, grown in {meta['build_s']:.1f} s",
+             "", "| model | checksum | expected | match |", "|---|---|---|---|"]
+    lines += [f"| {n} | {c['found']} | {c['expected']} | {c['match']} |"
+              for n, c in meta["checksums"].items()]
+    lines += ["", "function check (against the small models): "
+              + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in meta["function_check"].items())]
+    cost = meta.get("cost")
+    if cost:
+        ns = list(cost["target_ms"])
+        lines += ["", f"forward cost at batch 1 after a {cost['prefix']}-token prefix (median "
+                  f"of {cost['repeats']}):", "",
+                  "| new tokens | " + " | ".join(ns) + " |", "|---" * (len(ns) + 1) + "|",
+                  "| ms | " + " | ".join(f"{cost['target_ms'][n]:.2f}" for n in ns) + " |",
+                  "| x one token | " + " | ".join(f"{cost['target_ratio'][n]:.3f}" for n in ns)
+                  + " |"]
+        if "eagle_ms" in cost:
+            lines.append(f"\nfirst EAGLE drafter: {cost['eagle_ms']:.2f} ms per 1-token "
+                         f"forward = {cost['eagle_vs_target']:.3f} of a target forward")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the report (see the module docstring); 0 without a GPU, else 0 when every
+    step finished with status 0."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu_report")
+    ap.add_argument("--budget-s", type=float, default=600.0, help="all steps together")
+    ap.add_argument("--pair", action="append", default=None,
+                    help="bench pairs (default: reference and reference-large)")
+    ap.add_argument("--prompts", type=int, default=8, help="bench prompts at batch 1")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--test-args", default="",
+                    help="extra pytest arguments, e.g. '-n 4 --dist loadfile' with "
+                         "pytest-xdist installed")
+    ap.add_argument("--offline", action="store_true",
+                    help="the Ray-free part only (speclab gpu-bundle's script): the Ray-free "
+                         "CUDA tests, bench on reference-xl eager, the batched engine compiled")
+    ap.add_argument("--rehearse", action="store_true",
+                    help="with --offline: run the steps on the CPU in float32 (no CUDA needed)")
+    ap.add_argument("--xl", default="24x16", help="with --offline: reference-xl's WIDENxDEPTH")
+    ap.add_argument("--xl-checksums", default=None, help="with --offline: checksums.json")
+    ap.add_argument("--eagle", action="append", default=[],
+                    help="with --offline: an EAGLE drafter for the small reference target, "
+                         "grown with reference-xl (repeat)")
+    args = ap.parse_args(argv)
+    if args.rehearse and not args.offline:
+        ap.error("--rehearse: only with --offline")
+    gpu = "CPU rehearsal (no CUDA)" if args.rehearse else cuda_device()
+    if gpu is None:
+        print("gpu-report: no CUDA GPU on this machine; nothing to run (exit 0)")
+        return 0
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    steps, bench_dirs, batch_dirs = (offline_steps if args.offline else full_steps)(args, out)
     log_path = out / "cuda_tests.jsonl"
     results, deadline, saved = [], time.perf_counter() + args.budget_s, 0.0
     for name, cmd, share in steps:  # a step may use its share plus what earlier ones saved
@@ -209,9 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         saved = max(budget - results[-1]["wall_s"], 0.0)
     collected, tests = read_test_log(log_path)
     report = {"gpu": gpu, "steps": results, "cuda_tests": tests,
-              "bench": {p: bench_rows(out / p / "bench.json") for p in pairs},
-              "batch": {m: bench_rows(out / f"batch_{m}" / "batch_bench.json")
-                        for m in ("eager", "compiled")}}
+              "bench": {p: bench_rows(d / "bench.json") for p, d in bench_dirs.items()},
+              "batch": {m: bench_rows(d / "batch_bench.json") for m, d in batch_dirs.items()},
+              "reference_xl": xl_meta([*bench_dirs.values(), *batch_dirs.values()])}
     (out / "gpu_report.json").write_text(json.dumps(report, indent=2, default=str))
     counts = {k: sum(t["outcome"] == k for t in tests)
               for k in ("passed", "failed", "error", "skipped")}
@@ -221,10 +309,12 @@ def main(argv: list[str] | None = None) -> int:
           f"\n## CUDA tests: {counts}\n", markdown(tests, ("test", "outcome", "seconds"))]
     md += [f"\n### {t['test']} ({t['outcome']})\n\n```\n{t['error']}\n```\n"
            for t in tests if t.get("error")]
+    if report["reference_xl"]:
+        md += ["\n## reference-xl\n", xl_section(report["reference_xl"])]
     for pair, rows in report["bench"].items():
-        md += [f"\n## Benchmark: {pair} (bfloat16, batch 1)\n", markdown(rows, BENCH_COLUMNS)]
+        md += [f"\n## Benchmark: {pair} (batch 1)\n", markdown(rows, BENCH_COLUMNS)]
     for mode, rows in report["batch"].items():
-        md += [f"\n## Batched engine, {mode}: batch 1 and 16\n", markdown(rows, BATCH_COLUMNS)]
+        md += [f"\n## Batched engine, {mode}\n", markdown(rows, BATCH_COLUMNS)]
     (out / "gpu_report.md").write_text("".join(md))
     print("".join(md))
     print(f"gpu-report: wrote {out / 'gpu_report.md'} and gpu_report.json")

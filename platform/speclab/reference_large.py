@@ -79,7 +79,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -199,9 +199,19 @@ def build_log(msg: str) -> None:
 # --- widening and deepening (pure functions of models) ---------------------------------
 
 
-def tile_linear(w: torch.Tensor, k: int) -> torch.Tensor:
-    """``[out, in]`` -> ``[k*out, k*in]``: ``k x k`` blocks of ``w / k``."""
-    return w.repeat(k, k) / k
+def tile_linear(w: torch.Tensor, k: int, device: torch.device | str | None = None
+                ) -> torch.Tensor:
+    """``[out, in]`` -> ``[k*out, k*in]``: ``k x k`` blocks of ``w / k``, on ``device``
+    (default ``w``'s). The division is done on ``w`` where it lives, before it moves and
+    is tiled: the result does not depend on how ``device`` divides (a GPU multiplies by
+    the reciprocal), so a host and a GPU build the same bits."""
+    return (w / k).to(device or w.device).repeat(k, k)
+
+
+def tile(t: torch.Tensor, reps: tuple[int, ...], device: torch.device | str | None = None
+         ) -> torch.Tensor:
+    """``t`` moved to ``device`` (default its own), then ``t.repeat(*reps)``."""
+    return t.to(device or t.device).repeat(*reps)
 
 
 def _check_llama(config) -> None:
@@ -239,6 +249,30 @@ def _build_like(model: torch.nn.Module, config, state: dict[str, torch.Tensor]):
 
 
 @torch.no_grad()
+def widened_tensors(model: torch.nn.Module, k: int, device: torch.device | str | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state of :func:`widen_llama`'s model, one float32 tensor at a time, each made
+    on ``device`` (default ``model``'s) from ``model``'s tensor where it lives (so a
+    GPU-scale model is grown on the GPU from a small one on the host, without a full-size
+    copy anywhere else, and with the bits a host would compute: :func:`tile_linear`):
+    ``(name, tensor)`` in ``model.state_dict()`` order, the LM head last."""
+    head = model.get_output_embeddings().weight.float()
+    for name, t in model.state_dict().items():
+        t = t.float()
+        if name.endswith("embed_tokens.weight"):
+            yield name, tile(t, (1, k), device)  # [V, kH]: each row tiled
+        elif name == "lm_head.weight":
+            continue  # set below (also when tied to the embedding)
+        elif t.ndim == 1:  # RMSNorm weights
+            yield name, tile(t, (k,), device)
+        elif t.ndim == 2:  # q/k/v/o, gate/up/down
+            yield name, tile_linear(t, k, device)
+        else:
+            raise ValueError(f"widen: unexpected tensor {name} of shape {tuple(t.shape)}")
+    yield "lm_head.weight", tile(head / k, (1, k), device)  # [V, kH]: logits unchanged
+
+
+@torch.no_grad()
 def widen_llama(model: torch.nn.Module, k: int):
     """A LLaMA causal LM ``k`` times as wide that computes ``model``'s function (the
     module docstring): its hidden states are ``k`` copies of ``model``'s side by side.
@@ -246,22 +280,7 @@ def widen_llama(model: torch.nn.Module, k: int):
     if k < 1:
         raise ValueError(f"widen: k must be >= 1, got {k}")
     cfg = widened_config(model.config, k)
-    head = model.get_output_embeddings().weight.float()
-    state = {}
-    for name, t in model.state_dict().items():
-        t = t.float()
-        if name.endswith("embed_tokens.weight"):
-            state[name] = t.repeat(1, k)  # [V, kH]: each row tiled
-        elif name == "lm_head.weight":
-            continue  # set below (also when tied to the embedding)
-        elif t.ndim == 1:  # RMSNorm weights
-            state[name] = t.repeat(k)
-        elif t.ndim == 2:  # q/k/v/o, gate/up/down
-            state[name] = tile_linear(t, k)
-        else:
-            raise ValueError(f"widen: unexpected tensor {name} of shape {tuple(t.shape)}")
-    state["lm_head.weight"] = head.repeat(1, k) / k  # [V, kH]: logits unchanged
-    return _build_like(model, cfg, state)
+    return _build_like(model, cfg, dict(widened_tensors(model, k)))
 
 
 def deepened_layout(layers: int, depth: int) -> list[tuple[int, bool]]:
@@ -318,7 +337,8 @@ def deepened_index(index: int, layers: int, depth: int) -> int:
 
 
 @torch.no_grad()
-def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
+def widen_eagle(model, k: int, target_config=None, layers: int | None = None,
+                device: torch.device | str | None = None):
     """An EAGLE drafter (EAGLE-1/2 :class:`~speclab.families.eagle.model.EagleModel` or EAGLE-3
     :class:`~speclab.families.eagle.model3.Eagle3Model`) for the ``k``x wide target: features and
     embeddings are ``k`` copies side by side, so every map over concatenated inputs
@@ -330,7 +350,8 @@ def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
     ``feature_layers`` move to the states of the wide target, deepened to
     ``target_config``'s depth, that hold the same features (:func:`deepened_index`). With
     ``target_config`` (the wide target's) the new meta is checked to be exactly that of a
-    drafter for it."""
+    drafter for it. The wide drafter is built on ``device`` (default ``model``'s), each
+    tensor tiled there from ``model``'s where it lives (:func:`widened_tensors`)."""
     m = model.meta
     feature_layers = m.feature_layers
     if m.version == 3 and target_config is not None and layers is None:
@@ -352,25 +373,27 @@ def widen_eagle(model, k: int, target_config=None, layers: int | None = None):
     h = m.hidden_size
     concat_inputs = (("layer.self_attn.q_proj.weight", "layer.self_attn.k_proj.weight",
                       "layer.self_attn.v_proj.weight") if m.version == 3 else ())
+    dev = device or next(model.parameters()).device
     state = {}
     for name, t in model.state_dict().items():
         if name in ("d2t", "t2d"):  # EAGLE-3's draft vocabulary: ids, unchanged
-            state[name] = t.clone()
+            state[name] = t.to(dev, copy=True)
             continue
         t = t.float()
         if name == "embed.weight":
-            state[name] = t.repeat(1, k)
+            state[name] = tile(t, (1, k), dev)
         elif name == "lm_head.weight":
-            state[name] = t.repeat(1, k) / k
+            state[name] = tile(t / k, (1, k), dev)
         elif name == "fc.weight" or name in concat_inputs:  # [H, n*H] over n parts
-            state[name] = torch.cat([tile_linear(part, k) for part in t.split(h, 1)], 1)
+            state[name] = torch.cat([tile_linear(part, k, dev) for part in t.split(h, 1)], 1)
         elif t.ndim == 1:  # fc bias, norms
-            state[name] = t.repeat(k)
+            state[name] = tile(t, (k,), dev)
         elif t.ndim == 2:
-            state[name] = tile_linear(t, k)
+            state[name] = tile_linear(t, k, dev)
         else:
             raise ValueError(f"widen_eagle: unexpected tensor {name} of shape {tuple(t.shape)}")
-    wide = build_eagle(meta).float()
+    with torch.device(dev):
+        wide = build_eagle(meta).float()
     missing, unexpected = wide.load_state_dict(state, strict=False)
     if unexpected or [x for x in missing if not x.endswith("inv_freq")]:
         raise RuntimeError(f"widen_eagle: state mismatch, missing {missing}, "
@@ -508,7 +531,7 @@ def drafter_logits(target: torch.nn.Module, drafter: torch.nn.Module, ids: list[
         feats = runner.features(spec)
     finally:
         runner.release()
-    _, logits = drafter(feats[None], torch.tensor([ids[1:]]))
+    _, logits = drafter(feats[None], torch.tensor([ids[1:]], device=feats.device))
     return logits[0].float()
 
 

@@ -1,0 +1,68 @@
+"""``speclab gpu-bundle``: the folder an offline GPU machine gets, built through the CLI,
+and its one script rehearsed on this CPU (``REHEARSE=1 sh run.sh``) with only what the
+bundle carries on the path: the Ray-free tests run, ``reference-xl`` is grown and its
+checksums match, and the report holds the bench rows (a tiny stand-in for the reference
+pair: :func:`tests.unit.test_reference_xl.build_fake_reference_home`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_reference_xl import build_fake_reference_home
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_gpu_bundle_is_one_folder_whose_script_runs_the_report(tmp_path):
+    home = tmp_path / "home"
+    small = build_fake_reference_home(home)
+    env = {**os.environ, "SPECLAB_HOME": str(home)}
+    bundle = tmp_path / "bundle"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"  # this machine rehearses it
+    built = subprocess.run(
+        [sys.executable, "-m", "speclab.cli", "gpu-bundle", str(bundle), "--eagle",
+         small["eagle"], "--python", python, "--xl", "2x4", "--budget-s", "300"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    manifest = json.loads((bundle / "MANIFEST.json").read_text())
+    assert manifest["mb"] <= 60
+    files = {f["path"] for f in manifest["files"]}
+    assert any(w.startswith("pydantic_core-") and f"cp{python.replace('.', '')}" in w
+               for w in manifest["wheels"])
+    for rel in ("run.sh", "README.md", "checksums.json", "src/platform/speclab/api.py",
+                "src/tests/gpu/test_cuda_engine.py", "src/pyproject.toml",
+                "drafters/eagle-tiny/config.json"):
+        assert rel in files or (bundle / rel).exists(), rel
+    assert any(f.startswith("home/models/reference-") and f.endswith("target/config.json")
+               for f in files)
+    assert not any(f.endswith((".pyc", ".png")) for f in files)
+    assert set(json.loads((bundle / "checksums.json").read_text())) == {"2x4-bfloat16",
+                                                                        "1x8-float32"}
+
+    # the rehearsal: nothing of this checkout on the path, the bundle's own home
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPECLAB_HOME")}
+    report = tmp_path / "report"
+    ran = subprocess.run(["sh", str(bundle / "run.sh"), str(report), "300"], cwd=tmp_path,
+                         env={**clean, "PYTHON": sys.executable, "REHEARSE": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    out = json.loads((report / "gpu_report.json").read_text())
+    assert [s["returncode"] for s in out["steps"]] == [0, 0, 0], out["steps"]
+    assert all(Path(s["command"].split()[0]).name.startswith("python") for s in out["steps"])
+    xl = out["reference_xl"]
+    assert xl["layers"] == 8 and {c["match"] for c in xl["checksums"].values()} == {True}
+    assert xl["function_check"]["target_greedy_agreement"] == 1.0
+    rows = {r["method"]: r for r in out["bench"]["reference-xl"]}
+    assert {"ar", "chain(gamma=3)", "hf_assisted"} <= set(rows)
+    eagle = [r for m, r in rows.items() if m.startswith("eagle eagle-tiny")]
+    assert len(eagle) == 2 and all(r["tau"] >= 1.0 and r["identical_to_ar"] for r in eagle)
+    assert out["batch"]["compiled"], "the batched step wrote no rows"
+    md = (report / "gpu_report.md").read_text()
+    assert "## reference-xl" in md and "| target |" in md and "Benchmark: reference-xl" in md
