@@ -102,7 +102,7 @@ def add_parsers(sub) -> None:
                    help="the GPU machine's wheel platform tag")
     p.add_argument("--xl", default="24x16", metavar="WIDENxDEPTH",
                    help="reference-xl's size on the GPU")
-    p.add_argument("--budget-s", type=int, default=450,
+    p.add_argument("--budget-s", type=int, default=460,
                    help="run.sh's default time budget for its steps")
     HANDLERS["gpu-bundle"] = cmd_gpu_bundle
 

@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         evaluate_pair(cfg, target, draft, prompts, t)
         t.log_metrics({"wall_s": time.perf_counter() - t_start})
     if tracker.run_id:
-        running = str(tracker.uri).startswith("http") or running_ui_port(str(tracker.uri))
-        local = "" if running else " (after `speclab ui`)"
-        print(f"\n[evaluate] MLflow run {tracker.run_id}: {run_link(tracker)}{local}",
+        port = running_ui_port(str(tracker.uri))  # the ui record, read once
+        local = "" if port or str(tracker.uri).startswith("http") else " (after `speclab ui`)"
+        print(f"\n[evaluate] MLflow run {tracker.run_id}: {run_link(tracker, port or 5000)}{local}",
               flush=True)
     return 0

@@ -147,27 +147,17 @@ def gather_with_progress(actors: list, refs: list, every_s: float = 2.0) -> list
     tag = len(actors) > 1
     left = list(refs)
     while True:
-        _, left = ray.wait(left, num_returns=len(left), timeout=every_s)
+        ready, left = ray.wait(left, num_returns=len(left), timeout=every_s)
         for i, actor in enumerate(actors):
             try:
                 got = ray.get(actor.lines.remote())
-            except RayActorError:  # it died: ray.get(refs) below raises its own error
+            except RayActorError:  # it died: ray.get below raises its own error
                 continue
             for line in got:
                 print(f"[evaluate]{f' actor {i + 1}:' if tag else ''} {line}", flush=True)
-        if not left or any(_failed(r) for r in refs if r not in left):
+        if not left:
             return ray.get(list(refs))
-
-
-def _failed(ref) -> bool:
-    """Whether the finished call ``ref`` raised (its error is then raised at once)."""
-    import ray
-
-    try:
-        ray.get(ref)
-    except Exception:
-        return True
-    return False
+        ray.get(ready)  # each call once, as it finishes: one that raised raises at once
 
 
 #: the figures of each method logged per category (besides the whole table in JSON)

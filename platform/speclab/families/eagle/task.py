@@ -20,7 +20,7 @@ from speclab.families.eagle.training import (
     collate_forest,
     engine_acceptance,
     online_feat_batch,
-    pair_mask,
+    scored_mask,
     top1_agreement,
 )
 from speclab.families.objectives import objective
@@ -64,6 +64,7 @@ class EagleTask(TaskBase):
         self.val = pq.read_table(shards[-1]).to_pylist()
         self.train = [r for s in shards[:-1] for r in pq.read_table(s).to_pylist()]
         self._hooks = None  # online features: hooks on the target, made on first use
+        self._teacher_ids: torch.Tensor | None = None  # EAGLE-3's teacher vocab (build_model)
 
     def build_model(self) -> torch.nn.Module:
         # the target on the worker's device: the engine probe feeds it the drafter's inputs
@@ -91,7 +92,7 @@ class EagleTask(TaskBase):
                 self._hooks = FeatureHooks(self.target_model)
             spec = fused_spec(self.e) if self.e.version == 3 else None
             batch = online_feat_batch(self.target_model, rows, self.e.online_top_k, spec,
-                                      self._hooks, getattr(self, "_teacher_ids", None))
+                                      self._hooks, self._teacher_ids)
         else:
             batch = collate_feat(rows)
         return {k: v.to(self.device) for k, v in batch.items()}
@@ -120,14 +121,9 @@ class EagleTask(TaskBase):
         return int(batch["tokens"].numel())
 
     def scored(self, batch: dict) -> float | None:
-        """The pairs the loss covers: :func:`pair_mask` of every pair, times EAGLE-3's
-        teacher mask (the target's argmax inside the draft vocabulary) where the batch
-        has one; None when neither masks anything."""
-        t = batch["tokens"].shape[1] - 2
-        m = pair_mask(batch, t)
-        if "teacher_mask" in batch:
-            inside = batch["teacher_mask"][:, 1:t + 1]
-            m = inside if m is None else m * inside.to(m.device)
+        """The pairs the loss covers (:func:`scored_mask`: the loss mask times EAGLE-3's
+        teacher mask where the batch has them); None when neither masks anything."""
+        m = scored_mask(batch, batch["tokens"].shape[1] - 2)
         return None if m is None else float(m.sum())
 
     @torch.no_grad()

@@ -150,6 +150,17 @@ def pair_mask(batch: dict[str, torch.Tensor], t: int) -> torch.Tensor | None:
     return None if m is None else m[:, 2: t + 2]
 
 
+def scored_mask(batch: dict[str, torch.Tensor], t: int) -> torch.Tensor | None:
+    """``[B, T]``: :func:`pair_mask` times EAGLE-3's teacher mask (``teacher_mask[:, 1:T +
+    1]``: the target's argmax inside the draft vocabulary) where the batch has one: the
+    pairs the loss scores; None when neither masks anything."""
+    m = pair_mask(batch, t)
+    if "teacher_mask" in batch:
+        inside = batch["teacher_mask"][:, 1:t + 1]
+        m = inside if m is None else m.to(inside.device) * inside
+    return m
+
+
 def _decode(data: bytes, dtype, shape) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(shape).copy())
 
@@ -263,12 +274,11 @@ def eagle3_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: i
     b, length, _ = feats.shape
     t = length - 1
     outputs = hass_forward(model, feats[:, :-1], tokens[:, 1:length], min(steps, t), False)
-    pm = pair_mask(batch, t)
-    if "teacher_probs" in batch:  # EAGLE-3's: the whole distribution over the draft vocab
+    pm = scored_mask(batch, t)
+    teacher = "teacher_probs" in batch
+    if teacher:  # EAGLE-3's: the whole distribution over the draft vocab
         draft_ids = getattr(model, "module", model).draft_ids  # DDP wraps the drafter
         probs = batch["teacher_probs"][:, 1:]
-        inside = batch["teacher_mask"][:, 1:]
-        pm = inside if pm is None else pm.to(inside.device) * inside
     else:  # the variant: the stored top-k, restricted to the draft vocabulary
         ids = batch["topk_ids"][:, 1:]
         probs = draft_vocab_targets(model, ids, batch["topk_probs"][:, 1:])
@@ -276,7 +286,7 @@ def eagle3_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], steps: i
     for s, (_, logits) in enumerate(outputs, start=1):
         valid = (torch.arange(t, device=feats.device) >= s - 1).float().expand(b, t)
         valid = valid if pm is None else valid * pm.to(valid.device)
-        if "teacher_probs" in batch:
+        if teacher:
             logq = logits.float().log_softmax(-1).index_select(-1, draft_ids)  # [B, T, V_d]
             step = losses.masked_mean(-(probs * logq).sum(-1), valid)
         else:
