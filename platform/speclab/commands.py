@@ -104,6 +104,10 @@ def add_parsers(sub) -> None:
                    help="reference-xl's size on the GPU")
     p.add_argument("--budget-s", type=int, default=460,
                    help="run.sh's default time budget for its steps")
+    p.add_argument("--ray", action="store_true",
+                   help="the second bundle instead: the Ray / Serve / Train / Tune CUDA tests' "
+                        "wheels and the checkout, in parts of at most 60 MB "
+                        "(part-01/assemble.sh joins them there)")
     HANDLERS["gpu-bundle"] = cmd_gpu_bundle
 
     p = sub.add_parser("shift", help="first-token distribution shift of a method's rule "
@@ -199,8 +203,13 @@ def cmd_gpu_bundle(args: argparse.Namespace) -> int:
     """Write the offline GPU bundle (:mod:`speclab.gpu_bundle`)."""
     from pathlib import Path
 
-    from speclab.gpu_bundle import build_bundle
+    from speclab.gpu_bundle import build_bundle, build_ray_parts
 
+    if args.ray:
+        if args.eagle:
+            raise ValueError("--eagle: not with --ray (the Ray part carries no drafters)")
+        build_ray_parts(Path(args.out), args.python)
+        return 0
     build_bundle(Path(args.out), args.eagle, args.python, args.platform, XLSpec.parse(args.xl),
                  args.budget_s)
     return 0

@@ -30,8 +30,12 @@ What it carries (``MANIFEST.json`` lists every file with its size):
   ``reference-xl`` (:data:`REHEARSAL_XL`) in float32, to try the bundle before a GPU run.
 
 The Ray / Serve / Train / Tune CUDA tests need Ray (its wheel alone is 79 MB), MLflow
-and FastAPI: they are not in this bundle. ``README.md`` in the bundle says how to carry
-them in parts.
+and FastAPI: 180 MB of wheels, more than one transfer. ``speclab gpu-bundle OUT --ray``
+writes them as a second bundle in parts (:func:`build_ray_parts`): ``OUT/part-01``,
+``part-02``, ... each at most :data:`MAX_MB`, carried one transfer at a time into one
+folder there; ``sh part-01/assemble.sh DEST`` joins them, installs the wheels into
+``DEST/site`` (``pip --no-index``) and runs the whole ``make gpu-report`` from the
+checkout it carries.
 """
 
 from __future__ import annotations
@@ -169,14 +173,13 @@ speclab sources and tests, the reference pair and the drafters ({drafters}).
 ## The Ray / Serve / Train / Tune CUDA tests (not in this bundle)
 
 `tests/gpu/test_cuda_{{train,serve,tune}}.py` need Ray 2.60 (its wheel alone is 79 MB),
-MLflow, FastAPI and their dependencies: more than one 64 MB transfer. Carry them in parts:
-
-    pip download -d ray_wheels -r <(grep -E '^(ray|mlflow|fastapi|starlette|uvicorn)' \\
-        constraints.txt) --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all:
-    tar cf - ray_wheels | split -b 60m - ray_part_     # each part in its own transfer
-    cat ray_part_* | tar xf - && pip install --no-index -f ray_wheels ray mlflow fastapi
-
-then run `python -m speclab.gpu_report` (all of `tests/gpu`) from a checkout.
+MLflow, FastAPI and their dependencies: more than one 64 MB transfer. They come as a
+second bundle in parts: `speclab gpu-bundle OUT --ray` writes `OUT/part-01`, `part-02`,
+... (each at most 60 MB); carry them one transfer at a time into one folder, then
+`sh part-01/assemble.sh DEST [REPORT_DIR]` joins them, installs the wheels into
+`DEST/site` (`pip install --no-index --no-deps --target`) and runs the whole report
+(`python -m speclab.gpu_report`: every CUDA test and the benches) from the checkout
+the parts carry.
 """
 
 
@@ -240,4 +243,119 @@ def build_bundle(out: Path, eagles: list[str], python: str = "3.12",
                          "may carry (fewer --eagle drafters?)")
     log(f"gpu-bundle: wrote {out} ({len(files)} files, {mb:.1f} MB, "
         f"{manifest['build_s']:.0f}s); run it with: sh {out}/run.sh")
+    return manifest
+
+
+# --- the second bundle: the Ray part, in parts -----------------------------------------------
+
+#: what an offline PyTorch GPU machine has (CUDA PyTorch, transformers, pytest, numpy,
+#: scipy, pandas, pyarrow, psutil, PyYAML, safetensors, tokenizers) and their
+#: dependencies: not carried in the Ray part
+DEVICE_HAS = frozenset({
+    "torch", "transformers", "tokenizers", "safetensors", "huggingface-hub", "hf-xet", "numpy",
+    "scipy", "pandas", "pyarrow", "psutil", "pyyaml", "pytest", "pluggy", "iniconfig",
+    "filelock", "fsspec", "regex", "tqdm", "packaging", "jinja2", "markupsafe", "networkx",
+    "sympy", "mpmath", "python-dateutil", "six"})
+#: what only development needs (lint, docs, property tests, the LangChain client test,
+#: profiling): not carried either
+DEV_ONLY = frozenset({
+    "ruff", "hypothesis", "mkdocs", "mkdocs-get-deps", "ghp-import", "mergedeep", "markdown",
+    "pyyaml-env-tag", "watchdog", "langchain-core", "langchain-openai", "langchain-protocol",
+    "langsmith", "py-spy", "sortedcontainers", "pygments", "rich", "markdown-it-py", "mdurl"})
+#: the wheel platform tags a manylinux x86_64 machine takes, newest last
+MANYLINUX = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def ray_part_pins(constraints: Path) -> list[str]:
+    """``name==version`` of every package ``constraints`` pins (the tested set) but
+    :data:`DEVICE_HAS` and :data:`DEV_ONLY`: the Ray part's wheels."""
+    pins = []
+    for line in constraints.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line and _norm(line.split("==")[0]) not in DEVICE_HAS | DEV_ONLY:
+            pins.append(line)
+    return pins
+
+
+ASSEMBLE_SH = """#!/bin/sh
+# The Ray / Serve / Train / Tune part of speclab's GPU report (`speclab gpu-bundle --ray`).
+#   sh part-01/assemble.sh DEST [REPORT_DIR]    once every part-NN folder sits beside part-01
+#   INSTALL_ONLY=1 sh part-01/assemble.sh DEST  join and install, run nothing
+set -eu
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+DEST=${{1:?usage: sh assemble.sh DEST [REPORT_DIR]}}
+PY=${{PYTHON:-python3}}
+n=$(ls -d "$HERE"/part-* | wc -l)
+if [ "$n" -ne {parts} ]; then echo "assemble: $n of {parts} parts in $HERE" >&2; exit 2; fi
+mkdir -p "$DEST"
+cat "$HERE"/part-*/ray_part.tar.* | tar xf - -C "$DEST"
+"$PY" -m pip install --quiet --no-index --no-deps --target "$DEST/site" "$DEST"/wheels/*.whl
+export PYTHONPATH="$DEST/site:$DEST/src/platform:$DEST/src" SPECLAB_HOME="$DEST/home"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
+if [ -n "${{INSTALL_ONLY:-}}" ]; then exit 0; fi
+cd "$DEST/src"
+exec "$PY" -m speclab.gpu_report --out "${{2:-$DEST/report}}"
+"""
+
+
+def build_ray_parts(out: Path, python: str = "3.12", part_mb: float = MAX_MB,
+                    log=print) -> dict:
+    """Write the Ray part (module docstring) to ``out`` (replaced if it exists): the
+    wheels of :func:`ray_part_pins` for CPython ``python`` on manylinux x86_64, this
+    checkout's tracked files and the reference pair, as one tar cut into
+    ``out/part-NN/ray_part.tar.NN`` of at most ``part_mb`` MB each, ``part-01`` also
+    holding ``assemble.sh``. Returns the manifest (``out/MANIFEST.json``)."""
+    import tarfile
+
+    root = repo_root()
+    if out.exists():
+        shutil.rmtree(out)
+    stage = out.with_name(out.name + ".stage")
+    if stage.exists():
+        shutil.rmtree(stage)
+    t0 = time.perf_counter()
+    pins = ray_part_pins(root / "constraints.txt")
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--python-version", python, "--implementation", "cp",
+           *[x for p in MANYLINUX for x in ("--platform", p)], "--dest", str(stage / "wheels"),
+           *pins]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"gpu-bundle --ray: pip download failed ({done.returncode}): "
+                           f"{done.stderr.strip()[-2000:]}")
+    wheels = sorted(p.name for p in (stage / "wheels").glob("*.whl"))
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True,
+                             check=True).stdout.decode().split("\0")
+    for rel in filter(None, tracked):
+        if (root / rel).is_file():
+            (stage / "src" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / rel, stage / "src" / rel)
+    models = Path(ensure_reference_pair().target).parent
+    shutil.copytree(models, stage / "home" / "models" / models.name)
+    tar = stage.with_suffix(".tar")
+    with tarfile.open(tar, "w") as tf:
+        for top in ("wheels", "src", "home"):
+            tf.add(stage / top, arcname=top)
+    shutil.rmtree(stage)
+    # 100 kB of room per part: part-01 also holds assemble.sh and MANIFEST.json
+    size, chunk, parts = tar.stat().st_size, int(part_mb * 1e6) - 100_000, []
+    with tar.open("rb") as f:
+        for i in range(1, -(-size // chunk) + 1):
+            folder = out / f"part-{i:02d}"
+            folder.mkdir(parents=True)
+            (folder / f"ray_part.tar.{i:02d}").write_bytes(f.read(chunk))
+            parts.append(folder.name)
+    tar.unlink()
+    (out / "part-01" / "assemble.sh").write_text(ASSEMBLE_SH.format(parts=len(parts)))
+    manifest = {"python": python, "platforms": list(MANYLINUX), "wheels": wheels,
+                "parts": {p: sum(f.stat().st_size for f in (out / p).iterdir()) for p in parts},
+                "mb": round(size / 1e6, 2), "build_s": round(time.perf_counter() - t0, 1)}
+    (out / "part-01" / "MANIFEST.json").write_text(json.dumps(manifest, indent=2))
+    log(f"gpu-bundle --ray: {len(wheels)} wheels and the checkout, {manifest['mb']:.0f} MB in "
+        f"{len(parts)} parts under {out} ({manifest['build_s']:.0f}s); there: sh "
+        "part-01/assemble.sh DEST")
     return manifest

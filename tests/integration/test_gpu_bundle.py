@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,49 @@ def test_the_gpu_bundle_is_one_folder_whose_script_runs_the_report(tmp_path):
     assert out["batch"]["compiled"], "the batched step wrote no rows"
     md = (report / "gpu_report.md").read_text()
     assert "## reference-xl" in md and "| target |" in md and "Benchmark: reference-xl" in md
+
+
+@pytest.mark.slow
+def test_the_ray_part_comes_in_parts_that_join_and_install_offline(tmp_path):
+    """``speclab gpu-bundle --ray``: parts of at most 60 MB; with one missing,
+    ``assemble.sh`` says so; all of them join, install with pip offline, and Ray, MLflow,
+    FastAPI and the Serve app import from what they carried."""
+    home = tmp_path / "home"
+    build_fake_reference_home(home)
+    out = tmp_path / "ray"
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    built = subprocess.run([sys.executable, "-m", "speclab.cli", "gpu-bundle", str(out), "--ray",
+                            "--python", python], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "SPECLAB_HOME": str(home)}, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    manifest = json.loads((out / "part-01" / "MANIFEST.json").read_text())
+    parts = sorted(p.name for p in out.iterdir())
+    assert parts == sorted(manifest["parts"]) and len(parts) >= 3
+    assert all(sum(f.stat().st_size for f in (out / p).iterdir()) <= 60e6 for p in parts)
+    names = {w.split("-")[0].lower() for w in manifest["wheels"]}
+    assert {"ray", "mlflow", "fastapi", "uvicorn", "pydantic"} <= names
+    assert not names & {"torch", "numpy", "transformers", "ruff", "hypothesis"}
+
+    partial = tmp_path / "partial"  # one transfer short
+    partial.mkdir()
+    for p in parts[:-1]:
+        shutil.copytree(out / p, partial / p)
+    short = subprocess.run(["sh", str(partial / "part-01" / "assemble.sh"), str(tmp_path / "x")],
+                           capture_output=True, text=True, env={**os.environ,
+                                                                "PYTHON": sys.executable})
+    assert short.returncode == 2 and f"of {len(parts)} parts" in short.stderr
+
+    dest = tmp_path / "dest"
+    joined = subprocess.run(["sh", str(out / "part-01" / "assemble.sh"), str(dest)],
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHON": sys.executable, "INSTALL_ONLY": "1"})
+    assert joined.returncode == 0, joined.stderr[-3000:]
+    where = subprocess.run(
+        [sys.executable, "-c", "import ray, mlflow, fastapi, serve_apps.ingress, speclab; "
+                               "print(ray.__file__, mlflow.__file__, speclab.__file__)"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        env={**os.environ, "PYTHONPATH": f"{dest}/site:{dest}/src/platform:{dest}/src"})
+    assert where.returncode == 0, where.stderr[-3000:]
+    ray_file, mlflow_file, speclab_file = where.stdout.split()
+    assert ray_file.startswith(str(dest / "site")) and mlflow_file.startswith(str(dest / "site"))
+    assert speclab_file.startswith(str(dest / "src"))
