@@ -313,11 +313,11 @@ def xl_eagle_runs(xl: ReferenceXL) -> list[MethodRun]:
     tree and :data:`EAGLE_OPTIMAL_RUN`, labelled by its source folder's name."""
     runs = []
     for name, model in xl.drafters.items():
-        v = "3" if model.meta.version == 3 else ""
+        version = "3" if model.meta.version == 3 else ""
         for knobs in (EAGLE_RUN, EAGLE_OPTIMAL_RUN):
             inner = ",".join(f"{k}={v}" for k, v in knobs.items())
             runs.append(MethodRun("eagle", {**knobs, "eagle_model": model},
-                                  f"eagle{v} {name} {inner}"))
+                                  f"eagle{version} {name} {inner}"))
     return runs
 
 

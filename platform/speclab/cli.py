@@ -5,6 +5,7 @@
                                                         # engine benchmark
     speclab bench --pair reference-xl --device cuda --eagle SMALL_DIR   # GPU-scale target
     speclab gpu-bundle OUT --eagle DIR                  # the GPU report for an offline GPU
+    speclab gpu-bundle OUT --ray                        # ... its Ray part, in 60 MB parts
     speclab shift --target DIR --method medusa ... --verify typical --temperature 0.7
                                                         # first-token TV of a relaxed rule
     speclab reference                                   # build (or find) the reference pair

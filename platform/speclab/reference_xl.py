@@ -132,13 +132,9 @@ def weights_checksum(named: Iterator[tuple[str, torch.Tensor]]) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
-def _small_deep(target_dir: str, spec: XLSpec) -> torch.nn.Module:
-    """The small target deepened to ``spec.depth`` layers, float32, on the host."""
-    return deepen_llama(load_model(target_dir), spec.depth)
-
-
-def _grown_bf16(small_deep: torch.nn.Module, k: int, dtype: torch.dtype
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+def _grown(small_deep: torch.nn.Module, k: int, dtype: torch.dtype
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The grown target's tensors in ``dtype``, one at a time, on the host."""
     for name, t in widened_tensors(small_deep, k):
         yield name, t.to(dtype)
 
@@ -153,13 +149,13 @@ def expected_checksums(target_dir: str, eagles: list[str], spec: XLSpec,
     same folders one tensor at a time (the largest full-size temporary: one weight
     matrix in float32, 340 MB at the defaults): ``{"target": ..., <drafter name>: ...}``."""
     dt = DTYPES[dtype]
-    small = _small_deep(target_dir, spec)
-    out = {"target": weights_checksum(_grown_bf16(small, spec.widen, dt))}
+    base = load_model(target_dir)
+    small = deepen_llama(base, spec.depth)  # float32, on the host: it is small
+    out = {"target": weights_checksum(_grown(small, spec.widen, dt))}
     wide_cfg = widened_config(small.config, spec.widen)
-    layers = load_model(target_dir).config.num_hidden_layers
     for folder in eagles:
-        src = load_eagle(folder, load_model(target_dir).config, field="--eagle")
-        wide = widen_eagle(src, spec.widen, wide_cfg, layers).to(dt)
+        src = load_eagle(folder, base.config, field="--eagle")
+        wide = widen_eagle(src, spec.widen, wide_cfg, base.config.num_hidden_layers).to(dt)
         out[Path(folder).name] = weights_checksum(_eagle_tensors(wide))
         del wide
     return out
@@ -196,7 +192,7 @@ def grow_reference_xl(target_dir: str, draft_dir: str, eagles: list[str] | None 
     dt = DTYPES[dtype]
     t0 = now(device)
     small_cpu = load_model(target_dir)
-    small = _small_deep(target_dir, spec)
+    small = deepen_llama(small_cpu, spec.depth)  # float32, on the host: it is small
     cfg = widened_config(small.config, spec.widen)
     cfg.dtype = dtype
     target = _empty_model(type(small), cfg, device, dt)
