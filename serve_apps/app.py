@@ -121,6 +121,8 @@ def app_from_config(cfg: ServeJob):
                 "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma, "api_key": sv.api_key,
                 "max_cached_tokens": sv.max_cached_tokens, "max_model_len": sv.max_model_len,
                 "request_timeout_s": sv.request_timeout_s,
+                "spec_decode_metrics": sv.spec_decode_metrics,
+                "drafting": cfg.method.drafting, "draft_length": cfg.method.draft_length(),
                 "target_buckets": buckets,
                 "replicas": {"target": sv.target.max_count, "draft": sv.draft.max_count}}
     common["attn_implementation"] = m.attn_implementation

@@ -90,7 +90,7 @@ class Timing:
 
 
 #: :class:`GenerationStats`' per-round lists: ``progress`` sends only their new entries
-ROUND_LISTS = ("accepted_lengths", "round_accepted", "round_reach")
+ROUND_LISTS = ("accepted_lengths", "round_accepted", "round_reach", "round_drafted")
 
 
 def round_progress(stats: GenerationStats, sent: int) -> dict:

@@ -61,6 +61,7 @@ from serve_apps.protocol import (
     RecommendRequest,
 )
 from serve_apps.router import target_key
+from serve_apps.spec_metrics import spec_decode_metrics
 from serve_apps.stops import StopText
 from speclab.config.base import ConfigError
 from speclab.decoding.loop import eos_set
@@ -476,6 +477,16 @@ class Ingress:
                 "ahead_hits": timing.get("ahead_hits", 0),
                 "deadline_exceeded": dec.deadline_exceeded}
 
+    def _metrics(self, dec: Decoding) -> dict:
+        """``{"metrics": {"speculative_decoding": ...}}`` in vLLM's per-request schema
+        (:mod:`serve_apps.spec_metrics`, ``serve.spec_decode_metrics``), or ``{}`` when
+        that is ``none``."""
+        level = self.s["spec_decode_metrics"]
+        if level == "none":
+            return {}
+        return {"metrics": {"speculative_decoding": spec_decode_metrics(
+            dec.stats, self.s["draft_length"], level, self.s["drafting"])}}
+
     def _events(self, route: str, rid: str, dec: Decoding, head: dict,
                 choice: callable) -> StreamingResponse:
         """Server-sent events: ``choice(delta, finish_reason)`` per round, a chunk with
@@ -491,7 +502,8 @@ class Ingress:
                 yield "data: " + json.dumps({**head, "choices": [choice("", dec.finish_reason)]}
                                             ) + "\n\n"
                 yield "data: " + json.dumps({**head, "choices": [], "usage": self._usage(dec),
-                                             "speclab": self._sd(dec)}) + "\n\n"
+                                             **self._metrics(dec), "speclab": self._sd(dec)}
+                                            ) + "\n\n"
                 self.metrics.request(route, time.perf_counter() - t0, dec.stats)
             except HTTPError as exc:  # headers are sent: report in the stream (counted
                 self.metrics.error(exc.status)  # here: the response's status is 200)
@@ -596,7 +608,7 @@ class Ingress:
             return self._events("completions", rid, dec, head, choice)
         text = await self._complete_text("completions", rid, dec)
         return {**head, "choices": [choice(text, dec.finish_reason)],
-                "usage": self._usage(dec), "speclab": self._sd(dec)}
+                "usage": self._usage(dec), **self._metrics(dec), "speclab": self._sd(dec)}
 
     @api.post("/v1/chat/completions", responses=_errors(400, 401, 404, 503))
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
@@ -648,7 +660,7 @@ class Ingress:
         return {**head, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text},
             "logprobs": logprobs(dec.finish_reason), "finish_reason": dec.finish_reason}],
-            "usage": self._usage(dec), "speclab": self._sd(dec)}
+            "usage": self._usage(dec), **self._metrics(dec), "speclab": self._sd(dec)}
 
     @api.post("/recommend", responses=_errors(400, 401, 404, 503))
     async def recommend(self, body: RecommendRequest, request: Request) -> dict:

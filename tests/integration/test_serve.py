@@ -73,6 +73,26 @@ def assert_same_rounds(served: dict, want) -> None:
         assert served["target_calls"] == len(served["accepted_lengths"])
 
 
+def assert_vllm_metrics(metrics: dict, served: dict, want=None) -> None:
+    """``metrics.speculative_decoding`` at ``detailed`` (vLLM's per-request schema) holds
+    the request's rounds (``served``: the ``speclab`` field), its summary adds up from its
+    per-step arrays, and without rounds drafted ahead it is the offline engine's
+    (``want``: its GenerationStats): every round that verified a draft."""
+    m = metrics["speculative_decoding"]
+    acc, drafted = m["per_step_accepted"], m["per_step_drafted"]
+    assert len(acc) == len(drafted) == m["num_spec_steps"] <= served["target_calls"]
+    assert sum(acc) == m["num_accepted_draft_tokens"] and sum(drafted) == m["num_draft_tokens"]
+    assert all(0 <= a <= d for a, d in zip(acc, drafted, strict=True)) and min(drafted) > 0
+    assert m["acceptance_histogram"] == [acc.count(j) for j in range(m["num_spec_tokens"] + 1)]
+    assert m["num_spec_tokens"] == METHOD["depth"]  # SALF's: the tree's depth
+    assert m["mean_acceptance_length"] == pytest.approx(1 + sum(acc) / len(acc))
+    assert m["draft_acceptance_rate"] == pytest.approx(sum(acc) / sum(drafted))
+    if want is not None and served["ahead_hits"] == 0:
+        rounds = [(a, d) for a, d in zip(want.round_accepted, want.round_drafted, strict=True)
+                  if d > 0]
+        assert acc == [a for a, _ in rounds] and drafted == [d for _, d in rounds]
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM the CLI (it shuts Serve down, then its embedded Ray), then stop whatever is
     left of the process group and the processes it started (Serve's actors, raylet...)."""
@@ -100,7 +120,7 @@ def server(tmp_path_factory, tiny):
         f"serve.metrics_port={metrics_port}", "serve.prefill_chunk=16",  # every test
         "serve.target.num_cpus=0.4", "serve.draft.num_cpus=0.4",
         f"serve.rec_target={rec_target}", f"serve.rec_draft={rec_draft}", "serve.rec_n=6",
-        "serve.rec_gamma=2"])
+        "serve.rec_gamma=2", "serve.spec_decode_metrics=detailed"])
     yield {"url": url, "target": target, "draft": draft, "rec_target": rec_target,
            "rec_draft": rec_draft, "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     _stop(proc)
@@ -309,8 +329,12 @@ def test_chat_completions_through_the_openai_client(server):
     assert res.usage.prompt_tokens == len(dec.encode(prompt))
     assert res.usage.completion_tokens == len(want.token_ids)
     assert_same_rounds(res.model_extra["speclab"], want.stats)
+    # vLLM's per-request SD statistics (serve.spec_decode_metrics: detailed here)
+    assert_vllm_metrics(res.model_extra["metrics"], res.model_extra["speclab"], want.stats)
     chunks = list(client.chat.completions.create(model="smoke-serve", messages=msgs,
                                                  max_tokens=16, temperature=0, stream=True))
+    # ... streamed: on the final usage chunk, as vLLM sends them
+    assert_vllm_metrics(chunks[-1].model_extra["metrics"], chunks[-1].model_extra["speclab"])
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason

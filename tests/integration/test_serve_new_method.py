@@ -149,6 +149,11 @@ def test_rule_registered_by_a_plugin_module_runs_on_every_decoding_route(app):
         assert r.status_code == 200, (path, r.text)
         assert r.json()["usage"]["completion_tokens"] == 6
         assert r.json()["speclab"]["accepted_lengths"] == [1] * 6, path
+        # vLLM's per-request SD statistics at the default level (summary): none accepted
+        m = r.json()["metrics"]["speculative_decoding"]
+        assert m["num_accepted_draft_tokens"] == 0 and m["num_draft_tokens"] > 0, m
+        assert m["acceptance_histogram"][0] == m["num_spec_steps"] >= 1, m
+        assert m["mean_acceptance_length"] == 1.0 and "per_step_accepted" not in m
         # bad parameters and unknown rules: 400 naming the field, in OpenAI's shape
         bad = requests.post(app + path, json={**body, "verify": "constant",
                                               "verify_params": {"token": -1}})

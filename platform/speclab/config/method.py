@@ -53,6 +53,12 @@ class MethodSpec(StrictModel):
         return DraftTraits(self.drafting, self.needs_features,
                            batched=type(self).build_batch is not MethodSpec.build_batch)
 
+    def draft_length(self) -> int | None:
+        """The most draft tokens one round proposes along a path (a chain's length, a
+        tree's depth: vLLM's ``num_speculative_tokens``), or None where no knob fixes it
+        (the base: a plugin method that does not say)."""
+        return None
+
     def params(self) -> dict:
         """The method's knobs (every field but ``name`` and ``label``)."""
         return {k: getattr(self, k) for k in type(self).model_fields

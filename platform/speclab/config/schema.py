@@ -854,6 +854,11 @@ class ServeConfig(StrictModel):
                                   "can only lower it); past it the reply holds the tokens "
                                   "decoded by then, its replicas' states are freed; null: "
                                   "no deadline")
+    spec_decode_metrics: Literal["none", "summary", "detailed"] = Field(
+        "summary", description="each OpenAI reply's SD statistics in vLLM's schema "
+                               "(metrics.speculative_decoding, as vLLM's "
+                               "--per-request-spec-decode-metrics): summary; detailed adds "
+                               "the per-step arrays; none leaves the reply without them")
     max_sessions: int = Field(64, gt=0, description="live requests per replica (LRU evicted)")
     max_cached_tokens: int = Field(
         65536, gt=0, description="KV positions per replica over all its requests")

@@ -58,10 +58,12 @@ class GenerationStats:
     accepted_tokens: int = 0
     judged_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
-    #: per round: draft tokens the target accepted (before any cut at EOS), and the
-    #: deepest draft position the round could reach (its draft budget; 0: no draft)
+    #: per round: draft tokens the target accepted (before any cut at EOS), the deepest
+    #: draft position the round could reach (its draft budget; 0: no draft), and the
+    #: draft tokens proposed (a tree's nodes; 0: no draft)
     round_accepted: list[int] = field(default_factory=list)
     round_reach: list[int] = field(default_factory=list)
+    round_drafted: list[int] = field(default_factory=list)
     wall_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -223,6 +225,7 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
         stats.add_round(v.drafted, v.accepted, v.evaluated, len(out) - n0)
         stats.round_accepted.append(v.accepted)
         stats.round_reach.append(budget if tree is not None else 0)
+        stats.round_drafted.append(v.drafted)
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t_start
         kept = len(out) - n0

@@ -156,6 +156,9 @@ class ChainConfig(MethodSpec):
     name: Literal["chain"] = "chain"
     gamma: int = Field(4, gt=0, description="chain draft length")
 
+    def draft_length(self) -> int:
+        return self.gamma
+
     def build(self, ctx) -> ChainDrafter:
         return ChainDrafter(ctx.draft, self.gamma, ctx.sampling, ctx.generator)
 

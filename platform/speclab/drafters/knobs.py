@@ -16,6 +16,9 @@ class TreeKnobs(MethodSpec):
         1.0, gt=0.0, allow_inf_nan=False,
         description="temperature of the draft softmax that ranks tree nodes")
 
+    def draft_length(self) -> int:
+        return self.depth
+
 
 class RetrievalKnobs(MethodSpec):
     """What a retrieval drafter looks up and proposes (PLD, AASD, REST)."""
@@ -25,3 +28,6 @@ class RetrievalKnobs(MethodSpec):
     ngram: int = Field(10, ge=1, description="draft tokens per retrieved n-gram")
     max_key: int = Field(3, ge=1, description="longest lookup key (tokens)")
     candidates: int = Field(1, ge=1, description="retrieved n-grams per round")
+
+    def draft_length(self) -> int:
+        return self.ngram

@@ -133,6 +133,9 @@ class MedusaConfig(MethodSpec):
     tree_top_k: int = Field(2, gt=0, description="cartesian tree: tokens per head")
     depth: int = Field(0, ge=0, description="levels (heads) used; 0: every head")
 
+    def draft_length(self) -> int | None:
+        return self.depth or None  # 0: every head, known once the heads are loaded
+
     @field_validator("medusa_model")
     @classmethod
     def _given(cls, v: Any) -> Any:

@@ -94,6 +94,9 @@ class SpecDecPPConfig(MethodSpec):
                                   description="SpecDec++ stop threshold h, in (0, 1)")
     max_draft: int = Field(20, gt=0, description="SpecDec++ draft length cap")
 
+    def draft_length(self) -> int:
+        return self.max_draft
+
     @field_validator("head")
     @classmethod
     def _given(cls, v: Any) -> Any:
