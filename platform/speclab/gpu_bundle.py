@@ -194,17 +194,17 @@ def build_bundle(out: Path, eagles: list[str], python: str = "3.12",
                  budget_s: int = 460, log=print) -> dict:
     """Write the bundle (module docstring) to ``out`` (replaced if it exists); returns
     the manifest. A bundle over :data:`MAX_MB` is removed and refused."""
-    root = repo_root()
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    t0 = time.perf_counter()
-    names = [Path(e).name for e in eagles]
+    names = [Path(e).name for e in eagles]  # refused before anything is removed
     if len(set(names)) != len(names):
         raise ValueError(f"--eagle: the drafters' folder names must differ, got {names}")
     for e in eagles:
         if not (Path(e) / "config.json").is_file():
             raise ValueError(f"--eagle: {e} is not a drafter folder (no config.json)")
+    root = repo_root()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    t0 = time.perf_counter()
     wheels = download_wheels(out / "wheels", python, platform, root / "constraints.txt")
     log(f"gpu-bundle: {len(wheels)} wheels for CPython {python} on {platform}")
     copy_sources(root, out / "src")

@@ -27,6 +27,14 @@ def test_the_gpu_bundle_is_one_folder_whose_script_runs_the_report(tmp_path):
     env = {**os.environ, "SPECLAB_HOME": str(home)}
     bundle = tmp_path / "bundle"
     python = f"{sys.version_info.major}.{sys.version_info.minor}"  # this machine rehearses it
+    # a bad --eagle is refused by name, before an existing folder is touched
+    bundle.mkdir()
+    (bundle / "keep.txt").write_text("mine")
+    bad = subprocess.run([sys.executable, "-m", "speclab.cli", "gpu-bundle", str(bundle),
+                          "--eagle", str(home)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "--eagle" in bad.stderr, bad.stderr[-2000:]
+    assert (bundle / "keep.txt").read_text() == "mine"
     built = subprocess.run(
         [sys.executable, "-m", "speclab.cli", "gpu-bundle", str(bundle), "--eagle",
          small["eagle"], "--python", python, "--xl", "2x4", "--budget-s", "300"],
