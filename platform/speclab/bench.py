@@ -55,12 +55,16 @@ from speclab.forward_costs import CostModel
 from speclab.models.reference import ensure_reference_pair
 from speclab.paired_timing import AR_SPREAD_BOUND, speedup_figures
 from speclab.pipelines.eval_plots import interval_errors
-from speclab.reference_large import ensure_reference_large, held_out_ids, run_dtype
+from speclab.reference_large import (
+    ensure_reference_large,
+    forward_cost,
+    held_out_ids,
+    run_dtype,
+)
 from speclab.reference_xl import (
     ReferenceXL,
     XLSpec,
     checksum_key,
-    forward_cost,
     grow_reference_xl,
 )
 from speclab.timing import now, peak_gpu_mb, reset_peak_gpu
@@ -263,7 +267,7 @@ def grow_xl(device: str, dtype: str, eagles: list[str] | None, xl: XLSpec | None
                               log=_progress)
     first = next(iter(grown.drafters.values()), None)
     grown.meta["cost"] = forward_cost(grown.target, held_out_ids(pair.target, 160),
-                                      drafter=first)
+                                      eagle=first)
     cost = grown.meta["cost"]
     _progress("forward cost at batch 1 (ms): " + ", ".join(
         f"{n} tokens {ms:.2f} ({cost['target_ratio'][n]:.2f}x)"

@@ -97,6 +97,7 @@ from speclab.families.eagle.training import (
 from speclab.models.loading import DTYPES, load_model, load_tokenizer
 from speclab.models.reference import ensure_reference_pair
 from speclab.paths import speclab_home
+from speclab.timing import now
 from speclab.train.distill_data import feat_example
 from speclab.train.lm import make_optimizer, random_windows
 
@@ -588,28 +589,34 @@ def _median_ms(xs: list[float]) -> float:
 
 
 @torch.no_grad()
-def measure_cost(target_dir: str, eagle_dir: str | None = None, draft_dir: str | None = None,
-                 dtype: str = "bfloat16", prefix: int = 128, repeats: int = 10,
-                 tokens: tuple[int, ...] = COST_TOKENS) -> dict:
-    """Forward cost at batch 1 on top of a ``prefix``-token cache (HF forward through the
-    engine's :class:`~speclab.decoding.runner.ModelRunner`, ``DynamicCache``, this
-    process's torch threads), median of ``repeats``, for each count in ``tokens``; the
-    counts are interleaved round by round (A B C D A B C D) so drift hits them alike.
-    With ``eagle_dir`` / ``draft_dir``: that drafter's 1-token forward (the EAGLE drafter
-    on top of ``prefix`` pairs with the target's features), timed alternately with the
-    target's 1-token forward, and the ratio of the medians."""
-    target = load_model(target_dir, dtype=dtype)
-    ids = held_out_ids(target_dir, prefix + max(tokens) + 1)
-    ctx, new = torch.tensor(ids[:prefix]), torch.tensor(ids[prefix:])
-    t_run = ModelRunner(target)
-    t_run.track_hidden()
+def forward_cost(model: torch.nn.Module, ids: list[int], prefix: int = 128,
+                 repeats: int = 10, tokens: tuple[int, ...] = COST_TOKENS,
+                 eagle: torch.nn.Module | None = None, draft: torch.nn.Module | None = None
+                 ) -> dict:
+    """Forward cost of ``model`` at batch 1 on top of a ``prefix``-token cache of ``ids``
+    (HF forward through the engine's :class:`~speclab.decoding.runner.ModelRunner`,
+    ``DynamicCache``, this process's torch threads, on the model's device; every clock
+    read after the device finished, :func:`speclab.timing.now`), median of ``repeats``,
+    for each count in ``tokens``; the counts are interleaved round by round (A B C D A B
+    C D) so drift hits them alike. With ``eagle`` (an EAGLE drafter of any version for
+    ``model``, fed the features it reads on top of ``prefix`` pairs) / ``draft`` (a
+    standalone draft LM): that drafter's 1-token forward, timed alternately with the
+    target's 1-token forward, and the ratio of the medians. ``ids`` needs ``prefix +
+    max(tokens)`` tokens. ``{"prefix", "repeats", "params", "target_ms": {n: ms},
+    "target_ratio": {n: x one token}, "<drafter>_ms", "<drafter>_vs_target",
+    "<drafter>_params"}``."""
+    device = next(model.parameters()).device
+    spec = (eagle.meta.feature_layers or None) if eagle is not None else None
+    ctx, new = torch.tensor(ids[:prefix]), torch.tensor(ids[prefix:prefix + max(tokens)])
+    t_run = ModelRunner(model)
+    t_run.track_hidden(spec)  # the features the EAGLE drafter reads (EAGLE-3: fused layers)
     t_run.forward(ctx)
-    feats = t_run.hidden.float()  # [prefix, H]
+    feats = t_run.features(spec)  # [prefix, F]
 
     def time_target(n: int) -> float:
-        t0 = time.perf_counter()
+        t0 = now(device)
         t_run.forward(new[:n])
-        dt = time.perf_counter() - t0
+        dt = now(device) - t0
         t_run.crop(prefix)
         return dt
 
@@ -620,22 +627,18 @@ def measure_cost(target_dir: str, eagle_dir: str | None = None, draft_dir: str |
         for n in tokens:
             times[n].append(time_target(n))
     one = _median_ms(times[1]) if 1 in times else _median_ms(times[tokens[0]])
-    out: dict = {"dtype": dtype, "prefix": prefix, "repeats": repeats,
-                 "threads": torch.get_num_threads(),
-                 "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "load_avg_1min_before": os.getloadavg()[0],  # other work on the machine
-                 "params": sum(p.numel() for p in target.parameters()),
+    out: dict = {"prefix": prefix, "repeats": repeats,
+                 "params": sum(p.numel() for p in model.parameters()),
                  "target_ms": {str(n): _median_ms(v) for n, v in times.items()},
                  "target_ratio": {str(n): _median_ms(v) / one for n, v in times.items()}}
     drafters = {}
-    if eagle_dir:
-        eagle = load_eagle(eagle_dir, target.config, dtype=DTYPES[dtype])
+    if eagle is not None:
+        e_dtype = next(eagle.parameters()).dtype
         e_run = ModelRunner(eagle)
-        e_run.run(ctx[1:], features=feats[None, :-1].to(DTYPES[dtype]))
-        f_one = feats[None, -1:].to(DTYPES[dtype])
+        e_run.run(ctx[1:], features=feats[None, :-1].to(e_dtype))
+        f_one = feats[None, -1:].to(e_dtype)
         drafters["eagle"] = (e_run, lambda r: r.run(new[:1], features=f_one), prefix - 1)
-    if draft_dir:
-        draft = load_model(draft_dir, dtype=dtype)
+    if draft is not None:
         d_run = ModelRunner(draft)
         d_run.forward(ctx)
         drafters["draft"] = (d_run, lambda r: r.forward(new[:1]), prefix)
@@ -646,15 +649,35 @@ def measure_cost(target_dir: str, eagle_dir: str | None = None, draft_dir: str |
                 if who == "target":
                     dt = time_target(1)
                 else:
-                    t0 = time.perf_counter()
+                    t0 = now(device)
                     call(run)
-                    dt = time.perf_counter() - t0
+                    dt = now(device) - t0
                     run.crop(base)
                 if i >= 2:
                     pair[who].append(dt)
         out[f"{name}_ms"] = _median_ms(pair[name])
         out[f"{name}_vs_target"] = _median_ms(pair[name]) / _median_ms(pair["target"])
         out[f"{name}_params"] = sum(p.numel() for p in run.model.parameters())
+        run.release()
+    t_run.release()
+    return out
+
+
+def measure_cost(target_dir: str, eagle_dir: str | None = None, draft_dir: str | None = None,
+                 dtype: str = "bfloat16", prefix: int = 128, repeats: int = 10,
+                 tokens: tuple[int, ...] = COST_TOKENS) -> dict:
+    """:func:`forward_cost` of the folders ``target_dir`` (with ``eagle_dir`` /
+    ``draft_dir``) loaded in ``dtype`` on the CPU, on held-out stdlib tokens, with the
+    machine's state around it (threads, load average before and after) and the goals
+    (8 tokens <= 1.25x one token, the EAGLE drafter <= 1/10 of a target forward)."""
+    target = load_model(target_dir, dtype=dtype)
+    eagle = load_eagle(eagle_dir, target.config, dtype=DTYPES[dtype]) if eagle_dir else None
+    draft = load_model(draft_dir, dtype=dtype) if draft_dir else None
+    out: dict = {"dtype": dtype, "threads": torch.get_num_threads(),
+                 "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 "load_avg_1min_before": os.getloadavg()[0]}  # other work on the machine
+    out.update(forward_cost(target, held_out_ids(target_dir, prefix + max(tokens) + 1),
+                            prefix, repeats, tokens, eagle, draft))
     out["load_avg_1min_after"] = os.getloadavg()[0]
     out["goals"] = {
         "8_tokens_le_1.25x": out["target_ratio"].get("8", float("nan")) <= 1.25,

@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-from speclab.decoding.runner import ModelRunner
 from speclab.families.eagle.model import load_eagle
 from speclab.models.loading import DTYPES, load_model, load_tokenizer
 from speclab.reference_large import (
@@ -52,8 +51,6 @@ from speclab.reference_large import (
 )
 from speclab.timing import now
 
-#: new-token counts :func:`forward_cost` times after the prefix
-COST_TOKENS = (1, 4, 8, 16)
 #: elements per chunk of :func:`tensor_checksum` (bounds its temporary memory)
 CHUNK = 1 << 24
 
@@ -199,7 +196,6 @@ def grow_reference_xl(target_dir: str, draft_dir: str, eagles: list[str] | None 
     params = dict(target.named_parameters())
     for name, t in widened_tensors(small, spec.widen, device):
         params[name].copy_(t)
-        del t
     target.generation_config = small_cpu.generation_config
     t_target = now(device) - t0
     meta: dict = {"spec": asdict(spec), "device": str(device), "dtype": dtype,
@@ -257,61 +253,4 @@ def function_check(small: torch.nn.Module, sources: dict[str, torch.nn.Module],
         x_draft = drafter_logits(xl.target, wide, ids).cpu()
         out[f"{name}_greedy_agreement"] = float((s_draft.argmax(-1) == x_draft.argmax(-1))
                                                 .float().mean())
-    return out
-
-
-@torch.no_grad()
-def forward_cost(model: torch.nn.Module, ids: list[int], prefix: int = 128, repeats: int = 10,
-                 tokens: tuple[int, ...] = COST_TOKENS, drafter: torch.nn.Module | None = None
-                 ) -> dict:
-    """Forward cost at batch 1 on top of a ``prefix``-token cache, median of ``repeats``
-    per count in ``tokens`` (counts interleaved round by round), every clock read after
-    the device finished (:func:`speclab.timing.now`); with ``drafter`` (an EAGLE drafter
-    for ``model``) its 1-token forward, timed alternately with the target's 1-token
-    forward. ``{"target_ms": {n: ms}, "target_ratio": {n: x one token}, "eagle_ms",
-    "eagle_vs_target"}``."""
-    import statistics
-
-    device = next(model.parameters()).device
-    spec = (drafter.meta.feature_layers or None) if drafter is not None else None
-    run = ModelRunner(model)
-    run.track_hidden(spec)  # the features the drafter reads (EAGLE-3: fused layers)
-    ctx = torch.tensor(ids[:prefix])
-    new = torch.tensor(ids[prefix:prefix + max(tokens)])
-    run.forward(ctx)
-    feats = run.features(spec)
-
-    def target(n: int) -> float:
-        t0 = now(device)
-        run.forward(new[:n])
-        dt = now(device) - t0
-        run.crop(prefix)
-        return dt
-
-    for n in tokens:
-        target(n)
-    times: dict[int, list[float]] = {n: [] for n in tokens}
-    for _ in range(repeats):
-        for n in tokens:
-            times[n].append(target(n))
-    ms = {n: 1e3 * statistics.median(v) for n, v in times.items()}
-    out: dict = {"prefix": prefix, "repeats": repeats,
-                 "target_ms": {str(n): ms[n] for n in tokens},
-                 "target_ratio": {str(n): ms[n] / ms[tokens[0]] for n in tokens}}
-    if drafter is not None:
-        e_run = ModelRunner(drafter)
-        e_run.run(ctx[1:], features=feats[None, :-1].to(next(drafter.parameters()).dtype))
-        one = feats[None, -1:].to(next(drafter.parameters()).dtype)
-        pair: dict[str, list[float]] = {"t": [], "e": []}
-        for _ in range(repeats + 2):
-            pair["t"].append(target(1))
-            t0 = now(device)
-            e_run.run(new[:1], features=one)
-            pair["e"].append(now(device) - t0)
-            e_run.crop(prefix - 1)
-        e_ms = 1e3 * statistics.median(pair["e"][2:])
-        out["eagle_ms"] = e_ms
-        out["eagle_vs_target"] = e_ms / (1e3 * statistics.median(pair["t"][2:]))
-        e_run.release()
-    run.release()
     return out

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from speclab.reference_large import forward_cost
 from speclab.reference_xl import (
     XLSpec,
     checksum_key,
     expected_checksums,
-    forward_cost,
     grow_reference_xl,
     tensor_checksum,
     weights_checksum,
@@ -93,5 +93,6 @@ def test_reference_xl_computes_the_small_pairs_function_and_its_checksums_match(
     assert again.meta["checksums"]["target"]["match"] is False
     assert checksum_key(spec, "float32") == "3x5-float32"
     cost = forward_cost(xl.target, list(range(40)), prefix=16, repeats=2, tokens=(1, 4),
-                        drafter=xl.drafters["eagle-tiny"])
+                        eagle=xl.drafters["eagle-tiny"], draft=xl.draft)
     assert set(cost["target_ms"]) == {"1", "4"} and cost["eagle_vs_target"] > 0
+    assert cost["draft_vs_target"] > 0 and cost["params"] == meta["params"]
