@@ -72,19 +72,30 @@ TEST_SUPPORT = ("tests/__init__.py", "tests/conftest.py", "tests/gpu/__init__.py
 GPU_XL, REHEARSAL_XL = XLSpec(24, 16), XLSpec(1, 8)
 
 
-def pinned(names: tuple[str, ...], constraints: Path) -> list[str]:
-    """``name==version`` for each of ``names`` from ``constraints`` (a pip constraints
-    file); a name it does not pin is a ValueError."""
+def _norm(name: str) -> str:
+    """A project name as pip compares them (case and ``_`` / ``-`` aside)."""
+    return name.strip().lower().replace("_", "-")
+
+
+def constraint_pins(constraints: Path) -> dict[str, str]:
+    """Every ``name==version`` line of ``constraints`` (a pip constraints file, comments
+    aside), by the normalised project name."""
     pins = {}
     for line in constraints.read_text().splitlines():
         line = line.split("#")[0].strip()
         if "==" in line:
-            name, version = line.split("==", 1)
-            pins[name.strip().lower().replace("_", "-")] = version.strip()
-    missing = [n for n in names if n.lower().replace("_", "-") not in pins]
+            pins[_norm(line.split("==", 1)[0])] = line
+    return pins
+
+
+def pinned(names: tuple[str, ...], constraints: Path) -> list[str]:
+    """``name==version`` for each of ``names`` from ``constraints``; a name it does not
+    pin is a ValueError."""
+    pins = constraint_pins(constraints)
+    missing = [n for n in names if _norm(n) not in pins]
     if missing:
         raise ValueError(f"constraints: {constraints} pins no version of {missing}")
-    return [f"{n}=={pins[n.lower().replace('_', '-')]}" for n in names]
+    return [pins[_norm(n)] for n in names]
 
 
 def download_wheels(out: Path, python: str, platform: str, constraints: Path) -> list[str]:
@@ -266,19 +277,11 @@ DEV_ONLY = frozenset({
 MANYLINUX = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
 
 
-def _norm(name: str) -> str:
-    return name.strip().lower().replace("_", "-")
-
-
 def ray_part_pins(constraints: Path) -> list[str]:
     """``name==version`` of every package ``constraints`` pins (the tested set) but
     :data:`DEVICE_HAS` and :data:`DEV_ONLY`: the Ray part's wheels."""
-    pins = []
-    for line in constraints.read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if "==" in line and _norm(line.split("==")[0]) not in DEVICE_HAS | DEV_ONLY:
-            pins.append(line)
-    return pins
+    return [line for name, line in constraint_pins(constraints).items()
+            if name not in DEVICE_HAS | DEV_ONLY]
 
 
 ASSEMBLE_SH = """#!/bin/sh
