@@ -16,6 +16,9 @@ sampling), ``typical`` (Medusa typical acceptance, relaxed; ``verify_params``
 ``{"epsilon", "delta"}``). Default: greedy at temperature 0, sample otherwise. A method
 whose drafts need their own rule (``aasd``: conditional verification) uses it, and a
 request it cannot honour is an error, never a silent swap.
+``budget="auto"``: each round's draft depth (0: plain decoding) chosen from the pair's
+calibrated forward costs and the sequence's running acceptance
+(:mod:`speclab.decoding.budget`, :mod:`speclab.calibration`); outputs are unchanged.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from speclab.calibration import Calibration, calibrate, load_calibration
 from speclab.config.method import MethodSpec, method_class, parse_method
 from speclab.decoding.batch_loop import BatchStats, generate_batch, new_rows
 from speclab.decoding.batch_runner import BatchRunner
-from speclab.decoding.loop import GenerationStats, generate_tokens
+from speclab.decoding.budget import AutoBudget, conditional_acceptance
+from speclab.decoding.loop import GenerationStats, accept_at_least, generate_tokens
 from speclab.decoding.row_pool import DraftPool, TargetPool, seeded
 from speclab.decoding.rules import request_rule
 from speclab.decoding.runner import ModelRunner
@@ -117,6 +122,8 @@ class Decoder:
         self.last_warmup_s = 0.0  # warm-up seconds of the last generate (excluded from it)
         self._warmups: list[Warmup] | None = None  # those of the generate running now
         self._live_rows: Callable[[], list[str]] = list
+        self._calibration: Calibration | None = None  # the `auto` budget's cost curves
+        self.acceptance: dict[str, list[float]] = {}  # method -> measured q_k (auto's prior)
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -170,6 +177,7 @@ class Decoder:
         verify: str | None = None,
         verify_params: dict | None = None,
         seed: int = 0,
+        budget: str | None = None,
         **knobs,
     ) -> GenerationResult | list[GenerationResult]:
         """Generate up to ``max_new_tokens`` after the prompt (text or ids).
@@ -182,14 +190,27 @@ class Decoder:
         engine (at most ``batch_size`` rows at once, default all); returns one result per
         prompt, in order. Prompt ``i`` uses seed ``seed + i``, so at temperature 0 (and,
         up to float rounding, when sampling) it gets what ``generate`` gives it alone.
+
+        ``budget``: None (the method's own length every round) or ``"auto"`` (each
+        round's depth, 0 = plain decoding, chosen for committed tokens per second; the
+        pair is calibrated once per device and dtype if no stored calibration covers
+        the batch, see :mod:`speclab.calibration`).
         """
         cfg = self.method_config(method, knobs)
         params = SamplingParams(temperature, sample_top_k, top_p)
+        if budget not in (None, "auto", "fixed"):
+            raise ValueError(f"budget: 'auto' or 'fixed', got {budget!r}")
+        auto = budget == "auto" and cfg.traits().drafting
+        if auto and self.compile:
+            raise ValueError("budget: auto needs calibrated eager costs; the compiled fast "
+                             "path is not calibrated (drop compile)")
         if prompts is not None:
             if prompt is not None or prompt_ids is not None:
                 raise ValueError("prompts: give either prompts (a list) or one prompt, not both")
-            return self._generate_batch(self.encode_all(prompts), cfg, params, batch_size,
-                                        max_new_tokens, verify, verify_params, seed)
+            results = self._generate_batch(self.encode_all(prompts), cfg, params, batch_size,
+                                           max_new_tokens, verify, verify_params, seed, auto)
+            self._measured(cfg, [r.stats for r in results])
+            return results
         if batch_size is not None:
             raise ValueError("batch_size: only with prompts=[...]")
         if (prompt is None) == (prompt_ids is None):
@@ -202,9 +223,46 @@ class Decoder:
         rule = request_rule(verify, verify_params, params, traits.rule)
         generator = seeded(seed)  # the sequence's one rng: its drafter's and its rule's
         drafter = build_drafter(cfg, self._context(self.draft, params, generator))
+        policy = self.auto_budget(cfg, batched=False)() if auto and drafter else None
         tokens, stats = generate_tokens(self.target, drafter, ids, max_new_tokens, params, rule,
-                                        self.eos_token_id, generator, traits)
+                                        self.eos_token_id, generator, traits, policy)
+        self._measured(cfg, [stats])
         return GenerationResult(tokens, self.decode(tokens), stats)
+
+    def calibration(self, rows: int = 1) -> Calibration:
+        """The pair's cost curves covering ``rows`` rows: this Decoder's, else the stored
+        ones (:func:`speclab.calibration.load_calibration`), else measured now and
+        stored (:func:`speclab.calibration.calibrate`)."""
+        cal = self._calibration
+        if cal is None or (rows > 1 and cal.max_rows < rows):
+            cal = load_calibration(self, rows) or calibrate(self, max_rows=rows)
+            self._calibration = cal
+        return cal
+
+    def auto_budget(self, cfg: MethodSpec, batched: bool, rows: int = 1
+                    ) -> Callable[..., AutoBudget]:
+        """A maker of one sequence's ``auto`` budget for method ``cfg`` (its prior: the
+        acceptance this Decoder last measured for the method); call it with a function
+        giving the current number of rows (default: one)."""
+        depth = cfg.draft_length()
+        if not depth:
+            raise ValueError(f"budget: auto needs a method with a known draft length; "
+                             f"{cfg.name!r} does not say its own")
+        costs = self.calibration(rows if batched else 1).round_costs(batched)
+        prior = list(self.acceptance.get(cfg.label or cfg.name, ()))
+
+        def make(current: Callable[[], int] = lambda: 1) -> AutoBudget:
+            return AutoBudget(costs, depth, prior, current)
+        return make
+
+    def _measured(self, cfg: MethodSpec, stats: list[GenerationStats]) -> None:
+        """Remember a drafting method's per-position acceptance (the next ``auto``
+        budget's prior)."""
+        depth = cfg.draft_length() if cfg.traits().drafting else None
+        if depth:
+            q = conditional_acceptance(accept_at_least(stats, depth))
+            if q:
+                self.acceptance[cfg.label or cfg.name] = q
 
     def drafter_networks(self) -> dict[str, torch.nn.Module]:
         """The drafters' own networks loaded so far (once per Decoder, e.g. an EAGLE
@@ -289,8 +347,10 @@ class Decoder:
 
     def _generate_batch(self, prompts: list[list[int]], cfg: MethodSpec, params: SamplingParams,
                         batch_size: int | None, max_new_tokens: int, verify: str | None,
-                        verify_params: dict | None, seed: int) -> list[GenerationResult]:
-        """The batched engine over ``prompts`` (see :meth:`generate`)."""
+                        verify_params: dict | None, seed: int, auto: bool = False
+                        ) -> list[GenerationResult]:
+        """The batched engine over ``prompts`` (see :meth:`generate`; ``auto``: each row's
+        budget chosen by :meth:`auto_budget`)."""
         batch_size = len(prompts) if batch_size is None else batch_size
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: must be an integer >= 1, got {batch_size!r}")
@@ -308,11 +368,12 @@ class Decoder:
         target = TargetPool(self.batch_runner(self.target.model, rows, capacity),
                             traits.drafting and traits.needs_features, traits.feature_layers)
         draft = DraftPool(make) if traits.drafting else None
+        policy = self.auto_budget(cfg, batched=True, rows=rows) if auto else None
         self._warmups, self._live_rows = [], lambda: list(target.rids)
         try:
             outs, stats, batch = generate_batch(
                 target, draft, new_rows(prompts, params, rule, seed), max_new_tokens,
-                batch_size, self.eos_token_id, traits.prefill_top_k)
+                batch_size, self.eos_token_id, traits.prefill_top_k, policy)
             self.last_warmup_s = exclude_warmups(self._warmups, batch, stats)
         finally:
             self._warmups, self._live_rows = None, list

@@ -55,6 +55,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="the fast path: static KV cache + torch.compile'd forwards (each new "
                         "shape compiles once, tens of seconds on CPU)")
+    p.add_argument("--budget", choices=["fixed", "auto"], default="fixed",
+                   help="auto: each round's draft depth (0 = plain decoding) chosen from the "
+                        "pair's calibrated forward costs (speclab calibrate; measured once "
+                        "if missing) and the running acceptance; outputs unchanged")
     p.add_argument("--json", action="store_true", help="one JSON object per sample")
 
 
@@ -90,7 +94,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = {"method": cfg, "max_new_tokens": args.max_new_tokens,
            "temperature": args.temperature, "sample_top_k": args.sample_top_k,
            "top_p": args.top_p, "verify": args.verify,
-           "verify_params": verify_params_from_args(args)}
+           "verify_params": verify_params_from_args(args), "budget": args.budget}
     if len(prompts) > 1 or args.batch_size is not None:
         # every prompt x sample is one row of the batched engine (row i: seed + i)
         rows = [p for p in prompts for _ in range(args.num_samples)]

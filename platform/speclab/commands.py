@@ -4,10 +4,12 @@ recommend, serve, ui)."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from speclab.api import Decoder
 from speclab.bench import PAIRS, parse_batch_sizes, run_batch_bench, run_bench
+from speclab.calibration import calibrate, calibration_path, format_calibration
 from speclab.compat import check_model
 from speclab.config import JOB_CONFIGS, ServeJob
 from speclab.data.prompts import load_prompts
@@ -133,8 +135,31 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default=None, help="folder for check_model.json (default: "
                                                "$SPECLAB_HOME/check_model/<target's name>)")
     HANDLERS["check-model"] = cmd_check_model
+    p = sub.add_parser("calibrate", help="measure a pair's forward costs on this device and "
+                                         "dtype and store them (the auto budget reads them)")
+    p.add_argument("--target", required=True, help="folder, pair name, GGUF or models:/ URI")
+    p.add_argument("--draft", default=None, help="the draft model (default: the pair's)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument("--attn-implementation", default="auto", help="auto, sdpa or eager")
+    p.add_argument("--max-rows", type=int, default=1,
+                   help="also the batched engine's curves for rows 1, 2, 4, ... up to this")
+    p.add_argument("--context", type=int, default=128, help="tokens in the cache")
+    p.add_argument("--repeats", type=int, default=5, help="timings per point (median)")
+    p.add_argument("--json", action="store_true", help="print the stored JSON")
+    HANDLERS["calibrate"] = cmd_calibrate
     add_export_parser(sub, HANDLERS)  # `speclab export` (drafter formats)
     _add_job_parsers(sub)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    target, draft = resolve_models(args.target, args.draft)
+    dec = Decoder.from_pretrained(target, draft, args.dtype, args.device,
+                                  attn_implementation=args.attn_implementation)
+    cal = calibrate(dec, args.max_rows, args.context, args.repeats)
+    print(json.dumps(cal.to_dict()) if args.json else format_calibration(cal))
+    print(f"stored: {calibration_path(cal.key)}", file=sys.stderr)
+    return 0
 
 
 def cmd_reference(args: argparse.Namespace) -> int:

@@ -468,3 +468,31 @@ def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, tr
         out += v.new
     assert out[:40] == want
     assert flags.count(True) > 0 and flags.count(False) > 0, flags
+
+
+def test_an_auto_budget_with_plain_rounds_between_keeps_the_targets_output(
+        tiny_pair, trained, tmp_path, monkeypatch):
+    """The auto budget's plain rounds hand the drafter every token and target feature
+    committed since its last tree: alone and batched, greedy output stays the target's."""
+    import itertools
+
+    from speclab.decoding.budget import AutoBudget
+
+    def choose(self, limit=None):
+        cycle = self.__dict__.setdefault("_cycle", itertools.cycle([0, 4, 0, 0, 2, 1]))
+        b = min(next(cycle), limit if limit is not None else 4)
+        self.chosen.append(b)
+        return b
+    monkeypatch.setattr(AutoBudget, "choose", choose)
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    folder = str(save_eagle(trained[0], tmp_path / "e"))
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    ps = [PROMPT, [5, 6, 7, 8]]
+    kw = {"method": "eagle", "eagle_model": folder, "tree_top_k": 3, "depth": 4, "nodes": 8,
+          "max_new_tokens": 30, "budget": "auto"}
+    ar = [dec.generate(prompt_ids=p, method="ar", max_new_tokens=30).token_ids for p in ps]
+    for p, ref in zip(ps, ar, strict=True):
+        res = dec.generate(prompt_ids=p, **kw)
+        assert res.token_ids == ref and 0 in res.stats.round_reach[:-1]
+        assert res.stats.accepted_tokens > 0
+    assert [r.token_ids for r in dec.generate(prompts=ps, **kw)] == ar

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field, replace
 
+from speclab.decoding.budget import AutoBudget
 from speclab.decoding.loop import (
     Committed,
     GenerationStats,
@@ -99,10 +100,13 @@ def generate_batch(
     batch_size: int,
     eos_token_id: int | Iterable[int] | None = None,
     prefill_top_k: int = 0,
+    policy: Callable[[Callable[[], int]], AutoBudget] | None = None,
 ) -> tuple[list[list[int]], list[GenerationStats], BatchStats]:
     """Decode ``rows`` with at most ``batch_size`` of them at once (``draft`` None: plain
     decoding; ``prefill_top_k``: top prefill tokens per prompt position the drafter
-    reads). Returns per row its new tokens and stats (in order) and the batch's figures."""
+    reads; ``policy``: makes each row's ``auto`` budget given a function that says how
+    many rows are in the batch now). Returns per row its new tokens and stats (in order)
+    and the batch's figures."""
     check_max_new_tokens(max_new_tokens)
     if isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
@@ -114,12 +118,17 @@ def generate_batch(
     batch = BatchStats(rows=len(rows))
     forwards0 = target.runner.calls
     draft0 = draft.calls if draft is not None else 0
+
+    def batch_rows() -> int:
+        return len(live)
+
     while waiting or live:
         for _ in range(min(batch_size - len(live), len(waiting))):
             i, row = waiting.popleft()
             stats = GenerationStats()
+            mine = policy(batch_rows) if policy is not None and draft is not None else None
             x = _Live(i, row, rounds(row.prompt_ids, max_new_tokens, eos, stats,
-                                     draft is not None), stats)
+                                     draft is not None, mine), stats)
             x.answer(None)
             live.append(x)
         batch.max_batch = max(batch.max_batch, len(live))

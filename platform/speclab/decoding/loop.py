@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from speclab.decoding.budget import AutoBudget
 from speclab.decoding.drafting import Drafter, DraftTraits
 from speclab.decoding.rules import RuleSpec, resolve_rule
 from speclab.decoding.runner import ModelRunner
@@ -192,10 +193,14 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
 
 
 def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: GenerationStats,
-           drafting: bool) -> Generator[Message, object, list[int]]:
+           drafting: bool, policy: AutoBudget | None = None
+           ) -> Generator[Message, object, list[int]]:
     """The loop. Yields requests to the sides and receives their answers (``Start`` ->
     None, ``Propose`` -> :class:`Proposal`, ``Verify`` -> :class:`VerifyResult`,
-    ``Committed`` -> None); returns the new tokens. ``drafting`` False: plain decoding."""
+    ``Committed`` -> None); returns the new tokens. ``drafting`` False: plain decoding.
+    ``policy``: the ``auto`` budget (:mod:`speclab.decoding.budget`) that picks each
+    round's levels; a round it gives none runs the root alone, and the next ``Propose``
+    brings the draft side every token (and feature) committed since its last tree."""
     check_max_new_tokens(max_new_tokens)
     out: list[int] = []
     t_start = time.perf_counter()
@@ -206,6 +211,8 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
         # 1. draft: a tree rooted at the last committed token (none for the last token)
         t0 = time.perf_counter()
         budget = max_new_tokens - len(out) - 1
+        if drafting and budget > 0 and policy is not None:
+            budget = policy.choose(budget)
         tree = None
         if drafting and budget > 0:
             proposal = yield Propose(path, new, budget, feats)
@@ -214,10 +221,17 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
         # 2. verify: one target forward over every node, the rule, the cache pruned
         v = yield Verify(tree)
         t2 = time.perf_counter()
-        # 3. commit (the draft side learns the accepted path with the next Propose)
-        path, new, feats = v.path, v.new, v.features
+        if policy is not None and drafting:
+            policy.observe(budget if tree is not None else 0, v.accepted, v.drafted, t2 - t0)
+        # 3. commit (the draft side learns the accepted path with the next Propose; after
+        # a round without a tree it learns the tokens since its last one)
+        if tree is not None or path is None or not drafting:
+            path, new, feats = v.path, v.new, v.features
+        else:
+            new = new + v.new
+            feats = None if feats is None else torch.cat([feats, v.features])
         n0 = len(out)
-        done = commit_tokens(out, new, max_new_tokens, eos)
+        done = commit_tokens(out, v.new, max_new_tokens, eos)
         # 4. stats
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
@@ -264,14 +278,16 @@ def generate_tokens(
     eos_token_id: int | Iterable[int] | None = None,
     generator: torch.Generator | None = None,
     traits: DraftTraits | None = None,
+    policy: AutoBudget | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Decode one sequence in process (``drafter`` None: plain decoding; ``traits``: what
     its method reads from the target, ``MethodSpec.traits()``; ``generator``: the
-    sequence's rng, shared by the drafter and the rule). Returns the new tokens and the
-    stats."""
+    sequence's rng, shared by the drafter and the rule; ``policy``: the ``auto`` budget).
+    Returns the new tokens and the stats."""
     traits = traits or DraftTraits()
     stats = GenerationStats()
-    loop = rounds(prompt_ids, max_new_tokens, eos_set(eos_token_id), stats, drafter is not None)
+    loop = rounds(prompt_ids, max_new_tokens, eos_set(eos_token_id), stats, drafter is not None,
+                  policy)
     draft = DraftSide(drafter) if drafter is not None else None
     features = draft is not None and traits.needs_features
     out = drive(loop, draft, TargetSide(target, params, rule, generator, features,

@@ -1,0 +1,159 @@
+"""The ``auto`` draft budget (decoding/budget.py) and the calibration it reads
+(calibration.py, ``speclab calibrate``)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from speclab.api import Decoder
+from speclab.calibration import calibrate, calibration_key, load_calibration
+from speclab.decoding.budget import AutoBudget, RoundCosts, conditional_acceptance
+
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
+
+
+def _linear(base: float, per_token: float):
+    return lambda rows, tokens: base * rows ** 0.5 + per_token * tokens
+
+
+def test_cheap_drafts_and_high_acceptance_draft_deep_and_the_opposite_drafts_none():
+    # a memory-bound target (more tokens cost little) and a drafter it agrees with
+    cheap = AutoBudget(RoundCosts(_linear(10e-3, 0.1e-3), _linear(0.5e-3, 0.0)), 5,
+                       prior=[0.9], warmup=0)
+    assert cheap.choose() == 5
+    # a compute-bound target, a costly draft model and a drafter it rarely agrees with
+    dear = AutoBudget(RoundCosts(_linear(1e-3, 1e-3), _linear(2e-3, 0.0)), 5, prior=[0.1],
+                      warmup=0)
+    assert dear.choose() == 0
+    # the chosen budget never exceeds what the round may draft
+    assert cheap.choose(limit=2) == 2
+    assert cheap.chosen == [5, 2]
+
+
+def test_acceptance_is_learned_per_sequence_and_plain_runs_are_probed():
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 4, prior=[0.95], warmup=0,
+                      probe_every=3)
+    assert auto.choose() == 4
+    for _ in range(30):  # this sequence's drafts are never accepted
+        auto.observe(4, 0, 4, 0.006)
+    assert auto.q(1) < 0.2
+    picks = []
+    for _ in range(3):
+        picks.append(auto.choose())
+        auto.observe(picks[-1], 0, picks[-1], 0.002 + 0.001 * picks[-1])
+    assert picks[:2] == [0, 0] and picks[2] > 0  # the third plain round in a row probes
+    assert AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 3, warmup=2).choose() == 3  # warm-up
+    with pytest.raises(ValueError, match="budget"):
+        AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 0)
+
+
+def test_wall_time_beyond_the_curves_is_learned_per_depth():
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.5], warmup=0)
+    auto.observe(4, 2, 4, 0.003)  # a depth-4 round took 3x its modelled forwards
+    assert auto.seconds(4, 1) == pytest.approx(0.003)
+    assert auto.seconds(3, 1) == pytest.approx(0.003)  # the nearest measured depth's ratio
+    assert conditional_acceptance([0.8, 0.4, float("nan")]) == pytest.approx([0.8, 0.5])
+
+
+@pytest.fixture
+def schedule(monkeypatch):
+    """Force every auto budget through a fixed schedule with plain rounds between drafted
+    ones (what a controller that changes its mind does), within the round's limit."""
+    def choose(self, limit=None):
+        cycle = self.__dict__.setdefault("_cycle", itertools.cycle([0, 3, 0, 0, 1, 2, 4]))
+        b = min(next(cycle), self.max_depth, limit if limit is not None else self.max_depth)
+        self.chosen.append(b)
+        return b
+    monkeypatch.setattr(AutoBudget, "choose", choose)
+
+
+@pytest.mark.parametrize("method,knobs", [
+    ("chain", {"gamma": 4}), ("tree", {"depth": 4, "nodes": 8}),
+    ("optimal", {"depth": 4, "nodes": 8}), ("salf", {"depth": 4, "nodes": 8}),
+    ("pld", {"ngram": 3}), ("aasd", {})])
+def test_auto_never_changes_the_greedy_output_alone_or_batched(tiny_pair, schedule, tmp_path,
+                                                               monkeypatch, method, knobs):
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    prompts = [PROMPT, [7], [5, 6, 7, 8, 5, 6]]
+    ar = [dec.generate(prompt_ids=p, method="ar", max_new_tokens=30).token_ids
+          for p in prompts]
+    for p, ref in zip(prompts, ar, strict=True):
+        res = dec.generate(prompt_ids=p, method=method, max_new_tokens=30, budget="auto",
+                           **knobs)
+        assert res.token_ids == ref
+        reach = res.stats.round_reach
+        assert 0 in reach[:-1] and max(reach) > 0  # plain rounds between drafted ones
+    batched = dec.generate(prompts=prompts, method=method, max_new_tokens=30, budget="auto",
+                           **knobs)
+    assert [r.token_ids for r in batched] == ar
+
+
+def test_auto_decodes_faster_or_equal_rounds_on_its_own(tiny_pair, tmp_path, monkeypatch):
+    """Unforced: the controller runs, every round's budget is within the method's length,
+    the output is plain decoding's, and the calibration it measured was stored."""
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    ar = dec.generate(prompt_ids=PROMPT, method="ar", max_new_tokens=40)
+    res = dec.generate(prompt_ids=PROMPT, method="chain", gamma=3, max_new_tokens=40,
+                       budget="auto")
+    assert res.token_ids == ar.token_ids
+    assert max(res.stats.round_reach) <= 3
+    assert load_calibration(dec) is not None
+    assert "chain" in dec.acceptance  # the next auto run's prior
+    with pytest.raises(ValueError, match="budget"):
+        dec.generate(prompt_ids=PROMPT, method="chain", budget="sometimes")
+
+
+def test_calibration_is_stored_and_reused_until_the_models_change(tiny_pair, tmp_path,
+                                                                  monkeypatch):
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    assert load_calibration(dec) is None
+    cal = calibrate(dec, max_rows=2, context=16, repeats=2)
+    assert set(cal.curves) == {"target", "draft"}
+    assert set(cal.curves["target"]) == {"single", "batched"} and cal.max_rows == 2
+    again = load_calibration(dec, rows=2)
+    assert again is not None and again.to_dict() == cal.to_dict()
+    assert load_calibration(dec, rows=4) is None  # does not cover 4 rows
+    costs = again.round_costs(batched=True)
+    assert costs.target(2, 8) > 0 and costs.draft(1, 1) > 0
+    key = calibration_key(dec)
+    with torch.no_grad():
+        next(dec.draft.model.parameters()).add_(0.01)
+    assert calibration_key(dec) != key and load_calibration(dec) is None
+    with pytest.raises(ValueError, match="repeats"):
+        calibrate(dec, repeats=0)
+
+
+def test_the_calibrate_command_and_generate_with_an_auto_budget(tiny_pair, tmp_path):
+    env = {**os.environ, "SPECLAB_HOME": str(tmp_path / "home")}
+    pair = ["--target", tiny_pair["target"], "--draft", tiny_pair["close"]]
+    out = subprocess.run([sys.executable, "-m", "speclab.cli", "calibrate", *pair,
+                          "--max-rows", "2", "--context", "16", "--repeats", "2"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "target (batched)" in out.stdout and "stored:" in out.stderr
+    stored = list((tmp_path / "home" / "calibration").glob("*.json"))
+    assert len(stored) == 1 and json.loads(stored[0].read_text())["meta"]["max_rows"] == 2
+    runs = {}
+    for budget in ("fixed", "auto"):
+        out = subprocess.run([sys.executable, "-m", "speclab.cli", "generate", *pair,
+                              "--method", "chain", "--gamma", "3", "--prompt-ids",
+                              "1,2,3,4,5", "--max-new-tokens", "24", "--budget", budget,
+                              "--json"], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        runs[budget] = json.loads(out.stdout.splitlines()[-1])
+    assert runs["auto"]["token_ids"] == runs["fixed"]["token_ids"]
+    assert max(runs["auto"]["stats"]["round_reach"]) <= 3
+    bad = subprocess.run([sys.executable, "-m", "speclab.cli", "calibrate", *pair,
+                          "--repeats", "0"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert bad.returncode == 2 and "repeats" in bad.stderr
