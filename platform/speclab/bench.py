@@ -362,6 +362,26 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     costs = results[runs[0].name]["costs"]
     reference = results[runs[0].name]["ar"].outputs  # AR, each prompt alone
     rows = result_rows(dec, prompts, results)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
+            "prompt_file": prompt_file, "max_new_tokens": max_new_tokens,
+            "torch_threads": torch.get_num_threads(),
+            "machine": platform.platform(), "temperature": 0.0, "device": device,
+            "dtype": str(dec.target.dtype).removeprefix("torch."),
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
+            else None, **protocol_meta(passes),
+            **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {})}
+
+    def write(partial: bool, categories: dict) -> None:
+        """bench.json; ``partial``: the engine's rows before the Hugging Face baselines
+        (a run stopped during those keeps its figures)."""
+        (out / "bench.json").write_text(json.dumps(
+            {"meta": {**meta, "partial": partial}, "rows": rows,
+             **({"categories": categories} if categories else {}),
+             "forward_costs_s": costs.to_dict() if costs is not None else None}, indent=2))
+
+    write(True, {})
     # Hugging Face baselines on the same pair and prompts, paired with AR the same way
     for row, outputs in hf_rows(
             dec, {"hf_assisted": {"assistant_model": dec.draft.model},
@@ -378,19 +398,7 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
         print("\nall categories")
     print(format_table(rows, table_columns(COLUMNS, device)))
     _print_noisy(rows)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),
-            "prompt_file": prompt_file, "max_new_tokens": max_new_tokens,
-            "torch_threads": torch.get_num_threads(),
-            "machine": platform.platform(), "temperature": 0.0, "device": device,
-            "dtype": str(dec.target.dtype).removeprefix("torch."),
-            "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
-            else None, **protocol_meta(passes),
-            **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {})}
-    (out / "bench.json").write_text(json.dumps(
-        {"meta": meta, "rows": rows, **({"categories": categories} if categories else {}),
-         "forward_costs_s": costs.to_dict() if costs is not None else None}, indent=2))
+    write(False, categories)
     print(f"\nwrote {out / 'bench.json'}")
     return rows
 
