@@ -435,6 +435,64 @@ BATCH_RUNS = [
 ]
 
 
+# the auto budget over the same methods: each round's depth (0: plain decoding) chosen up
+# to the method's own length (decoding/budget.py)
+BATCH_AUTO_RUNS = [
+    MethodRun("chain", {"gamma": 4, "budget": "auto"}, label="chain auto (gamma<=4)"),
+    MethodRun("salf", {"nodes": 16, "batch": 4, "salf_threshold": 0.2, "depth": 10,
+                       "score_temperature": 0.5, "budget": "auto"}, label="salf auto"),
+]
+
+
+def auto_sweep(rows: list[dict], auto_names: list[str]) -> list[dict]:
+    """Per batch size: plain decoding's tokens/s, the best fixed run (the highest median
+    speedup among the runs that are neither AR nor auto) and each auto run, with their
+    speedups over AR at that size (95% intervals) and auto's over the best fixed run's
+    (a ratio of the two median speedups)."""
+    out = []
+    for bs in sorted({r["batch_size"] for r in rows}):
+        mine = [r for r in rows if r["batch_size"] == bs]
+        ar = next(r for r in mine if r["method"] == "ar")
+        fixed = [r for r in mine if r["method"] not in ("ar", *auto_names)]
+        best = max(fixed, key=lambda r: r["speedup"]) if fixed else None
+        for r in mine:
+            if r["method"] not in auto_names:
+                continue
+            out.append({
+                "batch_size": bs, "ar_tokens_per_s": ar["tokens_per_s"],
+                "best_fixed": best["method"] if best else None,
+                "best_fixed_speedup": best["speedup"] if best else None,
+                "best_fixed_interval": ([best.get("speedup_lo"), best.get("speedup_hi")]
+                                        if best else None),
+                "auto": r["method"], "auto_speedup": r["speedup"],
+                "auto_interval": [r.get("speedup_lo"), r.get("speedup_hi")],
+                "auto_over_best_fixed": (r["speedup"] / best["speedup"]
+                                         if best and best["speedup"] else None),
+                "auto_budget_mean": r.get("budget_mean"),
+                "auto_budget_histogram": r.get("budget_histogram")})
+    return out
+
+
+def format_sweep(sweep: list[dict]) -> str:
+    """The auto sweep as a table (speedups over AR at the same batch size)."""
+    def x(v, lo_hi=None) -> str:
+        if v is None:
+            return "-"
+        cell = f"{v:.2f}x"
+        if lo_hi and None not in lo_hi:
+            cell += f" [{lo_hi[0]:.2f}, {lo_hi[1]:.2f}]"
+        return cell
+
+    lines = ["batch | AR tok/s | best fixed | its speedup | auto | auto speedup | "
+             "auto / best fixed | mean budget"]
+    for r in sweep:
+        lines.append(f"{r['batch_size']:>5} | {r['ar_tokens_per_s']:8.1f} | {r['best_fixed']} | "
+                     f"{x(r['best_fixed_speedup'], r['best_fixed_interval'])} | {r['auto']} | "
+                     f"{x(r['auto_speedup'], r['auto_interval'])} | "
+                     f"{x(r['auto_over_best_fixed'])} | {r['auto_budget_mean']:.2f}")
+    return "\n".join(lines)
+
+
 def parse_batch_sizes(text: str) -> list[int]:
     """``"1,4,16"`` -> ``[1, 4, 16]`` (ValueError naming ``batch_sizes``)."""
     try:
@@ -508,7 +566,8 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
                     tracking_uri: str | None = None, repeats: int = 1,
                     compile: bool = False, passes: int | None = None,
                     pair: str = "reference", prompt_file: str | None = None,
-                    xl: XLSpec | None = None, checksums: str | None = None) -> list[dict]:
+                    xl: XLSpec | None = None, checksums: str | None = None,
+                    auto: bool = False) -> list[dict]:
     """The batched engine at each batch size: each method paired with AR at the SAME
     batch size, one pair per pass over the whole batch, over ``passes`` x ``repeats``
     passes (``passes`` default :data:`~speclab.evaluation.TIMING_PASSES`): the median
@@ -522,13 +581,22 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     untimed warm-up passes; any later one is taken out of the timed figures of the pass
     it fell in, see :class:`speclab.api.Decoder`) is reported apart as
     ``compile_warmup_s``. ``prompt_file``: :func:`bench_prompts` (no table per category
-    here). ``xl``, ``checksums``: ``reference-xl``'s (:func:`grow_xl`). Returns the rows."""
+    here). ``xl``, ``checksums``: ``reference-xl``'s (:func:`grow_xl`). ``auto``: also
+    :data:`BATCH_AUTO_RUNS` (the pair calibrated first, up to the largest batch size), and
+    :func:`auto_sweep` printed and written as ``auto_sweep``. Returns the rows."""
+    if auto and compile:
+        raise ValueError("auto: the auto budget reads eager calibrated costs; not with "
+                         "--compile")
     if num_prompts < max(batch_sizes):
         raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
                          f"of prompts ({num_prompts})")
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile, pair,
                                          prompt_file, xl=xl, checksums=checksums)
-    runs = runs or BATCH_RUNS
+    runs = (runs or BATCH_RUNS) + (BATCH_AUTO_RUNS if auto else [])
+    if auto:  # measured (or read from the store) before anything is timed
+        from speclab.calibration import format_calibration
+
+        print(format_calibration(dec.calibration(max(batch_sizes))))
     if compile:  # compile every shape before anything is timed (full-length warm-up)
         t0 = now(device)
         for bs in batch_sizes:
@@ -577,8 +645,14 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
             "compile_warmup_s": dec.warmup_s, **protocol_meta(passes),
             **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {})}
     costs = {bs: c.to_dict() if c is not None else None for bs, c in costs_by_size.items()}
+    sweep = auto_sweep(rows, [r.name for r in BATCH_AUTO_RUNS]) if auto else None
+    if sweep:
+        print("\nper batch size: plain decoding, the best fixed run, auto (speedups over AR "
+              "at that size, 95% intervals)")
+        print(format_sweep(sweep))
     (out / "batch_bench.json").write_text(json.dumps(
-        {"meta": meta, "rows": rows, "crossover": cross, "forward_costs_s": costs}, indent=2))
+        {"meta": meta, "rows": rows, "crossover": cross, "forward_costs_s": costs,
+         **({"auto_sweep": sweep} if sweep else {})}, indent=2))
     try:
         fig = batch_plot(rows)
     except ModuleNotFoundError as err:  # an offline GPU machine (speclab gpu-bundle)

@@ -89,6 +89,10 @@ def add_parsers(sub) -> None:
                         "the compile warm-up is reported apart")
     p.add_argument("--repeats", type=int, default=1,
                    help="with --batch-sizes: interleaved repeats (timed figures: the median)")
+    p.add_argument("--auto", action="store_true",
+                   help="with --batch-sizes: also the auto budget (bench.BATCH_AUTO_RUNS), and "
+                        "per batch size plain decoding, the best fixed run and auto side by "
+                        "side (the pair is calibrated first: speclab calibrate)")
     p.add_argument("--mlflow", nargs="?", const="", default=None, metavar="TRACKING_URI",
                    help="with --batch-sizes: also log an MLflow run (default store if no URI)")
     HANDLERS["bench"] = cmd_bench
@@ -213,11 +217,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,
                         repeats=args.repeats, compile=args.compile, pair=args.pair,
                         prompt_file=args.prompt_file, xl=XLSpec.parse(args.xl),
-                        checksums=args.xl_checksums)
+                        checksums=args.xl_checksums, auto=args.auto)
         return 0
-    if args.mlflow is not None or args.compile:
-        raise ValueError(f"{'mlflow' if args.mlflow is not None else 'compile'}: only with "
-                         "--batch-sizes")
+    for flag, given in (("mlflow", args.mlflow is not None), ("compile", args.compile),
+                        ("auto", args.auto)):
+        if given:
+            raise ValueError(f"{flag}: only with --batch-sizes")
     run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype,
               pair=args.pair, eagles=args.eagle, medusas=args.medusa,
               prompt_file=args.prompt_file, xl=XLSpec.parse(args.xl), checksums=args.xl_checksums)

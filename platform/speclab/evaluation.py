@@ -148,6 +148,9 @@ class Totals:
     #: ``reach[k - 1]`` rounds whose draft budget could reach position ``k``
     at_least: list[int] = field(default_factory=lambda: [0] * ACCEPT_POSITIONS)
     reach: list[int] = field(default_factory=lambda: [0] * ACCEPT_POSITIONS)
+    #: rounds by their draft budget in levels (0: a plain round; the ``auto`` budget's
+    #: choices, or a fixed method's length cut by the tokens left)
+    budgets: Counter = field(default_factory=Counter)
     outputs: list[list[int]] = field(default_factory=list)
     #: one :class:`PromptFigures` per prompt, in prompt order (the spread over prompts)
     per_prompt: list[PromptFigures] = field(default_factory=list)
@@ -188,6 +191,7 @@ class Totals:
             for k in range(min(reach, ACCEPT_POSITIONS)):  # rounds that could reach k + 1
                 self.reach[k] += 1
                 self.at_least[k] += accepted > k
+        self.budgets.update(s.round_reach)
         self.outputs.append(res.token_ids)
         self.per_prompt.append(PromptFigures(
             s.new_tokens, sum(s.accepted_lengths), s.target_calls, s.accepted_tokens,
@@ -202,6 +206,7 @@ class Totals:
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.at_least = [a + b for a, b in zip(self.at_least, other.at_least)]
         self.reach = [a + b for a, b in zip(self.reach, other.reach)]
+        self.budgets = self.budgets + other.budgets
         self.outputs += other.outputs
         self.per_prompt += other.per_prompt
         self.batched = self.batched or other.batched
@@ -570,6 +575,11 @@ def summarize(
         **overheads(totals, ar),
         **clocked(totals),
         "peak_gpu_mb": totals.peak_gpu_mb,  # NaN when the models are not on CUDA
+        # the rounds' draft budgets: their mean and how many rounds had each
+        # ("budget:rounds" pairs, e.g. "0:12 3:40")
+        "budget_mean": (sum(b * c for b, c in totals.budgets.items())
+                        / max(sum(totals.budgets.values()), 1)),
+        "budget_histogram": " ".join(f"{b}:{c}" for b, c in sorted(totals.budgets.items())),
         # acceptance per draft position: the fraction of rounds accepting >= k tokens,
         # among the rounds whose budget could reach k (NaN: none could, e.g. AR)
         **{f"accept_at_{k + 1}": c / n if n else math.nan

@@ -157,3 +157,30 @@ def test_the_calibrate_command_and_generate_with_an_auto_budget(tiny_pair, tmp_p
                           "--repeats", "0"], capture_output=True, text=True, env=env,
                          timeout=300)
     assert bad.returncode == 2 and "repeats" in bad.stderr
+
+
+def test_the_sweep_sets_auto_beside_plain_and_the_best_fixed_run_per_batch_size():
+    from speclab.bench import auto_sweep, format_sweep
+
+    def row(bs, method, speedup, tps=100.0, mean=None):
+        return {"batch_size": bs, "method": method, "speedup": speedup, "speedup_lo":
+                speedup - 0.1, "speedup_hi": speedup + 0.1, "tokens_per_s": tps,
+                "budget_mean": mean, "budget_histogram": "0:1 2:3"}
+    rows = [row(1, "ar", 1.0, 50.0), row(1, "chain(gamma=1)", 1.2), row(1, "chain(gamma=3)", 1.5),
+            row(1, "auto", 1.45, mean=2.5),
+            row(8, "ar", 1.0, 300.0), row(8, "chain(gamma=1)", 0.9), row(8, "chain(gamma=3)", 0.7),
+            row(8, "auto", 0.98, mean=0.4)]
+    sweep = auto_sweep(rows, ["auto"])
+    assert [(s["batch_size"], s["best_fixed"]) for s in sweep] == [
+        (1, "chain(gamma=3)"), (8, "chain(gamma=1)")]
+    assert sweep[0]["auto_over_best_fixed"] == pytest.approx(1.45 / 1.5)
+    assert sweep[1]["ar_tokens_per_s"] == 300.0 and sweep[1]["auto_budget_mean"] == 0.4
+    table = format_sweep(sweep)
+    assert "0.98x [0.88, 1.08]" in table and "chain(gamma=1)" in table
+
+
+def test_bench_auto_needs_the_batch_sweep(capsys):
+    from speclab.cli import main
+
+    assert main(["bench", "--auto"]) == 2
+    assert "auto: only with --batch-sizes" in capsys.readouterr().err
