@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from serve_apps.colocated import ColocatedDeployment
 from serve_apps.draft import DraftDeployment
 from serve_apps.ingress import Ingress
 from serve_apps.router import SessionAffinityRouter
@@ -112,10 +113,10 @@ def app_from_config(cfg: ServeJob):
               "idle_timeout_s": sv.idle_timeout_s, "max_batch": sv.max_batch,
               "batch_wait_ms": sv.batch_wait_ms}
     log = sv.access_log
-    t = serve.deployment(TargetDeployment).options(**_options(sv.target, "target", True, log))
-    d = serve.deployment(DraftDeployment).options(**_options(sv.draft, "draft", True, log))
     i = serve.deployment(Ingress).options(**_options(sv.ingress, "ingress", False, log))
-    buckets = sv.target.max_count  # target routing keys: one batched call per key
+    colocated = sv.topology == "colocated"
+    # target routing keys: one batched call per key (colocated: the replica's own target)
+    buckets = 1 if colocated else sv.target.max_count
     settings = {"method": cfg.method.name, "model_name": sv.model_name or cfg.name,
                 "max_tokens": sv.max_tokens, "target_path": target, "created": int(time.time()),
                 "rec_n": sv.rec_n, "rec_gamma": sv.rec_gamma, "api_key": sv.api_key,
@@ -123,19 +124,32 @@ def app_from_config(cfg: ServeJob):
                 "request_timeout_s": sv.request_timeout_s,
                 "spec_decode_metrics": sv.spec_decode_metrics,
                 "drafting": cfg.method.drafting, "draft_length": cfg.method.draft_length(),
-                "target_buckets": buckets,
-                "replicas": {"target": sv.target.max_count, "draft": sv.draft.max_count}}
+                "target_buckets": buckets, "topology": sv.topology,
+                "replicas": {"target": sv.target.max_count,
+                             "draft": (sv.target if colocated else sv.draft).max_count}}
     common["attn_implementation"] = m.attn_implementation
+    draft_options = {"rec_draft": rec_draft, "plugins": plugin_modules(cfg.method),
+                     "buckets": buckets, "target_source": target,
+                     "draft_ahead": sv.draft_ahead, "ahead_warmup": sv.ahead_warmup,
+                     "ahead_min_hit_rate": sv.ahead_min_hit_rate, **common}
+    if colocated:  # one deployment, both models, on the target's device and resources
+        c = serve.deployment(ColocatedDeployment).options(
+            **_options(sv.target, "colocated", True, log))
+        both = c.bind(target, draft, cfg.method.model_dump(mode="json"), vocab, m.dtype,
+                      cfg.device_of("target"),
+                      target_options={"rec_target": rec_target,
+                                      "torch_threads": sv.target.torch_threads,
+                                      "prefill_chunk": sv.prefill_chunk, **common},
+                      torch_threads=sv.target.torch_threads, **draft_options)
+        return i.bind(both, both, settings)
+    t = serve.deployment(TargetDeployment).options(**_options(sv.target, "target", True, log))
+    d = serve.deployment(DraftDeployment).options(**_options(sv.draft, "draft", True, log))
     target_app = t.bind(target, m.dtype, cfg.device_of("target"), rec_target=rec_target,
                         torch_threads=sv.target.torch_threads,
                         prefill_chunk=sv.prefill_chunk, **common)
     draft_app = d.bind(target_app, draft, cfg.method.model_dump(mode="json"), vocab, m.dtype,
-                       cfg.device_of("draft"), rec_draft=rec_draft,
-                       plugins=plugin_modules(cfg.method),
-                       torch_threads=sv.draft.torch_threads, buckets=buckets,
-                       direct_rounds=sv.direct_rounds, target_source=target,
-                       draft_ahead=sv.draft_ahead, ahead_warmup=sv.ahead_warmup,
-                       ahead_min_hit_rate=sv.ahead_min_hit_rate, **common)
+                       cfg.device_of("draft"), torch_threads=sv.draft.torch_threads,
+                       direct_rounds=sv.direct_rounds, **draft_options)
     return i.bind(target_app, draft_app, settings)
 
 

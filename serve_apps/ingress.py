@@ -246,6 +246,9 @@ class Ingress:
     def __init__(self, target, draft, settings: dict) -> None:
         self.target, self.draft = target, draft
         self.s = settings
+        # serve.topology colocated: ONE deployment holds both sides (its target's calls
+        # are named target_<call>, and a request's target row is routed by its id)
+        self.colocated = settings.get("topology") == "colocated"
         self.tokenizer = load_tokenizer(settings["target_path"], field="models.target")
         self._info: dict | None = None
         self._ending: set[asyncio.Task] = set()  # states being freed (early ends)
@@ -277,9 +280,15 @@ class Ingress:
             raise HTTPError(401, "missing or invalid API key: send 'Authorization: Bearer "
                                  "<key>'", None, "authentication_error", "invalid_api_key")
 
+    def _target(self, call: str, stream: bool = False):
+        """The handle method of a call to the target side: ``call`` on the target
+        deployment, or ``target_<call>`` on the colocated one."""
+        handle = self.target.options(stream=True) if stream else self.target
+        return getattr(handle, f"target_{call}" if self.colocated else call)
+
     async def _infos(self) -> dict:
         if self._info is None:
-            t = await self.target.info.remote()
+            t = await self._target("info").remote()
             d = await self.draft.info.remote()
             self._info = {**t, "drafting": d["drafting"], "prefill_top_k": d["prefill_top_k"],
                           "features": d["features"], "rule": d["rule"]}
@@ -293,7 +302,7 @@ class Ingress:
         deployments free its state at once, and the stats are those of the rounds run."""
         info = await self._infos()
         drafting = info["drafting"]
-        key = target_key(rid, self.s["target_buckets"])
+        key = rid if self.colocated else target_key(rid, self.s["target_buckets"])
         req = DecodeRequest(dec.prompt_ids, dec.max_tokens, dec.sampling, dec.rule.to_dict(),
                             dec.seed, sorted(eos_set(info["eos"])), drafting, dec.logprobs,
                             dec.echo).__dict__
@@ -302,7 +311,7 @@ class Ingress:
         if drafting:
             response = self.draft.options(stream=True).generate.remote(rid, req)
         else:
-            response = self.target.options(stream=True).generate.remote(key, rid, req)
+            response = self._target("generate", stream=True).remote(key, rid, req)
         try:
             chunks = aiter(response)
             while True:
@@ -344,10 +353,11 @@ class Ingress:
         dec.stats.setdefault("timing", {})["ingress_s"] = time.perf_counter() - t0
 
     async def _end(self, rid: str, key: str, uses_draft: bool) -> None:
-        calls = [(self.target, (key, rid))] + ([(self.draft, (rid,))] if uses_draft else [])
-        for handle, args in calls:
+        calls = [(self._target("end"), (key, rid))] + (
+            [(self.draft.end, (rid,))] if uses_draft else [])
+        for end, args in calls:
             try:
-                await handle.end.remote(*args)
+                await end.remote(*args)
             except Exception:  # a dead replica took the state with it
                 pass
 
@@ -513,12 +523,13 @@ class Ingress:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     # ------------------------------------------------------------------ routes
-    async def _replicas(self, handle, count: int) -> list[dict]:
-        """Stats of every replica of a deployment: probes with 8 ids per replica are
-        spread by the affinity router's hash (all replicas reached w.p. ~1 - n 2^-8n)."""
+    async def _replicas(self, stats, count: int) -> list[dict]:
+        """Stats of every replica of a deployment (``stats``: its handle method): probes
+        with 8 ids per replica are spread by the affinity router's hash (all replicas
+        reached w.p. ~1 - n 2^-8n)."""
         seen = {}
         for i in range(8 * count):
-            st = await handle.stats.remote(f"probe-{i}")
+            st = await stats.remote(f"probe-{i}")
             seen[st["pid"]] = st
         return list(seen.values())
 
@@ -526,8 +537,8 @@ class Ingress:
     async def health(self) -> dict:
         """Liveness plus every target and draft replica's live request states."""
         try:
-            t = await self._replicas(self.target, self.s["replicas"]["target"])
-            d = await self._replicas(self.draft, self.s["replicas"]["draft"])
+            t = await self._replicas(self._target("stats"), self.s["replicas"]["target"])
+            d = await self._replicas(self.draft.stats, self.s["replicas"]["draft"])
         except Exception as exc:
             raise _replica_error(exc, "health") from None
         return {"status": "ok", "method": self.s["method"], "target": t, "draft": d}

@@ -867,6 +867,12 @@ class ServeConfig(StrictModel):
                                                    "replica, calls on a target replica")
     batch_wait_ms: float = Field(
         5.0, ge=0.0, description="longest wait for the other live requests to join a batch")
+    topology: Literal["split", "colocated"] = Field(
+        "split", description="split: target and draft as separate deployments (separate "
+                             "devices or processes; rounds cross a deployment hop); "
+                             "colocated: both models in ONE deployment whose replicas run "
+                             "each round in process (one device; serve.target's replicas "
+                             "and resources, serve.draft's unused)")
     direct_rounds: bool = Field(
         True, description="draft -> target round calls over a Unix socket when both "
                           "replicas share a node (else Serve handle calls)")

@@ -1,0 +1,65 @@
+"""``serve.topology: colocated``: the target and the draft side in ONE deployment whose
+replicas run every round in process. Started as a user starts it (``speclab serve``,
+127.0.0.1), with two replicas: greedy requests alone and 16 concurrent ones return the
+offline engine's tokens and rounds and are batched, a seeded sample reproduces the
+offline one, plain decoding and a bad request go through the same replicas, and every
+request's state is freed on both sides."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from serve_apps.loadtest import PROMPTS, run_load
+from tests.integration.test_serve import (  # noqa: F401
+    METHOD,
+    _start,
+    _stop,
+    assert_same_rounds,
+    seeded_samples_equal_offline,
+    tiny,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_colocated_app_decodes_as_the_split_one_and_the_offline_engine(tmp_path,
+                                                                         tiny):  # noqa: F811
+    from speclab.api import Decoder
+
+    target, draft = tiny
+    dec = Decoder.from_pretrained(target, draft)
+    want = {p: dec.generate(p, method="salf", max_new_tokens=24, **METHOD) for p in PROMPTS}
+    proc, url = _start(tmp_path, [f"models.target={target}", f"models.draft={draft}",
+                                  "serve.topology=colocated", "serve.target.replicas=2",
+                                  "serve.target.num_cpus=0.5"])
+    try:
+        h = requests.get(url + "/health", timeout=60).json()
+        # the same two processes answer for both sides
+        assert {st["pid"] for st in h["target"]} == {st["pid"] for st in h["draft"]}
+        assert len(h["target"]) == 2
+        r = requests.post(url + "/generate", json={"prompt": PROMPTS[0], "max_tokens": 24})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["token_ids"] == want[PROMPTS[0]].token_ids
+        assert_same_rounds({**body["stats"], **body["stats"]["timing"]},
+                           want[PROMPTS[0]].stats)
+        results, s = run_load(url, clients=16, per_client=1, max_tokens=24, prompts=PROMPTS)
+        assert s["requests"] == 16 and s["errors"] == 0
+        for b in results:
+            assert b["token_ids"] == want[b["prompt"]].token_ids
+        rows = [n for b in results for n in b["stats"]["timing"]["batch_rows"]]
+        assert max(rows) > 1, rows  # concurrent requests shared target forwards
+        seeded_samples_equal_offline(url, dec, "salf", METHOD, seeds=range(3))
+        bad = requests.post(url + "/generate", json={"prompt": PROMPTS[0], "max_tokens": 0})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        c = requests.post(url + "/v1/completions", json={"prompt": PROMPTS[1],
+                                                         "max_tokens": 24, "temperature": 0})
+        assert c.status_code == 200, c.text
+        assert c.json()["choices"][0]["text"] == dec.tokenizer.decode(
+            want[PROMPTS[1]].token_ids, skip_special_tokens=True)
+        h = requests.get(url + "/health", timeout=60).json()
+        for st in h["target"] + h["draft"]:  # freed on both sides of each replica
+            assert st["sessions"] == 0 and st["cached_tokens"] == 0, st
+    finally:
+        _stop(proc)
