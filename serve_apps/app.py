@@ -124,7 +124,7 @@ def app_from_config(cfg: ServeJob):
                 "request_timeout_s": sv.request_timeout_s,
                 "spec_decode_metrics": sv.spec_decode_metrics,
                 "drafting": cfg.method.drafting, "draft_length": cfg.method.draft_length(),
-                "target_buckets": buckets, "topology": sv.topology,
+                "target_buckets": buckets, "topology": sv.topology, "budget": sv.budget,
                 "replicas": {"target": sv.target.max_count,
                              "draft": (sv.target if colocated else sv.draft).max_count}}
     common["attn_implementation"] = m.attn_implementation

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
+from speclab.decoding.budget import AutoBudget
 from speclab.decoding.loop import Committed, GenerationStats, Start, eos_set, rounds
 
 
@@ -38,6 +39,7 @@ class DecodeRequest:
     drafting: bool = True
     logprobs: int | None = None  # the target's log-probs of the tokens, this many alternatives
     echo: bool = False  # and of the prompt's tokens (with logprobs)
+    budget: str = "fixed"  # "auto": each round's draft depth chosen (speclab.decoding.budget)
 
     def target_row(self, rid: str) -> dict:
         """The request as a row of the target's ``start_rows``."""
@@ -124,17 +126,19 @@ class LiveStats:
 Step = Callable[[object], Awaitable[object]]
 
 
-async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing
-                        ) -> AsyncIterator[dict]:
+async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing,
+                        policy: AutoBudget | None = None) -> AsyncIterator[dict]:
     """Run ``req`` through the loop; ``step(msg)`` answers each Start / Propose / Verify
     (its answer to Start: the target's start reply, whose ``prompt_logprobs`` are passed
     on). Yields ``{"prompt_logprobs"}`` first when the request echoes them, then
     ``{"tokens": [...], "progress": ...}`` per round (cut at EOS / ``max_tokens``; with
     ``"logprobs"``, one entry per token, when the request asked for them;
-    :func:`round_progress`), then ``{"stats": ...}`` once the loop ended."""
+    :func:`round_progress`), then ``{"stats": ...}`` once the loop ended. ``policy``:
+    the request's ``auto`` budget (the loop asks it for each round's levels)."""
     t0 = time.perf_counter()
     stats = GenerationStats()
-    loop = rounds(req.prompt_ids, req.max_tokens, eos_set(req.eos), stats, req.drafting)
+    loop = rounds(req.prompt_ids, req.max_tokens, eos_set(req.eos), stats, req.drafting,
+                  policy)
     reply: object = None
     sent = 0  # rounds whose list entries went out with a chunk's progress
     try:

@@ -34,6 +34,7 @@ from serve_apps.metrics import ServeMetrics
 from serve_apps.router import target_key
 from serve_apps.sessions import PoolRow, RequestStates, SessionGone
 from speclab.config.method import parse_method
+from speclab.decoding.budget import AutoBudget, RoundCosts
 from speclab.decoding.drafting import BatchDrafter
 from speclab.decoding.lookahead import AheadTrial
 from speclab.decoding.loop import Propose, Start, Verify
@@ -69,6 +70,7 @@ class _Round:
     new: list[int]
     budget: int
     features: torch.Tensor | None
+    skip: bool = False  # a round without a draft: the target verifies the root alone
 
 
 def features_wire(traits) -> bool | list | str:
@@ -120,6 +122,10 @@ class DraftDeployment(RequestStates):
                  draft_ahead: bool = True, ahead_warmup: int = 8,
                  ahead_min_hit_rate: float = 0.2) -> None:
         torch.set_num_threads(torch_threads)
+        self.max_batch = max_batch
+        self._costs: RoundCosts | None = None  # the auto budget's, on its first request
+        self._auto: set[str] = set()  # requests decoding with an auto budget
+        self.acceptance: list[float] = []  # the last auto request's q_k (the next's prior)
         for module in plugins or []:
             importlib.import_module(module)
         self.target = target
@@ -205,8 +211,13 @@ class DraftDeployment(RequestStates):
                 ready.append((i, s))
             except SessionGone as exc:
                 out[i] = exc
-        proposals = self.pool.propose([(s.rid, s.path, s.new, s.budget, s.features)
-                                       for _, s in ready]) if ready else []
+        # a round without a draft leaves the drafter alone: the next proposal brings the
+        # tokens since (the loop's contract), so the pool's state does not move
+        drafted = [(i, s) for i, s in ready if not s.skip]
+        proposed = dict(zip([i for i, _ in drafted], self.pool.propose(
+            [(s.rid, s.path, s.new, s.budget, s.features) for _, s in drafted])
+            if drafted else [], strict=True))
+        proposals = [proposed.get(i, Proposal(None)) for i, _ in ready]
         kept = []
         for (i, s), p in zip(ready, proposals, strict=True):
             if isinstance(p, Exception):  # its drafter failed: this request only
@@ -240,7 +251,8 @@ class DraftDeployment(RequestStates):
         if mode and ready:
             await asyncio.sleep(0)  # every call is on its way before this replica drafts
             t2 = time.perf_counter()
-            ahead = self.pool.draft_ahead([s.rid for _, s in ready])
+            ahead = self.pool.draft_ahead([s.rid for _, s in ready
+                                           if s.rid not in self._auto])
             ahead_s = time.perf_counter() - t2
         t3 = time.perf_counter()
         replies = await asyncio.gather(*pending, return_exceptions=True)
@@ -322,10 +334,13 @@ class DraftDeployment(RequestStates):
         timing = Timing()
         verdict: list[VerifyResult] = []
 
+        policy = await self._auto_budget(key) if req.budget == "auto" else None
+
         async def round_step(path, new, budget, features) -> Proposal:
             t0 = time.perf_counter()
             proposal, result, times = await self.batcher.submit(
-                _Round(rid, key, path, new, budget, features), rid)
+                _Round(rid, key, path, new, budget, features,
+                       skip=policy is not None and budget == 0), rid)
             wait = time.perf_counter() - t0 - times["draft_model_s"] - times["target_call_s"]
             timing.add({**times, "queue_s": max(wait, 0.0)})
             verdict.append(result)
@@ -342,15 +357,43 @@ class DraftDeployment(RequestStates):
             return verdict.pop()
 
         self.active += 1
+        if policy is not None:
+            self._auto.add(rid)
         try:
-            async for chunk in stream_rounds(req, step, timing):
+            async for chunk in stream_rounds(req, step, timing, policy):
                 yield chunk
         finally:
             self.active -= 1
+            if policy is not None:
+                self._auto.discard(rid)
+                for levels in policy.chosen:
+                    self.metrics.budget(levels)
+                if policy.chosen:
+                    self.acceptance = [policy.q(k) for k in range(1, policy.max_depth + 1)]
             self.sessions.end(rid)
             task = asyncio.create_task(self._end_target(key, rid))
             self._ending.add(task)
             task.add_done_callback(self._ending.discard)
+
+    async def _auto_budget(self, key: str) -> AutoBudget:
+        """A request's ``auto`` budget (:mod:`speclab.decoding.budget`): the target's cost
+        curves from its replica (calibrated there once, stored) and the draft model's from
+        this one, up to this replica's batch (at most 16 rows), the current batch size
+        from the requests decoding here, and the last auto request's acceptance as prior."""
+        depth = self.cfg.draft_length()
+        if not depth:
+            raise ValueError(f"budget: auto needs a method with a known draft length; "
+                             f"{self.method!r} does not say its own")
+        if self._costs is None:
+            from speclab.calibration import Calibration, model_calibration
+
+            rows = min(self.max_batch, 16)
+            target = Calibration.from_dict(await self.target.calibration.remote(key, rows))
+            draft = model_calibration(self.model, rows) if self.model is not None else None
+            self._costs = RoundCosts(target.round_costs(batched=True).target,
+                                     draft.round_costs(batched=True).target if draft else None)
+        return AutoBudget(self._costs, depth, list(self.acceptance),
+                          lambda: max(self.active, 1))
 
     async def _call(self, key: str, op: str, *args) -> object:
         """``op(key, *args)`` on the target replica of ``key``: over its same-node channel

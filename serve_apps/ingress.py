@@ -305,7 +305,7 @@ class Ingress:
         key = rid if self.colocated else target_key(rid, self.s["target_buckets"])
         req = DecodeRequest(dec.prompt_ids, dec.max_tokens, dec.sampling, dec.rule.to_dict(),
                             dec.seed, sorted(eos_set(info["eos"])), drafting, dec.logprobs,
-                            dec.echo).__dict__
+                            dec.echo, self.s.get("budget", "fixed")).__dict__
         t0 = time.perf_counter()
         finished = False
         if drafting:
@@ -485,6 +485,8 @@ class Ingress:
                 "acceptance_rate": st.get("acceptance_rate", 0.0),
                 "ahead_rounds": timing.get("ahead_rounds", 0),
                 "ahead_hits": timing.get("ahead_hits", 0),
+                # each round's draft budget in levels (0: a plain round; serve.budget)
+                "round_budgets": st.get("round_reach", []),
                 "deadline_exceeded": dec.deadline_exceeded}
 
     def _metrics(self, dec: Decoding) -> dict:

@@ -37,6 +37,10 @@ BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
 WAIT_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05]
 
 
+#: upper bounds of the auto budget's histogram buckets (levels: 0, 1, 2, ... 16)
+BUDGET_BUCKETS = [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5, 8.5, 10.5, 16.5]
+
+
 class ServeMetrics:
     """A model deployment's batch metrics (Ray Serve tags them with the deployment and
     replica): histograms for the distributions, and exact counters for the means (Ray
@@ -67,6 +71,16 @@ class ServeMetrics:
         self.ahead_saved = metrics.Counter(
             "speclab_draft_ahead_saved_seconds",
             description="Draft model seconds the hits saved (estimated per round).")
+
+        # a draft replica's auto budget (speclab.decoding.budget): each round's choice
+        self.budgets = metrics.Histogram(
+            "speclab_draft_budget", description="Draft levels the auto budget gave a round "
+                                                "(0: a plain decoding round).",
+            boundaries=BUDGET_BUCKETS)
+
+    def budget(self, levels: int) -> None:
+        """Record one round's draft budget under ``serve.budget: auto``."""
+        self.budgets.observe(levels)
 
     def ahead(self, hit: bool, saved_s: float) -> None:
         """Record a round drafted ahead: a hit (saving ``saved_s``) or a miss."""

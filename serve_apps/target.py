@@ -250,6 +250,14 @@ class TargetDeployment(RequestStates):
         """Free request ``rid``'s row (False if it was already gone)."""
         return self._forget(rid)
 
+    async def calibration(self, key: str, rows: int) -> dict:
+        """The target's forward cost curves up to ``rows`` rows
+        (:func:`speclab.calibration.model_calibration`: stored, else measured now while
+        this replica waits, and stored), for a draft replica's ``auto`` budget."""
+        from speclab.calibration import model_calibration
+
+        return model_calibration(self.model, max(int(rows), 1)).to_dict()
+
     async def channel(self, key: str) -> dict:
         """Where this replica answers the three calls above directly
         (:mod:`serve_apps.channel`): a Unix socket ``path``, ``secret`` and ``node``."""

@@ -20,10 +20,12 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from speclab.decoding.budget import RoundCosts
+from speclab.decoding.runner import ModelRunner
 from speclab.forward_costs import CostCurve, CostSampler
 from speclab.paths import speclab_home
 
@@ -152,6 +154,15 @@ def calibrate(dec, max_rows: int = 1, context: int = DEFAULT_CONTEXT,
         tmp.write_text(json.dumps(cal.to_dict(), indent=1))
         tmp.replace(path)
     return cal
+
+
+def model_calibration(model: torch.nn.Module, max_rows: int = 1,
+                      context: int = DEFAULT_CONTEXT) -> Calibration:
+    """ONE model's curves (as a pair's ``target``; a Serve replica holds one side of the
+    pair): the stored calibration covering ``max_rows`` rows, else measured now and
+    stored."""
+    alone = SimpleNamespace(target=ModelRunner(model), draft=None, compile=False)
+    return load_calibration(alone, max_rows) or calibrate(alone, max_rows, context)
 
 
 def format_calibration(cal: Calibration) -> str:

@@ -63,3 +63,47 @@ def test_a_colocated_app_decodes_as_the_split_one_and_the_offline_engine(tmp_pat
             assert st["sessions"] == 0 and st["cached_tokens"] == 0, st
     finally:
         _stop(proc)
+
+
+def test_an_auto_budget_through_serve_keeps_outputs_and_shows_its_choices(tmp_path,
+                                                                          tiny):  # noqa: F811
+    """``serve.budget: auto`` on the split topology: each request's rounds choose their
+    depth from the target replica's calibrated costs (measured there once) and the
+    request's acceptance; greedy outputs stay the offline engine's, alone and batched;
+    each reply lists its rounds' budgets, and Prometheus has their histogram."""
+    import time
+
+    from speclab.api import Decoder
+    from tests.integration.conftest import free_port
+
+    target, draft = tiny
+    dec = Decoder.from_pretrained(target, draft)
+    want = {p: dec.generate(p, method="chain", gamma=3, max_new_tokens=24).token_ids
+            for p in PROMPTS}
+    metrics_port = free_port()
+    proc, url = _start(tmp_path, [f"models.target={target}", f"models.draft={draft}",
+                                  "method={name: chain, gamma: 3}", "serve.budget=auto",
+                                  f"serve.metrics_port={metrics_port}"])
+    try:
+        c = requests.post(url + "/v1/completions", json={"prompt": PROMPTS[0],
+                                                         "max_tokens": 24, "temperature": 0})
+        assert c.status_code == 200, c.text
+        sd = c.json()["speclab"]
+        assert len(sd["round_budgets"]) == sd["target_calls"] > 0
+        assert all(0 <= b <= 3 for b in sd["round_budgets"])
+        results, s = run_load(url, clients=8, per_client=1, max_tokens=24, prompts=PROMPTS)
+        assert s["errors"] == 0
+        for b in results:
+            assert b["token_ids"] == want[b["prompt"]]
+        assert (tmp_path / "home" / "calibration").is_dir()  # stored for the next start
+        deadline, text = time.time() + 90, ""
+        while time.time() < deadline:
+            text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+            if "ray_speclab_draft_budget_count" in text:
+                break
+            time.sleep(3)
+        counts = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                  if ln.startswith("ray_speclab_draft_budget_count{")]
+        assert counts and sum(counts) >= sd["target_calls"], text[-1500:]
+    finally:
+        _stop(proc)

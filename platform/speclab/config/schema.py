@@ -867,6 +867,12 @@ class ServeConfig(StrictModel):
                                                    "replica, calls on a target replica")
     batch_wait_ms: float = Field(
         5.0, ge=0.0, description="longest wait for the other live requests to join a batch")
+    budget: Literal["fixed", "auto"] = Field(
+        "fixed", description="fixed: every round drafts the method's own length; auto: "
+                             "each request's rounds choose their draft depth (0: plain "
+                             "decoding) from the calibrated forward costs at the replica's "
+                             "current batch and the request's running acceptance (outputs "
+                             "unchanged; drafting ahead is off for such requests)")
     topology: Literal["split", "colocated"] = Field(
         "split", description="split: target and draft as separate deployments (separate "
                              "devices or processes; rounds cross a deployment hop); "
