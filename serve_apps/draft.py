@@ -123,9 +123,8 @@ class DraftDeployment(RequestStates):
                  ahead_min_hit_rate: float = 0.2) -> None:
         torch.set_num_threads(torch_threads)
         self.max_batch = max_batch
-        self._costs: RoundCosts | None = None  # the auto budget's, on its first request
+        self._budget: AutoBudget | None = None  # the auto requests' (on the first one)
         self._auto: set[str] = set()  # requests decoding with an auto budget
-        self.acceptance: list[float] = []  # the last auto request's q_k (the next's prior)
         for module in plugins or []:
             importlib.import_module(module)
         self.target = target
@@ -292,6 +291,8 @@ class DraftDeployment(RequestStates):
             for i, s, res in joined:
                 self.sessions.put(s.rid, PoolRow(self.pool, s.rid), release_old=False)
                 out[i] = res  # the target's start reply (prompt_logprobs for echo)
+        if self._budget is not None and ready:  # the next rounds share a new decision
+            self._budget.next_step()
         return out
 
     def _charge(self, ready: list, proposals: list, ahead: list[str], draft_s: float,
@@ -334,7 +335,7 @@ class DraftDeployment(RequestStates):
         timing = Timing()
         verdict: list[VerifyResult] = []
 
-        policy = await self._auto_budget(key) if req.budget == "auto" else None
+        policy = (await self._auto_budget(key)).row() if req.budget == "auto" else None
 
         async def round_step(path, new, budget, features) -> Proposal:
             t0 = time.perf_counter()
@@ -368,32 +369,31 @@ class DraftDeployment(RequestStates):
                 self._auto.discard(rid)
                 for levels in policy.chosen:
                     self.metrics.budget(levels)
-                if policy.chosen:
-                    self.acceptance = [policy.q(k) for k in range(1, policy.max_depth + 1)]
             self.sessions.end(rid)
             task = asyncio.create_task(self._end_target(key, rid))
             self._ending.add(task)
             task.add_done_callback(self._ending.discard)
 
     async def _auto_budget(self, key: str) -> AutoBudget:
-        """A request's ``auto`` budget (:mod:`speclab.decoding.budget`): the target's cost
+        """This replica's ``auto`` budget (:mod:`speclab.decoding.budget`), shared by its
+        auto requests (each takes a row; one decision per batch step): the target's cost
         curves from its replica (calibrated there once, stored) and the draft model's from
-        this one, up to this replica's batch (at most 16 rows), the current batch size
-        from the requests decoding here, and the last auto request's acceptance as prior."""
+        this one, up to this replica's batch (at most 16 rows); the requests that ended
+        are the prior of those to come."""
         depth = self.cfg.draft_length()
         if not depth:
             raise ValueError(f"budget: auto needs a method with a known draft length; "
                              f"{self.method!r} does not say its own")
-        if self._costs is None:
+        if self._budget is None:
             from speclab.calibration import Calibration, model_calibration
 
             rows = min(self.max_batch, 16)
             target = Calibration.from_dict(await self.target.calibration.remote(key, rows))
             draft = model_calibration(self.model, rows) if self.model is not None else None
-            self._costs = RoundCosts(target.round_costs(batched=True).target,
-                                     draft.round_costs(batched=True).target if draft else None)
-        return AutoBudget(self._costs, depth, list(self.acceptance),
-                          lambda: max(self.active, 1))
+            costs = RoundCosts(target.round_costs(batched=True).target,
+                               draft.round_costs(batched=True).target if draft else None)
+            self._budget = AutoBudget(costs, depth, driven=True)
+        return self._budget
 
     async def _call(self, key: str, op: str, *args) -> object:
         """``op(key, *args)`` on the target replica of ``key``: over its same-node channel

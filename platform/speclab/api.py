@@ -223,7 +223,7 @@ class Decoder:
         rule = request_rule(verify, verify_params, params, traits.rule)
         generator = seeded(seed)  # the sequence's one rng: its drafter's and its rule's
         drafter = build_drafter(cfg, self._context(self.draft, params, generator))
-        policy = self.auto_budget(cfg, batched=False)() if auto and drafter else None
+        policy = self.auto_budget(cfg, batched=False).row() if auto and drafter else None
         tokens, stats = generate_tokens(self.target, drafter, ids, max_new_tokens, params, rule,
                                         self.eos_token_id, generator, traits, policy)
         self._measured(cfg, [stats])
@@ -239,21 +239,16 @@ class Decoder:
             self._calibration = cal
         return cal
 
-    def auto_budget(self, cfg: MethodSpec, batched: bool, rows: int = 1
-                    ) -> Callable[..., AutoBudget]:
-        """A maker of one sequence's ``auto`` budget for method ``cfg`` (its prior: the
-        acceptance this Decoder last measured for the method); call it with a function
-        giving the current number of rows (default: one)."""
+    def auto_budget(self, cfg: MethodSpec, batched: bool, rows: int = 1) -> AutoBudget:
+        """The ``auto`` budget of one generate with method ``cfg`` (its prior: the
+        acceptance this Decoder last measured for the method; each sequence takes a
+        :meth:`~speclab.decoding.budget.AutoBudget.row`)."""
         depth = cfg.draft_length()
         if not depth:
             raise ValueError(f"budget: auto needs a method with a known draft length; "
                              f"{cfg.name!r} does not say its own")
         costs = self.calibration(rows if batched else 1).round_costs(batched)
-        prior = list(self.acceptance.get(cfg.label or cfg.name, ()))
-
-        def make(current: Callable[[], int] = lambda: 1) -> AutoBudget:
-            return AutoBudget(costs, depth, prior, current)
-        return make
+        return AutoBudget(costs, depth, list(self.acceptance.get(cfg.label or cfg.name, ())))
 
     def _measured(self, cfg: MethodSpec, stats: list[GenerationStats]) -> None:
         """Remember a drafting method's per-position acceptance (the next ``auto``

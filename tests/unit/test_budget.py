@@ -14,7 +14,7 @@ import torch
 
 from speclab.api import Decoder
 from speclab.calibration import calibrate, calibration_key, load_calibration
-from speclab.decoding.budget import AutoBudget, RoundCosts, conditional_acceptance
+from speclab.decoding.budget import AutoBudget, RoundCosts, RowBudget, conditional_acceptance
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
 
@@ -26,11 +26,11 @@ def _linear(base: float, per_token: float):
 def test_cheap_drafts_and_high_acceptance_draft_deep_and_the_opposite_drafts_none():
     # a memory-bound target (more tokens cost little) and a drafter it agrees with
     cheap = AutoBudget(RoundCosts(_linear(10e-3, 0.1e-3), _linear(0.5e-3, 0.0)), 5,
-                       prior=[0.9], warmup=0)
+                       prior=[0.9], warmup=0).row()
     assert cheap.choose() == 5
     # a compute-bound target, a costly draft model and a drafter it rarely agrees with
     dear = AutoBudget(RoundCosts(_linear(1e-3, 1e-3), _linear(2e-3, 0.0)), 5, prior=[0.1],
-                      warmup=0)
+                      warmup=0).row()
     assert dear.choose() == 0
     # the chosen budget never exceeds what the round may draft
     assert cheap.choose(limit=2) == 2
@@ -39,7 +39,7 @@ def test_cheap_drafts_and_high_acceptance_draft_deep_and_the_opposite_drafts_non
 
 def test_acceptance_is_learned_per_sequence_and_plain_runs_are_probed():
     auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 4, prior=[0.95], warmup=0,
-                      probe_every=3)
+                      probe_every=3).row()
     assert auto.choose() == 4
     for _ in range(30):  # this sequence's drafts are never accepted
         auto.observe(4, 0, 4, 0.006)
@@ -49,16 +49,48 @@ def test_acceptance_is_learned_per_sequence_and_plain_runs_are_probed():
         picks.append(auto.choose())
         auto.observe(picks[-1], 0, picks[-1], 0.002 + 0.001 * picks[-1])
     assert picks[:2] == [0, 0] and picks[2] > 0  # the third plain round in a row probes
-    assert AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 3, warmup=2).choose() == 3  # warm-up
+    assert AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 3, warmup=2).row().choose() == 3
     with pytest.raises(ValueError, match="budget"):
         AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 0)
 
 
-def test_wall_time_beyond_the_curves_is_learned_per_depth():
+def test_one_decision_per_batch_step_for_every_row():
+    """A driver's step: the first row to ask decides, the others share it (a row that
+    skips drafting saves nothing while the others draft); each row keeps its own
+    acceptance, and a row that ended no longer counts."""
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 4, prior=[0.6], warmup=0,
+                      driven=True)
+    rows = [auto.row() for _ in range(3)]
+    first = [r.choose() for r in rows]
+    assert len(set(first)) == 1 and auto.decisions == first[:1]
+    for r in rows:
+        r.observe(first[0], 0, first[0], 0.004)
+    assert [r.choose() for r in rows] == first  # no new step yet: the same decision
+    auto.next_step()
+    [r.choose() for r in rows]
+    assert len(auto.decisions) == 2
+    for _ in range(20):  # row 0 accepts everything, the others nothing
+        rows[0].observe(4, 4, 4, 0.006)
+        rows[1].observe(4, 0, 4, 0.006)
+    assert rows[0].q(1) > 0.8 > 0.2 > rows[1].q(1)
+    rows[1].close()
+    rows[2].close()
+    assert len(auto._rows) == 1
+
+
+def test_wall_time_beyond_the_curves_is_learned_as_a_draft_part_per_depth():
     auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.5], warmup=0)
-    auto.observe(4, 2, 4, 0.003)  # a depth-4 round took 3x its modelled forwards
+    row = auto.row()
+    row.observe(4, 2, 4, 0.003)  # a depth-4 round took 2 ms beyond its 1 ms forward
     assert auto.seconds(4, 1) == pytest.approx(0.003)
-    assert auto.seconds(3, 1) == pytest.approx(0.003)  # the nearest measured depth's ratio
+    assert auto.seconds(2, 1) == pytest.approx(0.002)  # the draft part, in proportion
+    assert auto.seconds(0, 1) == pytest.approx(0.001)  # a plain round has none
+    auto._timed = False  # (each observation here stands for a step of its own)
+    row.observe(2, 1, 2, 0.0025)  # two depths measured: a line through them
+    assert auto.seconds(3, 1) == pytest.approx(0.001 + 0.00175)
+    auto._timed = False
+    row.observe(0, 0, 0, 0.0015)  # a plain round 1.5x its forward: the target part rises
+    assert auto.seconds(0, 1) == pytest.approx(0.0011)  # running: 1 + 0.2 (1.5 - 1)
     assert conditional_acceptance([0.8, 0.4, float("nan")]) == pytest.approx([0.8, 0.5])
 
 
@@ -71,7 +103,7 @@ def schedule(monkeypatch):
         b = min(next(cycle), self.max_depth, limit if limit is not None else self.max_depth)
         self.chosen.append(b)
         return b
-    monkeypatch.setattr(AutoBudget, "choose", choose)
+    monkeypatch.setattr(RowBudget, "choose", choose)
 
 
 @pytest.mark.parametrize("method,knobs", [

@@ -476,14 +476,14 @@ def test_an_auto_budget_with_plain_rounds_between_keeps_the_targets_output(
     committed since its last tree: alone and batched, greedy output stays the target's."""
     import itertools
 
-    from speclab.decoding.budget import AutoBudget
+    from speclab.decoding.budget import RowBudget
 
     def choose(self, limit=None):
         cycle = self.__dict__.setdefault("_cycle", itertools.cycle([0, 4, 0, 0, 2, 1]))
         b = min(next(cycle), limit if limit is not None else 4)
         self.chosen.append(b)
         return b
-    monkeypatch.setattr(AutoBudget, "choose", choose)
+    monkeypatch.setattr(RowBudget, "choose", choose)
     monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
     folder = str(save_eagle(trained[0], tmp_path / "e"))
     dec = Decoder.from_pretrained(tiny_pair["target"])

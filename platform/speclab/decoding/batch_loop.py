@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field, replace
 
 from speclab.decoding.budget import AutoBudget
@@ -100,13 +100,12 @@ def generate_batch(
     batch_size: int,
     eos_token_id: int | Iterable[int] | None = None,
     prefill_top_k: int = 0,
-    policy: Callable[[Callable[[], int]], AutoBudget] | None = None,
+    policy: AutoBudget | None = None,
 ) -> tuple[list[list[int]], list[GenerationStats], BatchStats]:
     """Decode ``rows`` with at most ``batch_size`` of them at once (``draft`` None: plain
     decoding; ``prefill_top_k``: top prefill tokens per prompt position the drafter
-    reads; ``policy``: makes each row's ``auto`` budget given a function that says how
-    many rows are in the batch now). Returns per row its new tokens and stats (in order)
-    and the batch's figures."""
+    reads; ``policy``: the ``auto`` budget deciding each step's depth for every row).
+    Returns per row its new tokens and stats (in order) and the batch's figures."""
     check_max_new_tokens(max_new_tokens)
     if isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
@@ -118,15 +117,11 @@ def generate_batch(
     batch = BatchStats(rows=len(rows))
     forwards0 = target.runner.calls
     draft0 = draft.calls if draft is not None else 0
-
-    def batch_rows() -> int:
-        return len(live)
-
     while waiting or live:
         for _ in range(min(batch_size - len(live), len(waiting))):
             i, row = waiting.popleft()
             stats = GenerationStats()
-            mine = policy(batch_rows) if policy is not None and draft is not None else None
+            mine = policy.row() if policy is not None and draft is not None else None
             x = _Live(i, row, rounds(row.prompt_ids, max_new_tokens, eos, stats,
                                      draft is not None, mine), stats)
             x.answer(None)
@@ -155,6 +150,8 @@ def generate_batch(
         # 2. verify: every row's tree in ONE target forward
         verifying = [x for x in live if isinstance(x.msg, Verify)]
         results = target.verify([(x.row.rid, x.msg.tree) for x in verifying])
+        if policy is not None:  # the rows' next rounds share one new decision
+            policy.next_step()
         for x, v in zip(verifying, results, strict=True):
             if isinstance(v, Exception):  # offline, one row's error ends the run (as alone)
                 raise v

@@ -1,36 +1,46 @@
-"""The ``auto`` draft budget: before each round, the draft depth that maximises expected
-committed tokens per second (0: plain decoding), from measured forward costs and the
-request's running per-position acceptance.
+"""The ``auto`` draft budget: before each batch step, the draft depth that maximises
+expected committed tokens per second (0: plain decoding), from measured forward costs
+and each sequence's running per-position acceptance.
 
-One :class:`AutoBudget` per sequence (a row of the batched engine, a Serve request). The
-loop (:func:`speclab.decoding.loop.rounds`) asks :meth:`AutoBudget.choose` for the
-round's budget in levels (a chain's gamma, a tree's depth: the drafter drafts at most that
-many levels, with its method's own width) and reports the round back with
-:meth:`AutoBudget.observe`. The choice uses only past rounds, so it never changes what is
-decoded: at temperature 0 the output is plain decoding's, and when sampling each round's
-rule is exact for whatever budget it was given.
+ONE :class:`AutoBudget` decides for all the sequences decoded together (the rows of the
+batched engine, the requests of a Serve replica; one sequence alone is a batch of one):
+in a batched step every row waits for the slowest, so a row that skips drafting saves
+nothing while the others draft; the step pays only when all rows decide alike. Each
+sequence holds a :class:`RowBudget` (:meth:`AutoBudget.row`); the loop
+(:func:`speclab.decoding.loop.rounds`) asks it for the round's budget in levels (a
+chain's gamma, a tree's depth: the drafter drafts at most that many levels, with its
+method's own width) and reports the round back. A decision holds until a round ends
+(in lockstep: one decision per step). The choice uses only past rounds, so it never
+changes what is decoded: at temperature 0 the output is plain decoding's, and when
+sampling each round's rule is exact for whatever budget it was given.
 
-The model of a round of depth ``d`` at ``rows`` rows:
+The model of a step of depth ``d`` over the ``R`` live rows:
 
-* expected committed tokens ``E(d) = 1 + sum_{k<=d} prod_{j<=k} q_j``, with ``q_j`` the
-  conditional acceptance at draft position ``j`` (given ``j-1`` accepted), counted per
-  sequence with a decay (recent rounds weigh more) on top of a prior (the drafter's
-  measured acceptance, weight :attr:`AutoBudget.prior_weight` rounds);
-* seconds ``T(d) = (target(rows, 1 + w d) + d draft(rows, w)) * ratio(d)``: the
-  calibrated cost curves (:mod:`speclab.calibration`; ``draft`` only for a draft model,
-  0 for model-free drafters), ``w`` the running number of draft nodes per level (1 for
-  chains), and ``ratio(d)`` the running ratio of the rounds' wall time at depth ``d``
-  (or the nearest depth measured) to those modelled forwards: what the curves do not
-  see (a drafter's own network, tree building, the rule, Python) scales with them;
-* ``T(0) = target(rows, 1) * ratio(0)``, ``E(0) = 1``.
+* expected committed tokens ``sum_rows E_r(d)``, ``E_r(d) = 1 + sum_{k<=d} prod_{j<=k}
+  q_{r,j}``, with ``q_{r,j}`` row ``r``'s conditional acceptance at draft position ``j``
+  (given ``j-1`` accepted), counted with a decay (recent rounds weigh more) on top of a
+  prior (the drafter's measured acceptance, weight :attr:`AutoBudget.prior_weight`
+  rounds);
+* seconds ``T(d) = target(R, 1 + n(d)) * r0 + D(d)``: the target's calibrated cost curve
+  (:mod:`speclab.calibration`) over the root and ``n(d)`` draft tokens per row (the
+  running count at that depth, else ``w d`` with ``w`` the running nodes per level),
+  times ``r0``, the running ratio of a plain step's wall time to its forward (the rule,
+  the commit, the loop); and ``D(d)``, the draft part: the running wall time a step of
+  depth ``d`` took beyond its target part (the draft model or network, tree building),
+  for depths not measured a line through those measured, before any the draft model's
+  curve times ``d`` (0 for model-free drafters);
+* ``T(0) = target(R, 1) * r0``, ``E_r(0) = 1``.
 
-``choose`` returns ``argmax_d E(d) / T(d)``. A sequence that chose 0 for
-:attr:`AutoBudget.probe_every` rounds in a row drafts once at the best positive depth, so
-its acceptance estimate stays current. Pure Python: no Ray, no MLflow, no tensors.
+The decision is ``argmax_d sum_rows E_r(d) / T(d)``. The first
+:attr:`AutoBudget.warmup` decisions draft at the method's own length (measuring it);
+after :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best
+positive depth, so the acceptance estimates stay current. Pure Python: no Ray, no
+MLflow, no tensors.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -48,123 +58,236 @@ class RoundCosts:
 
 
 @dataclass
+class _Acceptance:
+    """One row's decayed counts per draft position: rounds that judged it, and that
+    accepted it."""
+
+    judged: list[float]
+    hits: list[float]
+
+
+@dataclass
 class AutoBudget:
-    """One sequence's budget controller (see the module docstring).
+    """The budget controller of sequences decoded together (see the module docstring).
 
     ``max_depth``: the method's own draft length (``MethodSpec.draft_length()``);
     ``prior``: conditional acceptance per position ``q_1..q_n`` (shorter: its last value
-    repeats; empty: 0.5); ``rows``: the current batch size (a callable: the batched
-    engine and Serve change it as rows come and go)."""
+    repeats; empty: 0.5)."""
 
     costs: RoundCosts
     max_depth: int
     prior: Sequence[float] = ()
-    rows: Callable[[], int] = lambda: 1
     prior_weight: float = 4.0
     decay: float = 0.97
     probe_every: int = 16
-    #: per position k (index k-1): decayed counts of rounds that judged / accepted it
-    judged: list[float] = field(default_factory=list)
-    hits: list[float] = field(default_factory=list)
-    width: float = 1.0  # draft nodes per level
-    #: per depth: running ratio of the rounds' wall seconds to the modelled forwards
-    ratio: dict[int, float] = field(default_factory=dict)
-    #: per depth: running number of draft tokens a round of that budget proposed
-    nodes: dict[int, float] = field(default_factory=dict)
-    #: the first rounds draft at the method's own length (measuring it)
     warmup: int = 2
-    chosen: list[int] = field(default_factory=list)  # every round's budget
+    width: float = 1.0  # draft nodes per level (per row)
+    #: running ratio of a plain step's wall seconds to its target forward's curve
+    plain_ratio: float = 1.0
+    #: per depth: running seconds of a step beyond its target forward (the draft part)
+    draft_part: dict[int, float] = field(default_factory=dict)
+    #: per depth: running number of draft tokens a row's round of that budget proposed
+    nodes: dict[int, float] = field(default_factory=dict)
+    decisions: list[int] = field(default_factory=list)  # every step's depth
+    _rows: dict[int, _Acceptance] = field(default_factory=dict)
+    #: the counts of the rows that ended (decayed as they are added): every later row's
+    #: prior, so what earlier requests measured carries over
+    _ended: _Acceptance | None = None
+    _keys: itertools.count = field(default_factory=itertools.count)
+    #: a driver marks its batch steps (:meth:`next_step`): one decision per step; else a
+    #: decision per round (one sequence alone)
+    driven: bool = False
+    _decision: int | None = None
+    _step: int = 0
+    _decided_at: int = -1
+    _observed: bool = False  # a round ended since the last decision
+    _timed: bool = False  # the current decision's step time is in already
     _plain_run: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_depth, bool) or self.max_depth < 1:
             raise ValueError(f"budget: auto needs a method with a draft length >= 1, got "
                              f"{self.max_depth}")
-        self.judged = [0.0] * self.max_depth
-        self.hits = [0.0] * self.max_depth
 
-    def q(self, k: int) -> float:
-        """Estimated acceptance at position ``k`` (1-based) given ``k - 1`` accepted."""
+    # ------------------------------------------------------------------ rows
+    def row(self) -> RowBudget:
+        """A new sequence's handle (its own acceptance; the shared decision)."""
+        key = next(self._keys)
+        self._rows[key] = _Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
+        return RowBudget(self, key)
+
+    def q(self, k: int, key: int | None = None) -> float:
+        """Estimated acceptance at position ``k`` (1-based) given ``k - 1`` accepted, of
+        row ``key`` (None: the prior alone). The prior is ``prior`` updated by the rows
+        that ended."""
         prior = self.prior[min(k, len(self.prior)) - 1] if self.prior else 0.5
         w = self.prior_weight
-        return (self.hits[k - 1] + w * prior) / (self.judged[k - 1] + w)
+        if self._ended is not None:
+            prior = (self._ended.hits[k - 1] + w * prior) / (self._ended.judged[k - 1] + w)
+        acc = self._rows.get(key) if key is not None else None
+        if acc is None:
+            return prior
+        return (acc.hits[k - 1] + w * prior) / (acc.judged[k - 1] + w)
 
-    def expected_tokens(self, depth: int) -> float:
-        """``E(depth)``: expected tokens a round of that depth commits."""
+    def expected_tokens(self, depth: int, key: int | None = None) -> float:
+        """``E(depth)``: expected tokens a round of that depth commits for row ``key``."""
         total, p = 1.0, 1.0
         for k in range(1, depth + 1):
-            p *= self.q(k)
+            p *= self.q(k, key)
             total += p
         return total
 
-    def modelled(self, depth: int, rows: int, nodes: float | None = None) -> float:
-        """Seconds of a round's forwards at ``depth`` on the calibrated curves: the
-        target over the root and ``nodes`` draft tokens (default: ``width * depth``) and
-        ``depth`` forwards of the draft model (when it has a curve)."""
-        if depth == 0:
-            return self.costs.target(rows, 1)
+    # ------------------------------------------------------------------ time
+    def verify_s(self, depth: int, rows: int, nodes: float | None = None) -> float:
+        """Seconds of the step's target part: the curve's forward over the root and
+        ``nodes`` draft tokens per row (default: the running count at that depth, else
+        ``width * depth``), times the running plain-step ratio."""
         if nodes is None:
             nodes = self.nodes.get(depth, self.width * depth)
-        n = round(nodes)
-        level = 0.0 if self.costs.draft is None else \
-            self.costs.draft(rows, max(round(self.width), 1))
-        return self.costs.target(rows, 1 + n) + depth * level
+        return self.costs.target(rows, 1 + round(nodes)) * self.plain_ratio
+
+    def draft_s(self, depth: int, rows: int) -> float:
+        """Seconds of the step's draft part at ``depth``: measured at that depth, else a
+        line through the depths measured (one measured depth: proportional to depth),
+        else ``depth`` forwards of the draft model's curve (0 for drafters without one).
+        0 at depth 0."""
+        if depth == 0:
+            return 0.0
+        if depth in self.draft_part:
+            return self.draft_part[depth]
+        pts = sorted(self.draft_part.items())
+        if len(pts) >= 2:
+            n = len(pts)
+            mx = sum(d for d, _ in pts) / n
+            my = sum(v for _, v in pts) / n
+            var = sum((d - mx) ** 2 for d, _ in pts)
+            slope = sum((d - mx) * (v - my) for d, v in pts) / var if var else 0.0
+            return max(my + max(slope, 0.0) * (depth - mx), 0.0)
+        if pts:
+            d1, v1 = pts[0]
+            return v1 * depth / d1
+        if self.costs.draft is None:
+            return 0.0
+        return depth * self.costs.draft(rows, max(round(self.width), 1))
 
     def seconds(self, depth: int, rows: int) -> float:
-        """``T(depth)`` at ``rows`` rows: the modelled forwards times the running ratio
-        of wall to modelled time measured at that depth (or the nearest measured one;
-        1 before any)."""
-        if not self.ratio:
-            r = 1.0
-        elif depth in self.ratio:
-            r = self.ratio[depth]
-        else:
-            near = min(self.ratio, key=lambda d: (abs(d - depth), d == 0))
-            r = self.ratio[near]
-        return self.modelled(depth, rows) * r
+        """``T(depth)`` of a step of ``rows`` rows: the target part plus the draft part."""
+        return self.verify_s(depth, rows) + self.draft_s(depth, rows)
 
+    # ------------------------------------------------------------------ the decision
     def rates(self, limit: int | None = None) -> list[float]:
-        """Expected committed tokens per second for each depth ``0..max`` (``limit``: the
-        most levels this round may draft)."""
+        """Expected committed tokens per second of a step at each depth ``0..max`` over
+        the live rows (``limit``: the most levels it may draft)."""
         top = self.max_depth if limit is None else max(min(self.max_depth, limit), 0)
-        rows = max(int(self.rows()), 1)
-        return [self.expected_tokens(d) / max(self.seconds(d, rows), 1e-12)
-                for d in range(top + 1)]
+        keys = list(self._rows) or [None]
+        return [sum(self.expected_tokens(d, k) for k in keys)
+                / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
 
-    def choose(self, limit: int | None = None) -> int:
-        """The round's budget in levels (0: plain decoding), at most ``limit``."""
-        rates = self.rates(limit)
+    def decide(self) -> int:
+        """The step's depth (0: plain decoding): warm-up, the best rate, or a probe."""
+        rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
-        if len(self.chosen) < self.warmup:
-            best = len(rates) - 1
-        if best == 0 and len(rates) > 1:
+        if len(self.decisions) < self.warmup:
+            best = self.max_depth
+        if best == 0:
             self._plain_run += 1
             if self._plain_run >= self.probe_every:
                 best = max(range(1, len(rates)), key=rates.__getitem__)
         if best > 0:
             self._plain_run = 0
-        self.chosen.append(best)
+        self.decisions.append(best)
+        self._timed = False
         return best
 
-    def observe(self, budget: int, accepted: int, drafted: int, seconds: float) -> None:
-        """A round ended: its ``budget`` (levels it could draft; 0: plain), draft tokens
-        ``accepted`` and ``drafted``, and its wall ``seconds``. Every position up to the
-        budget counts as judged (a drafter that proposed fewer tokens, or none, lost
-        them), so ``E(d)`` is what a budget of ``d`` commits with this drafter."""
-        rows = max(int(self.rows()), 1)
-        if budget > 0:
+    def next_step(self) -> None:
+        """A driver's batch step ended: the rows' next rounds get a new decision (the
+        first row to ask makes it, the others share it)."""
+        self.driven = True
+        self._step += 1
+
+    def current(self) -> int:
+        """The decision in force: a new one per step of a driver (:meth:`next_step`),
+        else once a round ended since the last."""
+        stale = self._step != self._decided_at if self.driven else self._observed
+        if self._decision is None or stale:
+            self._decision = self.decide()
+            self._decided_at, self._observed = self._step, False
+        return self._decision
+
+    def observe(self, key: int, budget: int, accepted: int, drafted: int,
+                seconds: float) -> None:
+        """Row ``key``'s round ended: its ``budget`` (levels it could draft; 0: plain),
+        draft tokens ``accepted`` and ``drafted``, and its wall ``seconds`` (the step's).
+        Every position up to the budget counts as judged (a drafter that proposed fewer
+        tokens, or none, lost them), so ``E(d)`` is what a budget of ``d`` commits. The
+        step's time counts once per decision (the first row to report it)."""
+        acc = self._rows.get(key)
+        if acc is not None and budget > 0:
             for k in range(1, self.max_depth + 1):
-                self.judged[k - 1] *= self.decay
-                self.hits[k - 1] *= self.decay
+                acc.judged[k - 1] *= self.decay
+                acc.hits[k - 1] *= self.decay
                 if k <= budget and accepted >= k - 1:
-                    self.judged[k - 1] += 1.0
-                    self.hits[k - 1] += float(accepted >= k)
+                    acc.judged[k - 1] += 1.0
+                    acc.hits[k - 1] += float(accepted >= k)
             self.width += 0.2 * (drafted / budget - self.width)
             old = self.nodes.get(budget)
             self.nodes[budget] = drafted if old is None else old + 0.2 * (drafted - old)
-        r = seconds / max(self.modelled(budget, rows, drafted if budget else None), 1e-12)
-        old = self.ratio.get(budget)
-        self.ratio[budget] = r if old is None else old + 0.2 * (r - old)
+        if not self._timed and (budget == self._decision or self._decision is None):
+            self._timed = True
+            rows = max(len(self._rows), 1)
+            if budget <= 0:
+                r = seconds / max(self.costs.target(rows, 1), 1e-12)
+                self.plain_ratio += 0.2 * (r - self.plain_ratio)
+            else:
+                part = max(seconds - self.verify_s(budget, rows, drafted), 0.0)
+                old = self.draft_part.get(budget)
+                self.draft_part[budget] = part if old is None else old + 0.2 * (part - old)
+        self._observed = True
+
+    def end(self, key: int) -> None:
+        """Row ``key`` left: its counts join those of the rows that ended (the prior of
+        the rows to come) and no longer count in the decisions."""
+        acc = self._rows.pop(key, None)
+        if acc is None:
+            return
+        if self._ended is None:
+            self._ended = _Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
+        for k in range(self.max_depth):  # decayed: the last requests weigh most
+            self._ended.judged[k] = self.decay * self._ended.judged[k] + acc.judged[k]
+            self._ended.hits[k] = self.decay * self._ended.hits[k] + acc.hits[k]
+
+
+@dataclass
+class RowBudget:
+    """One sequence's view of an :class:`AutoBudget`: what the loop calls."""
+
+    shared: AutoBudget
+    key: int
+    chosen: list[int] = field(default_factory=list)  # this sequence's budgets
+
+    @property
+    def max_depth(self) -> int:
+        return self.shared.max_depth
+
+    def choose(self, limit: int | None = None) -> int:
+        """The round's budget in levels (0: plain decoding), at most ``limit``."""
+        b = self.shared.current()
+        if limit is not None:
+            b = max(min(b, limit), 0)
+        self.chosen.append(b)
+        return b
+
+    def observe(self, budget: int, accepted: int, drafted: int, seconds: float) -> None:
+        """The round ended (see :meth:`AutoBudget.observe`)."""
+        self.shared.observe(self.key, budget, accepted, drafted, seconds)
+
+    def q(self, k: int) -> float:
+        """This sequence's estimated acceptance at position ``k``."""
+        return self.shared.q(k, self.key)
+
+    def close(self) -> None:
+        """The sequence ended."""
+        self.shared.end(self.key)
 
 
 def conditional_acceptance(at_least: Sequence[float]) -> list[float]:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from speclab.decoding.budget import AutoBudget
+from speclab.decoding.budget import RowBudget
 from speclab.decoding.drafting import Drafter, DraftTraits
 from speclab.decoding.rules import RuleSpec, resolve_rule
 from speclab.decoding.runner import ModelRunner
@@ -193,7 +193,7 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
 
 
 def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: GenerationStats,
-           drafting: bool, policy: AutoBudget | None = None
+           drafting: bool, policy: RowBudget | None = None
            ) -> Generator[Message, object, list[int]]:
     """The loop. Yields requests to the sides and receives their answers (``Start`` ->
     None, ``Propose`` -> :class:`Proposal`, ``Verify`` -> :class:`VerifyResult`,
@@ -207,43 +207,48 @@ def rounds(prompt_ids: list[int], max_new_tokens: int, eos: set[int], stats: Gen
     yield Start(list(prompt_ids))
     stats.prefill_s = time.perf_counter() - t_start
     path, new, feats, done = None, [], None, False
-    while not done:
-        # 1. draft: a tree rooted at the last committed token (none for the last token)
-        t0 = time.perf_counter()
-        budget = max_new_tokens - len(out) - 1
-        if drafting and budget > 0 and policy is not None:
-            budget = policy.choose(budget)
-        tree = None
-        if drafting and budget > 0:
-            proposal = yield Propose(path, new, budget, feats)
-            tree, stats.draft_calls = proposal.tree, proposal.draft_calls
-        t1 = time.perf_counter()
-        # 2. verify: one target forward over every node, the rule, the cache pruned
-        v = yield Verify(tree)
-        t2 = time.perf_counter()
-        if policy is not None and drafting:
-            policy.observe(budget if tree is not None else 0, v.accepted, v.drafted, t2 - t0)
-        # 3. commit (the draft side learns the accepted path with the next Propose; after
-        # a round without a tree it learns the tokens since its last one)
-        if tree is not None or path is None or not drafting:
-            path, new, feats = v.path, v.new, v.features
-        else:
-            new = new + v.new
-            feats = None if feats is None else torch.cat([feats, v.features])
-        n0 = len(out)
-        done = commit_tokens(out, v.new, max_new_tokens, eos)
-        # 4. stats
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-        # committed = tokens this round really kept (none past EOS or the limit)
-        stats.add_round(v.drafted, v.accepted, v.evaluated, len(out) - n0)
-        stats.round_accepted.append(v.accepted)
-        stats.round_reach.append(budget if tree is not None else 0)
-        stats.round_drafted.append(v.drafted)
-        stats.new_tokens = len(out)
-        stats.wall_s = time.perf_counter() - t_start
-        kept = len(out) - n0
-        yield Committed(out[n0:], done, None if v.logprobs is None else v.logprobs[:kept])
+    try:
+        while not done:
+            # 1. draft: a tree rooted at the last committed token (none for the last token)
+            t0 = time.perf_counter()
+            budget = max_new_tokens - len(out) - 1
+            if drafting and budget > 0 and policy is not None:
+                budget = policy.choose(budget)
+            tree = None
+            if drafting and budget > 0:
+                proposal = yield Propose(path, new, budget, feats)
+                tree, stats.draft_calls = proposal.tree, proposal.draft_calls
+            t1 = time.perf_counter()
+            # 2. verify: one target forward over every node, the rule, the cache pruned
+            v = yield Verify(tree)
+            t2 = time.perf_counter()
+            if policy is not None and drafting:
+                policy.observe(budget if tree is not None else 0, v.accepted, v.drafted,
+                               t2 - t0)
+            # 3. commit (the draft side learns the accepted path with the next Propose; after
+            # a round without a tree it learns the tokens since its last one)
+            if tree is not None or path is None or not drafting:
+                path, new, feats = v.path, v.new, v.features
+            else:
+                new = new + v.new
+                feats = None if feats is None else torch.cat([feats, v.features])
+            n0 = len(out)
+            done = commit_tokens(out, v.new, max_new_tokens, eos)
+            # 4. stats
+            stats.draft_s += t1 - t0
+            stats.verify_s += t2 - t1
+            # committed = tokens this round really kept (none past EOS or the limit)
+            stats.add_round(v.drafted, v.accepted, v.evaluated, len(out) - n0)
+            stats.round_accepted.append(v.accepted)
+            stats.round_reach.append(budget if tree is not None else 0)
+            stats.round_drafted.append(v.drafted)
+            stats.new_tokens = len(out)
+            stats.wall_s = time.perf_counter() - t_start
+            kept = len(out) - n0
+            yield Committed(out[n0:], done, None if v.logprobs is None else v.logprobs[:kept])
+    finally:
+        if policy is not None:  # the sequence ended (or was closed early)
+            policy.close()
     return out
 
 
@@ -278,7 +283,7 @@ def generate_tokens(
     eos_token_id: int | Iterable[int] | None = None,
     generator: torch.Generator | None = None,
     traits: DraftTraits | None = None,
-    policy: AutoBudget | None = None,
+    policy: RowBudget | None = None,
 ) -> tuple[list[int], GenerationStats]:
     """Decode one sequence in process (``drafter`` None: plain decoding; ``traits``: what
     its method reads from the target, ``MethodSpec.traits()``; ``generator``: the
