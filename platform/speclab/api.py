@@ -124,6 +124,7 @@ class Decoder:
         self._live_rows: Callable[[], list[str]] = list
         self._calibration: Calibration | None = None  # the `auto` budget's cost curves
         self.acceptance: dict[str, list[float]] = {}  # method -> measured q_k (auto's prior)
+        self._budgets: dict[tuple, dict] = {}  # (method, engine, rows) -> AutoBudget.state()
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -223,9 +224,11 @@ class Decoder:
         rule = request_rule(verify, verify_params, params, traits.rule)
         generator = seeded(seed)  # the sequence's one rng: its drafter's and its rule's
         drafter = build_drafter(cfg, self._context(self.draft, params, generator))
-        policy = self.auto_budget(cfg, batched=False).row() if auto and drafter else None
+        shared = self.auto_budget(cfg, batched=False) if auto and drafter else None
         tokens, stats = generate_tokens(self.target, drafter, ids, max_new_tokens, params, rule,
-                                        self.eos_token_id, generator, traits, policy)
+                                        self.eos_token_id, generator, traits,
+                                        shared.row() if shared is not None else None)
+        self._learned(cfg, False, 1, shared)
         self._measured(cfg, [stats])
         return GenerationResult(tokens, self.decode(tokens), stats)
 
@@ -240,15 +243,24 @@ class Decoder:
         return cal
 
     def auto_budget(self, cfg: MethodSpec, batched: bool, rows: int = 1) -> AutoBudget:
-        """The ``auto`` budget of one generate with method ``cfg`` (its prior: the
-        acceptance this Decoder last measured for the method; each sequence takes a
-        :meth:`~speclab.decoding.budget.AutoBudget.row`)."""
+        """The ``auto`` budget of one generate with method ``cfg`` (each sequence takes a
+        :meth:`~speclab.decoding.budget.AutoBudget.row`): resumed from what the last one
+        of the same method, engine and batch learned, else with the acceptance this
+        Decoder last measured for the method as prior."""
         depth = cfg.draft_length()
         if not depth:
             raise ValueError(f"budget: auto needs a method with a known draft length; "
                              f"{cfg.name!r} does not say its own")
         costs = self.calibration(rows if batched else 1).round_costs(batched)
-        return AutoBudget(costs, depth, list(self.acceptance.get(cfg.label or cfg.name, ())))
+        budget = AutoBudget(costs, depth, list(self.acceptance.get(cfg.label or cfg.name, ())))
+        state = self._budgets.get((cfg.label or cfg.name, batched, rows))
+        return budget.resume(state) if state is not None else budget
+
+    def _learned(self, cfg: MethodSpec, batched: bool, rows: int,
+                 budget: AutoBudget | None) -> None:
+        """Keep what an ``auto`` budget learned for the next generate like it."""
+        if budget is not None:
+            self._budgets[(cfg.label or cfg.name, batched, rows)] = budget.state()
 
     def _measured(self, cfg: MethodSpec, stats: list[GenerationStats]) -> None:
         """Remember a drafting method's per-position acceptance (the next ``auto``
@@ -369,6 +381,7 @@ class Decoder:
             outs, stats, batch = generate_batch(
                 target, draft, new_rows(prompts, params, rule, seed), max_new_tokens,
                 batch_size, self.eos_token_id, traits.prefill_top_k, policy)
+            self._learned(cfg, True, rows, policy)
             self.last_warmup_s = exclude_warmups(self._warmups, batch, stats)
         finally:
             self._warmups, self._live_rows = None, list

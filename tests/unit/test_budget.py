@@ -216,3 +216,21 @@ def test_bench_auto_needs_the_batch_sweep(capsys):
 
     assert main(["bench", "--auto"]) == 2
     assert "auto: only with --batch-sizes" in capsys.readouterr().err
+
+
+def test_a_budget_resumes_what_the_last_one_learned(tiny_pair, tmp_path, monkeypatch):
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.5])
+    row = auto.row()
+    row.choose()
+    row.observe(4, 4, 4, 0.003)
+    row.close()
+    again = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.5]).resume(auto.state())
+    assert again.warmup == 0 and again.draft_part == {4: pytest.approx(0.002)}
+    assert again.q(1) > 0.5  # the ended row's acceptance is the new prior
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    for _ in range(2):
+        dec.generate(prompts=[PROMPT, [7, 8]], method="chain", gamma=3, max_new_tokens=16,
+                     budget="auto")
+    assert ("chain", True, 2) in dec._budgets
+    assert dec.auto_budget(dec.method_config("chain", {"gamma": 3}), True, 2).warmup == 0

@@ -244,6 +244,24 @@ class AutoBudget:
                 self.draft_part[budget] = part if old is None else old + 0.2 * (part - old)
         self._observed = True
 
+    def state(self) -> dict:
+        """What this budget learned: its time model and the acceptance of the rows that
+        ended. A later budget of the same method and batch resumes from it
+        (:meth:`resume`): a short generate then starts where the last one stopped."""
+        ended = self._ended
+        return {"plain_ratio": self.plain_ratio, "draft_part": dict(self.draft_part),
+                "nodes": dict(self.nodes), "width": self.width,
+                "ended": None if ended is None else [list(ended.judged), list(ended.hits)]}
+
+    def resume(self, state: dict) -> AutoBudget:
+        """Start from another budget's :meth:`state` (no warm-up: it measured already)."""
+        self.plain_ratio, self.width = state["plain_ratio"], state["width"]
+        self.draft_part, self.nodes = dict(state["draft_part"]), dict(state["nodes"])
+        if state.get("ended") is not None:
+            self._ended = _Acceptance(*(list(v) for v in state["ended"]))
+        self.warmup = 0
+        return self
+
     def end(self, key: int) -> None:
         """Row ``key`` left: its counts join those of the rows that ended (the prior of
         the rows to come) and no longer count in the decisions."""
