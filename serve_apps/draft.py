@@ -367,6 +367,7 @@ class DraftDeployment(RequestStates):
             self.active -= 1
             if policy is not None:
                 self._auto.discard(rid)
+                policy.close()  # (the loop closes it too; not if it never started)
                 for levels in policy.chosen:
                     self.metrics.budget(levels)
             self.sessions.end(rid)
