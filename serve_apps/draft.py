@@ -124,6 +124,7 @@ class DraftDeployment(RequestStates):
         torch.set_num_threads(torch_threads)
         self.max_batch = max_batch
         self._budget: AutoBudget | None = None  # the auto requests' (on the first one)
+        self._budget_lock = asyncio.Lock()  # concurrent first requests build it once
         self._auto: set[str] = set()  # requests decoding with an auto budget
         for module in plugins or []:
             importlib.import_module(module)
@@ -385,16 +386,21 @@ class DraftDeployment(RequestStates):
         if not depth:
             raise ValueError(f"budget: auto needs a method with a known draft length; "
                              f"{self.method!r} does not say its own")
-        if self._budget is None:
-            from speclab.calibration import Calibration, model_calibration
-
-            rows = min(self.max_batch, 16)
-            target = Calibration.from_dict(await self.target.calibration.remote(key, rows))
-            draft = model_calibration(self.model, rows) if self.model is not None else None
-            costs = RoundCosts(target.round_costs(batched=True).target,
-                               draft.round_costs(batched=True).target if draft else None)
-            self._budget = AutoBudget(costs, depth, driven=True)
+        async with self._budget_lock:
+            if self._budget is None:
+                await self._new_budget(key, depth)
         return self._budget
+
+    async def _new_budget(self, key: str, depth: int) -> None:
+        """Build this replica's auto budget (see :meth:`_auto_budget`)."""
+        from speclab.calibration import Calibration, model_calibration
+
+        rows = min(self.max_batch, 16)
+        target = Calibration.from_dict(await self.target.calibration.remote(key, rows))
+        draft = model_calibration(self.model, rows) if self.model is not None else None
+        costs = RoundCosts(target.round_costs(batched=True).target,
+                           draft.round_costs(batched=True).target if draft else None)
+        self._budget = AutoBudget(costs, depth, driven=True)
 
     async def _call(self, key: str, op: str, *args) -> object:
         """``op(key, *args)`` on the target replica of ``key``: over its same-node channel

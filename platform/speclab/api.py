@@ -124,7 +124,8 @@ class Decoder:
         self._live_rows: Callable[[], list[str]] = list
         self._calibration: Calibration | None = None  # the `auto` budget's cost curves
         self.acceptance: dict[str, list[float]] = {}  # method -> measured q_k (auto's prior)
-        self._budgets: dict[tuple, dict] = {}  # (method, engine, rows) -> AutoBudget.state()
+        # (method, its draft length, engine, rows) -> AutoBudget.state()
+        self._budgets: dict[tuple, dict] = {}
         eos = target.generation_config.eos_token_id if target.generation_config else None
         self.eos_token_id = eos if eos is not None else target.config.eos_token_id
 
@@ -253,14 +254,15 @@ class Decoder:
                              f"{cfg.name!r} does not say its own")
         costs = self.calibration(rows if batched else 1).round_costs(batched)
         budget = AutoBudget(costs, depth, list(self.acceptance.get(cfg.label or cfg.name, ())))
-        state = self._budgets.get((cfg.label or cfg.name, batched, rows))
+        state = self._budgets.get((cfg.label or cfg.name, depth, batched, rows))
         return budget.resume(state) if state is not None else budget
 
     def _learned(self, cfg: MethodSpec, batched: bool, rows: int,
                  budget: AutoBudget | None) -> None:
         """Keep what an ``auto`` budget learned for the next generate like it."""
         if budget is not None:
-            self._budgets[(cfg.label or cfg.name, batched, rows)] = budget.state()
+            key = (cfg.label or cfg.name, budget.max_depth, batched, rows)
+            self._budgets[key] = budget.state()
 
     def _measured(self, cfg: MethodSpec, stats: list[GenerationStats]) -> None:
         """Remember a drafting method's per-position acceptance (the next ``auto``

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,7 +151,7 @@ def calibrate(dec, max_rows: int = 1, context: int = DEFAULT_CONTEXT,
     if save:
         path = calibration_path(cal.key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.{time.monotonic_ns()}.tmp")  # per writer
         tmp.write_text(json.dumps(cal.to_dict(), indent=1))
         tmp.replace(path)
     return cal

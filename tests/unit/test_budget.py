@@ -232,5 +232,20 @@ def test_a_budget_resumes_what_the_last_one_learned(tiny_pair, tmp_path, monkeyp
     for _ in range(2):
         dec.generate(prompts=[PROMPT, [7, 8]], method="chain", gamma=3, max_new_tokens=16,
                      budget="auto")
-    assert ("chain", True, 2) in dec._budgets
+    assert ("chain", 3, True, 2) in dec._budgets
     assert dec.auto_budget(dec.method_config("chain", {"gamma": 3}), True, 2).warmup == 0
+
+
+def test_a_budget_of_another_draft_length_starts_afresh(tiny_pair, tmp_path, monkeypatch):
+    """What a gamma=4 budget learned is not resumed by a gamma=8 one (nor its acceptance
+    per position, which has another length)."""
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    for gamma in (4, 8, 4):
+        res = dec.generate(prompt_ids=PROMPT, method="chain", gamma=gamma,
+                           max_new_tokens=16, budget="auto")
+        assert max(res.stats.round_reach) <= gamma
+    assert {k[1] for k in dec._budgets} == {4, 8}
+    state = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4).state() | {
+        "ended": [[1.0] * 4, [1.0] * 4]}
+    assert AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 8).resume(state).q(8) == 0.5

@@ -196,6 +196,8 @@ class AutoBudget:
         if best > 0:
             self._plain_run = 0
         self.decisions.append(best)
+        if len(self.decisions) > 4096:  # a long-lived replica: keep the recent ones
+            del self.decisions[:2048]
         self._timed = False
         return best
 
@@ -257,7 +259,7 @@ class AutoBudget:
         """Start from another budget's :meth:`state` (no warm-up: it measured already)."""
         self.plain_ratio, self.width = state["plain_ratio"], state["width"]
         self.draft_part, self.nodes = dict(state["draft_part"]), dict(state["nodes"])
-        if state.get("ended") is not None:
+        if state.get("ended") is not None and len(state["ended"][0]) == self.max_depth:
             self._ended = _Acceptance(*(list(v) for v in state["ended"]))
         self.warmup = 0
         return self
