@@ -7,6 +7,8 @@ request's state is freed on both sides."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import requests
 
@@ -34,7 +36,12 @@ def test_a_colocated_app_decodes_as_the_split_one_and_the_offline_engine(tmp_pat
                                   "serve.topology=colocated", "serve.target.replicas=2",
                                   "serve.target.num_cpus=0.5"])
     try:
-        h = requests.get(url + "/health", timeout=60).json()
+        deadline = time.time() + 60  # the router learns the second replica shortly after
+        while True:
+            h = requests.get(url + "/health", timeout=60).json()
+            if len(h["target"]) == 2 or time.time() > deadline:
+                break
+            time.sleep(1)
         # the same two processes answer for both sides
         assert {st["pid"] for st in h["target"]} == {st["pid"] for st in h["draft"]}
         assert len(h["target"]) == 2
@@ -71,8 +78,6 @@ def test_an_auto_budget_through_serve_keeps_outputs_and_shows_its_choices(tmp_pa
     depth from the target replica's calibrated costs (measured there once) and the
     request's acceptance; greedy outputs stay the offline engine's, alone and batched;
     each reply lists its rounds' budgets, and Prometheus has their histogram."""
-    import time
-
     from speclab.api import Decoder
     from tests.integration.conftest import free_port
 
