@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -57,7 +58,7 @@ def widen_medusa(heads: MedusaHeads, k: int, target: torch.nn.Module,
     if int(target.config.hidden_size) != m.hidden_size * k:
         raise ValueError(f"widen_medusa: target hidden_size {target.config.hidden_size} is "
                          f"not {k} x the heads' {m.hidden_size}")
-    wide = MedusaHeads(MedusaMeta.for_target(target, name, m.heads))
+    wide = MedusaHeads(replace(MedusaMeta.for_target(target, name, m.heads), blocks=m.blocks))
     wide.w1.copy_(torch.stack([tile_linear(w, k) for w in heads.w1.float()]))
     wide.b1.copy_(heads.b1.float().repeat(1, k))
     wide.w2.copy_(heads.w2.float().repeat(1, 1, k) / k)

@@ -153,8 +153,9 @@ class MedusaConfig(MethodSpec):
         if not isinstance(heads, MedusaHeads):
             heads = ctx.cached(("medusa", heads), lambda: load_medusa(
                 registry_or_folder(self.medusa_model, "medusa_model"), dtype=ctx.dtype,
-                device=ctx.device, target_config=ctx.target_config))  # speclab's or
-            # Medusa's format, where the target's features are
+                device=ctx.device, target_config=ctx.target_config,
+                target=ctx.target_model))  # speclab's or Medusa's format (legacy
+            # "version 2" heads copy the target's LM head), where the target's features are
         if ctx.target_model is not None:  # the target's hash once per Decoder, not per call
             heads.meta.check_target(ctx.target_model, fingerprint=ctx.cached(
                 "target_fingerprint", lambda: target_fingerprint(ctx.target_model)))

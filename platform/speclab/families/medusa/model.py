@@ -14,9 +14,11 @@ the heads belong to — its name, architecture, sizes and a fingerprint of its L
 and ``K``), ``model.safetensors`` and, once calibrated, ``tree.json``: the heads'
 measured top-``r`` accuracies and the sparse tree built from them
 (:mod:`speclab.families.medusa.trees`). :func:`load_medusa` also loads Medusa's own
-format (``config.json`` with ``medusa_num_heads`` and ``medusa_lm_head.safetensors`` /
-``.pt``; :mod:`speclab.models.formats.medusa_format`), whose heads carry no target
-fingerprint (only their shapes are checked against a target).
+formats (:mod:`speclab.models.formats.medusa_format`: ``config.json`` with
+``medusa_num_heads`` and ``medusa_lm_head.safetensors`` / ``.pt``, legacy "version 2"
+heads that use the target's LM head, MEDUSA-2 models with ``medusa_head.*`` in their
+weights); MEDUSA-1 heads carry no target fingerprint (only their shapes are checked
+against a target).
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ KIND = "speclab-medusa"
 def target_fingerprint(target: nn.Module) -> str:
     """A short hash of ``target``'s LM head weights rounded to bfloat16 (the same for a
     float32 and a bfloat16 copy of one model; different after MEDUSA-2 fine-tuning)."""
-    w = target.get_output_embeddings().weight.detach().to("cpu", torch.bfloat16)
+    return weight_fingerprint(target.get_output_embeddings().weight)
+
+
+def weight_fingerprint(weight: torch.Tensor) -> str:
+    """:func:`target_fingerprint` of an LM head weight ``[V, H]`` itself (e.g. read from a
+    checkpoint file without building the model)."""
+    w = weight.detach().to("cpu", torch.bfloat16)
     return hashlib.sha1(w.contiguous().view(torch.int16).numpy().tobytes()).hexdigest()[:16]
 
 
@@ -53,6 +61,12 @@ class MedusaMeta:
     heads: int = 4
     fingerprint: str = ""
     kind: str = KIND
+    #: how many times each head applies its ONE residual block (Medusa's
+    #: ``medusa_num_layers``: its code repeats one ``ResBlock`` module; 1: speclab's heads)
+    blocks: int = 1
+    #: True: imported Medusa "version 2" heads, which use the target's LM head; ``w2[k]``
+    #: holds a copy of it (and ``fingerprint`` is that target's)
+    shared_lm_head: bool = False
 
     @classmethod
     def for_target(cls, model: nn.Module, name: str, heads: int) -> MedusaMeta:
@@ -77,14 +91,16 @@ class MedusaMeta:
         if self.fingerprint and self.fingerprint != (fingerprint or target_fingerprint(model)):
             raise ValueError(f"{field}: heads trained for target {self.target!r} (LM head "
                              f"fingerprint {self.fingerprint}); the loaded target has other "
-                             f"weights")
+                             f"weights (MEDUSA-2 heads belong to the fine-tuned model saved "
+                             f"with them: pass that model as the target)")
 
 
 class MedusaHeads(nn.Module):
     """``K`` residual heads, each with its own LM head (see the module docstring). The
     heads' weights are stacked (``w1 [K, H, H]``, ``b1 [K, H]``, ``w2 [K, V, H]``), so all
     ``K`` heads run as two batched matmuls: a round's draft costs two kernel launches,
-    not ``2K``."""
+    not ``2K``. ``meta.blocks > 1`` (imported Medusa heads with ``medusa_num_layers > 1``)
+    applies each head's residual block that many times, as Medusa's code does."""
 
     def __init__(self, meta: MedusaMeta) -> None:
         super().__init__()
@@ -108,8 +124,10 @@ class MedusaHeads(nn.Module):
         """``hidden [..., H]`` -> logits ``[K, ..., V]`` (head ``k`` at index ``k - 1``)."""
         lead = hidden.shape[:-1]
         x = hidden.reshape(1, -1, hidden.shape[-1]).to(self.w1.dtype)  # [1, N, H]
-        res = x + F.silu(torch.baddbmm(self.b1[:, None, :], x.expand(self.meta.heads, -1, -1),
-                                       self.w1.transpose(1, 2)))  # [K, N, H]
+        res = x.expand(self.meta.heads, -1, -1)  # [K, N, H]
+        for _ in range(self.meta.blocks):  # Medusa repeats one block medusa_num_layers times
+            res = res + F.silu(torch.baddbmm(self.b1[:, None, :], res,
+                                             self.w1.transpose(1, 2)))  # [K, N, H]
         logits = torch.bmm(res, self.w2.transpose(1, 2))  # [K, N, V]
         return logits.reshape(self.meta.heads, *lead, -1)
 
@@ -139,11 +157,13 @@ def is_medusa_folder(folder: str | Path) -> bool:
 def load_medusa(folder: str | Path, target: nn.Module | None = None,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                 field: str = "medusa_model", target_config=None) -> MedusaHeads:
-    """Load heads written by :func:`save_medusa` or in Medusa's own format
+    """Load heads written by :func:`save_medusa` or in Medusa's own formats
     (:func:`speclab.models.formats.detect_drafter_format`); ``model.tree``: the
     ``tree.json`` calibration, or None. With ``target`` (the loaded target model) heads
     trained for another target are a ValueError naming ``field``; ``target_config`` (the
-    target's HF config) checks a public checkpoint's shapes, naming its file."""
+    target's HF config) checks a public checkpoint's shapes, naming its file. Medusa's
+    legacy "version 2" heads (no LM head of their own) need ``target``: its LM head is
+    copied into each head."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -151,7 +171,7 @@ def load_medusa(folder: str | Path, target: nn.Module | None = None,
         from speclab.models.formats import load_public_medusa
 
         model = load_public_medusa(folder, target_config if target is None
-                                   else target.config, field)
+                                   else target.config, field, target=target)
         if target is not None:
             model.meta.check_target(target, field)
         return model.to(device=device, dtype=dtype).eval()

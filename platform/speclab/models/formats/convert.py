@@ -19,7 +19,8 @@ speculators    EAGLE-1/2 drafter (vLLM,    EAGLE-1/2 layout (no input / final no
 eagle          EAGLE-1/2 drafter (EAGLE    EAGLE-1/2 layout; EAGLE-3 as for speculators
                code) or EAGLE-3 drafter    (the EAGLE code itself reads the default
                (EAGLE-3 research layout)   layers; vLLM / SGLang read the named ones)
-medusa         Medusa heads                the target's name (base_model_name_or_path)
+medusa         Medusa heads (also          the target's name (base_model_name_or_path)
+               ``medusa_lm_head.pt``)
 speclab        any (self-contained)        for a public checkpoint without an
                                            embedding / LM head: the target
 =============  ==========================  ============================================
@@ -104,15 +105,20 @@ def load_public_eagle(folder: str | Path, target: nn.Module | str | None = None,
 
 
 def load_public_medusa(folder: str | Path, target_config=None,
-                       field: str = "medusa_model") -> MedusaHeads:
-    """The Medusa heads in ``folder`` (speclab's or Medusa's format), float32 on the CPU,
-    their shapes checked against ``target_config`` (the target's HF config) when given."""
+                       field: str = "medusa_model",
+                       target: nn.Module | str | Path | None = None) -> MedusaHeads:
+    """The Medusa heads in ``folder`` (speclab's or one of Medusa's formats, see
+    :mod:`~speclab.models.formats.medusa_format`), float32 on the CPU, their shapes
+    checked against ``target_config`` (the target's HF config) when given. ``target``
+    (the loaded target model or its folder / hub id, loaded only then): the LM head of
+    Medusa's legacy "version 2" heads, which have none of their own."""
     folder = Path(folder)
     fmt = detect_drafter_format(folder, field, "Medusa heads")
     check_kind(fmt, MEDUSA_FORMATS, folder, field, "Medusa heads")
     if fmt == SPECLAB_MEDUSA:
         return load_medusa(folder, field=field)
-    return read_medusa(folder, target_config, field)
+    return read_medusa(folder, target_config, field,
+                       lambda: target_parts(target, field), _advice(folder))
 
 
 def load_drafter(source: str | Path, target: nn.Module | str | None = None,
@@ -125,7 +131,7 @@ def load_drafter(source: str | Path, target: nn.Module | str | None = None,
     fmt = detect_drafter_format(folder, field)
     if fmt in MEDUSA_FORMATS:
         config = target.config if isinstance(target, nn.Module) else None
-        return load_public_medusa(folder, config, field)
+        return load_public_medusa(folder, config, field, target)
     return load_public_eagle(folder, target, None, field)
 
 
