@@ -6,11 +6,16 @@ export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: setup demo test test-unit lint bench gpu-report ui docs clean
 
-.venv/.installed: pyproject.toml constraints.txt
+# .venv/interop: the runtimes' own reading code the interop tests run (speculators' config
+# and model classes), pinned, without their declared dependencies (torchaudio / torchvision
+# are never imported there) and outside .venv's site-packages (the tests put it on
+# PYTHONPATH of a subprocess; speclab's optional `datasets` paths never see it)
+.venv/.installed: pyproject.toml constraints.txt tests/interop/requirements.txt
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q --no-deps --upgrade --target .venv/interop -r tests/interop/requirements.txt
 	touch $@
 
 setup: .venv/.installed

@@ -15,6 +15,8 @@
     speclab submit <job> --config ... [--address http://HEAD:8265] [k=v ...]
     speclab serve --config experiments/smoke/serve.yaml [k=v ...]   # HTTP app (Ray Serve)
     speclab ui [--port 5000]                            # MLflow UI over the same store
+    speclab export SRC --format speculators --target T --out DIR  # EAGLE-3 drafter for vLLM
+    speclab export SRC --format eagle --out DIR         # ... EAGLE layout: SGLang, EAGLE code
 
 Errors in arguments or configs print one line naming the field and exit with status 2.
 """

@@ -19,7 +19,6 @@ from speclab.api import Decoder
 from speclab.families.eagle.model import EagleMeta, EagleModel, load_eagle, save_eagle
 from speclab.families.medusa.model import MedusaHeads, MedusaMeta, load_medusa, save_medusa
 from speclab.models.formats import (
-    VLLM_READS,
     DrafterFormatError,
     check_exports,
     detect_drafter_format,
@@ -336,16 +335,18 @@ def test_eagle_export_then_import_decodes_identically(tmp_path, tiny_pair, targe
     mine = export_drafter(src, "speclab", tmp_path / "mine", target=tiny_pair["target"])
     assert detect_drafter_format(mine) == "speclab-eagle"  # self-contained: no target
     assert load_eagle(mine).meta.input_norm is False
-    spec = export_drafter(mine, "speculators", tmp_path / "spec", target=tiny_pair["target"],
-                          speculative_tokens=4)
+    # speculators dropped its EAGLE-1/2 type (0.9.0 reads eagle3, not eagle): refused
+    with pytest.raises(DrafterFormatError, match=r"--format speculators: .*no runtime reads "
+                       r"that export; write the EAGLE research layout instead \(--format eagle\)"):
+        export_drafter(mine, "speculators", tmp_path / "spec", target=tiny_pair["target"])
+    assert not (tmp_path / "spec").exists()
     back = export_drafter(mine, "eagle", tmp_path / "eagle")
-    assert detect_drafter_format(spec) == "speculators"
     assert detect_drafter_format(back) == "eagle"
     dec = Decoder.from_pretrained(tiny_pair["target"])
     knobs = {"method": "eagle", "depth": 3, "nodes": 6, "tree_top_k": 2}
     base = _rounds(dec, eagle_model=str(mine), **knobs)
     assert any(max(lengths) > 1 for _, lengths in base)  # some drafts are accepted
-    for folder in (src, spec, back):
+    for folder in (src, back):
         assert _rounds(dec, eagle_model=str(folder), **knobs) == base, folder.name
     # the research export is what EAGLE's cnets.Model loads strictly
     state = torch.load(back / "pytorch_model.bin", weights_only=True)
@@ -362,33 +363,33 @@ def _dotted(cfg: dict, path: str):
     return node
 
 
-def test_the_speculators_export_carries_what_vllm_reads(tmp_path, tiny_pair):
+def test_an_old_speculators_eagle_folder_reads_and_moves_to_the_eagle_layout(tmp_path,
+                                                                           tiny_pair):
+    """speculators_model_type: eagle (speculators before 0.9, which dropped it) is read, and
+    written only as the EAGLE research layout: the same drafter, decoding identically."""
     src = tmp_path / "spec-in"
     write_speculators(src)
+    assert detect_drafter_format(src) == "speculators"
     with pytest.raises(DrafterFormatError, match="has no embed_tokens.weight: this format "
                        "takes the target's embedding, and no target was given"):
-        export_drafter(src, "speculators", tmp_path / "no-target")
-    out = export_drafter(src, "speculators", tmp_path / "spec-out", target=tiny_pair["target"])
-    cfg = json.loads((out / "config.json").read_text())
-    for path in VLLM_READS:
-        _dotted(cfg, path)  # KeyError names a missing field
-    assert "model_type" not in cfg  # vLLM picks SpeculatorsConfig from speculators_config
-    assert cfg["speculators_model_type"] == "eagle" and cfg["layernorms"] is False
-    assert cfg["speculators_config"]["verifier"]["name_or_path"] == tiny_pair["target"]
-    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 1
-    from safetensors import safe_open
-
-    with safe_open(str(out / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-    assert {"fusion_fc.weight", "fusion_fc.bias", "transformer.self_attn.q_proj.weight",
-            "transformer.post_attention_layernorm.weight"} <= names
-    assert not {n for n in names if n.startswith(("embed_tokens", "lm_head"))}
-    assert "transformer.input_layernorm.weight" not in names
-    # byte-identical tensors back
+        export_drafter(src, "eagle", tmp_path / "no-target")
+    with pytest.raises(DrafterFormatError, match=r"--format speculators: .*speculators_model"
+                       r"_type: eagle.*--format eagle"):
+        export_drafter(src, "speculators", tmp_path / "spec-out", target=tiny_pair["target"])
+    out = export_drafter(src, "eagle", tmp_path / "eagle-out", target=tiny_pair["target"])
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert {"fc.weight", "fc.bias", "embed_tokens.weight"} <= set(state)
+    assert "layers.0.input_layernorm.weight" not in state
     from safetensors.torch import load_file
 
-    a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    a = load_file(str(src / "model.safetensors"))
+    assert torch.equal(state["fc.bias"], a["fusion_fc.bias"])
+    assert torch.equal(state["layers.0.self_attn.q_proj.weight"],
+                       a["transformer.self_attn.q_proj.weight"])
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    knobs = {"method": "eagle", "depth": 3, "nodes": 6, "tree_top_k": 2}
+    assert _rounds(dec, eagle_model=str(out), **knobs) == _rounds(dec, eagle_model=str(src),
+                                                                   **knobs)
 
 
 def test_medusa_export_then_import_decodes_identically(tmp_path, tiny_pair, target):
@@ -412,10 +413,11 @@ def test_medusa_export_then_import_decodes_identically(tmp_path, tiny_pair, targ
 
 def test_formats_that_cannot_hold_the_drafter_are_refused_naming_why(tmp_path, target):
     normed = save_eagle(EagleModel.from_target(target), tmp_path / "normed")
-    for fmt in ("speculators", "eagle"):
-        with pytest.raises(DrafterFormatError, match=rf"--format {fmt}: .*input norm in layer "
-                           r"0 and a final norm"):
-            export_drafter(normed, fmt, tmp_path / fmt, target="tiny-target")
+    with pytest.raises(DrafterFormatError, match=r"--format eagle: .*input norm in layer "
+                       r"0 and a final norm"):
+        export_drafter(normed, "eagle", tmp_path / "eagle", target="tiny-target")
+    with pytest.raises(DrafterFormatError, match=r"--format speculators: .*--format eagle"):
+        export_drafter(normed, "speculators", tmp_path / "speculators", target="tiny-target")
     with pytest.raises(DrafterFormatError, match="'medusa' holds Medusa heads and this is an "
                        "EAGLE drafter"):
         export_drafter(normed, "medusa", tmp_path / "m")
@@ -427,11 +429,13 @@ def test_formats_that_cannot_hold_the_drafter_are_refused_naming_why(tmp_path, t
     with pytest.raises(DrafterFormatError, match="--out: .*busy exists and is not an empty"):
         export_drafter(heads, "medusa", tmp_path / "busy")
     # what a training job checks before any work: its drafter's meta against output.export
-    check_exports(["speculators", "eagle"], EagleMeta.for_target(target.config, 1, False,
-                                                                 False))
+    check_exports(["eagle"], EagleMeta.for_target(target.config, 1, False, False))
     with pytest.raises(DrafterFormatError, match="output.export: 'speculators' cannot hold "
+                       "the drafter this job trains: speculators removed its EAGLE-1/2"):
+        check_exports(["speculators"], EagleMeta.for_target(target.config, 1, False, False))
+    with pytest.raises(DrafterFormatError, match="output.export: 'eagle' cannot hold "
                        "the drafter this job trains: the drafter has an input norm"):
-        check_exports(["speculators"], EagleMeta.for_target(target.config))
+        check_exports(["eagle"], EagleMeta.for_target(target.config))
     with pytest.raises(DrafterFormatError, match="output.export: 'eagle' cannot hold"):
         check_exports(["medusa", "eagle"], MedusaMeta("t", "", H, V))
 
@@ -479,7 +483,7 @@ def test_training_jobs_export_and_log_the_final_drafter(tmp_path, tiny_pair, tar
     outs = export_final(["medusa"], folder, tiny_pair["target"], t, "train_medusa")
     assert outs == [tmp_path / "run" / "medusa-medusa"]
     assert t.logged == [(str(outs[0]), "export/medusa",
-                         ["config.json", "medusa_lm_head.safetensors"])]
+                         ["config.json", "medusa_lm_head.pt", "medusa_lm_head.safetensors"])]
     assert export_final([], folder, tiny_pair["target"], t, "train_medusa") == []
 
 
@@ -514,12 +518,14 @@ def test_speclab_export_command(tmp_path, tiny_pair, target, capsys):
 
     src = tmp_path / "research"
     write_eagle_research(src)
-    out = tmp_path / "spec"
-    assert main(["export", str(src), "--format", "speculators", "--out", str(out),
-                 "--target", tiny_pair["target"], "--speculative-tokens", "3"]) == 0
-    assert f"vllm serve {out}" in capsys.readouterr().out
-    cfg = json.loads((out / "config.json").read_text())
-    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert main(["export", str(src), "--format", "speculators", "--out",
+                 str(tmp_path / "spec"), "--target", tiny_pair["target"]]) == 2
+    assert "--format eagle" in capsys.readouterr().err
+    out = tmp_path / "eagle-out"
+    assert main(["export", str(src), "--format", "eagle", "--out", str(out),
+                 "--target", tiny_pair["target"]]) == 0
+    assert "SGLang" in capsys.readouterr().out
+    assert (out / "pytorch_model.bin").exists()
     normed = save_eagle(EagleModel.from_target(target), tmp_path / "normed")
     assert main(["export", str(normed), "--format", "eagle", "--out",
                  str(tmp_path / "e")]) == 2
@@ -547,12 +553,10 @@ def test_a_drafter_trained_with_eagle1_layout_exports_and_round_trips(tmp_path, 
                           target=tiny_pair["target"])
     model = EagleTask(cfg, tmp_path / "data", torch.device("cpu")).build_model()
     assert model.meta.input_norm is False and model.meta.final_norm is False
-    check_exports(["speculators", "eagle"], model.meta)
+    check_exports(["eagle"], model.meta)
     mine = save_eagle(model, tmp_path / "trained")
-    spec = export_drafter(mine, "speculators", tmp_path / "spec", target=tiny_pair["target"])
     back = export_drafter(mine, "eagle", tmp_path / "eagle")
     dec = Decoder.from_pretrained(tiny_pair["target"])
     knobs = {"method": "eagle", "depth": 3, "nodes": 6, "tree_top_k": 2}
     base = _rounds(dec, eagle_model=str(mine), **knobs)
-    for folder in (spec, back):
-        assert _rounds(dec, eagle_model=str(folder), **knobs) == base, folder.name
+    assert _rounds(dec, eagle_model=str(back), **knobs) == base

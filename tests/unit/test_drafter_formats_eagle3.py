@@ -324,12 +324,13 @@ def test_the_speculators_eagle3_export_carries_what_vllm_reads(tmp_path, target_
 
 
 def test_variants_speclab_does_not_compute_are_refused_by_name(tmp_path, target):
-    cases = [({"norm_before_residual": True}, (), r"config.json: norm_before_residual=true"),
-             ({}, ("norm_before_residual",), r"config.json: has no norm_before_residual: "
+    cases = [({}, ("norm_before_residual",), r"config.json: has no norm_before_residual: "
                                              r"speculators reads that as false and vLLM as"),
-             ({"norm_before_fc": True}, (), r"config.json: norm_before_fc=true"),
+             ({"norm_before_fc": True, "fc_norm": True}, (),
+              r"config.json: norm_before_fc=true and fc_norm=true: speculators refuses"),
+             ({"norm_output": "yes"}, (), r"config.json: norm_output='yes': true or false"),
              ({"target_hidden_size": 64}, (), r"config.json: target_hidden_size=64, but the "
-                                              r"drafter's hidden_size is 32"),
+                                              r"target has hidden_size=32"),
              ({"eagle_aux_hidden_state_layer_ids": [2, 4, 8]}, (),
               r"config.json: names target layers \[8\] .* the target has 8 decoder layers"),
              ({"eagle_aux_hidden_state_layer_ids": [2, 2, 5]}, (),
@@ -339,6 +340,12 @@ def test_variants_speclab_does_not_compute_are_refused_by_name(tmp_path, target)
         write_speculators3(folder, extra=extra, drop=drop)
         with pytest.raises(DrafterFormatError, match=rf"eagle_model: .*v{i}/{message}"):
             load_eagle(folder, target.config, target=target)
+    for flag in ("norm_before_residual", "norm_before_fc"):  # not the EAGLE code's
+        research = tmp_path / f"research-{flag}"
+        write_research(research, extra={flag: True})
+        with pytest.raises(DrafterFormatError, match=rf"research-{flag}/config.json: "
+                           rf"{flag}=true: .* neither the EAGLE code nor SpecForge"):
+            load_eagle(research, target.config, target=target)
     mixed = tmp_path / "mixed"
     write_research(mixed, extra={"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
                                  "eagle_config": {"eagle_aux_hidden_state_layer_ids":

@@ -28,6 +28,7 @@ from speclab.families.medusa.model import (
     target_fingerprint,
 )
 from speclab.models.formats import DrafterFormatError, export_drafter, load_drafter
+from speclab.models.formats.detect import detect_drafter_format
 from speclab.models.formats.medusa_format import read_medusa
 from speclab.models.loading import load_model
 
@@ -265,9 +266,11 @@ def test_medusa2_heads_load_from_the_models_weights(tmp_path, how, file):
     hidden = features(backbone)
     # medusa_model.py: medusa_logits.append(self.medusa_head[i](hidden_states))
     assert_logits(heads, lambda k, h: model.medusa_head[k](h), hidden)
+    assert detect_drafter_format(folder) == "medusa"  # the user's path: --medusa-model DIR
     if how == "one":
         dec = Decoder.from_pretrained(str(folder))
         assert medusa_greedy(dec, heads) == plain_greedy(backbone)
+        assert medusa_greedy(dec, str(folder)) == plain_greedy(backbone)
 
 
 def test_medusa2_heads_with_another_target_are_refused(tmp_path, target):

@@ -28,7 +28,7 @@ the checkpoint has none).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,13 +61,25 @@ class EagleMeta:
     version: int = 1  # 1: EAGLE-1/2 (and HASS, TALF); 3: EAGLE-3 (speclab.families.eagle.model3)
     feature_layers: tuple[int, ...] | None = None  # EAGLE-3: the target states it fuses
     draft_vocab_size: int = 0  # EAGLE-3: the draft vocabulary (0: the target's)
+    # EAGLE-3 variants (speclab.families.eagle.model3; the defaults are the EAGLE code's)
+    target_hidden_size: int = 0  # width of each fused target state (0: hidden_size)
+    residual_norm: bool = False  # residual is hidden_norm(h) (norm_before_residual)
+    fc_input_norm: bool = False  # one RMS norm over the fused states (norm_before_fc)
+    fc_state_norms: bool = False  # one RMS norm per fused state (fc_norm)
+    feed_normed: bool = False  # norm(out) is fed back (speculators' norm_output)
+    head_norm: bool = True  # the LM head reads norm(out) (SpecForge's norm_output)
+    qkv_bias: bool = False  # q/k/v projections have biases (attention_bias / qkv_bias)
+    o_bias: bool = False  # o_proj has a bias (attention_bias)
     kind: str = KIND
 
     @property
     def feature_width(self) -> int:
-        """Width of the target features the drafter reads: ``H``, or ``k * H`` for an
-        EAGLE-3 drafter fusing ``k`` layers."""
-        return self.hidden_size * (len(self.feature_layers) if self.feature_layers else 1)
+        """Width of the target features the drafter reads: ``H``, or ``k * H_t`` for an
+        EAGLE-3 drafter fusing ``k`` layers of the target's width ``H_t``
+        (``target_hidden_size``, else ``H``)."""
+        if not self.feature_layers:
+            return self.hidden_size
+        return (self.target_hidden_size or self.hidden_size) * len(self.feature_layers)
 
     @classmethod
     def for_target(cls, config, layers: int = 1, input_norm: bool = True,
@@ -94,13 +106,14 @@ class EagleMeta:
         is not the target this drafter was trained for. An empty ``target_architecture``
         (an imported public checkpoint, which does not record it) is not compared."""
         want = EagleMeta.for_target(config, self.layers)
+        mine = replace(self, hidden_size=self.target_hidden_size or self.hidden_size)
         for field in ("target_architecture", "hidden_size", "vocab_size"):
             if field == "target_architecture" and not self.target_architecture:
                 continue
-            if getattr(self, field) != getattr(want, field):
+            if getattr(mine, field) != getattr(want, field):
                 raise ValueError(
                     f"{name}: trained for a target with {field}="
-                    f"{getattr(self, field)!r}, but the target has {getattr(want, field)!r}")
+                    f"{getattr(mine, field)!r}, but the target has {getattr(want, field)!r}")
         if self.feature_layers:  # EAGLE-3: the layers it fuses must exist in the target
             from speclab.decoding.features import layer_ids, num_decoder_layers
 

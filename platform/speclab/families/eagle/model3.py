@@ -22,6 +22,28 @@ from the target's rows of the draft vocabulary and is trained.
 
 On disk it is a speclab EAGLE folder (:func:`speclab.families.eagle.model.save_eagle`) whose meta
 has ``version: 3``, ``feature_layers`` and ``draft_vocab_size``.
+
+The public EAGLE-3 variants are meta switches (defaults: the EAGLE code's drafter above);
+each computes what the code that trains it computes:
+
+==================================  ================================================
+meta (public flag)                  what changes
+==================================  ================================================
+``residual_norm``                   ``h' = hidden_norm(h) + o_proj(...)``: the residual
+(speculators ``norm_before_residual``)  is the normed state
+``fc_input_norm``                   ``fc(input_norm(g_t))``: one RMS norm over the
+(speculators ``norm_before_fc``)    fused ``[k * H_t]``
+``fc_state_norms``                  ``fc(concat(fc_norm_i(state_i)))``: one RMS norm
+(``fc_norm``, speculators and       per fused state (EAGLE-3.1)
+SpecForge)
+``feed_normed``                     ``out`` is ``norm(out)``: the LM head reads it and
+(speculators' ``norm_output``)      it is what is fed back inside the draft
+``head_norm`` false                 logits ``lm_head(out)``, no final norm
+(SpecForge's ``norm_output: false``)
+``target_hidden_size`` ``H_t``      ``fc: [k * H_t] -> [H]``; the embedding is the
+                                    drafter's own ``[V, H]``
+``qkv_bias`` / ``o_bias``           biases on q/k/v / o_proj (``attention_bias``: both)
+==================================  ================================================
 """
 
 from __future__ import annotations
@@ -74,8 +96,10 @@ class Eagle3Layer(nn.Module):
         attn_config = copy.deepcopy(config)
         attn_config.hidden_size = 2 * h
         attn_config.head_dim = head_dim
+        attn_config.attention_bias = meta.qkv_bias
         self.self_attn = LlamaAttention(attn_config, layer_idx=0)
-        self.self_attn.o_proj = nn.Linear(meta.heads * head_dim, h, bias=False)
+        self.self_attn.o_proj = nn.Linear(meta.heads * head_dim, h, bias=meta.o_bias)
+        self.residual_norm = meta.residual_norm
         self.mlp = LlamaMLP(config)
         self.hidden_norm = LlamaRMSNorm(h, eps=meta.rms_norm_eps)
         self.input_layernorm = LlamaRMSNorm(h, eps=meta.rms_norm_eps)
@@ -83,12 +107,14 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, emb: torch.Tensor, hidden: torch.Tensor, position_embeddings,
                 attention_mask: torch.Tensor, past_key_values=None) -> torch.Tensor:
-        """``emb``, ``hidden`` ``[B, T, H]`` -> ``[B, T, H]``."""
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)
+        """``emb``, ``hidden`` ``[B, T, H]`` -> ``[B, T, H]`` (the residual is
+        ``hidden_norm(hidden)`` with ``meta.residual_norm``)."""
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(emb), normed], -1)
         attn, _ = self.self_attn(x, position_embeddings=position_embeddings,
                                  attention_mask=attention_mask,
                                  past_key_values=past_key_values)
-        hidden = hidden + attn
+        hidden = (normed if self.residual_norm else hidden) + attn
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -102,13 +128,28 @@ class Eagle3Model(nn.Module):
         if meta.version != 3 or not meta.feature_layers:
             raise ValueError(f"eagle_model: not an EAGLE-3 meta (version {meta.version}, "
                              f"feature_layers {meta.feature_layers})")
+        h, v, k = meta.hidden_size, meta.vocab_size, len(meta.feature_layers)
+        th = meta.target_hidden_size or h
+        if th != h and k * th == h:
+            raise ValueError(f"eagle_model: {k} fused target states of target_hidden_size="
+                             f"{th} are as wide as the drafter's own state ({h}): the "
+                             f"drafter tells the two apart by width")
+        if meta.fc_input_norm and meta.fc_state_norms:
+            raise ValueError("eagle_model: norm_before_fc (one norm over the fused states) "
+                             "and fc_norm (one per state) exclude each other")
+        if meta.feed_normed and not meta.head_norm:
+            raise ValueError("eagle_model: feed_normed (the LM head and the next step read "
+                             "norm(out)) needs head_norm")
         self.meta = meta
         self.config = meta.layer_config()  # the cache's shape: one layer
-        h, v = meta.hidden_size, meta.vocab_size
         vd = meta.draft_vocab_size or v
         self.embed = nn.Embedding(v, h)
         self.embed.weight.requires_grad_(False)
-        self.fc = nn.Linear(len(meta.feature_layers) * h, h, bias=meta.fc_bias)
+        self.input_norm = LlamaRMSNorm(k * th, eps=meta.rms_norm_eps) \
+            if meta.fc_input_norm else None
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(th, eps=meta.rms_norm_eps)
+                                     for _ in range(k)) if meta.fc_state_norms else None
+        self.fc = nn.Linear(k * th, h, bias=meta.fc_bias)
         self.layer = Eagle3Layer(meta)
         self.rotary = LlamaRotaryEmbedding(self.config)
         self.norm = LlamaRMSNorm(h, eps=meta.rms_norm_eps)
@@ -171,15 +212,27 @@ class Eagle3Model(nn.Module):
         out = torch.zeros(b, 1, t, past + t, dtype=dtype, device=device)
         return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
+    def fuse(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's fused states ``[B, T, k * H_t]`` -> ``h`` ``[B, T, H]``: the
+        variants' norms (``input_norm`` over all, or ``fc_norm`` per state), then ``fc``."""
+        if self.input_norm is not None:
+            states = self.input_norm(states)
+        if self.fc_norm is not None:
+            chunks = states.chunk(len(self.fc_norm), -1)
+            states = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], -1)
+        return self.fc(states)
+
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor,
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
                 past_key_values=None, use_cache: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``features [B, T, F]`` (the target's fused ``[B, T, k * H]`` or the drafter's own
-        ``[B, T, H]``), ``input_ids [B, T]`` -> ``(out [B, T, H], logits [B, T, V])`` over
-        the target's vocabulary (``finfo.min`` outside the draft vocabulary).
-        ``attention_mask``: None (causal), ``[B, S]`` padding or ``[B, 1, T, S]`` additive."""
+        """``features [B, T, F]`` (the target's fused ``[B, T, k * H_t]`` or the drafter's
+        own ``[B, T, H]``), ``input_ids [B, T]`` -> ``(out [B, T, H], logits [B, T, V])``
+        over the target's vocabulary (``finfo.min`` outside the draft vocabulary); ``out``
+        is the state fed back for the next draft step (``norm(out)`` with
+        ``meta.feed_normed``). ``attention_mask``: None (causal), ``[B, S]`` padding or
+        ``[B, 1, T, S]`` additive."""
         del use_cache  # the cache is used whenever given
         dtype = self.fc.weight.dtype
         emb = self.embed(input_ids).to(dtype)
@@ -187,14 +240,18 @@ class Eagle3Model(nn.Module):
             emb = emb * self.meta.embed_scale
         hidden = features.to(dtype)
         if hidden.shape[-1] != self.meta.hidden_size:
-            hidden = self.fc(hidden)
+            hidden = self.fuse(hidden)
         b, t = input_ids.shape
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=emb.device).expand(b, t)
         mask = self._mask(attention_mask, b, t, past, dtype, emb.device)
         out = self.layer(emb, hidden, self.rotary(hidden, position_ids), mask, past_key_values)
-        return out, self.target_logits(self.lm_head(self.norm(out)))
+        if self.meta.feed_normed:  # speculators' norm_output: the normed state goes on
+            out = self.norm(out)
+            return out, self.target_logits(self.lm_head(out))
+        head_in = self.norm(out) if self.meta.head_norm else out
+        return out, self.target_logits(self.lm_head(head_in))
 
     def cost_inputs(self, n: int) -> dict[str, torch.Tensor]:
         """:func:`~speclab.families.eagle.model.feature_inputs`: what a forward of ``n`` new tokens

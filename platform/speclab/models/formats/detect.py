@@ -15,7 +15,8 @@ format                  how it is recognised                                    
                         ``draft_vocab_size`` or an ``*Eagle3*`` architecture, or
                         weights with ``midlayer.*`` / ``d2t`` / ``t2d``
 ``medusa``              ``config.json`` ``medusa_num_heads``,                   MedusaHeads
-                        ``medusa_lm_head.*``
+                        ``medusa_lm_head.*`` (MEDUSA-1 / legacy heads) or model
+                        weights with ``medusa_head.*`` (a MEDUSA-2 model)
 ======================  ======================================================  ===========
 
 :func:`drafter_feature_spec` tells which target states an EAGLE-family folder reads
@@ -73,11 +74,15 @@ def detect_drafter_format(folder: str | Path, field: str = "drafter",
         raise fail(field, where, f"speculators_model_type={algo!r}: only 'eagle' (speculators' "
                    f"EAGLE-1/2 and HASS drafter) and 'eagle3' load")
     if "medusa_num_heads" in cfg:
-        if not any((folder / name).exists() for name in MEDUSA_FILES):
-            raise fail(field, folder, f"config.json has medusa_num_heads="
-                       f"{cfg['medusa_num_heads']!r} but neither of {list(MEDUSA_FILES)} "
-                       f"is there")
-        return MEDUSA
+        if any((folder / name).exists() for name in MEDUSA_FILES):
+            return MEDUSA
+        weights = weight_file(folder)  # a MEDUSA-2 model: its heads inside its weights
+        if weights is not None and any(n.startswith("medusa_head.")
+                                       for n in tensor_names(weights, field)):
+            return MEDUSA
+        raise fail(field, folder, f"config.json has medusa_num_heads="
+                   f"{cfg['medusa_num_heads']!r} but neither of {list(MEDUSA_FILES)} is "
+                   f"there, nor model weights with medusa_head.* (a MEDUSA-2 model)")
     if _eagle3_config(cfg):
         return EAGLE3
     weights = weight_file(folder)

@@ -22,8 +22,24 @@ in speculators)
 ``fc.weight [H, k*H]``, ``fc.bias``        ``fc.weight``, ``fc.bias`` (old speculators)
 ``P{self_attn,mlp}.*``, ``P*norm.weight``  ``layer.*``
 ``norm.weight``, ``lm_head.weight``        the same ([V_d, H])
-``d2t [V_d]`` int, ``t2d [V]`` bool        the same
+``d2t [V_d]`` int, ``t2d [V]`` bool        the same; both absent: the full vocabulary
+                                          (the EAGLE code deletes them, speculators
+                                          registers them as None)
+``input_norm.weight [k*H_t]``              the same (``norm_before_fc``)
+``fc_norm.{i}.weight [H_t]``               the same (``fc_norm``, EAGLE-3.1)
+``P self_attn.{q,k,v,o}_proj.bias``        ``layer.*`` (``attention_bias``)
 ========================================  ===========================================
+
+The variants (:mod:`speclab.families.eagle.model3`'s table) are read per format, as the code
+that writes each format computes them (:func:`variant_fields`): speculators'
+``norm_before_residual``, ``norm_before_fc``, ``fc_norm`` and ``norm_output`` (the
+normed state fed back: Eagle3DraftModel, vLLM); SpecForge's ``fc_norm`` and
+``norm_output`` (THERE: whether the LM head reads ``norm(out)``, default true; what is
+fed back is always ``out``); ``target_hidden_size`` ``H_t`` in both (fc reads
+``k * H_t``; the drafter's own embedding is ``[V, H]`` and must be in the file when
+``H_t != H``); ``attention_bias`` in both (q/k/v/o biases, vLLM's and speculators'
+meaning). A research config's ``num_hidden_layers`` is ignored when the file holds the
+one ``midlayer`` (the EAGLE code always builds one layer); more layers are refused.
 
 The target states ``fc`` reads are named by target layer (speclab's indices,
 :mod:`speclab.decoding.features`: ``i`` is the INPUT of decoder layer ``i``):
@@ -171,46 +187,104 @@ def _vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int, file: Path,
     return d2t, want
 
 
+def layer_keys(meta: EagleMeta) -> tuple[str, ...]:
+    """The layer's tensor names (under its prefix) for ``meta``: :data:`LAYER_KEYS` plus
+    the attention biases it has."""
+    bias = (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+            if meta.qkv_bias else ()) + (("self_attn.o_proj.bias",) if meta.o_bias else ())
+    return LAYER_KEYS + bias
+
+
+def fused_norm_keys(meta: EagleMeta) -> tuple[str, ...]:
+    """The top-level norm tensors before ``fc`` (``input_norm.weight`` for
+    ``norm_before_fc``, ``fc_norm.{i}.weight`` for ``fc_norm``)."""
+    if meta.fc_input_norm:
+        return ("input_norm.weight",)
+    if meta.fc_state_norms:
+        return tuple(f"fc_norm.{i}.weight" for i in range(len(meta.feature_layers or ())))
+    return ()
+
+
+def _leftover_problem(left: list[str], prefix: str) -> str:
+    """What the tensors a drafter does not have tell about the variant that wrote them."""
+    if any(k.startswith("fc_norm.") for k in left):
+        return ("fc_norm.* (EAGLE-3.1's norm per fused target state), but config.json does "
+                "not set fc_norm: true")
+    if "input_norm.weight" in left:
+        return ("input_norm.weight (norm_before_fc's norm over the fused target states), "
+                "but config.json does not set norm_before_fc: true")
+    if any(k.endswith("_proj.bias") for k in left):
+        return (f"attention biases {[k for k in left if k.endswith('.bias')][:4]}, but the "
+                f"config does not set attention_bias: true (q/k/v/o) or qkv_bias: true")
+    layers = sorted({k.split(".")[0] + "." + k.split(".")[1] for k in left
+                     if k.count(".") > 1 and k.split(".")[1].isdigit()})
+    if layers:
+        return (f"more decoder layers than the one {prefix}* ({layers[:3]}): a multi-layer "
+                f"EAGLE-3 drafter, which speclab's (one layer) does not compute")
+    return (f"tensors an EAGLE-3 drafter (one {prefix}* layer) does not have: "
+            f"{left[:5]}{' ...' if len(left) > 5 else ''}")
+
+
 def assemble(meta: EagleMeta, tensors: dict[str, torch.Tensor], prefix: str, file: Path,
              field: str, target: TargetParts | None, advice: str = ""):
     """An :class:`~speclab.families.eagle.model3.Eagle3Model` from public EAGLE-3 tensors (the
     module docstring's table, layer under ``prefix``); ``embed_tokens.weight`` absent:
-    ``target``'s. Missing tensors, leftovers and wrong shapes are errors naming ``file``,
-    the tensor and the shape found."""
+    ``target``'s (refused when the drafter is narrower than the target,
+    ``target_hidden_size``); ``d2t`` and ``t2d`` both absent: the full vocabulary.
+    Missing tensors, leftovers and wrong shapes are errors naming ``file``, the tensor and
+    the shape found."""
     from speclab.families.eagle.model3 import Eagle3Model
 
     tensors = dict(tensors)
     if "embed_tokens.weight" not in tensors:
+        if meta.target_hidden_size and meta.target_hidden_size != meta.hidden_size:
+            raise fail(field, file, f"has no embed_tokens.weight, and the drafter's "
+                       f"hidden_size={meta.hidden_size} is not the target's "
+                       f"(target_hidden_size={meta.target_hidden_size}): the target's "
+                       f"embedding cannot stand in for the drafter's own (vLLM and the EAGLE "
+                       f"code need it in the checkpoint too)")
         if target is None:
             raise fail(field, file, f"has no embed_tokens.weight: this checkpoint takes the "
                        f"target's embedding, and no target was given{advice}")
         tensors["embed_tokens.weight"] = target.embed
+    maps = [k for k in ("d2t", "t2d") if k in tensors]
+    full = (meta.draft_vocab_size or meta.vocab_size) == meta.vocab_size
+    if len(maps) == 1:
+        raise fail(field, file, f"holds {maps[0]} without {({'d2t', 't2d'} - set(maps)).pop()}"
+                   f" (the draft vocabulary's two maps come together)")
+    if not maps and not full:
+        raise fail(field, file, f"has no d2t / t2d, but the draft vocabulary "
+                   f"({meta.draft_vocab_size}) is smaller than the target's "
+                   f"({meta.vocab_size}): which target ids it holds is unknown")
     state = {"embed.weight": tensors.pop("embed_tokens.weight")}
     names = {"fc.weight": "fc.weight", "norm.weight": "norm.weight",
-             "lm_head.weight": "lm_head.weight", "d2t": "d2t", "t2d": "t2d"}
+             "lm_head.weight": "lm_head.weight"}
+    names.update({k: k for k in maps})
     if meta.fc_bias:
         names["fc.bias"] = "fc.bias"
-    names.update({f"{prefix}{k}": f"layer.{k}" for k in LAYER_KEYS})
+    names.update({k: k for k in fused_norm_keys(meta)})
+    names.update({f"{prefix}{k}": f"layer.{k}" for k in layer_keys(meta)})
     for public, mine in names.items():
         if public not in tensors:
             raise fail(field, file, f"has no {public} (a tensor of the EAGLE-3 drafter)")
         state[mine] = tensors.pop(public)
     if tensors:
-        left = sorted(tensors)
-        raise fail(field, file, f"holds tensors an EAGLE-3 drafter (one {prefix}* layer) does "
-                   f"not have: {left[:5]}{' ...' if len(left) > 5 else ''}")
+        raise fail(field, file, f"holds {_leftover_problem(sorted(tensors), prefix)}")
     model = Eagle3Model(meta)
     want = {k: t.shape for k, t in model.state_dict().items()}
+    if not maps:  # the full vocabulary: identity maps
+        state["d2t"], state["t2d"] = model.d2t.clone(), model.t2d.clone()
     public_of = {mine: public for public, mine in names.items()}
     public_of["embed.weight"] = "embed_tokens.weight (or the target's embedding)"
+    th = meta.target_hidden_size or meta.hidden_size
     for name, t in state.items():
         if t.shape != want[name]:
             raise fail(field, file, f"{public_of[name]} has shape {shape(t)}, expected "
                        f"{list(want[name])} for hidden_size={meta.hidden_size}, vocab_size="
                        f"{meta.vocab_size}, draft_vocab_size="
                        f"{meta.draft_vocab_size or meta.vocab_size}, "
-                       f"{len(meta.feature_layers)} target layers and the config's layer "
-                       f"shape")
+                       f"{len(meta.feature_layers)} target layers of width {th} and the "
+                       f"config's layer shape")
     state["d2t"], state["t2d"] = _vocab_maps(state["d2t"], state["t2d"], meta.vocab_size,
                                              file, field)
     missing = sorted(set(want) - set(state))
@@ -224,18 +298,26 @@ def assemble(meta: EagleMeta, tensors: dict[str, torch.Tensor], prefix: str, fil
 
 def build(cfg: dict, fields: dict, named, tensors: dict, prefix: str, arch: str,
           where: Path, weights: Path, field: str, target: TargetParts | None,
-          target_config, advice: str, field_prefix: str = ""):
+          target_config, advice: str, field_prefix: str = "", variant: dict | None = None):
     """The shared tail of both EAGLE-3 readers: shapes against the target, the target
     layers (``named`` or the default), the draft vocabulary, then :func:`assemble`
     (``fields``: the LLaMA fields of :func:`~.eagle_layers.llama_fields`;
-    ``field_prefix``: where they sit in ``config.json``, for messages)."""
+    ``field_prefix``: where they sit in ``config.json``, for messages; ``variant``: the
+    meta fields of :func:`variant_fields`)."""
+    variant = dict(variant or {})
     config = target.config if target is not None else target_config
     if config is not None:  # before anything is looked for: the shapes come first
-        check_target_shape(EagleMeta(target_architecture="", **fields), config, where, field,
-                           (f"{field_prefix}hidden_size", f"{field_prefix}vocab_size"))
-    k = fc_layers(tensors.get("fc.weight"), fields["hidden_size"], weights, field)
+        check_target_shape(EagleMeta(target_architecture="", **fields, **variant), config,
+                           where, field, (f"{field_prefix}hidden_size",
+                                          f"{field_prefix}vocab_size"))
+    th = variant.get("target_hidden_size") or fields["hidden_size"]
+    k = fc_layers(tensors.get("fc.weight"), fields["hidden_size"], weights, field, th)
     ids = resolve_layers(named, config, where, field, advice)
     check_width(ids, k, weights, field)
+    if th != fields["hidden_size"] and k * th == fields["hidden_size"]:
+        raise fail(field, where, f"target_hidden_size={th}: {k} fused target states are "
+                   f"then as wide as the drafter's own state (hidden_size="
+                   f"{fields['hidden_size']}), which speclab's drafter tells apart by width")
     head = tensors.get("lm_head.weight")
     if head is None or head.ndim != 2:
         raise fail(field, weights, "has no lm_head.weight [draft_vocab_size, hidden_size] "
@@ -244,18 +326,22 @@ def build(cfg: dict, fields: dict, named, tensors: dict, prefix: str, arch: str,
     vd = draft_vocab(cfg.get("draft_vocab_size"), int(head.shape[0]), v, where, weights, field)
     meta = EagleMeta(target_architecture=arch, layers=1, fc_bias="fc.bias" in tensors,
                      version=3, feature_layers=ids, draft_vocab_size=0 if vd == v else vd,
-                     **fields)
+                     **fields, **variant)
     return assemble(meta, tensors, prefix, weights, field, target, advice)
 
 
-def fc_layers(fc: torch.Tensor | None, hidden: int, file: Path, field: str) -> int:
-    """How many target states ``fc.weight`` ``[H, k*H]`` fuses (``k``)."""
+def fc_layers(fc: torch.Tensor | None, hidden: int, file: Path, field: str,
+              target_hidden: int | None = None) -> int:
+    """How many target states ``fc.weight`` ``[H, k*H_t]`` fuses (``k``; ``H_t``:
+    ``target_hidden``, default ``H``)."""
+    th = target_hidden or hidden
     if fc is None:
         raise fail(field, file, "has no fc.weight (the fusion of the target's states)")
-    if fc.ndim != 2 or fc.shape[0] != hidden or fc.shape[1] % hidden:
+    if fc.ndim != 2 or fc.shape[0] != hidden or fc.shape[1] % th:
+        width = "hidden_size" if th == hidden else "target_hidden_size"
         raise fail(field, file, f"fc.weight has shape {shape(fc)}, expected [{hidden}, k * "
-                   f"{hidden}] (hidden_size={hidden}, k target states)")
-    return fc.shape[1] // hidden
+                   f"{th}] (hidden_size={hidden}, k target states of {width}={th})")
+    return fc.shape[1] // th
 
 
 def check_width(layers: tuple[int, ...], k: int, file: Path, field: str) -> None:
@@ -265,11 +351,15 @@ def check_width(layers: tuple[int, ...], k: int, file: Path, field: str) -> None
                    f"{len(layers)} target layers {list(layers)}")
 
 
-def public_tensors(model, prefix: str) -> dict[str, torch.Tensor]:
+def public_tensors(model, prefix: str, vocab_maps: bool = True) -> dict[str, torch.Tensor]:
     """``model``'s (an Eagle3Model) tensors under the public names, layer under ``prefix``
-    (float32 weights, int64 ``d2t``, bool ``t2d``), contiguous on the CPU."""
+    (float32 weights, int64 ``d2t``, bool ``t2d``; without ``vocab_maps``, none for a
+    full-vocabulary drafter), contiguous on the CPU."""
     out = {}
+    full = not model.meta.draft_vocab_size
     for name, t in model.state_dict().items():
+        if name in ("d2t", "t2d") and full and not vocab_maps:
+            continue
         t = t.detach().cpu().contiguous()
         if name == "embed.weight":
             name = "embed_tokens.weight"
@@ -279,10 +369,12 @@ def public_tensors(model, prefix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def public_problem(meta: EagleMeta, fmt: str, num_layers: int | None = None) -> str | None:
+def public_problem(meta: EagleMeta, fmt: str, num_layers: int | None = None,
+                   research: bool = False) -> str | None:
     """Why an EAGLE-3 drafter with ``meta`` cannot be written in a public EAGLE-3 format
-    (``fmt``: its name, for messages) exactly (None: it can); ``num_layers``: the target's
-    depth, when known (its index ``L`` is then checked)."""
+    (``fmt``: its name, for messages; ``research``: the EAGLE-3 research / SpecForge
+    layout, else speculators') exactly (None: it can); ``num_layers``: the target's depth,
+    when known (its index ``L`` is then checked)."""
     layers = tuple(meta.feature_layers or ())
     if meta.fc_bias:
         return (f"the drafter's fc has a bias (fc_bias); {fmt}'s fc has none (vLLM's, "
@@ -302,6 +394,34 @@ def public_problem(meta: EagleMeta, fmt: str, num_layers: int | None = None) -> 
         return (f"feature_layers {list(layers)} include {num_layers}, the target's final "
                 f"norm output, which no public runtime captures (they read the input of a "
                 f"decoder layer)")
+    if meta.qkv_bias != meta.o_bias:
+        return ("the drafter's q/k/v projections have biases and o_proj none (qkv_bias); "
+                "vLLM's and speculators' EAGLE-3 layer reads attention_bias alone (all four "
+                "or none)")
+    if research:
+        return _research_problem(meta, layers)
+    if not meta.head_norm:
+        return (f"the drafter's LM head reads out without the final norm (SpecForge's "
+                f"norm_output: false); {fmt} always normalises before the LM head")
+    return None
+
+
+def _research_problem(meta: EagleMeta, layers: tuple[int, ...]) -> str | None:
+    """The variants the EAGLE-3 research layout (the EAGLE code, SpecForge) cannot hold."""
+    if layers[0] == 0:
+        return ("feature_layers include 0, the target's embedding output: SpecForge and "
+                "SGLang name the OUTPUT of decoder layer i (eagle_config ids), so it has no "
+                "id there (-1; SpecForge refuses negative ids); use --format speculators "
+                "(vLLM names it 0)")
+    for on, flag, what in ((meta.residual_norm, "norm_before_residual", "the normed residual"),
+                           (meta.fc_input_norm, "norm_before_fc",
+                            "a norm over the fused target states"),
+                           (meta.feed_normed, "norm_output (speculators')",
+                            "the normed state fed back"),
+                           (meta.qkv_bias, "attention_bias", "attention biases")):
+        if on:
+            return (f"the drafter has {what} ({flag}), which neither the EAGLE code nor "
+                    f"SpecForge computes; use --format speculators")
     return None
 
 
@@ -314,26 +434,47 @@ def meta_fields(meta: EagleMeta) -> dict:
             SGLANG_IDS: {VLLM_IDS: [i - 1 for i in layers], "use_aux_hidden_state": True}}
 
 
-def reject_variants(cfg: dict, hidden: int, where: Path, field: str,
-                    prefix: str = "") -> None:
-    """Refuse, by field, the EAGLE-3 variants speclab's drafter does not compute:
-    ``norm_before_residual`` (the residual is the normed state), ``norm_before_fc`` (an
-    RMS norm over the fused states), ``eagle_config.use_aux_hidden_state: false`` (no
-    fused states), ``target_hidden_size`` other than the drafter's."""
-    if cfg.get("norm_before_residual"):
-        raise fail(field, where, f"{prefix}norm_before_residual=true: that variant keeps "
-                   f"hidden_norm(h) as the residual; speclab's EAGLE-3 layer (like the EAGLE "
-                   f"code and SpecForge) adds the attention to h itself")
-    if cfg.get("norm_before_fc"):
-        raise fail(field, where, f"{prefix}norm_before_fc=true: that variant normalises the "
-                   f"fused target states before fc (input_norm), which speclab's drafter "
-                   f"does not have")
+def _flag(cfg: dict, key: str, where: Path, field: str, default: bool = False) -> bool:
+    """A boolean config flag (absent: ``default``); anything but true / false / null is an
+    error naming it."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise fail(field, where, f"{key}={value!r}: true or false is needed")
+    return value
+
+
+def variant_fields(cfg: dict, hidden: int, where: Path, field: str, research: bool) -> dict:
+    """The EAGLE-3 variant meta fields (:mod:`speclab.families.eagle.model3`) a public
+    ``cfg`` declares, each flag read as the format's own code reads it (``research``: the
+    EAGLE code / SpecForge layout, else speculators'): module docstring. Variants no
+    speclab drafter computes are refused naming the flag."""
     inner = cfg.get(SGLANG_IDS)
     if isinstance(inner, dict) and inner.get("use_aux_hidden_state") is False:
-        raise fail(field, where, f"{prefix}{SGLANG_IDS}.use_aux_hidden_state=false: a "
-                   f"drafter without the fused target layers (no fc) is not EAGLE-3's")
+        raise fail(field, where, f"{SGLANG_IDS}.use_aux_hidden_state=false: a drafter "
+                   f"without the fused target layers (no fc) is not EAGLE-3's")
     th = cfg.get("target_hidden_size")
-    if th is not None and th != hidden:
-        raise fail(field, where, f"{prefix}target_hidden_size={th!r}, but the drafter's "
-                   f"hidden_size is {hidden}: speclab's EAGLE-3 drafter has the target's "
-                   f"width")
+    if th is not None and (not isinstance(th, int) or isinstance(th, bool) or th <= 0):
+        raise fail(field, where, f"target_hidden_size={th!r}: a positive integer (the "
+                   f"target's hidden size) or null is needed")
+    out = {"target_hidden_size": 0 if th in (None, hidden) else int(th),
+           "fc_state_norms": _flag(cfg, "fc_norm", where, field)}
+    if research:
+        for key, what in (("norm_before_residual", "keeps hidden_norm(h) as the residual"),
+                          ("norm_before_fc", "normalises the fused target states before "
+                                             "fc")):
+            if cfg.get(key):
+                raise fail(field, where, f"{key}=true: that variant {what}, which neither "
+                           f"the EAGLE code nor SpecForge (this layout's code) computes; "
+                           f"speculators' eagle3 format carries it")
+        # SpecForge: norm_output switches the final norm before the LM head (default on)
+        out["head_norm"] = _flag(cfg, "norm_output", where, field, default=True)
+        return out
+    out.update(residual_norm=_flag(cfg, "norm_before_residual", where, field),
+               fc_input_norm=_flag(cfg, "norm_before_fc", where, field),
+               feed_normed=_flag(cfg, "norm_output", where, field))
+    if out["fc_input_norm"] and out["fc_state_norms"]:
+        raise fail(field, where, "norm_before_fc=true and fc_norm=true: speculators refuses "
+                   "the two together (one norm over the fused states, or one per state)")
+    return out

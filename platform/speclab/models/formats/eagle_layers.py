@@ -47,12 +47,16 @@ def check_target_shape(meta: EagleMeta, config, file: Path, field: str,
                        names: tuple[str, str] = ("hidden_size", "vocab_size")) -> None:
     """A DrafterFormatError naming ``file`` and the field (``names``: how the file calls
     hidden size and vocabulary) when ``config`` (the target's HF config) has another
-    hidden size or vocabulary than ``meta``."""
-    for (mine, theirs), have in zip((("hidden_size", names[0]), ("vocab_size", names[1])),
+    hidden size or vocabulary than ``meta`` (an EAGLE-3 drafter's ``target_hidden_size``,
+    when set, is the width compared)."""
+    hidden = ("target_hidden_size", "target_hidden_size") if meta.target_hidden_size \
+        else ("hidden_size", names[0])
+    for (mine, theirs), have in zip((hidden, ("vocab_size", names[1])),
                                     (int(config.hidden_size), int(config.vocab_size))):
         if getattr(meta, mine) != have:
             raise fail(field, file, f"{theirs}={getattr(meta, mine)}, but the target has "
-                       f"{mine}={have} (a drafter for another target)")
+                       f"{mine.removeprefix('target_')}={have} (a drafter for another "
+                       f"target)")
 
 
 def assemble(meta: EagleMeta, tensors: dict[str, torch.Tensor], file: Path, field: str,
@@ -142,11 +146,14 @@ def public_tensors(model: EagleModel, embedding: bool = True) -> dict[str, torch
     return out
 
 
-def llama_fields(cfg: dict, file: Path, field: str, prefix: str = "") -> dict:
+def llama_fields(cfg: dict, file: Path, field: str, prefix: str = "",
+                 attention_bias: bool = False) -> dict:
     """The :class:`EagleMeta` fields a LLaMA-style config dict gives (``prefix``: where
     the dict sits in its file, for messages): sizes, heads, RoPE, norm epsilon. Values
-    speclab's LLaMA layer cannot hold (another activation, attention or MLP biases) are
-    errors naming the field."""
+    speclab's LLaMA layer cannot hold (another activation, MLP biases, attention biases
+    unless ``attention_bias``) are errors naming the field. With ``attention_bias`` (the
+    EAGLE-3 layer) LLaMA's ``attention_bias`` gives ``qkv_bias`` and ``o_bias``, and
+    ``qkv_bias`` (InternLM / vLLM's LLaMA) ``qkv_bias`` alone."""
     def need(key: str) -> int:
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
             raise fail(field, file, f"{prefix}{key}={cfg.get(key)!r}: a positive integer "
@@ -158,7 +165,11 @@ def llama_fields(cfg: dict, file: Path, field: str, prefix: str = "") -> dict:
     if act != "silu":
         raise fail(field, file, f"{prefix}hidden_act={act!r}: speclab's LLaMA layer uses "
                    f"silu")
-    for key in ("attention_bias", "mlp_bias", "qkv_bias"):
+    biases = {}
+    if attention_bias:
+        both = bool(cfg.get("attention_bias"))
+        biases = {"qkv_bias": both or bool(cfg.get("qkv_bias")), "o_bias": both}
+    for key in ("mlp_bias",) if attention_bias else ("attention_bias", "mlp_bias", "qkv_bias"):
         if cfg.get(key):
             raise fail(field, file, f"{prefix}{key}={cfg[key]!r}: speclab's LLaMA layer has "
                        f"no biases in its projections")
@@ -175,7 +186,7 @@ def llama_fields(cfg: dict, file: Path, field: str, prefix: str = "") -> dict:
             "intermediate_size": need("intermediate_size"), "rope_theta": float(theta),
             "rope_scaling": dict(scaling) if scaling else None,
             "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-            "max_positions": int(cfg.get("max_position_embeddings", 2048))}
+            "max_positions": int(cfg.get("max_position_embeddings", 2048)), **biases}
 
 
 def llama_config_dict(meta: EagleMeta, layers: int) -> dict:
@@ -189,6 +200,7 @@ def llama_config_dict(meta: EagleMeta, layers: int) -> dict:
            "hidden_act": "silu", "max_position_embeddings": meta.max_positions,
            "rms_norm_eps": meta.rms_norm_eps, "rope_theta": meta.rope_theta,
            "rope_scaling": dict(meta.rope_scaling) if meta.rope_scaling else None,
-           "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+           "attention_bias": meta.qkv_bias and meta.o_bias, "mlp_bias": False,
+           "tie_word_embeddings": False,
            "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
     return out

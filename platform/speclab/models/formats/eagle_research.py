@@ -34,6 +34,16 @@ everything EAGLE's strict ``load_state_dict`` wants (embedding included) in
 ``eagle_aux_hidden_state_layer_ids``, SpecForge / SGLang's ``eagle_config``); the EAGLE
 code itself always reads EAGLE-3's default layers (2, L // 2, L - 3), so a drafter
 trained on other layers runs there only through vLLM, SGLang or speclab.
+
+EAGLE-3 variants read from this layout (:mod:`.eagle3_layers`): ``target_hidden_size``
+(fc reads ``3 * target_hidden_size``; the drafter's own ``embed_tokens`` then must be in
+the file), SpecForge's ``fc_norm`` (``fc_norm.{0,1,2}.weight``, EAGLE-3.1) and SpecForge's
+``norm_output`` (false: the LM head reads the layer's output without the final norm; the
+state fed back is the layer's output either way), ``attention_bias`` (q/k/v/o biases), no
+``d2t`` / ``t2d`` for a full vocabulary, and a ``num_hidden_layers`` other than 1 when
+the file holds the one ``midlayer`` (the EAGLE code ignores the field). speculators'
+``norm_before_residual`` / ``norm_before_fc`` are refused here (neither the EAGLE code nor
+SpecForge computes them). Writing: the variants SpecForge computes, refused otherwise.
 """
 
 from __future__ import annotations
@@ -154,12 +164,12 @@ def read_eagle3_research(folder: Path, target: TargetParts | None, field: str,
     none) the target's. Errors name the file, the field and what was found."""
     folder = Path(folder)
     cfg, where, weights = _read_config_and_weights(folder, field)
-    fields = llama_fields(cfg, where, field)
+    fields = llama_fields(cfg, where, field, attention_bias=True)
     layers = cfg.get("num_hidden_layers", 1)
-    if layers != 1:
-        raise fail(field, where, f"num_hidden_layers={layers!r}: the EAGLE-3 drafter of the "
-                   f"EAGLE code and SpecForge has one decoder layer (midlayer)")
-    e3.reject_variants(cfg, fields["hidden_size"], where, field)
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        raise fail(field, where, f"num_hidden_layers={layers!r}: a positive integer is "
+                   f"needed")
+    variant = e3.variant_fields(cfg, fields["hidden_size"], where, field, research=True)
     named = e3.named_layers(cfg, where, field)
     tensors = read_tensors(weights, field)
     if not any(k.startswith(e3.RESEARCH_PREFIX) for k in tensors):
@@ -170,14 +180,22 @@ def read_eagle3_research(folder: Path, target: TargetParts | None, field: str,
                else "it holds EAGLE-3's d2t / t2d")
         raise fail(field, weights, f"has no {e3.RESEARCH_PREFIX}* (the EAGLE-3 layer), but "
                    f"{why}; found {have[:6]}")
+    more = sorted({".".join(k.split(".")[:2]) for k in tensors
+                   if k.count(".") > 1 and k.split(".")[1].isdigit()
+                   and not k.startswith("fc_norm.")})
+    if more:  # the EAGLE code builds one midlayer whatever num_hidden_layers says
+        raise fail(field, weights, f"holds decoder layers {more[:3]} besides midlayer "
+                   f"(config.json: num_hidden_layers={layers}): a multi-layer EAGLE-3 "
+                   f"drafter, which speclab's (one layer, like the EAGLE code's) does not "
+                   f"compute")
     return e3.build(cfg, fields, named, tensors, e3.RESEARCH_PREFIX, "", where, weights,
-                    field, target, target_config, advice)
+                    field, target, target_config, advice, variant=variant)
 
 
 def eagle3_research_problem(meta: EagleMeta, num_layers: int | None = None) -> str | None:
     """Why an EAGLE-3 drafter with ``meta`` cannot be written in the EAGLE-3 research
     format exactly (None: it can); ``num_layers``: the target's depth when known."""
-    return e3.public_problem(meta, "the EAGLE-3 research format", num_layers)
+    return e3.public_problem(meta, "the EAGLE-3 research format", num_layers, research=True)
 
 
 def write_eagle3_research(model, out: Path, field: str = "--format eagle",
@@ -197,6 +215,12 @@ def write_eagle3_research(model, out: Path, field: str = "--format eagle",
     cfg = llama_config_dict(model.meta, 1)
     cfg.update({"architectures": ["LlamaForCausalLMEagle3"], **e3.meta_fields(model.meta),
                 "pretraining_tp": 1, "torch_dtype": "float32"})
+    if model.meta.target_hidden_size:  # the EAGLE code and SpecForge: fc reads 3 * this
+        cfg["target_hidden_size"] = model.meta.target_hidden_size
+    if model.meta.fc_state_norms:  # SpecForge's EAGLE-3.1
+        cfg["fc_norm"] = True
+    if not model.meta.head_norm:  # SpecForge's meaning: no final norm before the LM head
+        cfg["norm_output"] = False
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     torch.save(e3.public_tensors(model, e3.RESEARCH_PREFIX), out / "pytorch_model.bin")
     return out
