@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 from speclab.models.formats.convert import EXPORT_FORMATS
+from speclab.models.formats.detect import EAGLE, SPECULATORS, eagle3_config
 
 
 def add_export_parser(sub, handlers: dict) -> None:
@@ -54,22 +55,26 @@ def serve_hints(fmt: str, out: Path, target: str | None = None) -> list[str]:
     ``config.json``; ``target``: the ``--target`` given (else the verifier the config
     names, or TARGET). [] for formats without a serving runtime to name."""
     path = Path(out) / "config.json"
-    if fmt not in ("speculators", "eagle") or not path.is_file():
+    if fmt not in (SPECULATORS, EAGLE) or not path.is_file():
         return []
     cfg = json.loads(path.read_text())
-    if fmt == "speculators":
+    if fmt == SPECULATORS:
         spec = cfg.get("speculators_config") or {}
         verifier = (spec.get("verifier") or {}).get("name_or_path") or target or "TARGET"
         method = cfg.get("speculators_model_type", "eagle3")
         methods = spec.get("proposal_methods") or [{}]
         n = methods[0].get("speculative_tokens", 5)
         draft = json.dumps({"model": str(out), "method": method, "num_speculative_tokens": n})
+        named = f"vllm serve {verifier} --speculative-config '{draft}'"
+        if Path(verifier).expanduser().exists():  # vLLM reads a hub id there, not a folder
+            return [f"serve it with vLLM naming the target: {named} (`vllm serve {out}` "
+                    f"alone needs speculators_config.verifier.name_or_path to be a hub id; "
+                    f"this one is the local folder {verifier})"]
         return [f"serve it with vLLM (it reads speculators_config: serves the verifier "
                 f"{verifier} with this {method} drafter, {n} speculative tokens): "
                 f"vllm serve {out}",
-                f"  or naming the target: vllm serve {verifier} --speculative-config '{draft}'"]
-    eagle3 = "draft_vocab_size" in cfg or any(
-        "eagle3" in str(a).lower() for a in cfg.get("architectures") or [])
+                f"  or naming the target: {named}"]
+    eagle3 = eagle3_config(cfg)
     name = target or "TARGET"
     code = (f"EaModel.from_pretrained(base_model_path={name!r}, ea_model_path={str(out)!r}, "
             f"use_eagle3={eagle3})")

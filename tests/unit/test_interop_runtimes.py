@@ -301,12 +301,21 @@ def test_an_eagle12_drafter_is_refused_for_speculators_naming_format_eagle(expor
     assert not any((exports["root"] / "spec-e1").glob("*"))  # nothing half-written
 
 
-def test_the_export_command_prints_how_each_runtime_serves_it(exports):
+def test_the_export_command_prints_how_each_runtime_serves_it(exports, tmp_path):
+    from speclab.export_cli import serve_hints
+
     spec = exports["out"]["spec-e3-reduced"]
     printed = exports["printed"]["spec-e3-reduced"]
-    assert f"vllm serve {spec}\n" in printed
     draft = json.dumps({"model": str(spec), "method": "eagle3", "num_speculative_tokens": 4})
     assert f"vllm serve {exports['target_dir']} --speculative-config '{draft}'" in printed
+    # vLLM takes a speculators folder alone only when its verifier is a hub id
+    assert f"vllm serve {spec} " not in printed and "needs speculators_config" in printed
+    cfg = json.loads((spec / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "org/hub-target"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hints = serve_hints("speculators", tmp_path)
+    assert hints[0].endswith(f"vllm serve {tmp_path}")
+    assert "vllm serve org/hub-target --speculative-config" in hints[1]
     for name, algo in (("eagle-e3-full", "EAGLE3"), ("eagle-e1", "EAGLE")):
         printed = exports["printed"][name]
         assert f"--speculative-algorithm {algo} --speculative-draft-model-path " \

@@ -253,9 +253,10 @@ class TrainScalingConfig(StrictModel):
 class OutputConfig(StrictModel):
     """Where a training job writes (checkpoints, data, the final model), what it
     registers in the MLflow Model Registry, and which public formats the final drafter
-    is also exported to (``export``: distill_eagle / compare_eagle drafters to
-    ``speculators`` or ``eagle``, train_medusa heads to ``medusa``; each export is a
-    folder beside the drafter, logged as an MLflow artifact ``export/<format>``)."""
+    is also exported to (``export``: EAGLE-1/2 / HASS drafters to ``eagle``, EAGLE-3
+    drafters to ``speculators`` or ``eagle``, train_medusa heads to ``medusa``; each
+    export is a folder beside the drafter, logged as an MLflow artifact
+    ``export/<format>``)."""
 
     storage_path: str | None = Field(None, description="default $SPECLAB_HOME/runs")
     run_name: str | None = Field(None, description="default <name>-<timestamp>")
@@ -366,8 +367,9 @@ class EagleTrainConfig(StrictModel):
     layers: int = Field(1, gt=0, description="decoder layers of the drafter")
     norms: bool = Field(True, description="speclab's layout: an RMS norm at layer 0's input "
                                           "and before the LM head; false: EAGLE-1/2's "
-                                          "(neither), which the EAGLE and speculators "
-                                          "formats hold (output.export)")
+                                          "(neither), which the EAGLE research format "
+                                          "holds (output.export: eagle; speculators holds "
+                                          "EAGLE-3 drafters only)")
     loss: str = Field("eagle", description="the objective (speclab.families.eagle.objectives: "
                                           "eagle, hass, talf, eagle3)")
     w_reg: float = Field(1.0, ge=0.0, allow_inf_nan=False,

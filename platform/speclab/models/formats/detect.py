@@ -83,7 +83,7 @@ def detect_drafter_format(folder: str | Path, field: str = "drafter",
         raise fail(field, folder, f"config.json has medusa_num_heads="
                    f"{cfg['medusa_num_heads']!r} but neither of {list(MEDUSA_FILES)} is "
                    f"there, nor model weights with medusa_head.* (a MEDUSA-2 model)")
-    if _eagle3_config(cfg):
+    if eagle3_config(cfg):
         return EAGLE3
     weights = weight_file(folder)
     if weights is None:
@@ -102,7 +102,7 @@ def detect_drafter_format(folder: str | Path, field: str = "drafter",
                f"t2d of an EAGLE-3 one (found {found}{' ...' if len(keys) > 4 else ''})")
 
 
-def _eagle3_config(cfg: dict) -> bool:
+def eagle3_config(cfg: dict) -> bool:
     """An EAGLE-3 research / SpecForge ``config.json``: ``draft_vocab_size`` or an
     ``*Eagle3*`` architecture."""
     archs = cfg.get("architectures") or []

@@ -55,6 +55,7 @@ import torch
 
 from speclab.families.eagle.model import EagleMeta, EagleModel
 from speclab.models.formats import eagle3_layers as e3
+from speclab.models.formats.detect import eagle3_config
 from speclab.models.formats.eagle_layers import (
     assemble,
     check_target_shape,
@@ -176,7 +177,7 @@ def read_eagle3_research(folder: Path, target: TargetParts | None, field: str,
         have = sorted({k.split(".")[0] for k in tensors})
         why = (f"config.json marks an EAGLE-3 drafter (draft_vocab_size="
                f"{cfg.get('draft_vocab_size')!r}, architectures={cfg.get('architectures')!r})"
-               if "draft_vocab_size" in cfg or "eagle3" in str(cfg.get("architectures")).lower()
+               if eagle3_config(cfg)
                else "it holds EAGLE-3's d2t / t2d")
         raise fail(field, weights, f"has no {e3.RESEARCH_PREFIX}* (the EAGLE-3 layer), but "
                    f"{why}; found {have[:6]}")
