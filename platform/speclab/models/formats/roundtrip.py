@@ -65,7 +65,7 @@ def roundtrip(drafter: str, target: str, formats: list[str], prompts: list[list[
         loaded = load_drafter(folder, dec.target.model)
         results = [dec.generate(prompt_ids=p, method="eagle", eagle_model=folder,
                                 max_new_tokens=max_new_tokens, **knobs) for p in prompts]
-        runs = [(r.tokens, list(r.stats.round_accepted)) for r in results]
+        runs = [(r.token_ids, list(r.stats.round_accepted)) for r in results]
         reference = reference or runs
         accepted = sum(sum(a) for _, a in runs)
         rounds = sum(len(a) for _, a in runs)
