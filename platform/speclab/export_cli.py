@@ -14,6 +14,9 @@ Which runtime reads what (checked by tests/unit/test_interop_runtimes.py):
   (``EaModel.from_pretrained``) and SGLang (``--speculative-draft-model-path``; its
   EAGLE-1/2 ``fc`` always has a bias, so an EAGLE-1/2 drafter without one is the EAGLE
   code's only).
+- ``medusa`` (heads-only ``medusa_lm_head.pt``): Medusa's loaders; with other than 5
+  heads a warning (:func:`medusa_hints`): ``medusa_model.py``'s fallback for a heads-only
+  folder builds 5 heads whatever ``medusa_num_heads`` says.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import json
 from pathlib import Path
 
 from speclab.models.formats.convert import EXPORT_FORMATS
-from speclab.models.formats.detect import EAGLE, SPECULATORS, eagle3_config
+from speclab.models.formats.detect import EAGLE, MEDUSA, SPECULATORS, eagle3_config
 
 
 def add_export_parser(sub, handlers: dict) -> None:
@@ -50,14 +53,47 @@ def add_export_parser(sub, handlers: dict) -> None:
     handlers["export"] = cmd_export
 
 
+#: the number of heads Medusa's ``medusa_model.py`` builds for a heads-only folder
+MEDUSA_FALLBACK_HEADS = 5
+
+
+def medusa_hints(cfg: dict) -> list[str]:
+    """A warning line when a Medusa export's ``config.json`` (``cfg``) has other than
+    :data:`MEDUSA_FALLBACK_HEADS` heads: FasterDecoding/Medusa's
+    ``medusa/model/medusa_model.py`` (``MedusaModel.from_pretrained``, what its CLI uses)
+    reads a heads-only folder through its fallback (``AutoConfig`` fails on a config
+    without ``model_type``), which sets ``medusa_num_heads = 5`` whatever the file says
+    and loads ``medusa_lm_head.pt`` with ``strict=False``; ``medusa_model_legacy.py``
+    reads ``medusa_num_heads`` from the config (or takes it as an argument). [] else."""
+    k = cfg.get("medusa_num_heads")
+    if not isinstance(k, int) or k == MEDUSA_FALLBACK_HEADS:
+        return []
+    n = MEDUSA_FALLBACK_HEADS
+    lo, hi = (k, n - 1) if k < n else (n, k - 1)
+    one = lo == hi
+    heads = f"head {lo}" if one else f"heads {lo}..{hi}"
+    what = (f"{heads} {'stays' if one else 'stay'} randomly initialised and "
+            f"{'is' if one else 'are'} used" if k < n
+            else f"{heads} {'is' if one else 'are'} dropped")
+    return [f"warning: medusa_num_heads={k}: Medusa's medusa.model.medusa_model.MedusaModel."
+            f"from_pretrained (its CLI's loader) builds {n} heads for a heads-only folder "
+            f"whatever config.json says and loads medusa_lm_head.pt with strict=False, so "
+            f"{what}; load it with medusa.model.medusa_model_legacy.MedusaModel."
+            f"from_pretrained(DIR) (LLaMA targets), which builds medusa_num_heads={k} heads "
+            f"from config.json (or pass medusa_num_heads={k} to it)"]
+
+
 def serve_hints(fmt: str, out: Path, target: str | None = None) -> list[str]:
     """The commands that serve the export in ``out`` (format ``fmt``), read from its
     ``config.json``; ``target``: the ``--target`` given (else the verifier the config
-    names, or TARGET). [] for formats without a serving runtime to name."""
+    names, or TARGET); for ``medusa``, the warning of :func:`medusa_hints`. [] for
+    formats without a serving runtime to name."""
     path = Path(out) / "config.json"
-    if fmt not in (SPECULATORS, EAGLE) or not path.is_file():
+    if fmt not in (SPECULATORS, EAGLE, MEDUSA) or not path.is_file():
         return []
     cfg = json.loads(path.read_text())
+    if fmt == MEDUSA:
+        return medusa_hints(cfg)
     if fmt == SPECULATORS:
         spec = cfg.get("speculators_config") or {}
         verifier = (spec.get("verifier") or {}).get("name_or_path") or target or "TARGET"

@@ -352,8 +352,20 @@ def widen_eagle(model, k: int, target_config=None, layers: int | None = None,
     ``target_config``'s depth, that hold the same features (:func:`deepened_index`). With
     ``target_config`` (the wide target's) the new meta is checked to be exactly that of a
     drafter for it. The wide drafter is built on ``device`` (default ``model``'s), each
-    tensor tiled there from ``model``'s where it lives (:func:`widened_tensors`)."""
+    tensor tiled there from ``model``'s where it lives (:func:`widened_tensors`). An
+    EAGLE-3 variant (a meta variant field of :mod:`speclab.families.eagle.model3` other
+    than its default) is refused by name: its norms, biases and fused widths are not
+    tiled here."""
     m = model.meta
+    variant_fields = ("target_hidden_size", "residual_norm", "fc_input_norm",
+                      "fc_state_norms", "feed_normed", "head_norm", "qkv_bias", "o_bias")
+    defaults = EagleMeta(target_architecture="", hidden_size=1, vocab_size=1)
+    changed = [f for f in variant_fields if getattr(m, f) != getattr(defaults, f)]
+    if changed:
+        raise ValueError(f"widen_eagle: the drafter is an EAGLE-3 variant ("
+                         f"{', '.join(f'{f}={getattr(m, f)!r}' for f in changed)}); only "
+                         f"drafters with the default {', '.join(variant_fields)} are "
+                         f"widened")
     feature_layers = m.feature_layers
     if m.version == 3 and target_config is not None and layers is None:
         raise ValueError("widen_eagle: an EAGLE-3 drafter's feature layers move with the "

@@ -15,8 +15,13 @@ a safetensors file with ``features [1, T, k * H]`` (float32) and ``input_ids [1,
   differ from the file, tensors still NaN (speculators' marker of "never loaded");
 - its forward (``Eagle3DraftModel.forward(hidden_states, input_ids, document_ids,
   ttt_steps=...)``, which returns only the drafted token ids) with ``ttt_steps`` 1 and
-  3, the draft-vocabulary logits of each step taken from ``lm_head`` and the layer's
-  output (the state fed back to the next step) from ``layers[-1]`` by forward hooks;
+  3, the draft-vocabulary logits of each step taken from ``lm_head`` by a forward hook;
+  the state fed back to the next step is what speculators itself hands the decoder
+  layer there (the hidden half of ``layers[0]``'s input at step K + 1, by a forward
+  pre-hook), reported per step as ``fed_back``: ``norm`` (the final norm's output,
+  which speculators feeds back under ``norm_output``), ``layer`` (``layers[-1]``'s
+  output, otherwise) or ``neither``; for the last step (and the one-step run), which
+  feed nothing back, the state of the rule the config's ``norm_output`` names;
   written to ``out`` as ``one.logits``, ``one.hidden`` and ``ttt.{logits,hidden,tokens}.K``.
 
 stdout holds only the JSON list (the libraries' logs go to stderr); a case that raises
@@ -48,6 +53,8 @@ def _config_report(folder: Path) -> dict:
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": cfg.eagle_aux_hidden_state_layer_ids,
         "layer_config_class": type(layer).__name__,
@@ -96,29 +103,48 @@ def _load_report(folder: Path):
 
 
 def _forward(model, inputs: Path, out: Path) -> dict:
-    """Eagle3DraftModel.forward with ttt_steps 1 and 3 on ``inputs``; tensors to ``out``."""
+    """Eagle3DraftModel.forward with ttt_steps 1 and 3 on ``inputs``; tensors to ``out``
+    (module docstring), the source of each fed-back state in the report."""
     import torch
     from safetensors.torch import load_file, save_file
 
     data = load_file(str(inputs))
     feats, ids = data["features"], data["input_ids"]
     docs = torch.zeros_like(ids)  # one document
-    logits, hidden = [], []
-    hooks = [model.lm_head.register_forward_hook(lambda m, i, o: logits.append(o.detach())),
-             model.layers[-1].register_forward_hook(lambda m, i, o: hidden.append(o.detach()))]
+    seen: dict[str, list] = {"logits": [], "layer": [], "norm": [], "fed": []}
+
+    def layer_input(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]  # cat([embeds, hidden])
+        seen["fed"].append(x[..., x.shape[-1] // 2:].detach().clone())
+
+    hooks = [model.lm_head.register_forward_hook(
+                 lambda m, i, o: seen["logits"].append(o.detach())),
+             model.layers[-1].register_forward_hook(
+                 lambda m, i, o: seen["layer"].append(o.detach())),
+             model.norm.register_forward_hook(lambda m, i, o: seen["norm"].append(o.detach())),
+             model.layers[0].register_forward_pre_hook(layer_input, with_kwargs=True)]
+    rule = "norm" if model.config.norm_output else "layer"
     tensors = {}
     with torch.no_grad():
         model(feats, ids, docs, ttt_steps=1)
-        tensors["one.logits"], tensors["one.hidden"] = logits[0], hidden[0]
-        logits.clear()
-        hidden.clear()
+        tensors["one.logits"], tensors["one.hidden"] = seen["logits"][0], seen[rule][0]
+        for v in seen.values():
+            v.clear()
         tokens = model(feats, ids, docs, ttt_steps=3)
     for hook in hooks:
         hook.remove()
-    for k, (lg, h, tok) in enumerate(zip(logits, hidden, tokens, strict=True)):
-        tensors.update({f"ttt.logits.{k}": lg, f"ttt.hidden.{k}": h, f"ttt.tokens.{k}": tok})
+    fed_back = []
+    for k in range(len(tokens) - 1):  # what step k + 1 was handed, against both sources
+        got = seen["fed"][k + 1]
+        fed_back.append(next((name for name in ("norm", "layer")
+                              if torch.equal(got, seen[name][k])), "neither"))
+    for k, (lg, tok) in enumerate(zip(seen["logits"], tokens, strict=True)):
+        fed = seen["fed"][k + 1] if k + 1 < len(tokens) else seen[rule][k]
+        tensors.update({f"ttt.logits.{k}": lg, f"ttt.hidden.{k}": fed, f"ttt.tokens.{k}": tok})
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out))
-    return {"steps": len(tokens), "logits_shape": list(logits[0].shape), "out": str(out)}
+    return {"steps": len(tokens), "logits_shape": list(seen["logits"][0].shape),
+            "out": str(out), "norm_output": bool(model.config.norm_output),
+            "fed_back": fed_back}
 
 
 def run_case(case: dict) -> dict:

@@ -337,6 +337,47 @@ def test_export_writes_a_pt_that_medusas_module_loads_strictly(tmp_path, tiny_pa
     assert_logits(load_medusa(out, target), lambda k, h: check[k](h), hidden)
 
 
+@pytest.mark.parametrize("k", [3, 5, 6])
+def test_export_warns_when_medusas_heads_only_loader_builds_another_head_count(
+        tmp_path, target, k):
+    """``medusa_model.py``'s ``MedusaModel.from_pretrained`` (Medusa's CLI) reads a
+    heads-only folder through its fallback: ``base_model_config.medusa_num_heads = 5``
+    whatever config.json says, then ``medusa_head.load_state_dict(state, strict=False)``.
+    Done here with Medusa's module: with ``k != 5`` heads that load misses heads (left
+    random) or drops some, silently, and ``speclab export`` prints a warning naming
+    medusa_num_heads and the loader that reads it (``medusa_model_legacy.py``, whose
+    module of ``medusa_num_heads`` heads loads the file strictly)."""
+    import contextlib
+    import io
+
+    from speclab.cli import main
+
+    src = tmp_path / "src"
+    write_heads(src, trained(medusa_head(k, 1), seed=20 + k), 1)
+    mine = save_medusa(load_medusa(src, target), tmp_path / "mine")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["export", str(mine), "--format", "medusa", "--out",
+                     str(tmp_path / "out")]) == 0
+    printed = printed.getvalue()
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    state = torch.load(tmp_path / "out" / "medusa_lm_head.pt", map_location="cpu")
+    fallback = medusa_head(5, cfg["medusa_num_layers"]).load_state_dict(state, strict=False)
+    silently_wrong = bool(fallback.missing_keys or fallback.unexpected_keys)
+    assert silently_wrong is (k != 5)
+    assert ("warning: medusa_num_heads=" in printed) is silently_wrong
+    if silently_wrong:
+        assert f"warning: medusa_num_heads={k}: " in printed
+        assert "medusa_model.MedusaModel.from_pretrained" in printed
+        assert "builds 5 heads" in printed and "strict=False" in printed
+        assert "medusa_model_legacy.MedusaModel.from_pretrained(DIR)" in printed
+        assert (f"heads {k}..4 stay randomly initialised" if k < 5
+                else "head 5 is dropped") in printed
+    # the legacy loader builds medusa_num_heads heads: every tensor has its place
+    medusa_head(cfg["medusa_num_heads"], cfg["medusa_num_layers"]).load_state_dict(
+        state, strict=True)
+
+
 def test_export_of_version2_heads_writes_their_lm_heads(tmp_path, tiny_pair, target):
     src = tmp_path / "v2"
     ref = trained(medusa_head(2, 1, lm_head=False), seed=12)

@@ -1,8 +1,12 @@
 """Exports checked by the reading code of the runtimes that serve them (issue 57).
 
-Tiny drafters (an EAGLE-3 drafter with a reduced and one with the full vocabulary, an
-EAGLE-1/2 drafter in the layout ``eagle.norms: false`` trains, one and two layers) are
-exported with ``speclab export``; then
+Tiny drafters (an EAGLE-3 drafter with a reduced and one with the full vocabulary, the
+EAGLE-3 variants speculators carries: ``norm_before_residual``, ``norm_before_fc``,
+EAGLE-3.1's ``fc_norm`` + ``norm_output`` (the normed state fed back), ``attention_bias``
+and all of them at once (``norm_before_fc`` and ``fc_norm`` exclude each other), one with
+``target_hidden_size`` other than its width, an EAGLE-1/2 drafter in the layout
+``eagle.norms: false`` trains, one and two layers) are exported with ``speclab export``;
+then
 
 - every ``--format speculators`` folder is read by speculators' OWN code (the pinned
   package of tests/interop/requirements.txt, installed by ``make setup`` into
@@ -11,13 +15,18 @@ exported with ``speclab export``; then
   unexpected key and no missing one but the two it never saves (the verifier's LM head
   and final norm, which it takes from the verifier for its training loss), and its
   forward (one step, and its 3-step training-time test) computes what speclab's drafter
-  computes on the same inputs;
+  computes on the same inputs, the state it feeds back included (the normed one under
+  ``norm_output``, as its own TTT loop does);
 - every ``--format eagle`` folder holds exactly the keys and shapes the EAGLE authors'
   code builds from its config.json (tests/interop/eagle_layout.py, written from
   SafeAILab/EAGLE's cnets.py / cnets1.py / ea_model.py), beyond what its loader fills in
   or deletes itself;
 - an EAGLE-1/2 drafter is refused for ``--format speculators`` (speculators 0.9 has no
-  EAGLE-1/2 model), the message naming ``--format eagle``.
+  EAGLE-1/2 model), the message naming ``--format eagle``; so is a ``target_hidden_size``
+  drafter (speculators 0.9.0 sizes fc by hidden_size), which ``--format eagle`` takes
+  (cnets.py reads target_hidden_size); every other variant is refused for ``--format
+  eagle``, attention biases included (cnets.py builds the EAGLE-3 attention with
+  ``bias=False``).
 
 Without ``.venv/interop`` the speculators checks skip, except under CI (the env var CI
 set), where they fail: CI installs it, so they can never pass there unrun.
@@ -76,6 +85,38 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+#: EAGLE-3 variant drafters (EagleMeta fields; all perturbed, reduced vocabulary)
+VARIANTS = {"nbr": {"residual_norm": True},  # speculators' norm_before_residual
+            "nbf": {"fc_input_norm": True},  # norm_before_fc (input_norm)
+            "e31": {"fc_state_norms": True, "feed_normed": True},  # fc_norm + norm_output
+            "bias": {"qkv_bias": True, "o_bias": True},  # attention_bias
+            "all": {"residual_norm": True, "fc_state_norms": True, "feed_normed": True,
+                    "qkv_bias": True, "o_bias": True},
+            "ths": {"hidden_size": 48, "target_hidden_size": H}}  # target_hidden_size
+#: variant -> what the refusal of ``--format speculators`` names (others are written)
+SPECULATORS_VARIANT_REFUSED = {"ths": "target_hidden_size=32 differs from the drafter's "
+                                      "hidden_size=48: speculators 0.9.0 sizes fc"}
+#: variant -> what the refusal of ``--format eagle`` names, from EAGLE's cnets.py (which
+#: builds the EAGLE-3 attention with bias=False and has no norm_before_* / fc_norm)
+EAGLE_VARIANT_REFUSED = {"nbr": "(norm_before_residual)", "nbf": "(norm_before_fc)",
+                         "e31": "(norm_output (speculators'))",
+                         "bias": "q/k/v/o_proj with bias=False",
+                         "all": "(norm_before_residual)"}
+
+
+def _variant(base: Eagle3Model, **fields) -> Eagle3Model:
+    """A drafter with ``base``'s meta but ``fields``; ``base``'s draft vocabulary, and its
+    embedding and LM head where as wide; the rest freshly initialised."""
+    model = Eagle3Model(replace(base.meta, **fields))
+    theirs = base.state_dict()
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if name in ("embed.weight", "lm_head.weight", "d2t", "t2d") \
+                    and t.shape == theirs[name].shape:
+                t.copy_(theirs[name])
+    return model
+
+
 def _perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     """Every trainable tensor moved off its initial value (norms off 1, so a swapped
     norm changes the output), the embedding and LM head left as the target's."""
@@ -110,6 +151,8 @@ def exports(tmp_path_factory):
     short.load_state_dict(reduced.state_dict())
     drafters = {"e3-reduced": _perturb(short, 1),
                 "e3-full": _perturb(Eagle3Model.from_target(target), 2),
+                **{f"v-{k}": _perturb(_variant(reduced, **fields), 10 + i)
+                   for i, (k, fields) in enumerate(VARIANTS.items())},
                 "e1": _perturb(EagleModel.from_target(target, 1, False, False), 3),
                 # two layers (layer 1 has its input norm) and an fc without a bias
                 "e1-2layers": _perturb(EagleModel(replace(
@@ -126,6 +169,15 @@ def exports(tmp_path_factory):
         assert export(f"spec-{k}", mine[k], "speculators", "--target", target_dir,
                       "--speculative-tokens", "4")[0] == 0
         assert export(f"eagle-{k}", mine[k], "eagle", "--target", target_dir)[0] == 0
+    for k in VARIANTS:
+        for fmt, why in (("speculators", SPECULATORS_VARIANT_REFUSED.get(k)),
+                         ("eagle", EAGLE_VARIANT_REFUSED.get(k))):
+            rc, _, err = export(f"{fmt[:4]}-v-{k}", mine[f"v-{k}"], fmt, "--target",
+                                target_dir)
+            assert rc == (2 if why else 0), err
+            if why:  # refused by name, nothing half-written
+                assert f"--format {fmt}: cannot write" in err and why in err, err
+                assert not any((root / f"{fmt[:4]}-v-{k}").glob("*"))
     # a public EAGLE-3 checkpoint (which records no target architecture) to speculators
     assert export("spec-from-eagle", out["eagle-e3-reduced"], "speculators",
                   "--target", target_dir)[0] == 0
@@ -138,7 +190,13 @@ def exports(tmp_path_factory):
 
 #: speculators export -> the drafter it was made from
 SPECULATORS_CASES = {"spec-e3-reduced": "e3-reduced", "spec-e3-full": "e3-full",
-                     "spec-from-eagle": "e3-reduced"}
+                     "spec-from-eagle": "e3-reduced",
+                     **{f"spec-v-{k}": f"v-{k}" for k in VARIANTS
+                        if k not in SPECULATORS_VARIANT_REFUSED}}
+#: EAGLE layout exports -> the drafter they were made from
+EAGLE_CASES = {"eagle-e3-reduced": "e3-reduced", "eagle-e3-full": "e3-full",
+               "eagle-e1": "e1", "eagle-e1-2layers": "e1-2layers",
+               **{f"eagl-v-{k}": f"v-{k}" for k in VARIANTS if k not in EAGLE_VARIANT_REFUSED}}
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +240,9 @@ def test_speculators_parses_the_config_of_each_export(name, exports, speculators
     assert case["speculators_model_type"] == "eagle3" and case["algorithm"] == "eagle3"
     assert case["fields_not_in_class"] == ["torch_dtype"]  # PretrainedConfig's own
     assert case["draft_vocab_size"] == (meta.draft_vocab_size or V)
-    assert case["norm_before_residual"] is False and case["norm_before_fc"] is False
+    assert (case["norm_before_residual"], case["norm_before_fc"], case["fc_norm"],
+            case["norm_output"]) == (meta.residual_norm, meta.fc_input_norm,
+                                     meta.fc_state_norms, meta.feed_normed)
     assert case["target_hidden_size"] in (None, H)
     assert case["eagle_aux_hidden_state_layer_ids"] == list(meta.feature_layers) == [2, 4, 5]
     assert (case["layer_config_class"], case["layer_model_type"]) == ("LlamaConfig", "llama")
@@ -191,6 +251,8 @@ def test_speculators_parses_the_config_of_each_export(name, exports, speculators
     assert (layer["num_attention_heads"], layer["num_key_value_heads"], layer["head_dim"]) == (
         meta.heads, meta.kv_heads or meta.heads, H // meta.heads)
     assert layer["intermediate_size"] == meta.intermediate_size
+    assert layer["attention_bias"] is (meta.qkv_bias and meta.o_bias)
+    assert layer["mlp_bias"] is False
     assert layer["max_position_embeddings"] == max(meta.max_positions,
                                                    target.max_position_embeddings)
     assert case["verifier"] == {"name_or_path": exports["target_dir"],
@@ -220,8 +282,14 @@ def test_speculators_forward_computes_what_the_drafter_computes(name, exports,
     """One step, and speculators' 3-step training-time test: its step k at position j
     (input ids shifted left by k, its own step k-1 output at j fed back, positions + k)
     is speclab's step k+1 of :func:`hass_forward` at pair j + k (same token, same
-    context, the same relative positions)."""
-    theirs = load_file(speculators_run["cases"][name]["forward"]["out"])
+    context, the same relative positions). The state compared is the one speculators
+    hands its next step (tests/interop/run_speculators.py): the final norm's output
+    under norm_output (speclab's feed_normed), the layer's output otherwise."""
+    forward = speculators_run["cases"][name]["forward"]
+    meta = exports["drafters"][SPECULATORS_CASES[name]].meta
+    assert forward["norm_output"] is meta.feed_normed
+    assert forward["fed_back"] == ["norm" if meta.feed_normed else "layer"] * (STEPS - 1)
+    theirs = load_file(forward["out"])
     feats = speculators_run["inputs"]["features"]
     ids = speculators_run["inputs"]["input_ids"]
     drafter = load_eagle(exports["mine"][SPECULATORS_CASES[name]]).eval()
@@ -251,15 +319,17 @@ def _state(folder: Path) -> dict[str, torch.Tensor]:
     return torch.load(folder / "pytorch_model.bin", weights_only=True)
 
 
-@pytest.mark.parametrize("name", ["eagle-e3-reduced", "eagle-e3-full", "eagle-e1",
-                                  "eagle-e1-2layers"])
+@pytest.mark.parametrize("name", list(EAGLE_CASES))
 def test_the_eagle_export_has_the_eagle_codes_keys_and_shapes(name, exports):
     folder = exports["out"][name]
     cfg = json.loads((folder / "config.json").read_text())
     state = _state(folder)
-    eagle3 = name.startswith("eagle-e3")
+    meta = exports["drafters"][EAGLE_CASES[name]].meta
+    eagle3 = meta.version == 3
     assert layout_problems({k: tuple(t.shape) for k, t in state.items()}, cfg, eagle3) == []
-    meta = exports["drafters"][name.removeprefix("eagle-")].meta
+    if meta.target_hidden_size:  # cnets.py: fc reads 3 * target_hidden_size
+        assert cfg["target_hidden_size"] == meta.target_hidden_size != cfg["hidden_size"]
+        assert tuple(state["fc.weight"].shape) == (meta.hidden_size, 3 * H)
     assert cfg["num_hidden_layers"] == meta.layers
     if eagle3:
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]  # SGLang's class

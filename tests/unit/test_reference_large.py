@@ -241,6 +241,25 @@ def test_the_widened_eagle3_drafter_proposes_what_the_small_one_does():
         widen_eagle(drafter, 2, large.config)
 
 
+@pytest.mark.parametrize("field,value", [
+    ("target_hidden_size", 16), ("residual_norm", True), ("fc_input_norm", True),
+    ("fc_state_norms", True), ("feed_normed", True), ("head_norm", False),
+    ("qkv_bias", True), ("o_bias", True)])
+def test_an_eagle3_variant_is_refused_for_widening_naming_the_field(field, value):
+    """The variants' norms, biases and fused widths are not tiled: refused by name, with
+    or without the wide target's config (no meta dump)."""
+    from dataclasses import replace
+
+    from speclab.families.eagle.model3 import Eagle3Model
+
+    small = _llama()
+    variant = Eagle3Model(replace(_eagle3(small).meta, **{field: value}))
+    for config in (None, widen_llama(deepen_llama(small, 7), 2).config):
+        with pytest.raises(ValueError, match=rf"widen_eagle: the drafter is an EAGLE-3 "
+                           rf"variant \({field}={value!r}\); only drafters with the default"):
+            widen_eagle(variant, 2, config, layers=3)
+
+
 def test_engine_decodes_the_grown_pair_with_eagle3_as_the_small_one(tmp_path):
     """``widen_drafter_folder`` (what ``speclab reference --large --widen`` runs) on a
     stand-in ``reference-large`` folder, then the engine: EAGLE-3 decoding on the grown

@@ -27,7 +27,7 @@ in speculators)
                                           registers them as None)
 ``input_norm.weight [k*H_t]``              the same (``norm_before_fc``)
 ``fc_norm.{i}.weight [H_t]``               the same (``fc_norm``, EAGLE-3.1)
-``P self_attn.{q,k,v,o}_proj.bias``        ``layer.*`` (``attention_bias``)
+``P self_attn.{q,k,v,o}_proj.bias``        ``layer.*`` (the ones the file holds)
 ========================================  ===========================================
 
 The variants (:mod:`speclab.families.eagle.model3`'s table) are read per format, as the code
@@ -37,9 +37,21 @@ normed state fed back: Eagle3DraftModel, vLLM); SpecForge's ``fc_norm`` and
 ``norm_output`` (THERE: whether the LM head reads ``norm(out)``, default true; what is
 fed back is always ``out``); ``target_hidden_size`` ``H_t`` in both (fc reads
 ``k * H_t``; the drafter's own embedding is ``[V, H]`` and must be in the file when
-``H_t != H``); ``attention_bias`` in both (q/k/v/o biases, vLLM's and speculators'
-meaning). A research config's ``num_hidden_layers`` is ignored when the file holds the
-one ``midlayer`` (the EAGLE code always builds one layer); more layers are refused.
+``H_t != H``). Attention biases are the ones the weight file holds (q/k/v biases, all three
+or none, and an o_proj bias; :func:`attention_biases`), whatever ``attention_bias`` /
+``qkv_bias`` say: no EAGLE-3 runtime reads ``qkv_bias`` as q/k/v-only (vLLM's qkv_proj
+takes ``attention_bias``, speculators' HF LLaMA layer ignores ``qkv_bias``) and SpecForge
+and the EAGLE code build no biases whatever the config says. A research config's
+``num_hidden_layers`` is ignored when the file holds the one ``midlayer`` (the EAGLE code
+always builds one layer); more layers are refused.
+
+Writing (:func:`public_problem`): speculators' layout takes every variant but SpecForge's
+``norm_output: false`` (``head_norm``), attention biases other than all four or none, and
+``target_hidden_size != hidden_size`` (speculators 0.9.0 sizes ``fc`` by ``hidden_size``);
+the research layout (the EAGLE code's ``cnets.py``, SGLang) takes ``target_hidden_size``
+alone: ``cnets.py`` has no ``fc_norm``, ``input_norm`` or biases (``bias=False``) and
+always computes ``lm_head(norm(h))``, and ``ea_model.py`` loads with ``strict=False``, so
+such tensors would be dropped silently.
 
 The target states ``fc`` reads are named by target layer (speclab's indices,
 :mod:`speclab.decoding.features`: ``i`` is the INPUT of decoder layer ``i``):
@@ -187,11 +199,28 @@ def _vocab_maps(d2t: torch.Tensor, t2d: torch.Tensor, vocab: int, file: Path,
     return d2t, want
 
 
+#: the attention biases a public EAGLE-3 layer may hold, under its prefix
+QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+O_BIAS = "self_attn.o_proj.bias"
+
+
+def attention_biases(tensors: dict, prefix: str, file: Path, field: str) -> dict:
+    """The meta's ``qkv_bias`` / ``o_bias`` from the tensors the file holds under
+    ``prefix`` (the config's ``attention_bias`` / ``qkv_bias`` are not read: module
+    docstring); q/k/v biases that do not come all three are an error naming the missing
+    one."""
+    have = [k for k in QKV_BIASES if prefix + k in tensors]
+    if have and len(have) < len(QKV_BIASES):
+        missing = next(k for k in QKV_BIASES if prefix + k not in tensors)
+        raise fail(field, file, f"holds {prefix}{have[0]} but no {prefix}{missing}: the "
+                   f"q/k/v biases come together (vLLM's qkv_proj has one bias over the three)")
+    return {"qkv_bias": bool(have), "o_bias": prefix + O_BIAS in tensors}
+
+
 def layer_keys(meta: EagleMeta) -> tuple[str, ...]:
     """The layer's tensor names (under its prefix) for ``meta``: :data:`LAYER_KEYS` plus
     the attention biases it has."""
-    bias = (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
-            if meta.qkv_bias else ()) + (("self_attn.o_proj.bias",) if meta.o_bias else ())
+    bias = (QKV_BIASES if meta.qkv_bias else ()) + ((O_BIAS,) if meta.o_bias else ())
     return LAYER_KEYS + bias
 
 
@@ -213,9 +242,6 @@ def _leftover_problem(left: list[str], prefix: str) -> str:
     if "input_norm.weight" in left:
         return ("input_norm.weight (norm_before_fc's norm over the fused target states), "
                 "but config.json does not set norm_before_fc: true")
-    if any(k.endswith("_proj.bias") for k in left):
-        return (f"attention biases {[k for k in left if k.endswith('.bias')][:4]}, but the "
-                f"config does not set attention_bias: true (q/k/v/o) or qkv_bias: true")
     layers = sorted({k.split(".")[0] + "." + k.split(".")[1] for k in left
                      if k.count(".") > 1 and k.split(".")[1].isdigit()})
     if layers:
@@ -304,7 +330,7 @@ def build(cfg: dict, fields: dict, named, tensors: dict, prefix: str, arch: str,
     (``fields``: the LLaMA fields of :func:`~.eagle_layers.llama_fields`;
     ``field_prefix``: where they sit in ``config.json``, for messages; ``variant``: the
     meta fields of :func:`variant_fields`)."""
-    variant = dict(variant or {})
+    variant = {**(variant or {}), **attention_biases(tensors, prefix, weights, field)}
     config = target.config if target is not None else target_config
     if config is not None:  # before anything is looked for: the shapes come first
         check_target_shape(EagleMeta(target_architecture="", **fields, **variant), config,
@@ -394,20 +420,31 @@ def public_problem(meta: EagleMeta, fmt: str, num_layers: int | None = None,
         return (f"feature_layers {list(layers)} include {num_layers}, the target's final "
                 f"norm output, which no public runtime captures (they read the input of a "
                 f"decoder layer)")
-    if meta.qkv_bias != meta.o_bias:
-        return ("the drafter's q/k/v projections have biases and o_proj none (qkv_bias); "
-                "vLLM's and speculators' EAGLE-3 layer reads attention_bias alone (all four "
-                "or none)")
     if research:
         return _research_problem(meta, layers)
+    if meta.qkv_bias != meta.o_bias:
+        which = "q/k/v projections have biases and o_proj none" if meta.qkv_bias \
+            else "o_proj has a bias and the q/k/v projections none"
+        return (f"the drafter's {which} (qkv_bias={meta.qkv_bias}, o_bias={meta.o_bias}); "
+                f"vLLM's and speculators' EAGLE-3 layer reads attention_bias alone (all four "
+                f"or none)")
     if not meta.head_norm:
         return (f"the drafter's LM head reads out without the final norm (SpecForge's "
                 f"norm_output: false); {fmt} always normalises before the LM head")
+    if meta.target_hidden_size and meta.target_hidden_size != meta.hidden_size:
+        return (f"target_hidden_size={meta.target_hidden_size} differs from the drafter's "
+                f"hidden_size={meta.hidden_size}: speculators 0.9.0 sizes fc (and fc_norm) by "
+                f"hidden_size (num_aux * hidden_size inputs), so its loader refuses fc.weight "
+                f"[{meta.hidden_size}, {len(layers) * meta.target_hidden_size}] (vLLM reads "
+                f"target_hidden_size, but that cannot be checked here); use --format eagle "
+                f"(the EAGLE code's cnets.py and SpecForge read target_hidden_size)")
     return None
 
 
 def _research_problem(meta: EagleMeta, layers: tuple[int, ...]) -> str | None:
-    """The variants the EAGLE-3 research layout (the EAGLE code, SpecForge) cannot hold."""
+    """The variants the EAGLE-3 research layout cannot hold: what the code that reads an
+    export in it (the EAGLE code's cnets.py / ea_model.py, SGLang's llama_eagle3.py) does
+    not compute."""
     if layers[0] == 0:
         return ("feature_layers include 0, the target's embedding output: SpecForge and "
                 "SGLang name the OUTPUT of decoder layer i (eagle_config ids), so it has no "
@@ -417,11 +454,28 @@ def _research_problem(meta: EagleMeta, layers: tuple[int, ...]) -> str | None:
                            (meta.fc_input_norm, "norm_before_fc",
                             "a norm over the fused target states"),
                            (meta.feed_normed, "norm_output (speculators')",
-                            "the normed state fed back"),
-                           (meta.qkv_bias, "attention_bias", "attention biases")):
+                            "the normed state fed back")):
         if on:
             return (f"the drafter has {what} ({flag}), which neither the EAGLE code nor "
                     f"SpecForge computes; use --format speculators")
+    if meta.qkv_bias or meta.o_bias:
+        return (f"the drafter has attention biases (qkv_bias={meta.qkv_bias}, o_bias="
+                f"{meta.o_bias}; attention_bias): the EAGLE code's cnets.py builds the EAGLE-3 "
+                f"layer's q/k/v/o_proj with bias=False and ea_model.py loads with "
+                f"strict=False, so they would be dropped silently; use --format speculators "
+                f"(attention_bias: q/k/v/o)")
+    if meta.fc_state_norms:
+        return ("the drafter normalises each fused target state (fc_state_norms; fc_norm, "
+                "EAGLE-3.1): the EAGLE code's cnets.py has no fc_norm (ea_model.py loads with "
+                "strict=False, so fc_norm.* would be dropped silently) and SGLang's "
+                "llama_eagle3.py has none either; use --format speculators, which carries "
+                "fc_norm")
+    if not meta.head_norm:
+        return ("the drafter's LM head reads the layer's output without the final norm "
+                "(head_norm false; SpecForge's norm_output: false): the EAGLE code's cnets.py "
+                "and SGLang always compute lm_head(norm(h)), and speculators' format "
+                "always normalises before the LM head too: no exported format holds this "
+                "drafter (keep speclab's folder)")
     return None
 
 

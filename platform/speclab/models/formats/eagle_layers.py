@@ -147,13 +147,15 @@ def public_tensors(model: EagleModel, embedding: bool = True) -> dict[str, torch
 
 
 def llama_fields(cfg: dict, file: Path, field: str, prefix: str = "",
-                 attention_bias: bool = False) -> dict:
+                 bias_from_tensors: bool = False) -> dict:
     """The :class:`EagleMeta` fields a LLaMA-style config dict gives (``prefix``: where
     the dict sits in its file, for messages): sizes, heads, RoPE, norm epsilon. Values
-    speclab's LLaMA layer cannot hold (another activation, MLP biases, attention biases
-    unless ``attention_bias``) are errors naming the field. With ``attention_bias`` (the
-    EAGLE-3 layer) LLaMA's ``attention_bias`` gives ``qkv_bias`` and ``o_bias``, and
-    ``qkv_bias`` (InternLM / vLLM's LLaMA) ``qkv_bias`` alone."""
+    speclab's LLaMA layer cannot hold (another activation, MLP biases, attention biases)
+    are errors naming the field. With ``bias_from_tensors`` (the EAGLE-3 layer) the
+    config's ``attention_bias`` / ``qkv_bias`` are not read at all: the runtimes disagree
+    on them (vLLM's qkv_proj takes ``attention_bias``, speculators' HF LLaMA layer ignores
+    ``qkv_bias``, SpecForge and the EAGLE code build no biases), so the EAGLE-3 readers
+    take the biases the weight file holds (:func:`.eagle3_layers.attention_biases`)."""
     def need(key: str) -> int:
         if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
             raise fail(field, file, f"{prefix}{key}={cfg.get(key)!r}: a positive integer "
@@ -165,11 +167,8 @@ def llama_fields(cfg: dict, file: Path, field: str, prefix: str = "",
     if act != "silu":
         raise fail(field, file, f"{prefix}hidden_act={act!r}: speclab's LLaMA layer uses "
                    f"silu")
-    biases = {}
-    if attention_bias:
-        both = bool(cfg.get("attention_bias"))
-        biases = {"qkv_bias": both or bool(cfg.get("qkv_bias")), "o_bias": both}
-    for key in ("mlp_bias",) if attention_bias else ("attention_bias", "mlp_bias", "qkv_bias"):
+    for key in ("mlp_bias",) if bias_from_tensors else ("attention_bias", "mlp_bias",
+                                                         "qkv_bias"):
         if cfg.get(key):
             raise fail(field, file, f"{prefix}{key}={cfg[key]!r}: speclab's LLaMA layer has "
                        f"no biases in its projections")
@@ -186,7 +185,7 @@ def llama_fields(cfg: dict, file: Path, field: str, prefix: str = "",
             "intermediate_size": need("intermediate_size"), "rope_theta": float(theta),
             "rope_scaling": dict(scaling) if scaling else None,
             "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-            "max_positions": int(cfg.get("max_position_embeddings", 2048)), **biases}
+            "max_positions": int(cfg.get("max_position_embeddings", 2048))}
 
 
 def llama_config_dict(meta: EagleMeta, layers: int) -> dict:

@@ -39,11 +39,15 @@ EAGLE-3 variants read from this layout (:mod:`.eagle3_layers`): ``target_hidden_
 (fc reads ``3 * target_hidden_size``; the drafter's own ``embed_tokens`` then must be in
 the file), SpecForge's ``fc_norm`` (``fc_norm.{0,1,2}.weight``, EAGLE-3.1) and SpecForge's
 ``norm_output`` (false: the LM head reads the layer's output without the final norm; the
-state fed back is the layer's output either way), ``attention_bias`` (q/k/v/o biases), no
-``d2t`` / ``t2d`` for a full vocabulary, and a ``num_hidden_layers`` other than 1 when
-the file holds the one ``midlayer`` (the EAGLE code ignores the field). speculators'
-``norm_before_residual`` / ``norm_before_fc`` are refused here (neither the EAGLE code nor
-SpecForge computes them). Writing: the variants SpecForge computes, refused otherwise.
+state fed back is the layer's output either way), attention biases (the ones the file
+holds), no ``d2t`` / ``t2d`` for a full vocabulary, and a ``num_hidden_layers`` other than
+1 when the file holds the one ``midlayer`` (the EAGLE code ignores the field).
+speculators' ``norm_before_residual`` / ``norm_before_fc`` are refused here (neither the
+EAGLE code nor SpecForge computes them). Writing: ``target_hidden_size`` is the one
+variant written (``cnets.py`` reads it); ``fc_norm``, ``norm_output: false`` and attention
+biases are refused, since the EAGLE code's ``cnets.py`` (and SGLang's ``llama_eagle3.py``)
+computes none of them and ``ea_model.py`` would drop their tensors silently
+(``strict=False``): :func:`.eagle3_layers.public_problem`.
 """
 
 from __future__ import annotations
@@ -165,7 +169,7 @@ def read_eagle3_research(folder: Path, target: TargetParts | None, field: str,
     none) the target's. Errors name the file, the field and what was found."""
     folder = Path(folder)
     cfg, where, weights = _read_config_and_weights(folder, field)
-    fields = llama_fields(cfg, where, field, attention_bias=True)
+    fields = llama_fields(cfg, where, field, bias_from_tensors=True)
     layers = cfg.get("num_hidden_layers", 1)
     if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         raise fail(field, where, f"num_hidden_layers={layers!r}: a positive integer is "
@@ -218,10 +222,6 @@ def write_eagle3_research(model, out: Path, field: str = "--format eagle",
                 "pretraining_tp": 1, "torch_dtype": "float32"})
     if model.meta.target_hidden_size:  # the EAGLE code and SpecForge: fc reads 3 * this
         cfg["target_hidden_size"] = model.meta.target_hidden_size
-    if model.meta.fc_state_norms:  # SpecForge's EAGLE-3.1
-        cfg["fc_norm"] = True
-    if not model.meta.head_norm:  # SpecForge's meaning: no final norm before the LM head
-        cfg["norm_output"] = False
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     torch.save(e3.public_tensors(model, e3.RESEARCH_PREFIX), out / "pytorch_model.bin")
     return out

@@ -7,7 +7,8 @@ verifier (the target).
 
     {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
      "transformer_layer_config": {<the LLaMA config of the drafter's layer; vocab_size is
-         the TARGET's vocabulary; attention_bias: q/k/v/o biases>},
+         the TARGET's vocabulary; attention_bias: q/k/v/o biases (written; on reading,
+         the bias tensors the file holds decide)>},
      "draft_vocab_size": V_d, "norm_before_residual": false, "norm_before_fc": false,
      "fc_norm": false, "norm_output": false, "target_hidden_size": H_t,
      "eagle_aux_hidden_state_layer_ids": [a, b, c],
@@ -28,7 +29,10 @@ None), ``input_norm.weight`` (``norm_before_fc``), ``fc_norm.{i}.weight``
 (``fc_norm``), optionally ``embed_tokens.weight`` (absent: the verifier's; speclab always
 writes it, so the export is the drafter exactly). The mapping and the variants
 (``norm_before_residual``, ``norm_before_fc``, ``fc_norm``, ``norm_output``: the normed
-state fed back, ``target_hidden_size``) are :mod:`.eagle3_layers`'. Refused by name: an
+state fed back, ``target_hidden_size``) are :mod:`.eagle3_layers`'. Written: every
+variant but ``target_hidden_size != hidden_size`` (speculators 0.9.0 builds ``fc`` with
+``num_aux * hidden_size`` inputs and refuses such a file), SpecForge's ``norm_output:
+false`` and attention biases other than all four or none. Refused on reading by name: an
 absent ``norm_before_residual`` (speculators reads false, vLLM true), a
 ``transformer_layer_config`` of another ``model_type`` than llama or of more than one
 layer (speculators' multi-layer drafter). What released vLLM reads:
@@ -302,7 +306,7 @@ def read_speculators_eagle3(folder: Path, target: TargetParts | None, field: str
         raise fail(field, where, "has no norm_before_residual: speculators reads that as "
                    "false and vLLM as true, so what the drafter computes is unknown")
     fields = llama_fields(layer, where, field, "transformer_layer_config.",
-                          attention_bias=True)
+                          bias_from_tensors=True)
     variant = e3.variant_fields(cfg, fields["hidden_size"], where, field, research=False)
     named = e3.named_layers(cfg, where, field, sglang=False)
     weights = weight_file(folder)
