@@ -249,3 +249,38 @@ def test_a_budget_of_another_draft_length_starts_afresh(tiny_pair, tmp_path, mon
     state = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4).state() | {
         "ended": [[1.0] * 4, [1.0] * 4]}
     assert AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 8).resume(state).q(8) == 0.5
+
+
+def test_with_nobody_waiting_the_slowest_row_decides():
+    """Offline, once no sequence waits to join, the batch ends with its slowest row: a
+    depth that pays on the rows' sum but not for the row with the most tokens left is
+    not chosen; while sequences wait, the sum (throughput) decides."""
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 0.5e-3)), 4, prior=[0.5], warmup=0,
+                      driven=True)
+    fast, slow = auto.row(), auto.row()
+    for _ in range(40):  # the fast row accepts every draft, the slow one none
+        fast.observe(4, 4, 4, 0.004)
+        slow.observe(4, 0, 4, 0.004)
+    fast.choose(limit=10)  # tokens each may still draft: the slow row lags
+    slow.choose(limit=50)
+    assert auto.laggards() == []  # backlog (the default): the throughput objective
+    auto.next_step()
+    assert fast.choose(limit=10) > 0
+    auto.backlog = False
+    assert auto.laggards() == [slow.key]
+    auto.next_step()
+    assert slow.choose(limit=50) == 0  # drafting would not bring the last row home sooner
+    rates = auto.rates()
+    assert rates[0] == max(rates)
+
+
+def test_probes_come_less_often_while_plain_decoding_keeps_winning():
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=0,
+                      probe_every=2)
+    row = auto.row()
+    picks = []
+    for _ in range(16):
+        picks.append(row.choose())
+        row.observe(picks[-1], 0, picks[-1], 0.002 + 0.001 * picks[-1])
+    probes = [i for i, p in enumerate(picks) if p > 0]
+    assert probes == [1, 5, 13]  # the 2nd, then 4th, then 8th decision of a plain run

@@ -127,6 +127,8 @@ def generate_batch(
             x.answer(None)
             live.append(x)
         batch.max_batch = max(batch.max_batch, len(live))
+        if policy is not None:  # none waiting: the last rows' finish is what counts
+            policy.backlog = bool(waiting)
         # 0. joining rows: one target prefill, one draft join
         starts = [x for x in live if isinstance(x.msg, Start)]
         if starts:

@@ -31,10 +31,19 @@ The model of a step of depth ``d`` over the ``R`` live rows:
   curve times ``d`` (0 for model-free drafters);
 * ``T(0) = target(R, 1) * r0``, ``E_r(0) = 1``.
 
-The decision is ``argmax_d sum_rows E_r(d) / T(d)``. The first
+The decision is ``argmax_d sum_rows E_r(d) / T(d)`` (committed tokens per second: right
+while new sequences wait to take the places of those that end, as in Serve). When none
+wait (:attr:`AutoBudget.backlog` false: the offline engine's last rows), the batch ends
+when its slowest row does, and a step that drafts makes rows advance unevenly: the
+decision is then ``argmax_d min_{r in L} E_r(d) / T(d)`` over the laggards ``L`` (the rows
+with the most tokens left, within 10% of the most: each row's remaining budget is the
+limit it last asked with), so the depth is the one that brings the LAST row home soonest.
+The first
 :attr:`AutoBudget.warmup` decisions draft at the method's own length (measuring it);
 after :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best
-positive depth, so the acceptance estimates stay current. Pure Python: no Ray, no
+positive depth, so the acceptance estimates stay current; a probe after which the model
+still chooses plain decoding doubles the run the next one waits for (at most 8x), and a
+drafting choice of the model resets it. Pure Python: no Ray, no
 MLflow, no tensors.
 """
 
@@ -82,6 +91,8 @@ class AutoBudget:
     probe_every: int = 16
     warmup: int = 2
     width: float = 1.0  # draft nodes per level (per row)
+    #: whether sequences wait to join (throughput objective) or not (the slowest row's)
+    backlog: bool = True
     #: running ratio of a plain step's wall seconds to its target forward's curve
     plain_ratio: float = 1.0
     #: per depth: running seconds of a step beyond its target forward (the draft part)
@@ -90,6 +101,7 @@ class AutoBudget:
     nodes: dict[int, float] = field(default_factory=dict)
     decisions: list[int] = field(default_factory=list)  # every step's depth
     _rows: dict[int, _Acceptance] = field(default_factory=dict)
+    _left: dict[int, int] = field(default_factory=dict)  # row -> tokens it may still draft
     #: the counts of the rows that ended (decayed as they are added): every later row's
     #: prior, so what earlier requests measured carries over
     _ended: _Acceptance | None = None
@@ -103,6 +115,7 @@ class AutoBudget:
     _observed: bool = False  # a round ended since the last decision
     _timed: bool = False  # the current decision's step time is in already
     _plain_run: int = 0
+    _probe_gap: int = 0  # plain decisions in a row before the next probe (0: probe_every)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_depth, bool) or self.max_depth < 1:
@@ -180,8 +193,24 @@ class AutoBudget:
         the live rows (``limit``: the most levels it may draft)."""
         top = self.max_depth if limit is None else max(min(self.max_depth, limit), 0)
         keys = list(self._rows) or [None]
+        lag = self.laggards()
+        if lag:  # nobody waits: the slowest row's progress, scaled to the batch's tokens
+            return [min(self.expected_tokens(d, k) for k in lag) * len(keys)
+                    / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
         return [sum(self.expected_tokens(d, k) for k in keys)
                 / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
+
+    def laggards(self) -> list[int]:
+        """The rows that finish the batch when none wait to join (:attr:`backlog` false):
+        those with the most tokens left (within 10%); [] while sequences wait, or for
+        fewer than two rows (one row's rate is the batch's)."""
+        if self.backlog or len(self._rows) < 2:
+            return []
+        left = {k: self._left[k] for k in self._rows if k in self._left}
+        if len(left) < 2:
+            return []
+        most = max(left.values())
+        return [k for k, v in left.items() if v >= 0.9 * most]
 
     def decide(self) -> int:
         """The step's depth (0: plain decoding): warm-up, the best rate, or a probe."""
@@ -189,10 +218,14 @@ class AutoBudget:
         best = max(range(len(rates)), key=rates.__getitem__)
         if len(self.decisions) < self.warmup:
             best = self.max_depth
+        elif best > 0:  # the model drafts again: probes come at the first interval
+            self._probe_gap = self.probe_every
         if best == 0:
             self._plain_run += 1
-            if self._plain_run >= self.probe_every:
+            gap = self._probe_gap or self.probe_every
+            if self._plain_run >= gap:
                 best = max(range(1, len(rates)), key=rates.__getitem__)
+                self._probe_gap = min(2 * gap, 8 * self.probe_every)
         if best > 0:
             self._plain_run = 0
         self.decisions.append(best)
@@ -267,6 +300,7 @@ class AutoBudget:
     def end(self, key: int) -> None:
         """Row ``key`` left: its counts join those of the rows that ended (the prior of
         the rows to come) and no longer count in the decisions."""
+        self._left.pop(key, None)
         acc = self._rows.pop(key, None)
         if acc is None:
             return
@@ -290,7 +324,10 @@ class RowBudget:
         return self.shared.max_depth
 
     def choose(self, limit: int | None = None) -> int:
-        """The round's budget in levels (0: plain decoding), at most ``limit``."""
+        """The round's budget in levels (0: plain decoding), at most ``limit`` (the
+        tokens this sequence may still draft: the laggards' measure)."""
+        if limit is not None:
+            self.shared._left[self.key] = limit
         b = self.shared.current()
         if limit is not None:
             b = max(min(b, limit), 0)
