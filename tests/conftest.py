@@ -13,6 +13,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: torch on one thread for a module's tests
+    (idle OpenMP threads spinning against other processes made one generate 70x
+    slower). Use it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _noisy_copy(src: str, dst: str, scale: float, seed: int) -> str:
     """A draft that mostly agrees with the target: its weights plus Gaussian noise."""
     from transformers import AutoModelForCausalLM

@@ -31,14 +31,7 @@ PROMPT = [3, 9, 27, 17, 51, 2]
 H, V, HEADS, INTER = 32, 64, 4, 64  # the tiny target's sizes (conftest tiny_pair)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: idle OpenMP threads spinning against
-    other processes made one generate 70x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,7 @@ DEFAULT = (2, 4, 5)  # EAGLE-3's (2, L // 2, L - 3) for L = 8
 VD = 40  # the draft vocabulary of the checkpoints below
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one thread (idle OpenMP threads spin)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -76,13 +76,7 @@ def interop_env(path: Path = INTEROP) -> Path:
     pytest.skip(why)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one thread (idle OpenMP threads spin)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 #: EAGLE-3 variant drafters (EagleMeta fields; all perturbed, reduced vocabulary)
