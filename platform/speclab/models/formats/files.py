@@ -55,38 +55,59 @@ def weight_file(folder: Path, names: tuple[str, ...] = WEIGHT_FILES + INDEX_FILE
     return None
 
 
-def _load_one(path: Path, field: str) -> dict[str, torch.Tensor]:
+def _load_one(path: Path, field: str, names: set[str] | None = None
+              ) -> dict[str, torch.Tensor]:
+    """The tensors of one weights file (``names``: only those: safetensors read by name, a
+    ``torch.save`` pickle memory-mapped where it can be)."""
     try:
         if path.suffix == ".safetensors":
+            from safetensors import safe_open
             from safetensors.torch import load_file
 
-            return load_file(str(path))
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
+            if names is None:
+                return load_file(str(path))
+            with safe_open(str(path), "pt") as f:
+                return {n: f.get_tensor(n) for n in names if n in f.keys()}
+        state = None
+        if names is not None:
+            try:  # memory-mapped: only the tensors asked for are read
+                state = torch.load(str(path), map_location="cpu", weights_only=True,
+                                   mmap=True)
+            except Exception:  # noqa: BLE001 - not a zip pickle: read it whole below
+                state = None
+        if state is None:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
         raise fail(field, path, f"cannot be read as a checkpoint ({type(e).__name__}: "
                    f"{str(e)[:200]})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
                                               for v in state.values()):
         raise fail(field, path, "is not a flat {name: tensor} state dict")
-    return state
+    if names is None:
+        return state
+    return {n: t.clone() for n, t in state.items() if n in names}
 
 
-def read_tensors(path: Path, field: str) -> dict[str, torch.Tensor]:
-    """All tensors of ``path``: a ``.safetensors`` file, a ``torch.save`` pickle (loaded
-    with ``weights_only=True``: no code runs) or a ``*.index.json`` of shards."""
+def read_tensors(path: Path, field: str, names: set[str] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """All tensors of ``path`` (``names``: only those, reading no more than needed): a
+    ``.safetensors`` file, a ``torch.save`` pickle (loaded with ``weights_only=True``: no
+    code runs) or a ``*.index.json`` of shards (with ``names``, only the shards that hold
+    them)."""
     path = Path(path)
     if path.name.endswith(".index.json"):
         try:
-            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError):
+            where = json.loads(path.read_text())["weight_map"]
+            shards = sorted({s for n, s in where.items() if names is None or n in names})
+        except (ValueError, KeyError, AttributeError, TypeError):
             raise fail(field, path, "has no weight_map") from None
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
             if "/" in shard or shard.startswith("."):
                 raise fail(field, path, f"names a shard outside the folder: {shard!r}")
-            state.update(_load_one(path.parent / shard, field))
+            state.update(_load_one(path.parent / shard, field, names))
         return state
-    return _load_one(path, field)
+    return _load_one(path, field, names)
 
 
 def shape(t: torch.Tensor) -> list[int]:

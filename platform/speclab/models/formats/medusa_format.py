@@ -212,40 +212,9 @@ def _read_medusa2(file: Path, names: set[str], cfg: dict, field: str
     if lm_name not in names and cfg.get("tie_word_embeddings"):
         lm_name = next((n for n in sorted(names) if n.endswith("embed_tokens.weight")), "")
     wanted = {n for n in names if n.startswith(PREFIX)} | ({lm_name} & names)
-    got = _read_some(file, wanted, field)
+    got = read_tensors(file, field, wanted)
     lm = got.pop(lm_name, None)
     return {n.removeprefix(PREFIX): t for n, t in got.items()}, lm
-
-
-def _read_some(file: Path, wanted: set[str], field: str) -> dict[str, torch.Tensor]:
-    """The tensors ``wanted`` of ``file`` (safetensors read by name; a sharded index reads
-    only the shards that hold them; a ``torch.save`` pickle memory-mapped when it can
-    be)."""
-    if file.name.endswith(".index.json"):
-        try:
-            where = json.loads(file.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise fail(field, file, "has no weight_map") from None
-        out: dict[str, torch.Tensor] = {}
-        for shard in sorted({where[n] for n in wanted}):
-            if "/" in shard or shard.startswith("."):
-                raise fail(field, file, f"names a shard outside the folder: {shard!r}")
-            out.update(_read_some(file.parent / shard, wanted, field))
-        return out
-    if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(file), "pt") as f:
-                return {n: f.get_tensor(n) for n in wanted if n in f.keys()}
-        except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
-            raise fail(field, file, f"cannot be read as a checkpoint ({type(e).__name__}: "
-                       f"{str(e)[:200]})") from None
-    try:
-        state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - not a zip pickle: read it whole (and say why not)
-        state = read_tensors(file, field)
-    return {n: t.clone() for n, t in state.items() if n in wanted}
 
 
 def write_medusa(heads: MedusaHeads, out: Path, target: str | None = None) -> Path:
