@@ -68,7 +68,6 @@ from speclab.models.formats.speculators import (
     read_speculators_eagle3,
     speculators_eagle3_problem,
     speculators_problem,
-    write_speculators,
     write_speculators_eagle3,
 )
 
@@ -210,12 +209,9 @@ def export_drafter(source: str | Path, fmt: str, out: str | Path,
         save_medusa(drafter, out, drafter.tree)
         return _provenance(out, src_fmt, folder, verifier)
     eagle3 = drafter.meta.version == 3
-    if fmt == SPECULATORS:
-        if eagle3:
-            return write_speculators_eagle3(drafter, out, verifier, _arch_of(drafter, target),
-                                            speculative_tokens, num_layers=depth)
-        return write_speculators(drafter, out, verifier, _arch_of(drafter, target),
-                                 speculative_tokens)
+    if fmt == SPECULATORS:  # EAGLE-3 only: export_problem refused EAGLE-1/2 above
+        return write_speculators_eagle3(drafter, out, verifier, _arch_of(drafter, target),
+                                        speculative_tokens, num_layers=depth)
     if fmt == EAGLE:
         if eagle3:
             return write_eagle3_research(drafter, out, num_layers=depth)

@@ -273,17 +273,6 @@ def _max_positions(meta: EagleMeta, verifier: str | None) -> int:
     return meta.max_positions
 
 
-def write_speculators(model: EagleModel, out: Path, verifier: str | None,
-                      verifier_arch: str = "", speculative_tokens: int = 5,
-                      field: str = "--format speculators") -> Path:
-    """Refuse to write the EAGLE-1/2 drafter ``model`` in the speculators format: a
-    DrafterFormatError naming why (:func:`speculators_problem`) and the way out,
-    ``--format eagle``. (The signature is the other writers'.)"""
-    del out, verifier, verifier_arch, speculative_tokens
-    raise DrafterFormatError(f"{field}: cannot write this drafter in the speculators "
-                             f"format: {speculators_problem(model.meta)}")
-
-
 def read_speculators_eagle3(folder: Path, target: TargetParts | None, field: str,
                             advice: str = "", target_config=None):
     """The ``speculators_model_type: eagle3`` drafter in ``folder`` (module docstring) as
