@@ -357,14 +357,11 @@ def widen_eagle(model, k: int, target_config=None, layers: int | None = None,
     than its default) is refused by name: its norms, biases and fused widths are not
     tiled here."""
     m = model.meta
-    variant_fields = ("target_hidden_size", "residual_norm", "fc_input_norm",
-                      "fc_state_norms", "feed_normed", "head_norm", "qkv_bias", "o_bias")
-    defaults = EagleMeta(target_architecture="", hidden_size=1, vocab_size=1)
-    changed = [f for f in variant_fields if getattr(m, f) != getattr(defaults, f)]
+    changed = m.variant()
     if changed:
         raise ValueError(f"widen_eagle: the drafter is an EAGLE-3 variant ("
-                         f"{', '.join(f'{f}={getattr(m, f)!r}' for f in changed)}); only "
-                         f"drafters with the default {', '.join(variant_fields)} are "
+                         f"{', '.join(f'{f}={v!r}' for f, v in changed.items())}); only "
+                         f"drafters with the default {', '.join(m.VARIANT_FIELDS)} are "
                          f"widened")
     feature_layers = m.feature_layers
     if m.version == 3 and target_config is not None and layers is None:

@@ -72,6 +72,16 @@ class EagleMeta:
     o_bias: bool = False  # o_proj has a bias (attention_bias)
     kind: str = KIND
 
+    #: the EAGLE-3 variant fields above (:mod:`speclab.families.eagle.model3`'s table)
+    VARIANT_FIELDS = ("target_hidden_size", "residual_norm", "fc_input_norm",
+                      "fc_state_norms", "feed_normed", "head_norm", "qkv_bias", "o_bias")
+
+    def variant(self) -> dict:
+        """The EAGLE-3 variant fields that differ from their defaults ({} for the EAGLE
+        code's drafter)."""
+        return {f: getattr(self, f) for f in self.VARIANT_FIELDS
+                if getattr(self, f) != self.__dataclass_fields__[f].default}
+
     @property
     def feature_width(self) -> int:
         """Width of the target features the drafter reads: ``H``, or ``k * H_t`` for an
