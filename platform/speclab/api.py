@@ -199,6 +199,7 @@ class Decoder:
         the batch, see :mod:`speclab.calibration`).
         """
         cfg = self.method_config(method, knobs)
+        budget = cfg.budget if budget is None else budget  # a method config's own
         params = SamplingParams(temperature, sample_top_k, top_p)
         if budget not in (None, "auto", "fixed"):
             raise ValueError(f"budget: 'auto' or 'fixed', got {budget!r}")

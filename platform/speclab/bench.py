@@ -517,9 +517,9 @@ def crossover(rows: list[dict]) -> dict[str, int | None]:
     return out
 
 
-def batch_plot(rows: list[dict]):
+def batch_plot(rows: list[dict], what: str = "greedy, reference pair"):
     """Speedup over AR (same batch size) against batch size, one line per method, and AR's
-    tokens/s; a matplotlib figure."""
+    tokens/s; a matplotlib figure (``what``: the run, in the title)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -538,7 +538,7 @@ def batch_plot(rows: list[dict]):
     ax.set_xlabel("batch size (rows decoded together)")
     ax.set_ylabel("speedup over AR at the same batch size (x)\n(median paired ratio, 95% "
                   "interval)")
-    ax.set_title("Where speculation stops paying (greedy, reference pair)")
+    ax.set_title(f"Where speculation stops paying ({what})")
     ax.legend(fontsize=7, loc="best")
     ar = sorted((r["batch_size"], r["tokens_per_s"]) for r in rows if r["method"] == "ar")
     ax2.plot([b for b, _ in ar], [t for _, t in ar], "o-")

@@ -16,7 +16,7 @@ def _knob_flags() -> dict[str, dict]:
     flags: dict[str, dict] = {}
     for mname, cls in methods().items():
         for field, info in cls.model_fields.items():
-            if field in ("name", "label"):
+            if field in cls.META:  # --budget is generate's own flag
                 continue
             slot = flags.setdefault(field, {"annotation": info.annotation, "methods": [],
                                             "help": info.description or field,
@@ -118,7 +118,7 @@ def method_from_args(args: argparse.Namespace):
     given = {f: getattr(args, f) for f in _knob_flags() if getattr(args, f, None) is not None}
     foreign = sorted(f for f in given if f not in cls.model_fields)
     if foreign:
-        knobs = sorted(f for f in cls.model_fields if f != "name")
+        knobs = sorted(f for f in cls.model_fields if f not in cls.META)
         raise ValueError(f"{foreign[0]}: not a knob of method {args.method!r} (its knobs: "
                          f"{', '.join(knobs) or 'none'}); drop "
                          f"{', '.join('--' + f.replace('_', '-') for f in foreign)}")

@@ -176,7 +176,7 @@ def evaluate_method(cfg: TuneJob, target: str, draft: str | None,
     dec = load_decoder(cfg, target, draft)
     m = method if method is not None else cfg.method
     run = MethodRun(m.name, m.params(), m.label or "")
-    res = interleaved_comparison(dec, [run], prompts, cfg.decoding.model_dump())[run.name]
+    res = interleaved_comparison(dec, [run], prompts, cfg.decoding.generate_kwargs())[run.name]
     row = summarize(run, res["totals"], res["ar"], res["ar"].outputs)
     lat = t_draft * row["draft_calls_per_token"] + t_target * row["target_calls_per_token"]
     out = {k: float(row[k]) for k in ("speedup", "speedup_lo", "speedup_hi", "speedup_totals",

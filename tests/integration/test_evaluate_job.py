@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -293,3 +294,37 @@ def test_evaluate_job_decodes_in_batches(job_env):
     assert m["target_forwards_per_token"] < m["target_calls_per_token"]
     assert children["ar"].data.metrics["target_forwards_per_token"] == pytest.approx(0.5, abs=0.07)
     assert math.isnan(m["speedup_std"])  # one wall time for the whole batch: no spread
+
+
+def test_evaluate_job_sweeps_batch_sizes_with_an_auto_budget(job_env):
+    """`decoding.batch_sizes`: every method at each size (AR at the same size), then per
+    size plain decoding, the best fixed method and the `budget: auto` one; the table
+    and JSON logged, a child run per method with the batch size as step."""
+    res = run_cmd([python(), "-m", "jobs.evaluate", "--config", SMOKE,
+                   "decoding.batch_sizes=[1,2]", "resources.num_actors=1",
+                   "methods=[{name: chain, gamma: 2}, {name: chain, gamma: 3, budget: auto}]",
+                   "name=smoke-evaluate-sweep"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[evaluate] batch size 1" in res.stdout and "[evaluate] batch size 2" in res.stdout
+    sweep = res.stdout[res.stdout.index("[evaluate] batch sweep [1, 2]"):]
+    assert "chain(budget=auto,gamma=3)" in sweep and "chain(gamma=2)" in sweep, sweep
+    client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
+    m = run.data.metrics
+    assert {"batch_1/best_speedup", "batch_2/best_speedup"} <= set(m), sorted(m)
+    assert run.data.tags["mlflow.note.content"].startswith("**Batch sweep [1, 2]**")
+    local = Path(client.download_artifacts(run.info.run_id, "batch_sweep.json"))
+    data = json.loads(local.read_text())
+    assert [(r["batch_size"], r["auto"], r["best_fixed"]) for r in data["auto_sweep"]] == [
+        (1, "chain(budget=auto,gamma=3)", "chain(gamma=2)"),
+        (2, "chain(budget=auto,gamma=3)", "chain(gamma=2)")]
+    assert all(r["auto_speedup"] > 0 and r["auto_budget_mean"] is not None
+               for r in data["auto_sweep"])
+    auto = [r for r in data["rows"] if r["method"] == "chain(budget=auto,gamma=3)"]
+    assert [r["batch_size"] for r in auto] == [1, 2] and all(r["identical_to_ar"] for r in auto)
+    assert {"batch_scaling.png", "batch_sweep.txt"} <= {
+        a.path for a in client.list_artifacts(run.info.run_id)}
+    children = method_children(client, run)
+    assert sorted(children) == ["ar", "chain(budget=auto,gamma=3)", "chain(gamma=2)"]
+    history = client.get_metric_history(children["chain(gamma=2)"].info.run_id, "speedup")
+    assert sorted(h.step for h in history) == [1, 2]
+    assert children["chain(budget=auto,gamma=3)"].data.params["method.budget"] == "auto"

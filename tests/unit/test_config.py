@@ -53,11 +53,30 @@ def test_defaults_and_override_precedence(tmp_path):
          "verify: 'greedy' needs temperature 0"),
         ({}, ["method={name: medusa}"], "method 'medusa' needs heads"),
         ({}, ["method={name: medusa, medusa_model: x, tree: dense}"], "method.tree"),
+        ({}, ["method.budget=some"], "method.budget"),
+        ({}, ["decoding.batch_sizes=[0, 4]"], "decoding.batch_sizes"),
+        ({}, ["decoding.batch_sizes=[4, 32]"],
+         r"decoding.batch_sizes: the largest (32) exceeds data.num_prompts (16)"),
+        ({"job": "distill"}, ["decoding.batch_sizes=[1, 4]"],
+         "decoding.batch_sizes: only the evaluate job"),
+        ({"job": "serve"}, ["method.budget=auto"], "set serve.budget: auto instead"),
     ],
 )
 def test_errors_name_the_field(data, overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ExperimentConfig.from_dict(data, overrides)
+
+
+def test_a_method_takes_a_budget_beside_its_knobs():
+    """``budget`` is every method's (not a knob of its drafter): given, it travels with
+    the knobs to ``Decoder.generate``; not given, the knobs (and labels) are as before."""
+    cfg = ExperimentConfig.from_dict({}, [
+        "methods=[{name: chain, gamma: 4, budget: auto}, {name: chain, gamma: 2}]",
+        "decoding.batch_sizes=[4, 1, 4]"])
+    auto, fixed = cfg.method_list()
+    assert auto.params() == {"gamma": 4, "budget": "auto"}
+    assert fixed.params() == {"gamma": 2} and fixed.budget is None
+    assert cfg.decoding.batch_sizes == [1, 4]
 
 
 def test_decoding_verify_takes_any_rule_of_the_registry(monkeypatch):

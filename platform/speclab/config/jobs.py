@@ -167,6 +167,16 @@ class ExperimentConfig(StrictModel):
     def precheck(cls, data: dict) -> None:
         """Checks of the raw config that must come before field validation (none here)."""
 
+    @model_validator(mode="after")
+    def _batch_sweep_is_evaluates(self):
+        """``decoding.batch_sizes`` is the evaluate job's sweep; another job would
+        ignore it."""
+        decoding = getattr(self, "decoding", None)
+        if getattr(decoding, "batch_sizes", None) and self.job != "evaluate":
+            raise ValueError(f"decoding.batch_sizes: only the evaluate job sweeps batch "
+                             f"sizes (this is {self.job}); set decoding.batch_size")
+        return self
+
     def dump(self) -> dict:
         """The resolved config as JSON-able data, only the groups this job accepts (a
         sweep leaves out the groups of other sweep kinds), so it loads back as is."""
@@ -252,9 +262,18 @@ class _Trains(ExperimentConfig):
 
 
 class EvaluateJob(_Evaluates):
-    """``jobs.evaluate``: methods vs AR on a prompt set."""
+    """``jobs.evaluate``: methods vs AR on a prompt set (at each of
+    ``decoding.batch_sizes`` when given: :mod:`speclab.pipelines.batch_sweep`)."""
 
     job: Literal["evaluate"] = "evaluate"
+
+    @model_validator(mode="after")
+    def _sweep_fits(self):
+        sizes = self.decoding.batch_sizes
+        if sizes and max(sizes) > self.data.num_prompts:
+            raise ValueError(f"decoding.batch_sizes: the largest ({max(sizes)}) exceeds "
+                             f"data.num_prompts ({self.data.num_prompts})")
+        return self
 
 
 class TrainTargetJob(_Trains):
@@ -663,7 +682,7 @@ class TuneJob(_Trains):
             for name in names:  # a knob some swept method lacks: its trials would repeat
                 cls = known.get(name) if isinstance(name, str) else None
                 if cls is not None and knob not in cls.model_fields:
-                    own = sorted(k for k in cls.model_fields if k not in ("name", "label"))
+                    own = sorted(k for k in cls.model_fields if k not in cls.META)
                     raise ConfigError(
                         f"sweep.space: {path!r}: {knob} is not a knob of method {name!r} "
                         f"(its knobs: {', '.join(own) or 'none'}), so its trials would all "
@@ -727,6 +746,15 @@ class ServeJob(ExperimentConfig):
     models: ModelsConfig = ModelsConfig()
     method: MethodConfig = Field(default_factory=default_method)
     serve: ServeConfig = ServeConfig()
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        """A served method's budget is ``serve.budget`` (per request, on the replica's
+        batch), not the method group's."""
+        if self.method.budget is not None:
+            raise ValueError(f"method.budget: in Serve the budget is serve.budget "
+                             f"(set serve.budget: {self.method.budget} instead)")
+        return self
 
     @model_validator(mode="after")
     def _device_follows_gpus(self):

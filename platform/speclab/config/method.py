@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, SerializeAsAny, ValidationError
+from pydantic import BeforeValidator, Field, SerializeAsAny, ValidationError
 from pydantic_core import PydanticCustomError
 
 from speclab.config.base import ConfigError, StrictModel, format_validation_error, nested_error
@@ -40,6 +40,13 @@ class MethodSpec(StrictModel):
 
     name: str
     label: str | None = None
+    budget: Literal["fixed", "auto"] | None = Field(
+        None, description="the draft budget: fixed (the method's own length every round, "
+                          "the default) or auto (each round's depth, 0 = plain decoding, "
+                          "chosen for committed tokens per second: "
+                          "speclab.decoding.budget; outputs unchanged)")
+    #: the fields every method has that are not knobs of its drafter
+    META: ClassVar[tuple[str, ...]] = ("name", "label", "budget")
     needs_draft_model: ClassVar[bool] = True
     drafting: ClassVar[bool] = True
     needs_features: ClassVar[bool] = False
@@ -60,9 +67,10 @@ class MethodSpec(StrictModel):
         return None
 
     def params(self) -> dict:
-        """The method's knobs (every field but ``name`` and ``label``)."""
-        return {k: getattr(self, k) for k in type(self).model_fields
-                if k not in ("name", "label")}
+        """The method's knobs (every field but :attr:`META`), and ``budget`` when one
+        is given (``Decoder.generate`` takes it beside the knobs)."""
+        out = {k: getattr(self, k) for k in type(self).model_fields if k not in self.META}
+        return out if self.budget is None else {**out, "budget": self.budget}
 
     def build(self, ctx: Any):
         """The drafter for one sequence (``ctx``: :class:`speclab.drafters.registry.BuildContext`);

@@ -76,6 +76,11 @@ class DecodingConfig(StrictModel):
     batch_size: int = Field(1, gt=0, description="prompts decoded together by the batched "
                                                  "engine (1: one at a time); AR is timed at "
                                                  "the same batch size")
+    batch_sizes: list[int] | None = Field(None, description=(
+        "evaluate only: a batch-size sweep instead of one batch_size: every method at each "
+        "size (AR timed at the same size), then per size plain decoding, the best fixed "
+        "method and each budget: auto method (table batch_sweep.txt / .json, plot "
+        "batch_scaling.png)"))
     timing_passes: int = Field(3, ge=1, le=100, description=(
         "timed passes of the paired protocol (each method paired with AR per prompt, or "
         "per pass over the batch; speedup: the median paired ratio with a 95% interval; "
@@ -86,6 +91,19 @@ class DecodingConfig(StrictModel):
     verify_params: dict[str, Any] | None = Field(
         None, description="the rule's parameters (its params model), e.g. typical: "
                           "{epsilon, delta}")
+
+    def generate_kwargs(self) -> dict:
+        """The ``Decoder.generate`` / timing-protocol keywords: every field but
+        ``batch_sizes`` (the evaluate job's sweep, which sets ``batch_size`` per size)."""
+        return self.model_dump(exclude={"batch_sizes"})
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _sizes(cls, v: list[int] | None) -> list[int] | None:
+        """Sizes >= 1, at least one; sorted, each once."""
+        if v is not None and (not v or any(s < 1 for s in v)):
+            raise ValueError(f"need a list of batch sizes >= 1, got {v}")
+        return sorted(set(v)) if v is not None else None
 
     @field_validator("verify")
     @classmethod

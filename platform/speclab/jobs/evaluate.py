@@ -19,6 +19,7 @@ import time
 
 from speclab.models.registry import resolve_models
 from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
+from speclab.pipelines.batch_sweep import batch_sweep
 from speclab.pipelines.cli import start_job
 from speclab.raylib import init_ray
 from speclab.tracking import run_link, running_ui_port
@@ -42,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tracker as t:
         t.set_tags({"job": "evaluate", "ray": where})
-        evaluate_pair(cfg, target, draft, prompts, t)
+        if cfg.decoding.batch_sizes:
+            batch_sweep(cfg, target, draft, prompts, t)
+        else:
+            evaluate_pair(cfg, target, draft, prompts, t)
         t.log_metrics({"wall_s": time.perf_counter() - t_start})
     if tracker.run_id:
         port = running_ui_port(str(tracker.uri))  # the ui record, read once

@@ -61,7 +61,7 @@ def run_tasks(cfg: RetrievalEvalJob, target: str, tasks: dict) -> list[dict]:
     import ray
 
     runs = [MethodRun(m.name, m.params(), m.label or "") for m in cfg.method_list()]
-    gen = cfg.decoding.model_dump()
+    gen = cfg.decoding.generate_kwargs()
     hf_n = cfg.retrieval.hf_prompt_lookup
     payload = {t: [(ex.prompt, ex.reference, ex.metric) for ex in exs]
                for t, exs in tasks.items()}

@@ -68,7 +68,7 @@ def evaluate_pair(cfg: Any, target: str, draft: str | None, prompts: list[list[i
     n_act = min(cfg.resources.num_actors, len(prompts))
     shards = [list(zip(categories[i::n_act], prompts[i::n_act], strict=True))
               for i in range(n_act)]
-    gen = cfg.decoding.model_dump()
+    gen = cfg.decoding.generate_kwargs()
     device = "cuda" if cfg.resources.num_gpus_per_actor > 0 else cfg.models.device
     dtype, attn = cfg.models.dtype, cfg.models.attn_implementation
     threads = cfg.resources.torch_threads
