@@ -21,20 +21,15 @@ The model of a step of depth ``d`` over the ``R`` live rows:
   (given ``j-1`` accepted), counted with a decay (recent rounds weigh more) on top of a
   prior (the drafter's measured acceptance, weight :attr:`AutoBudget.prior_weight`
   rounds);
-* seconds ``T(d) = target(R, 1 + n(d)) + X(d)``: the target's calibrated cost curve
+* seconds ``T(d) = target(R, 1 + n(d)) * r0 + D(d)``: the target's calibrated cost curve
   (:mod:`speclab.calibration`) over the root and ``n(d)`` draft tokens per row (the
   running count at that depth, else ``w d`` with ``w`` the running nodes per level),
-  plus ``X(d)``, the running wall time a step of depth ``d`` took beyond that forward
-  (the rule, the commit and the loop's Python; the draft model or network, tree
-  building); ``X(0)``, a plain step's overhead; for depths not measured a line through
-  those measured, before any the overhead plus the draft model's curve times ``d`` (0
-  for model-free drafters). Each ``X`` is measured whole against the same curve, so the
-  order in which depths are first measured does not count the loop twice. ``X`` is
-  kept per row count, in half-octave buckets (:func:`row_bucket`), read from the
-  nearest bucket measured: the loop's cost does not scale as the forward's (on the
-  reference pair a plain step of one row costs 1.9x its forward, one of 16 rows
-  1.05x), so what the last rows of a batch measured must not price a step of 16;
-* ``E_r(0) = 1``.
+  times ``r0``, the running ratio of a plain step's wall time to its forward (the rule,
+  the commit, the loop); and ``D(d)``, the draft part: the running wall time a step of
+  depth ``d`` took beyond its target part (the draft model or network, tree building),
+  for depths not measured a line through those measured, before any the draft model's
+  curve times ``d`` (0 for model-free drafters);
+* ``T(0) = target(R, 1) * r0``, ``E_r(0) = 1``.
 
 The decision is ``argmax_d sum_rows E_r(d) / T(d)`` (committed tokens per second: right
 while new sequences wait to take the places of those that end, as in Serve). When none
@@ -43,30 +38,23 @@ when its slowest row does, and a step that drafts makes rows advance unevenly: t
 decision is then ``argmax_d min_{r in L} E_r(d) / T(d)`` over the laggards ``L`` (the rows
 with the most tokens left, within 10% of the most: each row's remaining budget is the
 limit it last asked with), so the depth is the one that brings the LAST row home soonest.
-A laggard not yet measured takes as prior not the mean of the rows that ended but the
-ended row at the ``1 / (n + 1)`` quantile for ``n`` laggards (:meth:`AutoBudget.slow_prior`):
-the batch waits for the row that accepts least, and with the mean the first steps of
-every batch drafted for a slowest row that does not exist. The first
+The first
 :attr:`AutoBudget.warmup` decisions draft at the method's own length (measuring it);
 after :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best
 positive depth, so the acceptance estimates stay current; a probe after which the model
 still chooses plain decoding doubles the run the next one waits for (at most 8x), and a
-drafting choice of the model resets it (a resumed budget starts from half the last
-interval). Pure Python: no Ray, no
+drafting choice of the model resets it. Pure Python: no Ray, no
 MLflow, no tensors.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 #: (rows, new tokens) -> seconds of one forward
 Cost = Callable[[int, int], float]
-T = TypeVar("T")
 
 
 @dataclass
@@ -105,12 +93,10 @@ class AutoBudget:
     width: float = 1.0  # draft nodes per level (per row)
     #: whether sequences wait to join (throughput objective) or not (the slowest row's)
     backlog: bool = True
-    #: per row bucket (:func:`row_bucket`): running wall seconds of a plain step beyond
-    #: its target forward's curve (the loop: rule, commit, Python)
-    overhead: dict[int, float] = field(default_factory=dict)
-    #: per row bucket, per depth: running wall seconds of a drafted step beyond its
-    #: target forward's curve (the loop, the draft model or network, tree building)
-    excess: dict[int, dict[int, float]] = field(default_factory=dict)
+    #: running ratio of a plain step's wall seconds to its target forward's curve
+    plain_ratio: float = 1.0
+    #: per depth: running seconds of a step beyond its target forward (the draft part)
+    draft_part: dict[int, float] = field(default_factory=dict)
     #: per depth: running number of draft tokens a row's round of that budget proposed
     nodes: dict[int, float] = field(default_factory=dict)
     decisions: list[int] = field(default_factory=list)  # every step's depth
@@ -119,9 +105,6 @@ class AutoBudget:
     #: the counts of the rows that ended (decayed as they are added): every later row's
     #: prior, so what earlier requests measured carries over
     _ended: _Acceptance | None = None
-    #: each of the last rows that ended: its own conditional acceptance per position (the
-    #: spread the laggards' prior is drawn from: :meth:`slow_prior`)
-    _ended_rows: list[list[float]] = field(default_factory=list)
     _keys: itertools.count = field(default_factory=itertools.count)
     #: a driver marks its batch steps (:meth:`next_step`): one decision per step; else a
     #: decision per round (one sequence alone)
@@ -146,79 +129,47 @@ class AutoBudget:
         self._rows[key] = _Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
         return RowBudget(self, key)
 
-    def q(self, k: int, key: int | None = None, prior: Sequence[float] | None = None
-          ) -> float:
+    def q(self, k: int, key: int | None = None) -> float:
         """Estimated acceptance at position ``k`` (1-based) given ``k - 1`` accepted, of
-        row ``key`` (None: the prior alone). The prior is ``prior`` (per position) when
-        given, else the configured one updated by the rows that ended."""
+        row ``key`` (None: the prior alone). The prior is ``prior`` updated by the rows
+        that ended."""
+        prior = self.prior[min(k, len(self.prior)) - 1] if self.prior else 0.5
         w = self.prior_weight
-        if prior is not None:
-            prior = prior[k - 1]
-        else:
-            prior = self.prior[min(k, len(self.prior)) - 1] if self.prior else 0.5
-            if self._ended is not None:
-                prior = ((self._ended.hits[k - 1] + w * prior)
-                         / (self._ended.judged[k - 1] + w))
+        if self._ended is not None:
+            prior = (self._ended.hits[k - 1] + w * prior) / (self._ended.judged[k - 1] + w)
         acc = self._rows.get(key) if key is not None else None
         if acc is None:
             return prior
         return (acc.hits[k - 1] + w * prior) / (acc.judged[k - 1] + w)
 
-    def expected_tokens(self, depth: int, key: int | None = None,
-                        prior: Sequence[float] | None = None) -> float:
-        """``E(depth)``: expected tokens a round of that depth commits for row ``key``
-        (``prior``: see :meth:`q`)."""
+    def expected_tokens(self, depth: int, key: int | None = None) -> float:
+        """``E(depth)``: expected tokens a round of that depth commits for row ``key``."""
         total, p = 1.0, 1.0
         for k in range(1, depth + 1):
-            p *= self.q(k, key, prior)
+            p *= self.q(k, key)
             total += p
         return total
 
-    def slow_prior(self, n: int) -> list[float] | None:
-        """The prior of ``n`` laggards: the acceptance of the ended row at the
-        ``1 / (n + 1)`` quantile of their expected tokens at full depth (the expected
-        slowest of ``n`` rows drawn like them, as one coherent row: not a quantile per
-        position). None with fewer than 4 rows ended. The mean of the ended rows would
-        make the first steps of a batch draft for a slowest row that does not exist: the
-        batch waits for the row that accepts least."""
-        if len(self._ended_rows) < 4:
-            return None
-        def full(qs: list[float]) -> float:
-            total, p = 1.0, 1.0
-            for v in qs:
-                p *= v
-                total += p
-            return total
-        ranked = sorted(self._ended_rows, key=full)
-        return ranked[min(len(ranked) * 1 // (n + 1), len(ranked) - 1)]
-
     # ------------------------------------------------------------------ time
     def verify_s(self, depth: int, rows: int, nodes: float | None = None) -> float:
-        """Seconds of the step's target forward on its curve: the root and ``nodes`` draft
-        tokens per row (default: the running count at that depth, else ``width *
-        depth``)."""
+        """Seconds of the step's target part: the curve's forward over the root and
+        ``nodes`` draft tokens per row (default: the running count at that depth, else
+        ``width * depth``), times the running plain-step ratio."""
         if nodes is None:
             nodes = self.nodes.get(depth, self.width * depth)
-        return self.costs.target(rows, 1 + round(nodes))
+        return self.costs.target(rows, 1 + round(nodes)) * self.plain_ratio
 
-    def extra_s(self, depth: int, rows: int) -> float:
-        """Seconds of the step beyond its target forward, from the nearest row bucket
-        measured. Depth 0: the running overhead of a plain step (0 before one). Two or
-        more depths measured: a line through their running excesses (slope >= 0), at
-        the measured depths too: each depth's own figure is measured only when it is
-        chosen, so taken alone the argmax would settle on whichever depth was last
-        measured in a quiet moment (the winner's curse: on the reference pair at batch
-        1 SALF settled at depths 3-7 of 10, each at a stale lucky time). One depth
-        measured: the overhead plus its draft part in proportion to depth; none: the
-        overhead plus ``depth`` forwards of the draft model's curve (none for drafters
-        without one). Both parts are measured whole against the same curve, so no
-        order of measurement counts the loop twice."""
-        base = _nearest(self.overhead, rows) or 0.0
+    def draft_s(self, depth: int, rows: int) -> float:
+        """Seconds of the step's draft part at ``depth``: measured at that depth, else a
+        line through the depths measured (one measured depth: proportional to depth),
+        else ``depth`` forwards of the draft model's curve (0 for drafters without one).
+        0 at depth 0."""
         if depth == 0:
-            return base
-        part = _nearest(self.excess, rows) or {}
-        pts = sorted(part.items())
-        if len(pts) >= 2:  # at the measured depths too (the docstring says why)
+            return 0.0
+        if depth in self.draft_part:
+            return self.draft_part[depth]
+        pts = sorted(self.draft_part.items())
+        if len(pts) >= 2:
             n = len(pts)
             mx = sum(d for d, _ in pts) / n
             my = sum(v for _, v in pts) / n
@@ -227,14 +178,14 @@ class AutoBudget:
             return max(my + max(slope, 0.0) * (depth - mx), 0.0)
         if pts:
             d1, v1 = pts[0]
-            return base + max(v1 - base, 0.0) * depth / d1
+            return v1 * depth / d1
         if self.costs.draft is None:
-            return base
-        return base + depth * self.costs.draft(rows, max(round(self.width), 1))
+            return 0.0
+        return depth * self.costs.draft(rows, max(round(self.width), 1))
 
     def seconds(self, depth: int, rows: int) -> float:
-        """``T(depth)`` of a step of ``rows`` rows: the target forward plus the rest."""
-        return self.verify_s(depth, rows) + self.extra_s(depth, rows)
+        """``T(depth)`` of a step of ``rows`` rows: the target part plus the draft part."""
+        return self.verify_s(depth, rows) + self.draft_s(depth, rows)
 
     # ------------------------------------------------------------------ the decision
     def rates(self, limit: int | None = None) -> list[float]:
@@ -244,8 +195,7 @@ class AutoBudget:
         keys = list(self._rows) or [None]
         lag = self.laggards()
         if lag:  # nobody waits: the slowest row's progress, scaled to the batch's tokens
-            slow = self.slow_prior(len(lag))
-            return [min(self.expected_tokens(d, k, slow) for k in lag) * len(keys)
+            return [min(self.expected_tokens(d, k) for k in lag) * len(keys)
                     / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
         return [sum(self.expected_tokens(d, k) for k in keys)
                 / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
@@ -320,16 +270,13 @@ class AutoBudget:
         if not self._timed and (budget == self._decision or self._decision is None):
             self._timed = True
             rows = max(len(self._rows), 1)
-            bucket = row_bucket(rows)
             if budget <= 0:
-                part = max(seconds - self.verify_s(0, rows), 0.0)
-                old = self.overhead.get(bucket)
-                self.overhead[bucket] = part if old is None else old + 0.2 * (part - old)
+                r = seconds / max(self.costs.target(rows, 1), 1e-12)
+                self.plain_ratio += 0.2 * (r - self.plain_ratio)
             else:
                 part = max(seconds - self.verify_s(budget, rows, drafted), 0.0)
-                mine = self.excess.setdefault(bucket, {})
-                old = mine.get(budget)
-                mine[budget] = part if old is None else old + 0.2 * (part - old)
+                old = self.draft_part.get(budget)
+                self.draft_part[budget] = part if old is None else old + 0.2 * (part - old)
         self._observed = True
 
     def state(self) -> dict:
@@ -337,26 +284,16 @@ class AutoBudget:
         ended. A later budget of the same method and batch resumes from it
         (:meth:`resume`): a short generate then starts where the last one stopped."""
         ended = self._ended
-        return {"probe_gap": self._probe_gap,
-                "ended_rows": [list(v) for v in self._ended_rows],
-                "overhead": dict(self.overhead),
-                "excess": {b: dict(v) for b, v in self.excess.items()},
+        return {"plain_ratio": self.plain_ratio, "draft_part": dict(self.draft_part),
                 "nodes": dict(self.nodes), "width": self.width,
                 "ended": None if ended is None else [list(ended.judged), list(ended.hits)]}
 
     def resume(self, state: dict) -> AutoBudget:
         """Start from another budget's :meth:`state` (no warm-up: it measured already)."""
-        self.overhead, self.width = dict(state["overhead"]), state["width"]
-        self.excess = {b: dict(v) for b, v in state["excess"].items()}
-        self.nodes = dict(state["nodes"])
+        self.plain_ratio, self.width = state["plain_ratio"], state["width"]
+        self.draft_part, self.nodes = dict(state["draft_part"]), dict(state["nodes"])
         if state.get("ended") is not None and len(state["ended"][0]) == self.max_depth:
             self._ended = _Acceptance(*(list(v) for v in state["ended"]))
-            self._ended_rows = [list(v) for v in state.get("ended_rows", ())
-                                if len(v) == self.max_depth]
-        # half the last interval: fewer probes while plain decoding kept winning, and
-        # back to probe_every if conditions changed and it drafts again
-        gap = state.get("probe_gap", 0)
-        self._probe_gap = max(gap // 2, self.probe_every) if gap else 0
         self.warmup = 0
         return self
 
@@ -364,33 +301,14 @@ class AutoBudget:
         """Row ``key`` left: its counts join those of the rows that ended (the prior of
         the rows to come) and no longer count in the decisions."""
         self._left.pop(key, None)
-        acc = self._rows.get(key)
+        acc = self._rows.pop(key, None)
         if acc is None:
             return
-        if acc.judged[0] > 0:  # its own acceptance (on the prior it had), for slow_prior
-            self._ended_rows.append([self.q(k, key) for k in range(1, self.max_depth + 1)])
-            del self._ended_rows[:-64]
-        del self._rows[key]
         if self._ended is None:
             self._ended = _Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
         for k in range(self.max_depth):  # decayed: the last requests weigh most
             self._ended.judged[k] = self.decay * self._ended.judged[k] + acc.judged[k]
             self._ended.hits[k] = self.decay * self._ended.hits[k] + acc.hits[k]
-
-
-def row_bucket(rows: int) -> int:
-    """The half-octave bucket of a row count (1 -> 0, 2 -> 2, 3 -> 3, 4 -> 4, 16 -> 8,
-    22 -> 9): the time model's measurements are kept per bucket."""
-    return round(2 * math.log2(max(rows, 1)))
-
-
-def _nearest(table: dict[int, T], rows: int) -> T | None:
-    """``table``'s entry for the bucket of ``rows``, else for the nearest bucket measured
-    (a tie: the larger), None for an empty table."""
-    if not table:
-        return None
-    b = row_bucket(rows)
-    return table[min(table, key=lambda k: (abs(k - b), -k))]
 
 
 @dataclass
