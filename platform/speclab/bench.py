@@ -517,6 +517,13 @@ def crossover(rows: list[dict]) -> dict[str, int | None]:
     return out
 
 
+def format_crossover(cross: dict[str, int | None]) -> str:
+    """:func:`crossover` as lines: a title, then each method's batch size ('-': none)."""
+    return ("crossover batch size (speculation no faster than AR from here; '-': pays at "
+            "every size measured):\n" + "\n".join(
+                f"  {m}: {b if b is not None else '-'}" for m, b in cross.items()))
+
+
 def batch_plot(rows: list[dict], what: str = "greedy, reference pair"):
     """Speedup over AR (same batch size) against batch size, one line per method, and AR's
     tokens/s; a matplotlib figure (``what``: the run, in the title)."""
@@ -631,10 +638,7 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     print(format_table(rows, table_columns(BATCH_COLUMNS, device)))
     _print_noisy(rows)
     cross = crossover(rows)
-    print("\ncrossover batch size (speculation no faster than AR from here; '-': pays at "
-          "every size measured):")
-    for m, b in cross.items():
-        print(f"  {m}: {b if b is not None else '-'}")
+    print("\n" + format_crossover(cross))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"target": pair.target, "draft": pair.draft, "prompts": len(prompts),

@@ -26,7 +26,7 @@ def batch_sweep(cfg: Any, target: str, draft: str | None, prompts: list[list[int
     """Evaluate ``cfg``'s methods at each of ``cfg.decoding.batch_sizes`` and log the
     sweep to ``tracker`` (see the module docstring). Returns every row (AR first at
     each size), each with its ``batch_size``."""
-    from speclab.bench import auto_sweep, batch_plot, crossover, format_sweep
+    from speclab.bench import auto_sweep, batch_plot, crossover, format_crossover, format_sweep
 
     runs = cfg.method_list()
     labels = [MethodRun(m.name, m.params(), m.label or "").name for m in runs]
@@ -40,9 +40,7 @@ def batch_sweep(cfg: Any, target: str, draft: str | None, prompts: list[list[int
         rows += [{**r, "batch_size": size} for r in block]
     sweep = auto_sweep(rows, autos)
     cross = crossover(rows)
-    text = "crossover batch size (speculation no faster than AR from here; '-': pays at " \
-           "every size measured):\n" + "\n".join(
-               f"  {m}: {b if b is not None else '-'}" for m, b in cross.items())
+    text = format_crossover(cross)
     if sweep:
         text = ("per batch size: plain decoding, the best fixed method, auto (speedups over "
                 f"AR at that size, 95% intervals)\n{format_sweep(sweep)}\n\n{text}")
