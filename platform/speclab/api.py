@@ -258,6 +258,14 @@ class Decoder:
         state = self._budgets.get((cfg.label or cfg.name, depth, batched, rows))
         return budget.resume(state) if state is not None else budget
 
+    def forget_budgets(self) -> None:
+        """Drop what ``auto`` budgets learned (each method's next one starts from its
+        calibrated costs): a warm-up pass's first-use costs (lazy kernel loads, a GPU's
+        first launches) inflate the step times it learns, and a resumed state revisits
+        them only by its probes. The acceptance measured per method stays (a prior that
+        timing does not skew)."""
+        self._budgets.clear()
+
     def _learned(self, cfg: MethodSpec, batched: bool, rows: int,
                  budget: AutoBudget | None) -> None:
         """Keep what an ``auto`` budget learned for the next generate like it."""
@@ -315,17 +323,21 @@ class Decoder:
                  capacity: int = 0) -> BuildContext:
         return BuildContext(draft, params, generator, self._resources, self.target.model.config,
                             self.target.model,
-                            lambda model: self.batch_runner(model, rows, capacity),
+                            lambda model, *classes: self.batch_runner(model, rows, capacity,
+                                                                      *classes),
                             self.target.device, self.target.dtype)
 
-    def batch_runner(self, model: PreTrainedModel, rows: int, capacity: int) -> BatchRunner:
-        """A batched runner over ``model`` for up to ``rows`` rows: the static, compiled
-        fast path (``capacity`` slots per row) when the Decoder was built with
-        ``compile=True``. One static cache per (model, rows): a call needing more
+    def batch_runner(self, model: PreTrainedModel, rows: int, capacity: int,
+                     eager: type[BatchRunner] = BatchRunner,
+                     static: type[StaticBatchRunner] = StaticBatchRunner) -> BatchRunner:
+        """A batched runner over ``model`` for up to ``rows`` rows: ``eager(model)``, or
+        the static, compiled fast path (``capacity`` slots per row; a ``static`` runner
+        over a :class:`FastPath` built with ``static.stepper``) when the Decoder was built
+        with ``compile=True``. One static cache per (model, rows): a call needing more
         capacity replaces it (the old one is freed), one needing less reuses it, so
         prompts of many lengths neither pile up caches nor compile each time."""
         if not self.compile:
-            return BatchRunner(model)
+            return eager(model)
         key = (id(model), rows)
         fast = self._fast.get(key)
         if fast is None or fast.capacity < capacity:
@@ -339,9 +351,9 @@ class Decoder:
                 if (dec := me()) is not None:
                     dec._warmed(side, seconds)
 
-            fast = self._fast[key] = FastPath(model, rows, capacity)
+            fast = self._fast[key] = FastPath(model, rows, capacity, stepper=static.stepper)
             fast.on_warmup = heard
-        return StaticBatchRunner(fast)
+        return static(fast)
 
     def _warmed(self, side: str, seconds: float) -> None:
         """A fast path warmed a shape up: remember it for the generate running now."""

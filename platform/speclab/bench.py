@@ -574,7 +574,7 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
                     compile: bool = False, passes: int | None = None,
                     pair: str = "reference", prompt_file: str | None = None,
                     xl: XLSpec | None = None, checksums: str | None = None,
-                    auto: bool = False) -> list[dict]:
+                    auto: bool = False, eagles: list[str] | None = None) -> list[dict]:
     """The batched engine at each batch size: each method paired with AR at the SAME
     batch size, one pair per pass over the whole batch, over ``passes`` x ``repeats``
     passes (``passes`` default :data:`~speclab.evaluation.TIMING_PASSES`): the median
@@ -590,16 +590,23 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     ``compile_warmup_s``. ``prompt_file``: :func:`bench_prompts` (no table per category
     here). ``xl``, ``checksums``: ``reference-xl``'s (:func:`grow_xl`). ``auto``: also
     :data:`BATCH_AUTO_RUNS` (the pair calibrated first, up to the largest batch size), and
-    :func:`auto_sweep` printed and written as ``auto_sweep``. Returns the rows."""
+    :func:`auto_sweep` printed and written as ``auto_sweep``. ``eagles``: an EAGLE row
+    (:data:`EAGLE_RUN`'s tree) per drafter folder, eager or compiled (on ``reference-xl``
+    drafters for the small reference target, grown with it). Returns the rows."""
     if auto and compile:
         raise ValueError("auto: the auto budget reads eager calibrated costs; not with "
                          "--compile")
     if num_prompts < max(batch_sizes):
         raise ValueError(f"batch_sizes: the largest ({max(batch_sizes)}) exceeds the number "
                          f"of prompts ({num_prompts})")
+    eagle_rows = [eagle_run(d) for d in eagles or []]  # a bad folder refused first
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile, pair,
-                                         prompt_file, xl=xl, checksums=checksums)
-    runs = (runs or BATCH_RUNS) + (BATCH_AUTO_RUNS if auto else [])
+                                         prompt_file, eagles=eagles, xl=xl,
+                                         checksums=checksums)
+    if isinstance(pair, XLPair):  # the grown drafters, under the same tree
+        eagle_rows = [r for r in xl_eagle_runs(pair.xl)
+                      if r.params.get("builder") != "optimal"]
+    runs = (runs or BATCH_RUNS) + eagle_rows + (BATCH_AUTO_RUNS if auto else [])
     if auto:  # measured (or read from the store) before anything is timed
         from speclab.calibration import format_calibration
 
@@ -607,7 +614,10 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     if compile:  # compile every shape before anything is timed (full-length warm-up)
         t0 = now(device)
         for bs in batch_sizes:
-            for run in [MethodRun("ar"), *runs]:
+            # the EAGLE rows first: their target step returns the features, and the
+            # others then reuse it (the reverse would compile the target's shapes twice)
+            for run in [*eagle_rows, MethodRun("ar"),
+                        *[r for r in runs if r not in eagle_rows]]:
                 run_prompts(dec, run, prompts, {"max_new_tokens": max_new_tokens,
                                                 "batch_size": bs})
         warm = now(device) - t0

@@ -76,7 +76,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--eagle", action="append", default=None, metavar="DIR",
                    help="an EAGLE drafter (any version) for the pair's target: adds its row "
                         "(the bench's EAGLE tree); repeat for more; on reference-large it "
-                        "replaces the built-in drafter's row")
+                        "replaces the built-in drafter's row; with --batch-sizes a batched "
+                        "row, eager or --compile")
     p.add_argument("--medusa", action="append", default=None, metavar="DIR",
                    help="Medusa heads for the pair's target (with their calibration, "
                         "tree.json): adds their row (the bench's sparse Medusa tree); repeat "
@@ -207,17 +208,16 @@ def _reference_large(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.batch_sizes is not None:
-        for flag, given in (("--eagle", args.eagle), ("--medusa", args.medusa)):
-            if given:
-                raise ValueError(f"{flag}: not with --batch-sizes (the batched runs are "
-                                 "bench.BATCH_RUNS)")
+        if args.medusa:
+            raise ValueError("--medusa: not with --batch-sizes (the batched runs are "
+                             "bench.BATCH_RUNS and the --eagle drafters)")
 
         run_batch_bench(parse_batch_sizes(args.batch_sizes), args.prompts, args.max_new_tokens,
                         args.out, device=args.device, dtype=args.dtype,
                         log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,
                         repeats=args.repeats, compile=args.compile, pair=args.pair,
                         prompt_file=args.prompt_file, xl=XLSpec.parse(args.xl),
-                        checksums=args.xl_checksums, auto=args.auto)
+                        checksums=args.xl_checksums, auto=args.auto, eagles=args.eagle)
         return 0
     for flag, given in (("mlflow", args.mlflow is not None), ("compile", args.compile),
                         ("auto", args.auto)):

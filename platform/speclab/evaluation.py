@@ -399,6 +399,7 @@ def interleaved_comparison(
     if warmup and prompts:
         for run in [MethodRun("ar"), *runs]:
             run_prompts(dec, run, prompts[:1], {**gen, "max_new_tokens": 8})
+        dec.forget_budgets()  # the warm-up's first-use costs must not steer the timed passes
     batch_size = gen.get("batch_size", 1) or 1
     batched = batch_size > 1 or dec.compile
     costs = forward_costs if isinstance(forward_costs, CostModel) else None

@@ -24,8 +24,9 @@ What it carries (``MANIFEST.json`` lists every file with its size):
   from those small models (:func:`speclab.reference_xl.expected_checksums`, computed
   here one tensor at a time), for the GPU spec in bfloat16 and the rehearsal's spec;
 * ``run.sh``: the one script: :mod:`speclab.gpu_report` ``--offline`` (the Ray-free CUDA
-  tests, then ``speclab bench`` on ``reference-xl`` eager, then the batched engine
-  compiled), writing ``gpu_report.md`` / ``gpu_report.json`` and the bench JSONs.
+  tests, then the batched engine compiled on ``reference-xl``, EAGLE drafters included,
+  then ``speclab bench`` on it eager), writing ``gpu_report.md`` / ``gpu_report.json``
+  and the bench JSONs.
   ``REHEARSE=1 sh run.sh`` runs the same steps on a host without CUDA, on a small
   ``reference-xl`` (:data:`REHEARSAL_XL`) in float32, to try the bundle before a GPU run.
 
@@ -165,13 +166,14 @@ On a machine with CUDA PyTorch and transformers (no registry, no Ray, MLflow or 
 it runs, each step in a subprocess with its share of the budget:
 
 1. the Ray-free CUDA tests ({tests});
-2. `speclab bench --pair reference-xl` eager in bfloat16: `reference-xl` ({xl}: the
-   reference target widened {widen}x and deepened to {depth} layers, grown on the GPU
-   from the small target carried here, checked against `checksums.json`), its forward
-   cost for 1/4/8/16 new tokens, then AR, chains and the standalone draft's tree, each
-   EAGLE drafter in `drafters/` grown the same way (EAGLE-2 tree and optimal tree), and
-   Hugging Face assisted generation, each timed in pairs with AR;
-3. the batched engine compiled (static cache, CUDA graphs) at batch 1 on `reference-xl`.
+2. the batched engine compiled (static caches, CUDA graphs) at batch 1 on
+   `reference-xl` ({xl}: the reference target widened {widen}x and deepened to {depth}
+   layers, grown on the GPU from the small target carried here, checked against
+   `checksums.json`): AR, the standalone draft's chains and SALF, each EAGLE drafter in
+   `drafters/` grown the same way (EAGLE-2 tree), each timed in pairs with AR;
+3. `speclab bench --pair reference-xl` eager in bfloat16: the target's forward cost for
+   1/4/8/16 new tokens, then AR, chains and the standalone draft's tree, each EAGLE
+   drafter (EAGLE-2 tree and optimal tree), and Hugging Face assisted generation.
 
 It writes `REPORT_DIR/gpu_report.md` and `gpu_report.json` (every step's command, exit
 status, wall time, test outcomes and bench rows) and each bench's JSON.

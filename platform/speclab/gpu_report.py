@@ -187,12 +187,13 @@ def offline_steps(args: argparse.Namespace, out: Path) -> tuple[list, dict, dict
     """The Ray-free report's steps (``--offline``, what ``speclab gpu-bundle``'s script
     runs): the Ray-free CUDA tests (4 pytest-xdist workers where it is installed: the
     tests' tiny models are bound by the host, not the GPU), ``speclab bench`` on
-    ``reference-xl`` (``--xl``, ``--xl-checksums``, the small drafters ``--eagle``) eager
-    on at most 4 prompts, and the batched engine compiled at batch 1 on 2 prompts. The
-    shares (0.3 / 0.4 / 0.3; a step may also use what earlier ones left) are sized from
-    the first H200 run of the 24x16 target: the tests took 127 s for 22 of 30 on one
-    process, the bench 132 s on 4 prompts plus 20 s to grow and measure the target (11.9
-    ms a target forward in eager mode), the compile warm-up 95 s. ``--rehearse``: on the
+    ``reference-xl`` (``--xl``, ``--xl-checksums``, the small drafters ``--eagle``): first
+    the batched engine compiled at batch 1 on 2 prompts (the standalone draft's chains
+    and SALF, the EAGLE drafters' tree: each EAGLE drafter on a fast path of its own),
+    then ``speclab bench`` eager on at most 4 prompts. The shares (0.3 / 0.35 / 0.35; a
+    step may also use what earlier ones left) are sized from the H200 runs of the 24x16
+    target: the tests took 127 s on 4 workers, the eager bench 192 s on 4 prompts plus
+    the Hugging Face rows, the compile warm-up 92 s without EAGLE. ``--rehearse``: on the
     CPU in float32, 2 prompts x 16 tokens, the batched engine eager (compiling on a CPU
     takes minutes)."""
     import importlib.util
@@ -213,13 +214,13 @@ def offline_steps(args: argparse.Namespace, out: Path) -> tuple[list, dict, dict
                              *workers, *RAY_FREE_TESTS,
                              *[x for t in RAY_TESTS_THERE for x in ("--deselect", t)],
                              *shlex.split(args.test_args)], 0.3),
-             ("bench_reference-xl", [py, "-m", "speclab.cli", "bench", *xl, *eagles,
-                                     "--prompts", str(prompts),
-                                     "--out", str(out / "reference-xl")], 0.4),
-             ("batch_compiled", [py, "-m", "speclab.cli", "bench", *xl, "--prompts",
+             ("batch_compiled", [py, "-m", "speclab.cli", "bench", *xl, *eagles, "--prompts",
                                  str(min(prompts, 2)), "--batch-sizes", "1",
                                  *([] if args.rehearse else ["--compile"]),
-                                 "--out", str(out / "batch_compiled")], 0.3)]
+                                 "--out", str(out / "batch_compiled")], 0.35),
+             ("bench_reference-xl", [py, "-m", "speclab.cli", "bench", *xl, *eagles,
+                                     "--prompts", str(prompts),
+                                     "--out", str(out / "reference-xl")], 0.35)]
     return steps, {"reference-xl": out / "reference-xl"}, {"compiled": out / "batch_compiled"}
 
 

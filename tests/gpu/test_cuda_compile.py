@@ -177,6 +177,46 @@ def test_compiled_speculative_decoding_replays_cuda_graphs_without_recompiling(t
     assert last["records"] == 0 and last["replays"] >= last["runs"] > 0, passes
 
 
+@pytest.mark.gpu
+@CUDA
+def test_compiled_eagle_reads_the_targets_features_from_the_graph(tiny_pair, tmp_path,
+                                                                  monkeypatch):
+    """EAGLE-3 (three layers' features, fused in a sync, the drafter's own in tree
+    steps: two feature widths) on the compiled fast path: the target's captured step
+    returns the features beside the logits, the drafter has a fast path of its own, the
+    tokens are the eager engine's, and after a warm-up pass the same calls compile
+    nothing, record no CUDA graph and replay one per forward. (EAGLE-1 and Medusa on the
+    static layout: tests/unit/test_eagle3.py, tests/unit/test_medusa.py.)"""
+    from speclab.families.eagle.drafter import EagleConfig
+    from speclab.families.eagle.model import save_eagle
+    from speclab.families.eagle.model3 import Eagle3Model
+    from speclab.models.loading import load_model
+
+    torch.manual_seed(0)
+    target = load_model(tiny_pair["target"])
+    folders = [save_eagle(Eagle3Model.from_target(target).float(), tmp_path / "e3")]
+    eager = Decoder.from_pretrained(tiny_pair["target"], device="cuda")
+    for folder in folders:
+        fast = Decoder.from_pretrained(tiny_pair["target"], device="cuda", compile=True,
+                                       capacity=256)
+        cfg = EagleConfig(eagle_model=str(folder), depth=3, nodes=8)
+        knobs = {"method": cfg, "max_new_tokens": 24}
+        want = [eager.generate(prompt_ids=prompt(n), **knobs).token_ids for n in LENGTHS]
+        counts = GraphCounts(monkeypatch)
+        passes = []
+        for _ in range(3):  # compile + warm up, record, then the steady state
+            before = counts.now()
+            got = [fast.generate(prompt_ids=prompt(n), **knobs).token_ids for n in LENGTHS]
+            passes.append(counts.since(before))
+            assert got == want, (folder.name, passes)
+        print(f"\n{folder.name}: " + "\n".join(map(str, passes)))
+        assert len(fast._fast) == 2  # the target's static cache and the drafter's
+        assert all(p["graphs"] == 0 and p["frames"] == 0 for p in passes[1:]), passes
+        assert all(p["skips"] == 0 for p in passes), passes
+        last = passes[-1]
+        assert last["records"] == 0 and last["replays"] >= last["runs"] > 0, passes
+
+
 # ---------------------------------------------------------------- without a GPU
 def test_the_sweep_without_compiling(tiny_pair, monkeypatch):
     """:func:`sweep` and :class:`GraphCounts` on the CPU, the static layout uncompiled:

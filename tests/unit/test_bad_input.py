@@ -128,9 +128,9 @@ def test_overrides_after_the_options_and_one_line_errors_with_status_2():
 def test_widen_and_bench_drafter_options_are_checked_first(tmp_path, capsys):
     """``speclab reference --widen`` (alias ``--widen-eagle``) needs ``--out`` and
     ``--large``; ``speclab bench --eagle`` / ``--medusa`` refuse a folder that holds no
-    such drafter before any model is built or loaded, and neither goes with
-    ``--batch-sizes``; the bench labels a drafter's row by its folder (and EAGLE
-    version)."""
+    such drafter before any model is built or loaded (the batched bench too), and
+    ``--medusa`` does not go with ``--batch-sizes``; the bench labels a drafter's row by
+    its folder (and EAGLE version)."""
     from speclab.bench import EAGLE_RUN, MEDUSA_RUN, eagle_run, medusa_run
 
     assert main(["reference", "--large", "--widen", str(tmp_path)]) == 2
@@ -139,8 +139,8 @@ def test_widen_and_bench_drafter_options_are_checked_first(tmp_path, capsys):
     assert "--widen: only with --large" in capsys.readouterr().err
     assert main(["bench", "--eagle", str(tmp_path / "missing")]) == 2
     assert "--eagle:" in capsys.readouterr().err
-    assert main(["bench", "--eagle", str(tmp_path), "--batch-sizes", "4"]) == 2
-    assert "--eagle: not with --batch-sizes" in capsys.readouterr().err
+    assert main(["bench", "--eagle", str(tmp_path / "missing"), "--batch-sizes", "4"]) == 2
+    assert "--eagle: " in capsys.readouterr().err  # the batched bench refuses it first too
     assert main(["bench", "--medusa", str(tmp_path), "--batch-sizes", "4"]) == 2
     assert "--medusa: not with --batch-sizes" in capsys.readouterr().err
     (tmp_path / "e3").mkdir()

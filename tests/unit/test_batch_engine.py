@@ -176,7 +176,7 @@ def test_static_fast_path_equals_the_engine(tiny_pair, compiled):
     fast = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"], compile=True,
                                    capacity=48)
     if not compiled:  # the same static layout without torch.compile
-        fast.batch_runner = lambda model, rows, cap: StaticBatchRunner(
+        fast.batch_runner = lambda model, rows, cap, *_: StaticBatchRunner(
             fast._fast.setdefault((id(model), rows, cap), FastPath(model, rows, cap, False)))
     ps = prompts(5)
     settings = [("ar", {}), ("chain", {"gamma": 3})] + (
@@ -189,8 +189,6 @@ def test_static_fast_path_equals_the_engine(tiny_pair, compiled):
         one = fast.generate(prompt_ids=ps[0], method=method, max_new_tokens=20, **hp)
         assert one.token_ids == alone[0]
     assert (fast.warmup_s > 0) == compiled
-    with pytest.raises(ValueError, match="^compile: .*features"):
-        StaticBatchRunner(FastPath(dec.target.model, 1, 16, False)).track_hidden()
 
 
 def test_batch_bench_helpers():

@@ -234,6 +234,35 @@ def test_a_budget_resumes_what_the_last_one_learned(tiny_pair, tmp_path, monkeyp
                      budget="auto")
     assert ("chain", 3, True, 2) in dec._budgets
     assert dec.auto_budget(dec.method_config("chain", {"gamma": 3}), True, 2).warmup == 0
+    dec.forget_budgets()
+    assert dec.auto_budget(dec.method_config("chain", {"gamma": 3}), True, 2).warmup > 0
+
+
+def test_the_timed_passes_do_not_resume_what_the_warm_up_learned(tiny_pair, tmp_path,
+                                                                 monkeypatch):
+    """The paired protocol's untimed warm-up pass (first-use costs: on a GPU its first
+    launches) is forgotten before the timed passes: the first timed generate of an auto
+    method starts from the calibrated costs, later ones resume the timed ones."""
+    from speclab.evaluation import MethodRun, interleaved_comparison
+
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    events, fresh = [], []
+    learned, forget, make = dec._learned, dec.forget_budgets, dec.auto_budget
+    monkeypatch.setattr(dec, "_learned", lambda *a: (events.append("learned"), learned(*a)))
+    monkeypatch.setattr(dec, "forget_budgets", lambda: (events.append("forget"), forget()))
+
+    def auto_budget(*a, **k):
+        b = make(*a, **k)
+        fresh.append(b.warmup > 0)
+        return b
+
+    monkeypatch.setattr(dec, "auto_budget", auto_budget)
+    run = MethodRun("chain", {"gamma": 3, "budget": "auto"})
+    interleaved_comparison(dec, [run], [PROMPT, [7, 8]], {"max_new_tokens": 8}, passes=2,
+                           forward_costs=False)
+    assert events[0] == "learned" and events.count("forget") == 1  # the warm-up's, dropped
+    assert fresh[:2] == [True, True] and not all(fresh[2:])  # then resumed
 
 
 def test_a_budget_of_another_draft_length_starts_afresh(tiny_pair, tmp_path, monkeypatch):

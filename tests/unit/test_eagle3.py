@@ -15,7 +15,7 @@ from speclab.decoding.rules import resolve_rule
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
 from speclab.families.eagle.drafter import EagleConfig, EagleDrafter
-from speclab.families.eagle.model import load_eagle, save_eagle
+from speclab.families.eagle.model import EagleModel, load_eagle, save_eagle
 from speclab.families.eagle.model3 import Eagle3Model
 from speclab.families.eagle.training import collate_feat, eagle3_loss, hass_forward, talf_loss
 from speclab.models.loading import load_model
@@ -182,6 +182,36 @@ def test_decoder_runs_eagle3_offline_and_batched(deep_target, tmp_path):
     assert one.token_ids == plain
     assert two[0].token_ids == plain
     assert one.stats.target_calls < 16
+
+
+def test_the_static_fast_path_runs_eagle_drafters(deep_target, tmp_path, monkeypatch):
+    """``Decoder(compile=True)``'s static layout (uncompiled here; compiled on CUDA in
+    tests/gpu/test_cuda_compile.py): the target's step returns the features an EAGLE-3
+    (layers 1, 3, 5) and an EAGLE-1 drafter (the last layer) read, the drafter runs on a
+    fast path of its own, and every row drafts the trees of the eager batched engine:
+    the same tokens and the same target calls."""
+    import functools
+
+    import speclab.api as api
+    from speclab.decoding.static_runner import FastPath
+
+    target = load_model(deep_target)
+    e3 = save_eagle(train_eagle3(deep_target, steps=30), tmp_path / "e3")
+    e1 = save_eagle(EagleModel.from_target(target).float(), tmp_path / "e1")
+    monkeypatch.setattr(api, "FastPath", functools.partial(FastPath, compile=False))
+    ps = [PROMPT, [5, 6, 7], list(range(1, 10)), [11, 12]]
+    for folder in (e3, e1):
+        cfg = EagleConfig(eagle_model=str(folder), depth=3, nodes=8)
+        eager = Decoder.from_pretrained(deep_target).generate(
+            prompts=ps, max_new_tokens=20, method=cfg, batch_size=2)
+        dec = Decoder.from_pretrained(deep_target, compile=True, capacity=48)
+        fast = dec.generate(prompts=ps, max_new_tokens=20, method=cfg, batch_size=2)
+        assert [r.token_ids for r in fast] == [r.token_ids for r in eager], folder.name
+        assert ([r.stats.target_calls for r in fast]
+                == [r.stats.target_calls for r in eager]), folder.name
+        assert len(dec._fast) == 2  # the target's static cache and the drafter's
+        one = dec.generate(prompt_ids=PROMPT, max_new_tokens=20, method=cfg)
+        assert one.token_ids == eager[0].token_ids
 
 
 class _Recording(torch.nn.Module):

@@ -197,6 +197,27 @@ def test_batched_rows_equal_rows_alone(tiny_pair, trained):
     assert sum(r.stats.accepted_tokens for r in res) > 0
 
 
+def test_the_static_fast_path_runs_medusa(tiny_pair, trained, monkeypatch):
+    """``Decoder(compile=True)``'s static layout (uncompiled here) returns the target's
+    last hidden states from its step: the heads draft what they draft on the eager
+    batched engine (same tokens, same target calls)."""
+    import functools
+
+    import speclab.api as api
+    from speclab.decoding.static_runner import FastPath
+
+    heads, _ = trained
+    ps = [PROMPT, [5], [7, 8, 9, 10], [1, 2]]
+    kw = {"method": "medusa", "medusa_model": heads, "tree": "sparse", "nodes": 8,
+          "max_new_tokens": 30, "batch_size": 2}
+    eager = Decoder.from_pretrained(tiny_pair["target"]).generate(prompts=ps, **kw)
+    monkeypatch.setattr(api, "FastPath", functools.partial(FastPath, compile=False))
+    fast = Decoder.from_pretrained(tiny_pair["target"], compile=True, capacity=64)
+    res = fast.generate(prompts=ps, **kw)
+    assert [r.token_ids for r in res] == [r.token_ids for r in eager]
+    assert [r.stats.target_calls for r in res] == [r.stats.target_calls for r in eager]
+
+
 def test_sparse_tree_beats_the_chain_and_follows_the_calibration(tiny_pair, trained):
     heads, _ = trained
     acc = heads.tree["accuracies"]

@@ -88,6 +88,16 @@ def _states(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
+def concat_states(values: dict[int, torch.Tensor], ids: tuple[int, ...]
+                  ) -> torch.Tensor | None:
+    """``[B, T, len(ids) * H]``: the kept hidden states ``values[i]`` (``[B, T, H]``) of
+    ``ids``, concatenated in that order; None when one of them is not kept."""
+    if any(i not in values for i in ids):
+        return None
+    parts = [values[i] for i in ids]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
 class FeatureHooks:
     """Forward pre-hooks on a target that keep its hidden states of the last forward.
 
@@ -117,11 +127,7 @@ class FeatureHooks:
     def get(self, spec: FeatureSpec = None) -> torch.Tensor | None:
         """``[B, T, len(ids) * H]``: the states ``spec`` names, concatenated (None before
         the first forward)."""
-        ids = layer_ids(spec, self.num_layers)
-        if any(i not in self.values for i in ids):
-            return None
-        parts = [self.values[i] for i in ids]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+        return concat_states(self.values, layer_ids(spec, self.num_layers))
 
     def clear(self) -> None:
         """Forget the kept states (the hooks stay)."""

@@ -1,4 +1,4 @@
-"""The opt-in fast path: a static KV cache and a compiled forward with repeating shapes.
+r"""The opt-in fast path: a static KV cache and a compiled forward with repeating shapes.
 
 :class:`FastPath` holds, for one model, a preallocated cache of fixed shape
 ``[rows, heads, capacity, D]`` per layer and the model's forward compiled by
@@ -15,6 +15,14 @@ rows that leave free their physical row, rows that join take a free one (prefill
 eagerly, then copied in). Garbage slots are reclaimed by an in-place gather when the
 shared write frontier reaches ``capacity``.
 
+Feature drafters run here too. A runner that :meth:`~StaticBatchRunner.track_hidden`\ s
+makes the compiled step return the hidden states they read beside the logits (HF's
+``output_hidden_states``, the indices of :mod:`speclab.decoding.features`: no hook
+inside the compiled graph); a drafter whose model takes more inputs than tokens (an
+EAGLE drafter's features) subclasses :class:`StaticBatchRunner` with its own
+:attr:`~StaticBatchRunner.stepper`, :meth:`~StaticBatchRunner.extra_inputs` and
+:meth:`~StaticBatchRunner.take_outputs`.
+
 Cost: each new shape compiles once (about 10-30 s on a 2-core CPU); ``warmup_s``
 accumulates the time of forwards that compiled. Without compiling (``compile=False``)
 the same static layout runs eagerly.
@@ -30,8 +38,13 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from speclab.decoding.batch_runner import BatchRunner, batch_inputs
+from speclab.decoding.features import FeatureSpec, concat_states, layer_ids, num_decoder_layers
 from speclab.decoding.host import synchronize, to_device
 from speclab.decoding.tree import additive_mask
+
+#: a fast path's step: ``(ids [rows, T], pos [rows, T], mask [rows, 1, T, capacity],
+#: *extra)`` -> ``(logits [rows, T, V], *outputs)``
+Step = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def bucket(n: int) -> int:
@@ -67,21 +80,28 @@ def kv_shapes(model: PreTrainedModel) -> list[tuple[tuple[int, int], tuple[int, 
     ``head_dim`` may be absent or not used by its family (GPT-2 keeps every head)."""
     device = next(model.parameters()).device
     probe = DynamicCache()
+    # a model that takes more than tokens (an EAGLE drafter) names the rest: cost_inputs
+    extra = model.cost_inputs(1) if hasattr(model, "cost_inputs") else {}
     model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-          past_key_values=probe, use_cache=True)
+          past_key_values=probe, use_cache=True, **extra)
     return [((int(layer.keys.shape[1]), int(layer.keys.shape[-1])),
              (int(layer.values.shape[1]), int(layer.values.shape[-1])))
             for layer in probe.layers]
 
 
-def _stepper(model: PreTrainedModel, cache: DynamicCache
-             ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The fast path's one forward over its static ``cache``: ``[rows, T]`` ids and
-    positions, ``[rows, 1, T, capacity]`` mask -> ``[rows, T, V]`` logits."""
+def lm_step(model: PreTrainedModel, cache: DynamicCache, layers: tuple[int, ...] = ()
+            ) -> Step:
+    """A causal LM's one forward over the static ``cache``: ``[rows, T]`` ids and
+    positions, ``[rows, 1, T, capacity]`` mask -> ``([rows, T, V] logits, *[rows, T, H]
+    hidden states layers)``, ``layers`` indexed as in :mod:`speclab.decoding.features`
+    (HF's ``output_hidden_states``: the input of decoder layer ``i``; ``L`` the LM head's
+    input)."""
 
-    def step(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                     past_key_values=cache, use_cache=True).logits
+    def step(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor
+             ) -> tuple[torch.Tensor, ...]:
+        out = model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                    past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+        return (out.logits, *(out.hidden_states[i] for i in layers))
 
     return step
 
@@ -94,9 +114,11 @@ class FastPath:
     """
 
     def __init__(self, model: PreTrainedModel, rows: int, capacity: int = 1024,
-                 compile: bool = True, mode: str | None = None) -> None:
+                 compile: bool = True, mode: str | None = None,
+                 stepper: Callable[..., Step] = lm_step) -> None:
         """``mode``: ``torch.compile``'s (default on CUDA: ``"reduce-overhead"``, which
-        captures CUDA graphs; on CPU: the default mode)."""
+        captures CUDA graphs; on CPU: the default mode). ``stepper(model, cache, layers)``
+        builds the step (:func:`lm_step`; a feature drafter's runner gives its own)."""
         cfg = model.config
         self.model, self.rows, self.capacity = model, rows, capacity
         self.device = next(model.parameters()).device
@@ -118,34 +140,54 @@ class FastPath:
             for t in [*self.keys, *self.values, *self.positions.values()]:
                 torch._dynamo.mark_static_address(t)
             mode = mode or "reduce-overhead"
-        self.compiled = compile
+        self.compiled, self.mode, self.stepper = compile, mode, stepper
         if compile:  # every FastPath shares the step's code: room for all their shapes
             dyn = torch._dynamo.config
             dyn.recompile_limit = max(dyn.recompile_limit, 256)
             dyn.accumulated_recompile_limit = max(dyn.accumulated_recompile_limit, 4096)
-        step = _stepper(model, self.cache)  # holds the model and cache, never self: a
-        # replaced FastPath is freed at once (no cycle waiting for the cyclic collector)
-        self.step = torch.compile(step, dynamic=False, mode=mode) if compile else step
-        self.shapes: set[tuple[int, int]] = set()
+        #: the hidden states the step returns beside the logits (:meth:`track`)
+        self.layers: tuple[int, ...] = ()
+        self.shapes: set[tuple] = set()
+        self._build()
         self.warmup_s = 0.0  # wall time of the forwards that warmed a new shape up
         #: hears of each warm-up (its seconds), e.g. to keep it out of timed figures
         self.on_warmup: Callable[[float], None] | None = None
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int
-            ) -> torch.Tensor:
+    def _build(self) -> None:
+        """The step for :attr:`layers`, compiled anew (its shapes warm up again)."""
+        step = self.stepper(self.model, self.cache, self.layers)  # holds the model and
+        # cache, never self: a replaced FastPath is freed at once (no cycle waiting for
+        # the cyclic collector)
+        self.step = (torch.compile(step, dynamic=False, mode=self.mode) if self.compiled
+                     else step)
+        self.shapes = set()
+
+    def track(self, layers: tuple[int, ...]) -> None:
+        """Also return the hidden states ``layers`` from now on (a feature drafter's rows
+        arrived): the step is rebuilt, once, over the union of what was asked."""
+        if not set(layers) <= set(self.layers):
+            self.layers = tuple(sorted(set(self.layers) | set(layers)))
+            self._build()
+
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, start: int,
+            *extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """ONE forward of ``[rows, T]`` tokens written at slots ``start .. start+T-1``
-        (``T`` a power of two); returns ``[rows, T, V]`` logits."""
+        (``T`` a power of two), with the step's ``extra`` inputs; returns ``([rows, T, V]
+        logits, *outputs)`` (the hidden states :attr:`layers`, or the step's own)."""
         t = ids.shape[1]
         self.positions[t].copy_(torch.arange(start, start + t, device=self.device))
-        if self.compiled and (self.rows, t) not in self.shapes:
-            self.warm(ids, pos, mask)
-        self.shapes.add((self.rows, t))
-        logits = self.step(ids, pos, mask)
+        shape = (self.rows, t, *(tuple(x.shape) for x in extra))
+        if self.compiled and shape not in self.shapes:
+            self.warm(ids, pos, mask, *extra)
+        self.shapes.add(shape)
+        outs = self.step(ids, pos, mask, *extra)
         if self.compiled and self.device.type == "cuda":
-            logits = logits.clone()  # a captured graph reuses its output buffer
-        return logits
+            # a captured graph reuses its output buffers
+            outs = tuple(o.clone() for o in outs)
+        return outs
 
-    def warm(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> float:
+    def warm(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+             *extra: torch.Tensor) -> float:
         """Warm a new shape up before its first real forward, untimed by the runners.
 
         The first forward of a ``[rows, T]`` shape compiles it; on CUDA (``mode=
@@ -157,7 +199,7 @@ class FastPath:
         synchronize(self.device)
         t0 = time.perf_counter()
         for _ in range(3 if self.device.type == "cuda" else 1):
-            self.step(ids, pos, mask)
+            self.step(ids, pos, mask, *extra)
         synchronize(self.device)
         spent = time.perf_counter() - t0
         self.warmup_s += spent
@@ -167,11 +209,22 @@ class FastPath:
 
 
 class StaticBatchRunner(BatchRunner):
-    """:class:`BatchRunner` over a :class:`FastPath` (same interface and semantics)."""
+    """:class:`BatchRunner` over a :class:`FastPath` (same interface and semantics).
+
+    A subclass for a model with other inputs (a feature drafter) names its step
+    (:attr:`stepper`), its eager runner for prefills (:attr:`eager`), and overrides
+    :meth:`extra_inputs` / :meth:`take_outputs`."""
+
+    #: builds the :class:`FastPath`'s step for this runner's model
+    stepper: Callable[..., Step] = staticmethod(lm_step)
+    #: the eager runner class that prefills new rows (:meth:`add_rows`)
+    eager: type[BatchRunner] = BatchRunner
 
     def __init__(self, fast: FastPath) -> None:
         super().__init__(fast.model)
         self.fast = fast
+        self.specs: list[FeatureSpec] = []  # what track_hidden was asked for
+        self.states: dict[int, torch.Tensor] = {}  # the last forward's, logical rows
         self.phys: list[int] = []  # physical row of each logical row
         self.live = torch.zeros(fast.rows, fast.capacity, dtype=torch.bool)
         # the position id each physical slot was written with (sliding-window masks)
@@ -182,10 +235,30 @@ class StaticBatchRunner(BatchRunner):
     def capacity(self) -> int:
         return self.fast.capacity
 
-    def track_hidden(self, spec=None) -> None:
-        """Refused: a hook inside the compiled step would break it."""
-        raise ValueError("compile: the fast path does not run drafters that read the "
-                         "target's features (eagle, medusa); run them without compile")
+    def track_hidden(self, spec: FeatureSpec = None) -> None:
+        """Keep the final hidden states and those ``spec`` names from every forward on:
+        the fast path's step returns them (no hook inside the compiled graph)."""
+        top = num_decoder_layers(self.model.config)
+        self.fast.track((top, *layer_ids(spec, top)))
+        self.specs.append(spec)
+
+    def _tracked(self, spec: FeatureSpec) -> torch.Tensor | None:
+        if not self.specs:
+            return None
+        return concat_states(self.states, layer_ids(spec, num_decoder_layers(self.model.config)))
+
+    def extra_inputs(self, phys: list[int], t_new: int) -> tuple[torch.Tensor, ...]:
+        """The step's inputs beyond ids, positions and mask for this forward, over the
+        physical rows (``phys[b]``: logical row ``b``'s) and ``t_new`` padded tokens: none
+        for a causal LM."""
+        del phys, t_new
+        return ()
+
+    def take_outputs(self, outputs: tuple[torch.Tensor, ...], idx: torch.Tensor) -> None:
+        """Keep what the step returned beyond the logits (``[rows, T, ...]`` over the
+        physical rows; ``idx`` selects the logical rows): the tracked hidden states."""
+        self.states = {i: o.index_select(0, idx)
+                       for i, o in zip(self.fast.layers, outputs, strict=True)}
 
     def release_rows(self) -> None:
         """Every row leaves; the static cache stays allocated for the next ones."""
@@ -223,8 +296,11 @@ class StaticBatchRunner(BatchRunner):
             mask = additive_mask(to_device(seen, self.device), self.dtype)[0, 0][:, None]
         else:
             mask = self.layout.model_mask(seen, pos, self.slot_pos, self.dtype, self.device)
-        logits = self.fast.run(to_device(ids, self.device), to_device(pos, self.device), mask, s)
+        logits, *outputs = self.fast.run(to_device(ids, self.device),
+                                         to_device(pos, self.device), mask, s,
+                                         *self.extra_inputs(self.phys, t_new))
         idx = to_device(phys, logits.device)
+        self.take_outputs(tuple(outputs), idx)
         new_slots = torch.arange(s, s + t_new)
         for b, p in enumerate(self.phys):
             self.slots[b] = torch.cat([self.slots[b], new_slots[:n[b]]])
@@ -242,8 +318,11 @@ class StaticBatchRunner(BatchRunner):
         if len(sequences) > len(free):
             raise ValueError(f"batch_size: {len(self.phys) + len(sequences)} rows exceed the "
                              f"fast path's {self.fast.rows}")
-        pre = BatchRunner(self.model)
+        pre = self.eager(self.model)
+        for spec in self.specs:
+            pre.track_hidden(spec)
         out = pre.add_rows(sequences, logits)
+        self.take_prefill(pre)
         pre.compact()
         longest = pre.width
         if max(self.width, longest) + 1 > self.capacity:
@@ -263,6 +342,11 @@ class StaticBatchRunner(BatchRunner):
             self.slots.append(torch.arange(base, base + n))
         pre.release()
         return out
+
+    def take_prefill(self, pre: BatchRunner) -> None:
+        """Keep what the eager prefill ``pre`` computed beside its logits (the new rows'
+        hidden states, in their order) as this runner's last forward's."""
+        self.states = dict(pre._hook.values) if pre._hook is not None else {}
 
     @torch.inference_mode()
     def drop(self, rows: list[int]) -> None:

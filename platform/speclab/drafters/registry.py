@@ -47,6 +47,13 @@ for _cls in BUILTIN:
     register(_cls)
 
 
+def eager_batch_runner(model: Any, eager: type[BatchRunner] = BatchRunner,
+                       static: type | None = None) -> BatchRunner:
+    """The batched runner without the fast path: ``eager(model)`` (``static`` unused)."""
+    del static
+    return eager(model)
+
+
 @dataclass
 class BuildContext:
     """What a method's ``build`` may use: a runner over the draft model (None when
@@ -63,7 +70,10 @@ class BuildContext:
     resources: dict = field(default_factory=dict)
     target_config: Any = None
     target_model: Any = None
-    batch_runner: Callable[[Any], BatchRunner] = BatchRunner  # the batched engine's runner
+    #: the batched engine's runner over a model: ``batch_runner(model, eager=BatchRunner,
+    #: static=StaticBatchRunner)``, the static class on the compiled fast path (a feature
+    #: drafter names its own pair of classes)
+    batch_runner: Callable[..., BatchRunner] = eager_batch_runner
     device: Any = "cpu"
     dtype: Any = torch.float32
 

@@ -230,7 +230,11 @@ class EagleConfig(TreeKnobs):
         every row's drafter step in one forward."""
         from speclab.drafters.eagle2 import eagle2_steps
         from speclab.drafters.optimal import optimal_steps
-        from speclab.families.eagle.drafter_batch import BatchEagleDrafter
+        from speclab.families.eagle.drafter_batch import (
+            BatchEagleDrafter,
+            FeatureBatchRunner,
+            StaticFeatureBatchRunner,
+        )
 
         if self.builder == "eagle2":
             steps, k = eagle2_steps(self.tree_top_k, self.depth, self.nodes), self.tree_top_k
@@ -239,7 +243,9 @@ class EagleConfig(TreeKnobs):
             steps = optimal_steps(self.nodes, min(self.batch, self.nodes), threshold,
                                   self.depth)
             k = self.nodes
-        return BatchEagleDrafter(self._model(ctx), steps, k, self.score_temperature)
+        model = self._model(ctx)
+        runner = ctx.batch_runner(model, FeatureBatchRunner, StaticFeatureBatchRunner)
+        return BatchEagleDrafter(model, steps, k, self.score_temperature, runner)
 
 
 

@@ -31,6 +31,7 @@ import torch
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.drafting import TopChildren, TreeSteps
 from speclab.decoding.runner import tree_node_inputs
+from speclab.decoding.static_runner import FastPath, StaticBatchRunner, Step
 from speclab.decoding.tree import TokenTree
 from speclab.drafters.batched import BatchTreeDrafter
 from speclab.families.eagle.drafter import checked_features, owed_features
@@ -63,22 +64,87 @@ class FeatureBatchRunner(BatchRunner):
 
     def call_model(self, ids, pos, mask, last_only):
         del last_only  # the drafter computes every position's logits
-        widths = {int(f.shape[-1]) for f in self._features or () if f is not None and len(f)}
-        if len(widths) > 1:
-            raise ValueError(f"eagle: one forward's rows carry features of widths "
-                             f"{sorted(widths)}")
-        width = widths.pop() if widths else int(self.model.meta.hidden_size)
-        # built on the device: a tree step's features are the drafter's own outputs,
-        # already there, so copying them costs no wait for the device
-        feats = torch.zeros(*ids.shape, width, device=self.device)
-        for b, f in enumerate(self._features or ()):
-            if f is not None and len(f):
-                feats[b, :f.shape[0]] = f.to(self.device, torch.float32)
+        feats = padded_features(self.model, self._features, list(range(ids.shape[0])),
+                                *ids.shape, self.device)
         f_hat, logits = self.model(features=feats, input_ids=ids,
                                    position_ids=pos, attention_mask=mask,
                                    past_key_values=self.cache, use_cache=True)
         self.f_hat = f_hat
         return logits.float()
+
+
+def padded_features(model: torch.nn.Module, features: list[torch.Tensor | None] | None,
+                    rows: list[int], batch: int, t: int, device) -> torch.Tensor:
+    """``[batch, t, F]`` float32 on ``device``: ``features[b]`` (``[n_b, F]``, None or
+    empty for a row with no tokens) at ``[rows[b], :n_b]``, zeros elsewhere; ``F`` the
+    rows' one feature width (the drafter's own ``H`` when no row carries any). Built on
+    the device: a tree step's features are the drafter's own outputs, already there, so
+    copying them costs no wait for the device."""
+    widths = {int(f.shape[-1]) for f in features or () if f is not None and len(f)}
+    if len(widths) > 1:
+        raise ValueError(f"eagle: one forward's rows carry features of widths "
+                         f"{sorted(widths)}")
+    width = widths.pop() if widths else int(model.meta.hidden_size)
+    feats = torch.zeros(batch, t, width, device=device)
+    for b, f in enumerate(features or ()):
+        if f is not None and len(f):
+            feats[rows[b], :f.shape[0]] = f.to(device, torch.float32)
+    return feats
+
+
+def eagle_step(model: torch.nn.Module, cache, layers: tuple[int, ...] = ()) -> Step:
+    """An EAGLE drafter's fast-path step (:class:`~speclab.decoding.static_runner.FastPath`):
+    ``(ids, pos [rows, T], mask [rows, 1, T, capacity], features [rows, T, F])`` ->
+    ``(logits [rows, T, V], f_hat [rows, T, H])``. ``layers`` must be empty (a drafter
+    exposes no target features)."""
+    if layers:
+        raise ValueError("eagle: an EAGLE drafter's runner keeps no hidden states")
+
+    def step(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
+             feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        f_hat, logits = model(features=feats, input_ids=ids, position_ids=pos,
+                              attention_mask=mask, past_key_values=cache, use_cache=True)
+        return logits, f_hat
+
+    return step
+
+
+class StaticFeatureBatchRunner(StaticBatchRunner):
+    """:class:`FeatureBatchRunner` on the static, compiled fast path (``Decoder(...,
+    compile=True)``): the same :meth:`forward` with ``features``, the outputs kept as
+    :attr:`f_hat`; new rows are prefilled by a :class:`FeatureBatchRunner`."""
+
+    stepper = staticmethod(eagle_step)
+    eager = FeatureBatchRunner
+
+    def __init__(self, fast: FastPath) -> None:
+        super().__init__(fast)
+        self._features: list[torch.Tensor | None] | None = None
+        self.f_hat: torch.Tensor | None = None  # [B, T, H] of the last forward
+
+    def forward(self, tokens: list[torch.Tensor],
+                positions: list[torch.Tensor | None] | None = None,
+                allowed: list[torch.Tensor | None] | None = None,
+                last_only: bool = False,
+                features: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """:meth:`FeatureBatchRunner.forward` on the fast path: ``[B, T, V]`` float32
+        logits, ``T`` the padded number of new tokens; the outputs ``[B, T, H]`` are
+        :attr:`f_hat`."""
+        self._features = features
+        try:
+            return super().forward(tokens, positions, allowed)
+        finally:
+            self._features = None
+
+    def extra_inputs(self, phys: list[int], t_new: int) -> tuple[torch.Tensor, ...]:
+        return (padded_features(self.model, self._features, phys, self.fast.rows, t_new,
+                                self.device),)
+
+    def take_outputs(self, outputs: tuple[torch.Tensor, ...], idx: torch.Tensor) -> None:
+        self.f_hat = outputs[0].index_select(0, idx)
+
+    def take_prefill(self, pre: BatchRunner) -> None:
+        self.f_hat = pre.f_hat
 
 
 class BatchEagleDrafter(BatchTreeDrafter):
@@ -88,8 +154,12 @@ class BatchEagleDrafter(BatchTreeDrafter):
 
     def __init__(self, model: torch.nn.Module, steps: Callable[[int, TopChildren, int, int],
                                                                TreeSteps],
-                 k: int, score_temperature: float = 1.0) -> None:
-        super().__init__(FeatureBatchRunner(model), "eagle", steps, k, score_temperature)
+                 k: int, score_temperature: float = 1.0,
+                 runner: FeatureBatchRunner | StaticFeatureBatchRunner | None = None) -> None:
+        """``runner``: the drafter's batched runner (default: an eager
+        :class:`FeatureBatchRunner`; the compiled fast path's :class:`StaticFeatureBatchRunner`)."""
+        super().__init__(runner or FeatureBatchRunner(model), "eagle", steps, k,
+                         score_temperature)
         self.width = int(model.meta.feature_width)  # the target's features: H or k * H
         self.pending: list[torch.Tensor] = []  # per row: [c, F] target features owed
         self.f_hat: list[dict[int, torch.Tensor]] = []  # per row: logical position -> [H]
