@@ -429,6 +429,7 @@ def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, tr
     from speclab.decoding.drafting import PerRowDrafters
     from speclab.decoding.row_pool import DraftPool, NewRow, TargetPool, seeded
     from speclab.decoding.rules import RuleSpec
+    from speclab.drafters.registry import eager_batch_runner
     from speclab.families.eagle.drafter import EagleConfig, EagleDrafter
 
     model = trained[0]
@@ -438,7 +439,8 @@ def test_drafting_ahead_on_its_own_features_resyncs_on_the_targets(tiny_pair, tr
         prompt_ids=PROMPT, method="ar", max_new_tokens=40).token_ids
     tpool = TargetPool(BatchRunner(target), features=True)
     cfg = EagleConfig(eagle_model=model, tree_top_k=3, depth=4, nodes=8)
-    make = ((lambda s: cfg.build_batch(SimpleNamespace(target_config=target.config)))
+    ctx = SimpleNamespace(target_config=target.config, batch_runner=eager_batch_runner)
+    make = ((lambda s: cfg.build_batch(ctx))
             if batched else (lambda s: PerRowDrafters(lambda g: EagleDrafter(model, **knobs))))
     dpool = DraftPool(make, ahead_min_hit_rate=0.0)
     greedy = SamplingParams()
