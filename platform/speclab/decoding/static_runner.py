@@ -268,7 +268,8 @@ class StaticBatchRunner(BatchRunner):
         self.slot_pos = torch.zeros(self.fast.rows, self.fast.capacity, dtype=torch.long)
 
     @torch.inference_mode()
-    def forward(self, tokens, positions=None, allowed=None) -> torch.Tensor:
+    def forward(self, tokens, positions=None, allowed=None, last_only=False) -> torch.Tensor:
+        del last_only  # every position's logits: the step's shapes stay few
         if len(tokens) != self.rows:
             raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
         self.clock.start()

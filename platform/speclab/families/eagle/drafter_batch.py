@@ -31,19 +31,20 @@ import torch
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.drafting import TopChildren, TreeSteps
 from speclab.decoding.runner import tree_node_inputs
-from speclab.decoding.static_runner import FastPath, StaticBatchRunner, Step
+from speclab.decoding.static_runner import StaticBatchRunner, Step
 from speclab.decoding.tree import TokenTree
 from speclab.drafters.batched import BatchTreeDrafter
 from speclab.families.eagle.drafter import checked_features, owed_features
 
 
-class FeatureBatchRunner(BatchRunner):
-    """A :class:`BatchRunner` over an EAGLE drafter (``model(features, input_ids, ...)``
-    returning ``(f_hat, logits)``): :meth:`forward` takes one ``[n_b, F]`` feature
-    tensor per row with the tokens, and keeps the outputs as :attr:`f_hat`."""
+class TakesFeatures:
+    """What both runners over an EAGLE drafter (``model(features, input_ids, ...)``
+    returning ``(f_hat, logits)``) share: :meth:`forward` takes one ``[n_b, F]`` feature
+    tensor per row with the tokens, and the outputs of the last forward are
+    :attr:`f_hat`. Mixed in before a :class:`BatchRunner` (eager or static)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__(model)
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         self._features: list[torch.Tensor | None] | None = None
         self.f_hat: torch.Tensor | None = None  # [B, T, H] of the last forward
 
@@ -54,13 +55,18 @@ class FeatureBatchRunner(BatchRunner):
                 features: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """:meth:`BatchRunner.forward` with ``features[b]`` ``[n_b, F]`` the input feature
         of each of row ``b``'s tokens (None or absent: a row with no tokens; every row's
-        must have the same width ``F``). Returns ``[B, T, V]`` float32 logits; the
-        outputs ``[B, T, H]`` are :attr:`f_hat`."""
+        must have the same width ``F``). Returns ``[B, T, V]`` float32 logits (every
+        position's); the outputs ``[B, T, H]`` are :attr:`f_hat`."""
+        del last_only  # the drafter computes every position's logits
         self._features = features
         try:
             return super().forward(tokens, positions, allowed, last_only=False)
         finally:
             self._features = None
+
+
+class FeatureBatchRunner(TakesFeatures, BatchRunner):
+    """The eager :class:`BatchRunner` over an EAGLE drafter (:class:`TakesFeatures`)."""
 
     def call_model(self, ids, pos, mask, last_only):
         del last_only  # the drafter computes every position's logits
@@ -109,32 +115,15 @@ def eagle_step(model: torch.nn.Module, cache, layers: tuple[int, ...] = ()) -> S
     return step
 
 
-class StaticFeatureBatchRunner(StaticBatchRunner):
+class StaticFeatureBatchRunner(TakesFeatures, StaticBatchRunner):
     """:class:`FeatureBatchRunner` on the static, compiled fast path (``Decoder(...,
-    compile=True)``): the same :meth:`forward` with ``features``, the outputs kept as
-    :attr:`f_hat`; new rows are prefilled by a :class:`FeatureBatchRunner`."""
+    compile=True)``, a :class:`~speclab.decoding.static_runner.FastPath` built with
+    :func:`eagle_step`): the same :meth:`forward` with ``features`` (``T`` padded to a
+    power of two), the outputs kept as :attr:`f_hat`; new rows are prefilled by a
+    :class:`FeatureBatchRunner`."""
 
     stepper = staticmethod(eagle_step)
     eager = FeatureBatchRunner
-
-    def __init__(self, fast: FastPath) -> None:
-        super().__init__(fast)
-        self._features: list[torch.Tensor | None] | None = None
-        self.f_hat: torch.Tensor | None = None  # [B, T, H] of the last forward
-
-    def forward(self, tokens: list[torch.Tensor],
-                positions: list[torch.Tensor | None] | None = None,
-                allowed: list[torch.Tensor | None] | None = None,
-                last_only: bool = False,
-                features: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-        """:meth:`FeatureBatchRunner.forward` on the fast path: ``[B, T, V]`` float32
-        logits, ``T`` the padded number of new tokens; the outputs ``[B, T, H]`` are
-        :attr:`f_hat`."""
-        self._features = features
-        try:
-            return super().forward(tokens, positions, allowed)
-        finally:
-            self._features = None
 
     def extra_inputs(self, phys: list[int], t_new: int) -> tuple[torch.Tensor, ...]:
         return (padded_features(self.model, self._features, phys, self.fast.rows, t_new,
