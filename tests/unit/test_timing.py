@@ -79,16 +79,16 @@ def slow_compiles(monkeypatch):
     real, skipped = time.perf_counter, [0.0]
     monkeypatch.setattr(time, "perf_counter", lambda: real() + skipped[0])
 
-    def make(model, rows, capacity):
-        fast = FastPath(model, rows, capacity, compile=False)
+    def make(model, rows, capacity, **kwargs):
+        fast = FastPath(model, rows, capacity, compile=False, **kwargs)
         fast.compiled = True
         step, seen = fast.step, set()
 
-        def step_once_slow(ids, pos, mask):
+        def step_once_slow(ids, pos, mask, *extra):
             if tuple(ids.shape) not in seen:
                 seen.add(tuple(ids.shape))
                 skipped[0] += SLOW
-            return step(ids, pos, mask)
+            return step(ids, pos, mask, *extra)
 
         fast.step = step_once_slow
         return fast
