@@ -31,8 +31,9 @@ lint: setup
 # the machine's cores, where two spinning threads per process slow each other 10x or more
 TEST_ENV := OMP_NUM_THREADS=1
 
+# --durations: the 25 slowest tests close every full run (where CI time goes)
 test: setup lint ## ruff + the whole test suite
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider --durations=25 tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-unit: setup lint ## ruff + the unit tests only (no Ray started, a few minutes)
 	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/unit; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
