@@ -31,17 +31,21 @@ lint: setup
 # the machine's cores, where two spinning threads per process slow each other 10x or more
 TEST_ENV := OMP_NUM_THREADS=1
 
-# two test processes (pytest-xdist), one test file each at a time: a single one leaves a
-# third of the 2 cores idle while jobs start Ray, wait on HTTP or poll (measured: 70% busy
-# through a Ray Train job). Every test isolates its ports, SPECLAB_HOME, MLflow store and
-# Ray session, so two run side by side. --durations: the 25 slowest tests close every
-# full run (where CI time goes)
+# the tests that start no Ray run in two processes (pytest-xdist, one file at a time in
+# each: they run torch on one thread, so one process leaves a core idle); the integration
+# tests run one at a time: two Ray jobs side by side on 2 cores take as long as one after
+# the other (measured: the whole suite on 2 workers took 69 min, one process 66-71 min).
+# --durations: the slowest tests close every full run (where CI time goes)
 XDIST := -n 2 --dist loadfile
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider
 test: setup lint ## ruff + the whole test suite
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=25 tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(PYTEST) $(XDIST) --durations=10 --ignore=tests/integration tests; rc=$$?; \
+	[ $$rc -eq 5 ] && rc=0; \
+	$(PYTEST) --durations=25 tests/integration; rc2=$$?; [ $$rc2 -eq 5 ] && rc2=0; \
+	[ $$rc -ne 0 ] && exit $$rc; exit $$rc2
 
 test-unit: setup lint ## ruff + the unit tests only (no Ray started, a few minutes)
-	$(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests/unit; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(PYTEST) $(XDIST) tests/unit; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 bench: setup
 	.venv/bin/speclab bench
