@@ -31,18 +31,16 @@ lint: setup
 # the machine's cores, where two spinning threads per process slow each other 10x or more
 TEST_ENV := OMP_NUM_THREADS=1
 
-# the tests that start no Ray run in two processes (pytest-xdist, one file at a time in
-# each: they run torch on one thread, so one process leaves a core idle); the integration
-# tests run one at a time: two Ray jobs side by side on 2 cores take as long as one after
-# the other (measured: the whole suite on 2 workers took 69 min, one process 66-71 min).
-# --durations: the slowest tests close every full run (where CI time goes)
+# two test processes (pytest-xdist, one test file at a time in each). Measured on the
+# same slow 2-core VM: the whole suite on two workers 69 min of tests; the Ray-free tests
+# on two workers (6 min) then the integration tests one at a time (80+ min) went past
+# CI's 90 minutes. Every test takes free ports, its own SPECLAB_HOME, MLflow store and
+# Ray session, so two run side by side. --durations: the 25 slowest tests close every
+# full run (where CI time goes)
 XDIST := -n 2 --dist loadfile
 PYTEST := $(TEST_ENV) $(PY) -m pytest -q -p no:cacheprovider
 test: setup lint ## ruff + the whole test suite
-	$(PYTEST) $(XDIST) --durations=10 --ignore=tests/integration tests; rc=$$?; \
-	[ $$rc -eq 5 ] && rc=0; \
-	$(PYTEST) --durations=25 tests/integration; rc2=$$?; [ $$rc2 -eq 5 ] && rc2=0; \
-	[ $$rc -ne 0 ] && exit $$rc; exit $$rc2
+	$(PYTEST) $(XDIST) --durations=25 tests; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 test-unit: setup lint ## ruff + the unit tests only (no Ray started, a few minutes)
 	$(PYTEST) $(XDIST) tests/unit; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
