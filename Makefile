@@ -33,8 +33,8 @@ TEST_ENV := OMP_NUM_THREADS=1
 
 # two test processes (pytest-xdist, one test file at a time in each). Measured on the
 # same slow 2-core VM: the whole suite on two workers 69 min of tests; the Ray-free tests
-# on two workers (6 min) then the integration tests one at a time (80+ min) went past
-# CI's 90 minutes. Every test takes free ports, its own SPECLAB_HOME, MLflow store and
+# on two workers (6 min) then the integration tests one at a time (77 min) took 87 min in
+# all, 3 under CI's 90. Every test takes free ports, its own SPECLAB_HOME, MLflow store and
 # Ray session, so two run side by side. --durations: the 25 slowest tests close every
 # full run (where CI time goes)
 XDIST := -n 2 --dist loadfile
