@@ -27,9 +27,10 @@ import torch
 
 from speclab.agreement import agreement_cell, mark_agreement
 from speclab.api import Decoder
+from speclab.config.schema import DataConfig
 from speclab.data.conversations import template_ids
 from speclab.data.corpus import function_header_prompts
-from speclab.data.prompts import Prompts, first_turn_records
+from speclab.data.prompts import Prompts, chat_prompts, first_turn_records
 from speclab.evaluation import (
     COLUMNS,
     TIMING_PASSES,
@@ -55,6 +56,7 @@ from speclab.forward_costs import CostModel
 from speclab.models.reference import ensure_reference_pair
 from speclab.paired_timing import AR_SPREAD_BOUND, speedup_figures
 from speclab.pipelines.eval_plots import interval_errors
+from speclab.real_pair import REAL_PAIRS, RealPair, ensure_real_pair
 from speclab.reference_large import (
     ensure_reference_large,
     forward_cost,
@@ -193,16 +195,36 @@ def table_columns(columns: list[tuple[str, str]], device: str) -> list[tuple[str
     return [*columns, ("peak_gpu_mb", "{:.0f}")] if device.startswith("cuda") else columns
 
 
-#: the pairs ``--pair`` names
-PAIRS = ("reference", "reference-large", "reference-xl")
+#: the pairs ``--pair`` names: the reference pairs and the real pairs
+#: (:data:`speclab.real_pair.REAL_PAIRS`)
+PAIRS = ("reference", "reference-large", "reference-xl", *REAL_PAIRS)
+
+#: the rows on a real pair besides its EAGLE drafters' and Medusa heads' (their rows:
+#: :data:`EAGLE_RUN`, :data:`MEDUSA_RUN`): chains of gamma 2 and 3 and the trees of the
+#: standalone draft at the papers' ranking temperature, and prompt lookup (no drafter)
+REAL_RUNS = [
+    MethodRun("chain", {"gamma": 2}),
+    MethodRun("chain", {"gamma": 3}),
+    MethodRun("tree", {"tree_top_k": 2, "depth": 4, "nodes": 8}),
+    MethodRun("optimal", {"nodes": 16, "batch": 4, "depth": 8}),
+    MethodRun("salf", {"nodes": 16, "batch": 4, "salf_threshold": 0.2, "depth": 8}),
+    MethodRun("pld"),
+]
 
 
-def bench_prompts(dec: Decoder, num_prompts: int, prompt_file: str | None = None) -> Prompts:
+def bench_prompts(dec: Decoder, num_prompts: int, prompt_file: str | None = None,
+                  chat_data: str | None = None) -> Prompts:
     """The bench's prompts as token ids with their categories: ``num_prompts`` held-out
-    stdlib function-header prompts (category ``all``), or the first ``num_prompts`` of
-    ``prompt_file`` (prompt JSONL or ``question.jsonl``, first turns; grouped by
-    category: :func:`~speclab.data.prompts.first_turn_records`), each a user turn
-    through the target's chat template where its tokenizer has one, else plain text."""
+    stdlib function-header prompts (category ``all``), or, with ``chat_data`` (a
+    conversations file or ``sharegpt``), the first turns of its held-out conversations
+    through the chat template (:func:`~speclab.data.prompts.chat_prompts`), or the first
+    ``num_prompts`` of ``prompt_file`` (prompt JSONL or ``question.jsonl``, first turns;
+    grouped by category: :func:`~speclab.data.prompts.first_turn_records`), each a user
+    turn through the target's chat template where its tokenizer has one, else plain
+    text. ``prompt_file`` wins over ``chat_data``."""
+    if prompt_file is None and chat_data is not None:
+        return chat_prompts(DataConfig(prompts="conversations", path=chat_data,
+                                       num_prompts=num_prompts), dec.tokenizer)
     if prompt_file is None:
         return Prompts([dec.encode(p.text) for p in function_header_prompts("test", num_prompts)])
     records = first_turn_records(prompt_file, num_prompts, "--prompt-file")
@@ -280,14 +302,21 @@ def grow_xl(device: str, dtype: str, eagles: list[str] | None, xl: XLSpec | None
 def reference_setup(num_prompts: int, device: str, dtype: str | None, compile: bool = False,
                     pair: str = "reference", prompt_file: str | None = None,
                     eagles: list[str] | None = None, xl: XLSpec | None = None,
-                    checksums: str | None = None):
+                    checksums: str | None = None, build: bool = True):
     """A reference pair (``reference``, or ``reference-large``, the memory-bound target,
     built on first use; or ``reference-xl``, the GPU-scale target grown on ``device``,
-    :func:`grow_xl`, with ``eagles``, ``xl`` and ``checksums``), a Decoder over it and
-    its prompts (:func:`bench_prompts`). ``dtype`` None: float32 for ``reference``,
-    bfloat16 where it is native for the others (:func:`run_dtype`)."""
+    :func:`grow_xl`, with ``eagles``, ``xl`` and ``checksums``) or a real pair
+    (:func:`~speclab.real_pair.ensure_real_pair`, its drafters fetched from the registry
+    or, ``build``, built on first use; its prompts held-out ShareGPT first turns), a
+    Decoder over it and its prompts (:func:`bench_prompts`). ``dtype`` None: float32 for
+    ``reference``, bfloat16 where it is native for the others (:func:`run_dtype`)."""
     if pair not in PAIRS:
         raise ValueError(f"pair: must be one of {list(PAIRS)}, got {pair!r}")
+    if pair in REAL_PAIRS:
+        found = ensure_real_pair(pair, build, log=_progress)
+        dec = Decoder.from_pretrained(found.target, found.draft, dtype or run_dtype(device),
+                                      device, compile=compile)
+        return found, dec, bench_prompts(dec, num_prompts, prompt_file, chat_data="sharegpt")
     if pair == "reference-xl":
         found = grow_xl(device, dtype or run_dtype(device), eagles, xl, checksums)
         dec = Decoder(found.xl.target, found.xl.draft, found.xl.tokenizer, compile=compile)
@@ -330,7 +359,8 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
               dtype: str | None = None, passes: int | None = None,
               pair: str = "reference", eagles: list[str] | None = None,
               medusas: list[str] | None = None, prompt_file: str | None = None,
-              xl: XLSpec | None = None, checksums: str | None = None) -> list[dict]:
+              xl: XLSpec | None = None, checksums: str | None = None,
+              build: bool = True) -> list[dict]:
     """Run the benchmark (``passes`` timed passes of the paired protocol, default
     :data:`~speclab.evaluation.TIMING_PASSES`) on ``pair``, print the table, write
     ``bench.json``; returns the rows. Without ``runs``: :data:`DEFAULT_RUNS`, an EAGLE
@@ -340,7 +370,10 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     than one category adds a table per category (printed, and ``categories`` in the
     JSON: ``{category: rows}``). On ``reference-xl`` (``xl``, ``checksums``:
     :func:`grow_xl`) ``eagles`` are drafters for the SMALL reference target, grown with
-    it, and the rows are :data:`XL_RUNS` and :func:`xl_eagle_runs`."""
+    it, and the rows are :data:`XL_RUNS` and :func:`xl_eagle_runs`. On a real pair
+    (``build``: :func:`reference_setup`) the rows are :data:`REAL_RUNS` and a row per
+    registered EAGLE drafter and Medusa heads of the pair, besides ``eagles`` and
+    ``medusas``."""
     name = pair
     # refused before any model is loaded
     extra = [eagle_run(d) for d in eagles or []]
@@ -349,7 +382,11 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
         raise ValueError("--medusa: not on reference-xl (only EAGLE drafters are grown)")
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, pair=name,
                                          prompt_file=prompt_file, eagles=eagles, xl=xl,
-                                         checksums=checksums)
+                                         checksums=checksums, build=build)
+    if isinstance(pair, RealPair):
+        extra += [eagle_run(d) for d in pair.eagles]
+        medusa += [medusa_run(d) for d in pair.medusas]
+        runs = runs or REAL_RUNS + extra + medusa
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
     if not extra and name == "reference-large":
@@ -371,7 +408,8 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
             "dtype": str(dec.target.dtype).removeprefix("torch."),
             "gpu": torch.cuda.get_device_name() if device.startswith("cuda")
             else None, **protocol_meta(passes),
-            **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {})}
+            **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {}),
+            **({"drafters": pair.sources} if isinstance(pair, RealPair) else {})}
 
     def write(partial: bool, categories: dict) -> None:
         """bench.json; ``partial``: the engine's rows before the Hugging Face baselines
@@ -574,7 +612,8 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
                     compile: bool = False, passes: int | None = None,
                     pair: str = "reference", prompt_file: str | None = None,
                     xl: XLSpec | None = None, checksums: str | None = None,
-                    auto: bool = False, eagles: list[str] | None = None) -> list[dict]:
+                    auto: bool = False, eagles: list[str] | None = None,
+                    build: bool = True) -> list[dict]:
     """The batched engine at each batch size: each method paired with AR at the SAME
     batch size, one pair per pass over the whole batch, over ``passes`` x ``repeats``
     passes (``passes`` default :data:`~speclab.evaluation.TIMING_PASSES`): the median
@@ -592,7 +631,8 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     :data:`BATCH_AUTO_RUNS` (the pair calibrated first, up to the largest batch size), and
     :func:`auto_sweep` printed and written as ``auto_sweep``. ``eagles``: an EAGLE row
     (:data:`EAGLE_RUN`'s tree) per drafter folder, eager or compiled (on ``reference-xl``
-    drafters for the small reference target, grown with it). Returns the rows."""
+    drafters for the small reference target, grown with it; on a real pair, ``build``,
+    its registered EAGLE drafters too). Returns the rows."""
     if auto and compile:
         raise ValueError("auto: the auto budget reads eager calibrated costs; not with "
                          "--compile")
@@ -602,7 +642,9 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
     eagle_rows = [eagle_run(d) for d in eagles or []]  # a bad folder refused first
     pair, dec, prompts = reference_setup(num_prompts, device, dtype, compile, pair,
                                          prompt_file, eagles=eagles, xl=xl,
-                                         checksums=checksums)
+                                         checksums=checksums, build=build)
+    if isinstance(pair, RealPair):
+        eagle_rows += [eagle_run(d) for d in pair.eagles]
     if isinstance(pair, XLPair):  # the grown drafters, under the same tree
         eagle_rows = [r for r in xl_eagle_runs(pair.xl)
                       if r.params.get("builder") != "optimal"]
@@ -657,7 +699,8 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
             "device": device, "dtype": str(dec.target.dtype).removeprefix("torch."),
             "temperature": 0.0, "compile": compile,
             "compile_warmup_s": dec.warmup_s, **protocol_meta(passes),
-            **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {})}
+            **({"reference_xl": pair.xl.meta} if isinstance(pair, XLPair) else {}),
+            **({"drafters": pair.sources} if isinstance(pair, RealPair) else {})}
     costs = {bs: c.to_dict() if c is not None else None for bs, c in costs_by_size.items()}
     sweep = auto_sweep(rows, [r.name for r in BATCH_AUTO_RUNS]) if auto else None
     if sweep:

@@ -50,7 +50,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default=None, help="with --widen: the new drafter's folder")
     HANDLERS["reference"] = cmd_reference
 
-    p = sub.add_parser("bench", help="engine benchmark on the reference pair (table + JSON)")
+    p = sub.add_parser("bench", help="engine benchmark on a reference pair or the real pair (table + JSON)")
     p.add_argument("--prompts", type=int, default=16, help="how many prompts")
     p.add_argument("--prompt-file", default=None, metavar="JSONL",
                    help="prompts from a file instead of stdlib function headers: prompt "
@@ -64,9 +64,14 @@ def add_parsers(sub) -> None:
                    help="default: float32 (reference), bfloat16 where native (reference-large)")
     p.add_argument("--pair", default="reference", choices=list(PAIRS),
                    help="reference (tiny, overhead-bound on CPU), reference-large "
-                        "(memory-bound; adds an EAGLE row) or reference-xl (GPU-scale, grown "
+                        "(memory-bound; adds an EAGLE row), reference-xl (GPU-scale, grown "
                         "on the device; --eagle then names drafters for the SMALL reference "
-                        "target, grown with it)")
+                        "target, grown with it) or smollm2-135m (the real pair: SmolLM2-135M-"
+                        "Instruct with the drafters its experiments register, a missing "
+                        "standalone draft built on first use; held-out ShareGPT first turns)")
+    p.add_argument("--no-build", dest="build", action="store_false",
+                   help="with a real --pair: refuse, naming the command that builds it, "
+                        "instead of building a drafter that is not registered yet")
     p.add_argument("--xl", default="24x16", metavar="WIDENxDEPTH",
                    help="with --pair reference-xl: how far the reference target is grown "
                         "(default 24x16: 5.45B parameters)")
@@ -217,7 +222,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                         log_mlflow=args.mlflow is not None, tracking_uri=args.mlflow or None,
                         repeats=args.repeats, compile=args.compile, pair=args.pair,
                         prompt_file=args.prompt_file, xl=XLSpec.parse(args.xl),
-                        checksums=args.xl_checksums, auto=args.auto, eagles=args.eagle)
+                        checksums=args.xl_checksums, auto=args.auto, eagles=args.eagle,
+                        build=args.build)
         return 0
     for flag, given in (("mlflow", args.mlflow is not None), ("compile", args.compile),
                         ("auto", args.auto)):
@@ -225,7 +231,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag}: only with --batch-sizes")
     run_bench(args.prompts, args.max_new_tokens, args.out, device=args.device, dtype=args.dtype,
               pair=args.pair, eagles=args.eagle, medusas=args.medusa,
-              prompt_file=args.prompt_file, xl=XLSpec.parse(args.xl), checksums=args.xl_checksums)
+              prompt_file=args.prompt_file, xl=XLSpec.parse(args.xl), checksums=args.xl_checksums,
+              build=args.build)
     return 0
 
 

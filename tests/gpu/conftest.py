@@ -14,9 +14,19 @@ import pytest
 from tests.integration.conftest import job_env  # noqa: F401  (a fixture)
 
 
+#: whether this process is a pytest-xdist worker (its controller writes the log); read
+#: from the process's own config, not the environment, which a pytest started from a
+#: worker (a test running pytest) inherits
+_WORKER = {"is": False}
+
+
+def pytest_configure(config) -> None:
+    _WORKER["is"] = hasattr(config, "workerinput")
+
+
 def _log(record: dict) -> None:
     path = os.environ.get("SPECLAB_TEST_LOG")
-    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes
+    if path and not _WORKER["is"]:  # the controller writes
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 

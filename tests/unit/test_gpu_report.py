@@ -67,12 +67,14 @@ def test_the_cuda_tests_log_their_outcomes_as_they_run(tmp_path):
     import sys
 
     log = tmp_path / "log.jsonl"
-    # a session of its own: not a pytest-xdist worker, even when this test runs in one
-    # (the hook leaves the writing to the controller where PYTEST_XDIST_WORKER is set)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+    # a session of its own, with this process's environment: under pytest-xdist that
+    # holds PYTEST_XDIST_WORKER, which must not make the new session leave its log to a
+    # controller it does not have (the hook asks its own config whether it is a worker)
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                     "tests/gpu/test_cuda_timing.py"], cwd=gpu_report.ROOT, check=False,
-                   env={**env, "SPECLAB_TEST_LOG": str(log)}, capture_output=True)
+                   env={**os.environ, "SPECLAB_TEST_LOG": str(log),
+                        "PYTEST_XDIST_WORKER": os.environ.get("PYTEST_XDIST_WORKER", "gw0")},
+                   capture_output=True)
     collected, tests = gpu_report.read_test_log(log)
     assert collected and len(tests) == collected
     assert {t["outcome"] for t in tests} <= {"passed", "skipped", "failed", "error"}

@@ -71,6 +71,7 @@ from speclab.config.schema import (
     DatastoreConfig,
     DecodingConfig,
     DistillConfig,
+    DraftArchConfig,
     EagleCompareConfig,
     EagleTrainConfig,
     HeadConfig,
@@ -291,7 +292,7 @@ class DistillJob(_Trains, _Evaluates):
     job: Literal["distill"] = "distill"
     corpus: CorpusConfig = CorpusConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
-    arch: ArchConfig = ArchConfig()
+    arch: DraftArchConfig = DraftArchConfig()
     distill: DistillConfig = DistillConfig()
 
 

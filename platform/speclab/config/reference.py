@@ -76,13 +76,35 @@ def model_table(model: type[BaseModel]) -> list[str]:
 
 
 def groups() -> dict[str, tuple[type, list[str]]]:
-    """``{group: (its model class or None for a plain field, the jobs using it)}``."""
+    """``{group: (its model class or None for a plain field, the jobs using it)}``: the
+    class of the first job using it (:func:`extensions` lists the subclasses others use)."""
     out: dict[str, tuple[type, list[str]]] = {}
     for job, cls in JOB_CONFIGS.items():
         for name, field in cls.model_fields.items():
             entry = out.setdefault(name, (field.annotation, []))
             entry[1].append(job)
     return out
+
+
+def extensions(group: str, base: type) -> dict[type, list[str]]:
+    """``{subclass of base: the jobs whose group ``group`` is it}``: a group some jobs
+    extend with fields of their own (``arch`` in the distillation jobs)."""
+    out: dict[type, list[str]] = {}
+    for job, cls in JOB_CONFIGS.items():
+        field = cls.model_fields.get(group)
+        ann = field.annotation if field is not None else None
+        if isinstance(ann, type) and ann is not base and issubclass(ann, base):
+            out.setdefault(ann, []).append(job)
+    return out
+
+
+def extension_lines(sub: type[BaseModel], base: type[BaseModel], jobs: list[str]) -> list[str]:
+    """The fields ``sub`` adds to ``base``, as a table introduced by the jobs using it."""
+    rows = [r for r, name in zip(model_table(sub)[2:], sub.model_fields, strict=True)
+            if name not in base.model_fields]
+    doc = " ".join((sub.__doc__ or "").split())
+    return [f"In {', '.join(f'`{j}`' for j in jobs)}: {doc}", "",
+            *model_table(sub)[:2], *rows, ""]
 
 
 def reference() -> str:
@@ -98,6 +120,8 @@ def reference() -> str:
             if annotation.__doc__:
                 lines += [" ".join(annotation.__doc__.split()), ""]
             lines += model_table(annotation) + [""]
+            for sub, sub_jobs in extensions(name, annotation).items():
+                lines += extension_lines(sub, annotation, sub_jobs)
         elif name in ("method", "methods"):
             lines += ["A method of the method registry: `name` picks it, the other fields "
                       "are its knobs (below, per method). `methods` is a list of them.", ""]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from speclab.config.base import StrictModel
 from speclab.config.method import MethodConfig, parse_method
@@ -238,6 +239,31 @@ class ArchConfig(StrictModel):
     def _heads_divide_hidden(self):
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        return self
+
+
+class DraftArchConfig(ArchConfig):
+    """A distilled drafter's architecture: a LLaMA of ``layers``/``hidden``/``heads``
+    initialised at random, or, with ``init_from``, a model of the same tokenizer cut to
+    its first ``layers`` decoder layers (:mod:`speclab.models.pruned`): its embeddings,
+    those layers, final norm and LM head, in its own architecture, which replaces
+    ``hidden``, ``heads`` and ``context``."""
+
+    init_from: str | None = Field(None, description=(
+        "`target` (the job's target) or a model folder / models:/ URI of the target's "
+        "vocabulary whose first `layers` layers initialise the drafter"))
+
+    @model_validator(mode="after")
+    def _cut_sets_the_shape(self):
+        if self.init_from is None:
+            return self
+        errors = [(["init_from"], "empty; give `target` or a model folder")] \
+            if not self.init_from.strip() else []
+        errors += [([name], f"comes from init_from's model ({self.init_from}); leave it out")
+                   for name in sorted({"hidden", "heads", "context"} & self.model_fields_set)]
+        if errors:  # "nested": each message keeps its field's dotted path
+            raise PydanticCustomError("nested", "{detail}", {
+                "detail": "; ".join(f"{loc[0]}: {m}" for loc, m in errors), "errors": errors})
         return self
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 from speclab.losses import loss_data_kinds
 from speclab.pipelines.cli import run_dirs, start_job
 from speclab.pipelines.comparison import comparison_rows, log_comparison
-from speclab.pipelines.drafter import train_register_evaluate
-from speclab.pipelines.signals import generate_logged, prepare_target
+from speclab.pipelines.drafter import prepare_drafter, train_register_evaluate
+from speclab.pipelines.signals import generate_logged
 from speclab.raylib import init_ray
 
 
 def main(argv: list[str] | None = None) -> int:
-    job = start_job("compare_losses", __doc__, argv, prepare_target)
+    job = start_job("compare_losses", __doc__, argv, prepare_drafter)
     cfg, tracker, prep = job.cfg, job.tracker, job.inputs
 
     storage, run_name = run_dirs(cfg)

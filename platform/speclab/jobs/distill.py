@@ -28,19 +28,20 @@ from __future__ import annotations
 from speclab.config import DistillJob
 from speclab.losses import loss_data_kinds
 from speclab.pipelines.cli import run_dirs, start_job
-from speclab.pipelines.drafter import train_register_evaluate
-from speclab.pipelines.signals import Prepared, generate_logged, prepare_target
+from speclab.pipelines.drafter import prepare_drafter, train_register_evaluate
+from speclab.pipelines.signals import Prepared, generate_logged
 from speclab.raylib import init_ray
 
 
 def prepare(cfg: DistillJob) -> Prepared:
-    """:func:`prepare_target`, after refusing to reuse a named run without
-    ``train.resume=true`` (Ray Train would silently continue its checkpoints)."""
+    """:func:`~speclab.pipelines.drafter.prepare_drafter`, after refusing to reuse a
+    named run without ``train.resume=true`` (Ray Train would silently continue its
+    checkpoints)."""
     storage, run_name = run_dirs(cfg)
     if cfg.output.run_name and (storage / run_name).exists() and not cfg.train.resume:
         raise ValueError(f"output.run_name: {run_name!r} exists in {storage}; set "
                          "train.resume=true to continue it or choose another name")
-    return prepare_target(cfg)
+    return prepare_drafter(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

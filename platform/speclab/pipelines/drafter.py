@@ -7,11 +7,36 @@ import time
 from pathlib import Path
 
 from speclab.config import DistillJob
+from speclab.config.schema import DraftArchConfig
 from speclab.losses import loss_data_kinds
+from speclab.models.loading import resolve_source
+from speclab.models.pruned import check_cut
 from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
 from speclab.pipelines.fit import fit, save_final
-from speclab.pipelines.signals import Prepared, check_shards
+from speclab.pipelines.signals import Prepared, check_shards, prepare_target
 from speclab.train.tasks import DistillTaskConfig
+
+
+def drafter_arch(cfg: DistillJob, prep: Prepared) -> DraftArchConfig:
+    """``cfg.arch`` with ``init_from`` resolved to a local folder (``target``: the job's
+    target; ``models:/`` URIs downloaded) and the cut checked against the target's
+    vocabulary (:func:`speclab.models.pruned.check_cut`; ValueError naming
+    ``arch.init_from``). Cheap (configs only): jobs call it before generating."""
+    arch = cfg.arch
+    if arch.init_from is None:
+        return arch
+    source = prep.target if arch.init_from == "target" else resolve_source(
+        arch.init_from, "arch.init_from")
+    check_cut(source, arch.layers, prep.vocab)
+    return arch.model_copy(update={"init_from": source})
+
+
+def prepare_drafter(cfg: DistillJob) -> Prepared:
+    """:func:`~speclab.pipelines.signals.prepare_target` with ``arch.init_from`` checked
+    (:func:`drafter_arch`), so a cut that cannot work fails before any generation."""
+    prep = prepare_target(cfg)
+    drafter_arch(cfg, prep)
+    return prep
 
 
 def train_register_evaluate(cfg: DistillJob, prep: Prepared, storage: Path, run_name: str,
@@ -26,13 +51,14 @@ def train_register_evaluate(cfg: DistillJob, prep: Prepared, storage: Path, run_
     ``distill.examples`` rows in all, so every example is trained on exactly once."""
     weights = weights or cfg.distill.loss_weights()
     check_shards(data_dir, loss_data_kinds(weights), cfg.distill)
-    task = DistillTaskConfig(train=cfg.train, arch=cfg.arch, hass_k=cfg.distill.hass_k,
+    arch = drafter_arch(cfg, prep)
+    task = DistillTaskConfig(train=cfg.train, arch=arch, hass_k=cfg.distill.hass_k,
                              weights=weights)
     t1 = time.perf_counter()
     result = fit(task, cfg.scaling, storage, run_name, data_dir, prep.vocab, prep.eos,
                  tracker.run_id, tracker.uri if tracker.run_id else None)
     prep.tokenizer.save_pretrained(data_dir / "tokenizer")
-    final = save_final(result, cfg.arch, storage / run_name, data_dir / "tokenizer",
+    final = save_final(result, arch, storage / run_name, data_dir / "tokenizer",
                        prep.vocab, prep.eos)
     tracker.log_metrics({"train_s": time.perf_counter() - t1,
                          "final_step": result.metrics["step"],

@@ -51,8 +51,16 @@ DRIVER_FLUSH_S = 10.0
 
 
 def _build_model(arch: ArchConfig, vocab: int, eos: int):
+    """A LLaMA of ``arch`` at random, or, with ``arch.init_from`` (a drafter's
+    :class:`~speclab.config.schema.DraftArchConfig`, resolved to a folder), that model
+    cut to ``arch.layers`` layers (:func:`speclab.models.pruned.cut_model`)."""
     from transformers import LlamaForCausalLM
 
+    source = getattr(arch, "init_from", None)
+    if source:
+        from speclab.models.pruned import cut_model
+
+        return cut_model(source, arch.layers, vocab, eos)
     return LlamaForCausalLM(tiny_llama_config(
         vocab_size=vocab, hidden_size=arch.hidden, num_layers=arch.layers,
         num_heads=arch.heads, max_positions=arch.context, eos_token_id=eos))

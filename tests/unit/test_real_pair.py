@@ -1,0 +1,116 @@
+"""``speclab bench --pair smollm2-135m``: the real pair's target by name and its drafters
+from the MLflow registry, on a tiny model of SmolLM2's shape placed where the real one
+is cached (nothing is downloaded or trained here); a drafter that is not registered is
+refused naming the command that builds it, or left out when optional."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.gguf_fixture import tiny_chat_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def real_home(tmp_path) -> dict[str, str]:
+    """A SPECLAB_HOME whose ``smollm2-135m`` is a tiny ChatML LLaMA, and an empty SQLite
+    MLflow store: the environment of a bench subprocess."""
+    home = tmp_path / "home"
+    folder = tiny_chat_llama(home / "models" / "smollm2-135m")
+    (folder / "source.json").write_text(json.dumps({"source": "test fixture"}))
+    return {**os.environ, "SPECLAB_HOME": str(home), "SPECLAB_OFFLINE": "1",
+            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+
+
+def _register_draft(env: dict[str, str], tmp_path: Path) -> None:
+    """The target cut to one layer, registered as the real pair's standalone draft."""
+    from transformers import AutoTokenizer
+
+    from speclab.models.pruned import cut_model
+    from speclab.tracking import MlflowTracker
+
+    target = Path(env["SPECLAB_HOME"]) / "models" / "smollm2-135m"
+    tok = AutoTokenizer.from_pretrained(target)
+    draft = cut_model(str(target), 1, len(tok), tok.eos_token_id)
+    draft.save_pretrained(tmp_path / "draft")
+    tok.save_pretrained(tmp_path / "draft")
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        with MlflowTracker(env["MLFLOW_TRACKING_URI"], "speclab-test", "draft", {}) as t:
+            t.log_model(tmp_path / "draft", "speclab-draft-smollm2")
+    finally:
+        if old is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = old
+
+
+def _bench(env: dict[str, str], out: Path, prompts: Path, *extra: str):
+    return subprocess.run(
+        [sys.executable, "-m", "speclab.cli", "bench", "--pair", "smollm2-135m", "--prompts",
+         "2", "--max-new-tokens", "8", "--prompt-file", str(prompts), "--out", str(out),
+         *extra], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_the_real_pair_refuses_a_missing_draft_naming_its_build(real_home, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of Portugal?"}\n')
+    done = _bench(real_home, tmp_path / "out", prompts, "--no-build")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "no `speclab-draft-smollm2` (draft) is registered in sqlite:///" in done.stderr
+    assert "jobs.distill --config " in done.stderr and "draft_smollm2.yaml" in done.stderr
+    assert not (tmp_path / "out" / "bench.json").exists()
+
+
+def test_the_real_pair_benches_with_its_registered_draft(real_home, tmp_path):
+    _register_draft(real_home, tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of Portugal?"}\n'
+                       '{"prompt": "reverse a string"}\n')
+    done = _bench(real_home, tmp_path / "out", prompts)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the optional drafters are not registered: left out, with the command that adds them
+    assert "no registered speclab-eagle3-smollm2; its eagle rows are left out" in done.stdout
+    assert "eagle3_smollm2.yaml" in done.stdout and "medusa_smollm2.yaml" in done.stdout
+    result = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert result["meta"]["drafters"] == {"draft": "models:/speclab-draft-smollm2/1"}
+    assert result["meta"]["target"].endswith("models/smollm2-135m")
+    assert result["meta"]["prompts"] == 2 and not result["meta"]["partial"]
+    methods = [r["method"] for r in result["rows"]]
+    assert methods[0] == "ar" and "hf_assisted" in methods and "pld" in methods
+    assert sum(m.startswith("chain") for m in methods) == 2
+    for name in ("tree", "optimal", "salf"):
+        assert any(m.startswith(name) for m in methods), methods
+    # greedy: every engine method and assisted generation decodes plain decoding's tokens
+    assert all(r.get("identical_to_ar") for r in result["rows"]), \
+        [(r["method"], r.get("identical_to_ar")) for r in result["rows"]]
+
+
+def test_the_real_pairs_own_prompts_are_held_out_first_turns(tmp_path):
+    """Without ``--prompt-file`` a real pair's prompts are held-out (test split) first
+    turns of its conversations through the chat template."""
+    from transformers import AutoTokenizer
+
+    from speclab.bench import bench_prompts
+    from speclab.data.conversations import split_of, template_ids
+
+    convs = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"},
+        {"from": "human", "value": f"follow-up {i}"}]} for i in range(600)]
+    path = tmp_path / "share.json"
+    path.write_text(json.dumps(convs))
+    tok = AutoTokenizer.from_pretrained(tiny_chat_llama(tmp_path / "m"))
+
+    class Dec:  # what bench_prompts reads of a Decoder
+        tokenizer = tok
+
+    got = bench_prompts(Dec(), 3, chat_data=str(path))
+    held = [c for c in convs if split_of(c["id"]) == "test"][:3]
+    assert len(held) == 3
+    assert list(got) == [template_ids(tok, [{"role": "user", "content": c["conversations"][0][
+        "value"]}]) for c in held]
