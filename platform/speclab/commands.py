@@ -50,7 +50,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--out", default=None, help="with --widen: the new drafter's folder")
     HANDLERS["reference"] = cmd_reference
 
-    p = sub.add_parser("bench", help="engine benchmark on a reference pair or the real pair (table + JSON)")
+    p = sub.add_parser("bench", help="engine benchmark on a reference pair or the real pair "
+                                     "(table + JSON)")
     p.add_argument("--prompts", type=int, default=16, help="how many prompts")
     p.add_argument("--prompt-file", default=None, metavar="JSONL",
                    help="prompts from a file instead of stdlib function headers: prompt "

@@ -13,7 +13,6 @@ import pytest
 
 from tests.integration.conftest import job_env  # noqa: F401  (a fixture)
 
-
 #: whether this process is a pytest-xdist worker (its controller writes the log); read
 #: from the process's own config, not the environment, which a pytest started from a
 #: worker (a test running pytest) inherits

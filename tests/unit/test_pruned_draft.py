@@ -16,6 +16,7 @@ from speclab.config import ConfigError, ExperimentConfig
 from speclab.config.schema import DraftArchConfig
 from speclab.models.pruned import check_cut, cut_model
 from speclab.pipelines.fit import _build_model
+from speclab.train.tasks import DistillTaskConfig, parse_task_config
 
 
 def _smol_like(path, tied: bool = True, layers: int = 4, vocab: int = 96) -> str:
@@ -92,6 +93,10 @@ def test_cuts_that_cannot_work_are_refused(tmp_path):
 def test_the_config_names_what_a_cut_decides(overrides, message):
     with pytest.raises(ConfigError, match=message):
         ExperimentConfig.from_dict({"job": "distill"}, overrides)
+    # what the workers get: the task config's JSON dump (every field), validated again
+    cfg = ExperimentConfig.from_dict({"job": "distill"}, ["arch.init_from=target"])
+    task = DistillTaskConfig(train=cfg.train, arch=cfg.arch)
+    assert parse_task_config(task.model_dump(mode="json")).arch.init_from == "target"
     # the other training jobs keep the plain architecture: the key is unknown there
     with pytest.raises(ConfigError, match="arch.init_from: Extra inputs"):
         ExperimentConfig.from_dict({"job": "train_target"}, ["arch.init_from=target"])

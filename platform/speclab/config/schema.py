@@ -259,8 +259,12 @@ class DraftArchConfig(ArchConfig):
             return self
         errors = [(["init_from"], "empty; give `target` or a model folder")] \
             if not self.init_from.strip() else []
+        # compared with the defaults, not with the fields a YAML set: a task config's JSON
+        # dump (what Ray Train workers re-validate) holds every field
+        fields = type(self).model_fields
         errors += [([name], f"comes from init_from's model ({self.init_from}); leave it out")
-                   for name in sorted({"hidden", "heads", "context"} & self.model_fields_set)]
+                   for name in ("context", "heads", "hidden")
+                   if getattr(self, name) != fields[name].default]
         if errors:  # "nested": each message keeps its field's dotted path
             raise PydanticCustomError("nested", "{detail}", {
                 "detail": "; ".join(f"{loc[0]}: {m}" for loc, m in errors), "errors": errors})
