@@ -46,7 +46,8 @@ class PairDrafter:
 SMOLLM2_DRAFTERS = (
     PairDrafter("draft", "speclab-draft-smollm2", "experiments/draft_smollm2.yaml", True),
     PairDrafter("eagle", "speclab-eagle3-smollm2", "experiments/eagle3_smollm2.yaml", False),
-    PairDrafter("medusa", "speclab-medusa-smollm2", "experiments/medusa_smollm2.yaml", False),
+    PairDrafter("medusa", "speclab-medusa-smollm2-medusa1", "experiments/medusa_smollm2.yaml",
+                False),
 )
 
 #: the real pairs by ``--pair`` name: (the real model's name, its drafters)
