@@ -20,6 +20,22 @@ from tests.unit.test_reference_xl import build_fake_reference_home
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def failed_steps(report: Path) -> str:
+    """Each report step that did not end with status 0, with the end of its log (what a
+    failed rehearsal is read by: the report's own tail is the bench tables)."""
+    path = report / "gpu_report.json"
+    if not path.exists():
+        return "no gpu_report.json\n"
+    lines = []
+    for step in json.loads(path.read_text())["steps"]:
+        if step["returncode"] != 0:
+            log = Path(step["log"])
+            tail = log.read_text()[-3000:] if log.exists() else "(no log)"
+            lines.append(f"step {step['step']}: returncode {step['returncode']} after "
+                         f"{step['wall_s']} s\n{tail}\n")
+    return "".join(lines)
+
+
 @pytest.mark.slow
 def test_the_gpu_bundle_is_one_folder_whose_script_runs_the_report(tmp_path):
     home = tmp_path / "home"
@@ -61,7 +77,7 @@ def test_the_gpu_bundle_is_one_folder_whose_script_runs_the_report(tmp_path):
     ran = subprocess.run(["sh", str(bundle / "run.sh"), str(report), "300"], cwd=tmp_path,
                          env={**clean, "PYTHON": sys.executable, "REHEARSE": "1"},
                          capture_output=True, text=True, timeout=600)
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert ran.returncode == 0, failed_steps(report) + ran.stdout[-2000:] + ran.stderr[-2000:]
     out = json.loads((report / "gpu_report.json").read_text())
     assert [s["returncode"] for s in out["steps"]] == [0, 0, 0], out["steps"]
     assert all(Path(s["command"].split()[0]).name.startswith("python") for s in out["steps"])
