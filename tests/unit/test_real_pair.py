@@ -77,8 +77,10 @@ def test_the_real_pair_benches_with_its_registered_draft(real_home, tmp_path):
     # the optional drafters are not registered: left out, with the command that adds them
     assert "no registered speclab-eagle3-smollm2; its eagle rows are left out" in done.stdout
     assert "eagle3_smollm2.yaml" in done.stdout and "medusa_smollm2.yaml" in done.stdout
+    assert "no registered speclab-hass-smollm2; its eagle rows are left out" in done.stdout
+    assert "hass_smollm2.yaml" in done.stdout
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert result["meta"]["drafters"] == {"draft": "models:/speclab-draft-smollm2/1"}
+    assert result["meta"]["drafters"] == {"draft": ["models:/speclab-draft-smollm2/1"]}
     assert result["meta"]["target"].endswith("models/smollm2-135m")
     assert result["meta"]["prompts"] == 2 and not result["meta"]["partial"]
     methods = [r["method"] for r in result["rows"]]
