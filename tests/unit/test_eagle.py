@@ -498,3 +498,21 @@ def test_an_auto_budget_with_plain_rounds_between_keeps_the_targets_output(
         assert res.token_ids == ref and 0 in res.stats.round_reach[:-1]
         assert res.stats.accepted_tokens > 0
     assert [r.token_ids for r in dec.generate(prompts=ps, **kw)] == ar
+
+
+def test_hass_k_is_checked_against_the_top_k_the_step_reads():
+    """Offline features store ``distill.top_k`` probabilities; online ones compute
+    ``eagle.online_top_k`` in the step: ``hass_k`` is checked against the one in use."""
+    from types import SimpleNamespace
+
+    from speclab.families.eagle.checks import hass_within_top_k
+
+    job = SimpleNamespace(distill=SimpleNamespace(top_k=8))
+    online = SimpleNamespace(hass_k=10, features="online", online_top_k=10)
+    hass_within_top_k(online, job)  # 10 computed in the step: distill.top_k plays no part
+    with pytest.raises(ValueError, match=r"eagle.hass_k \(10\) must not exceed "
+                                         r"eagle.online_top_k \(4\), computed in the step"):
+        hass_within_top_k(SimpleNamespace(hass_k=10, features="online", online_top_k=4), job)
+    with pytest.raises(ValueError, match=r"eagle.hass_k \(10\) must not exceed "
+                                         r"distill.top_k \(8\), the stored top-k"):
+        hass_within_top_k(SimpleNamespace(hass_k=10, features="offline", online_top_k=10), job)

@@ -41,10 +41,16 @@ def eagle3_drafter(group: Any, name: str) -> None:
 
 
 def hass_within_top_k(group: Any, job: Any) -> None:
-    """HASS distils the stored top-k: ``eagle.hass_k`` must not exceed ``distill.top_k``."""
-    if group.hass_k > job.distill.top_k:
-        raise ValueError(f"eagle.hass_k ({group.hass_k}) must not exceed "
-                         f"distill.top_k ({job.distill.top_k}), the stored top-k")
+    """HASS distils the target's top-k: ``eagle.hass_k`` must not exceed the top-k that
+    the training step reads: ``distill.top_k`` (stored in the offline feature shards) or,
+    with ``features: online``, ``eagle.online_top_k`` (computed in the step)."""
+    if getattr(group, "features", "offline") == "online":
+        field, k, what = "eagle.online_top_k", group.online_top_k, "computed in the step"
+    else:
+        field, k, what = "distill.top_k", job.distill.top_k, "the stored top-k"
+    if group.hass_k > k:
+        raise ValueError(f"eagle.hass_k ({group.hass_k}) must not exceed {field} ({k}), "
+                         f"{what}")
 
 
 def talf_within_window(group: Any, job: Any) -> None:
