@@ -331,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_report.md").write_text("".join(md))
     print("".join(md))
     print(f"gpu-report: wrote {out / 'gpu_report.md'} and gpu_report.json")
-    return 0 if all(r["returncode"] == 0 for r in results) else 1
+    failed = [r for r in results if r["returncode"] != 0]
+    for r in failed:  # last, where a reader of the output's tail looks
+        print(f"gpu-report: step {r['step']} ended with {r['returncode']} after "
+              f"{r['wall_s']} s; its log: {r['log']}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

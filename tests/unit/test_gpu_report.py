@@ -98,3 +98,18 @@ def test_a_stopped_step_leaves_nothing_running(tmp_path):
         assert state == "Z", f"pid {child} still runs"
     except (ProcessLookupError, FileNotFoundError):
         pass
+
+
+def test_a_failed_step_is_named_last_and_fails_the_report(capsys, monkeypatch, tmp_path):
+    """The report's own tail is its tables: a step that ended non-zero is named after
+    them (its status, wall time and log), and the report exits 1."""
+    import sys
+
+    monkeypatch.setattr(gpu_report, "cuda_device", lambda: "a fake GPU")
+    steps = [("fine", [sys.executable, "-c", "pass"], 0.5),
+             ("broken", [sys.executable, "-c", "import sys; sys.exit(3)"], 0.5)]
+    monkeypatch.setattr(gpu_report, "full_steps", lambda args, out: (steps, {}, {}))
+    assert gpu_report.main(["--out", str(tmp_path / "r"), "--budget-s", "60"]) == 1
+    tail = capsys.readouterr().out.strip().splitlines()[-1]
+    assert tail.startswith("gpu-report: step broken ended with 3 after ")
+    assert tail.endswith(f"its log: {tmp_path / 'r' / 'broken.log'}")
