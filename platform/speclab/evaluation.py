@@ -556,6 +556,9 @@ def summarize(
         "prompts": totals.prompts,
         "new_tokens": totals.new_tokens,
         "tau": tau(totals.committed, totals.target_calls),
+        # each prompt's own tau (first pass, prompt order): what paired comparisons of
+        # two drafters on the same prompts read (:mod:`speclab.orderings`)
+        "tau_per_prompt": [tau(p.committed, p.target_calls) for p in totals.per_prompt],
         "target_calls_per_token": totals.target_calls / n,
         "target_forwards_per_token": totals.forwards / n,
         "draft_calls_per_token": totals.draft_calls / n,

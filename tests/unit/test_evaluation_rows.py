@@ -51,6 +51,7 @@ def test_rows_carry_the_spread_over_prompts(tiny_pair):
         per_speed.append((s.new_tokens / s.wall_s) / (base.stats.new_tokens / base.stats.wall_s))
     row = summarize(MethodRun("chain", {"gamma": 3}), totals, ar)
     assert row["tau_std"] == statistics.stdev(per_tau)
+    assert row["tau_per_prompt"] == per_tau  # prompt order: what paired orderings read
     assert row["speedup_std"] == statistics.stdev(per_speed)
     assert row["tokens_per_s_std"] > 0
     one = Totals()

@@ -4,16 +4,19 @@ rows, the printed table, and the plots logged to the comparison's parent run."""
 from __future__ import annotations
 
 from speclab.evaluation import ACCEPT_POSITIONS, format_table
+from speclab.orderings import difference_cell, ordering_rows
 from speclab.pipelines.eval_plots import wrap_label
 
 
 def comparison_rows(loss: str, rows: list[dict], key: str = "loss") -> list[dict]:
     """One table row per evaluated method of the drafter trained with ``loss`` (in column
-    ``key``; ``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first)."""
+    ``key``; ``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first),
+    with each prompt's tau (``tau_per_prompt``) for the paired orderings."""
     keep = ("tau", "tau_std", "target_calls_per_token", "speedup", "speedup_std",
             "tokens_per_s",
             *(f"accept_at_{k}" for k in range(1, ACCEPT_POSITIONS + 1)))
-    return [{key: loss, "method": row["method"], **{k: row[k] for k in keep}}
+    return [{key: loss, "method": row["method"], **{k: row[k] for k in keep},
+             **({"tau_per_prompt": row["tau_per_prompt"]} if "tau_per_prompt" in row else {})}
             for row in rows[1:]]
 
 
@@ -71,11 +74,25 @@ def log_comparison(tracker, table: list[dict], name: str = "loss_comparison",
                    key: str = "loss") -> str:
     """Print ``table`` (rows of :func:`comparison_rows` with the same ``key``) and log it
     (CSV/JSON/TXT) with the tau-by-``key`` and the acceptance-per-position plots to
-    ``tracker``'s run; returns the printed text."""
+    ``tracker``'s run; where the table holds both sides of a published ordering (HASS
+    above EAGLE, ...: :data:`speclab.orderings.PAPER_ORDERINGS`), the paired differences
+    over prompts are printed under it and logged as ``orderings.csv/json/txt`` with
+    ``ordering_<above>_over_<below>_<method>`` metrics. Returns the printed text."""
     cols = [(key, "{}"), ("method", "{}"), ("tau", "{:.2f}"),
             ("target_calls_per_token", "{:.3f}"), ("speedup", "{:.2f}x"),
             *((f"accept_at_{k}", "{:.2f}") for k in range(1, 4))]
     text = format_table(table, cols)
+    orderings = ordering_rows(table, key)
+    if orderings:
+        text += "\n\nthe papers' orderings, paired over prompts (median tau ratio - 1):\n"
+        text += format_table(orderings, [
+            ("above", "{}"), ("below", "{}"), ("method", "{}"), ("tau_above", "{:.2f}"),
+            ("tau_below", "{:.2f}"), ("difference", difference_cell), ("prompts", "{}"),
+            ("verdict", "{}"), ("claim", "{}")])
+        tracker.log_table(orderings, "orderings")
+        tracker.log_metrics({
+            f"ordering_{o['above']}_over_{o['below']}_{o['method']}": o["difference"]
+            for o in orderings})
     print(text, flush=True)
     tracker.log_table(table, name)
     tracker.log_text(text, f"{name}.txt")

@@ -1,0 +1,108 @@
+"""The papers' orderings of drafters, re-tested on paired prompts (pure Python: no torch,
+no Ray, no MLflow).
+
+An ordering claims that one drafter (``above``) accepts more than another (``below``)
+under the same decoding method: HASS above EAGLE, TALF above EAGLE and HASS, EAGLE-3
+above EAGLE-2, MEDUSA-2 above MEDUSA-1. Both drafters decode the SAME prompts, so each
+prompt gives a paired ratio ``r_i = tau_above_i / tau_below_i`` (tau: tokens committed
+per target call on that prompt). The ordering's figures:
+
+* ``difference``: the median of the ``r_i`` minus 1 (``+0.058``: the drafter above
+  accepts 5.8% more on the median prompt), with the distribution-free 95% interval of
+  that median from order statistics (``difference_lo`` / ``difference_hi``; the same
+  interval as the paired speedups, :func:`speclab.paired_timing.median_interval`: no
+  assumption about the spread of the ratios, exact coverage ``coverage`` for
+  independent prompts);
+* ``tau_ratio``: the ratio of the two mean taus (every prompt weighed alike);
+* ``verdict``: ``holds`` when the interval lies above 0, ``fails`` when it lies below,
+  ``unresolved`` when it contains 0 (too few prompts, or no difference).
+
+A prompt whose tau is missing on either side (NaN) is left out of both; a comparison
+whose prompt counts differ is refused (the two rows did not decode the same prompts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from speclab.paired_timing import median, median_interval
+
+
+@dataclass(frozen=True)
+class Ordering:
+    """A published claim: drafter row ``above`` accepts more than row ``below``."""
+
+    above: str
+    below: str
+    claim: str  # what the paper reports, for the table
+
+
+#: the orderings issue 55 re-tests, by the comparison rows' names (``compare.losses`` of
+#: ``compare_eagle``; Medusa variants by their objective)
+PAPER_ORDERINGS: tuple[Ordering, ...] = (
+    Ordering("hass", "eagle", "HASS paper: +8-20% tau over EAGLE"),
+    Ordering("talf", "eagle", "TALF paper: +3.5-7% tau over EAGLE"),
+    Ordering("talf", "hass", "TALF paper: above HASS"),
+    Ordering("eagle3", "eagle", "EAGLE-3 paper: ~1.4x EAGLE-2's speedup"),
+    Ordering("eagle3_talf", "eagle3", "TALF paper: TALF on EAGLE-3 above EAGLE-3"),
+    Ordering("medusa2", "medusa1", "Medusa paper: MEDUSA-2 above MEDUSA-1"),
+)
+
+
+def paired_difference(below: Sequence[float], above: Sequence[float]) -> dict[str, float]:
+    """Figures of ``above`` against ``below`` from per-prompt taus of the same prompts
+    (``below[i]`` and ``above[i]``: prompt ``i``'s tau under each; lengths equal):
+    ``difference`` (median paired ratio - 1) with ``difference_lo`` / ``difference_hi``
+    and their ``coverage``, ``tau_ratio`` (ratio of means), ``prompts`` (pairs used) and
+    ``verdict`` (module docstring). Raises ``ValueError`` when the lengths differ."""
+    if len(below) != len(above):
+        raise ValueError(f"paired_difference: {len(below)} prompts against {len(above)}; "
+                         "an ordering compares two rows over the same prompts")
+    pairs = [(b, a) for b, a in zip(below, above, strict=True)
+             if not (math.isnan(b) or math.isnan(a)) and b > 0]
+    if not pairs:
+        return {"difference": math.nan, "difference_lo": math.nan,
+                "difference_hi": math.nan, "coverage": 0.0, "tau_ratio": math.nan,
+                "prompts": 0, "verdict": "unresolved"}
+    ratios = [a / b for b, a in pairs]
+    lo, hi, coverage = median_interval(ratios)
+    mean_below = sum(b for b, _ in pairs) / len(pairs)
+    mean_above = sum(a for _, a in pairs) / len(pairs)
+    verdict = "holds" if lo > 1 else "fails" if hi < 1 else "unresolved"
+    return {"difference": median(ratios) - 1, "difference_lo": lo - 1,
+            "difference_hi": hi - 1, "coverage": coverage,
+            "tau_ratio": mean_above / mean_below, "prompts": len(pairs), "verdict": verdict}
+
+
+def ordering_rows(table: Sequence[dict], key: str = "loss",
+                  orderings: Sequence[Ordering] = PAPER_ORDERINGS) -> list[dict]:
+    """One row per ordering and method whose two drafters are both in ``table`` (rows
+    with ``key`` naming the drafter, ``method``, ``tau`` and ``tau_per_prompt``: the
+    comparison table of :func:`speclab.pipelines.comparison.comparison_rows`): the
+    ordering's ``above`` / ``below`` / ``claim``, the method, both mean taus and
+    :func:`paired_difference`'s figures. Orderings with a side missing are skipped."""
+    cells = {(r[key], r["method"]): r for r in table if "tau_per_prompt" in r}
+    methods = list(dict.fromkeys(r["method"] for r in table))
+    out = []
+    for o in orderings:
+        for m in methods:
+            lo_row, hi_row = cells.get((o.below, m)), cells.get((o.above, m))
+            if lo_row is None or hi_row is None:
+                continue
+            out.append({"above": o.above, "below": o.below, "method": m,
+                        "tau_above": hi_row["tau"], "tau_below": lo_row["tau"],
+                        **paired_difference(lo_row["tau_per_prompt"],
+                                            hi_row["tau_per_prompt"]),
+                        "claim": o.claim})
+    return out
+
+
+def difference_cell(row: dict) -> str:
+    """``+5.8% [+2.9, +9.2]``: the median paired difference and its interval, in
+    percent; ``-`` when there were no pairs."""
+    d, lo, hi = row.get("difference"), row.get("difference_lo"), row.get("difference_hi")
+    if d is None or math.isnan(d):
+        return "-"
+    return f"{d * 100:+.1f}% [{lo * 100:+.1f}, {hi * 100:+.1f}]"

@@ -1,0 +1,115 @@
+"""The papers' orderings on paired prompts (speclab.orderings) and their place in a loss
+comparison's logged table (speclab.pipelines.comparison.log_comparison)."""
+
+import math
+
+import pytest
+
+from speclab.evaluation import ACCEPT_POSITIONS
+from speclab.orderings import (
+    PAPER_ORDERINGS,
+    Ordering,
+    difference_cell,
+    ordering_rows,
+    paired_difference,
+)
+from speclab.paired_timing import median_interval
+from speclab.pipelines.comparison import log_comparison
+
+
+def test_a_uniform_gain_holds_with_an_interval_of_that_gain():
+    below = [1.2 + 0.05 * i for i in range(20)]
+    above = [t * 1.1 for t in below]
+    got = paired_difference(below, above)
+    assert got["verdict"] == "holds"
+    assert got["difference"] == pytest.approx(0.1)
+    assert got["difference_lo"] == pytest.approx(0.1)
+    assert got["difference_hi"] == pytest.approx(0.1)
+    assert got["tau_ratio"] == pytest.approx(1.1)
+    assert got["prompts"] == 20 and got["coverage"] >= 0.95
+
+
+def test_the_interval_is_the_order_statistics_interval_of_the_ratios():
+    below = [2.0] * 12
+    above = [2.0 * (1 + d) for d in (-0.3, -0.2, -0.1, 0.0, 0.05, 0.1, 0.15, 0.2, 0.25,
+                                     0.3, 0.35, 0.4)]
+    got = paired_difference(below, above)
+    lo, hi, coverage = median_interval([a / b for a, b in zip(above, below, strict=True)])
+    assert got["difference_lo"] == pytest.approx(lo - 1)
+    assert got["difference_hi"] == pytest.approx(hi - 1)
+    assert got["coverage"] == coverage
+    assert got["difference_lo"] < 0 < got["difference_hi"]
+    assert got["verdict"] == "unresolved"  # a spread gain on 12 prompts does not resolve
+
+
+def test_a_loss_on_every_prompt_fails():
+    below = [1.5 + 0.1 * i for i in range(16)]
+    above = [t - 0.2 for t in below]
+    got = paired_difference(below, above)
+    assert got["verdict"] == "fails" and got["difference_hi"] < 0
+    assert got["tau_ratio"] < 1
+
+
+def test_missing_prompts_are_left_out_of_both_sides_and_unequal_sets_are_refused():
+    got = paired_difference([1.0, math.nan, 2.0], [1.5, 3.0, math.nan])
+    assert got["prompts"] == 1 and got["difference"] == pytest.approx(0.5)
+    empty = paired_difference([], [])
+    assert empty["prompts"] == 0 and empty["verdict"] == "unresolved"
+    assert difference_cell(empty) == "-"
+    with pytest.raises(ValueError, match="same prompts"):
+        paired_difference([1.0, 2.0], [1.0])
+
+
+def _table():
+    taus = {"eagle": [1.5, 1.6, 1.4, 1.7, 1.5, 1.6, 1.5, 1.4],
+            "hass": [1.7, 1.8, 1.5, 1.9, 1.6, 1.8, 1.7, 1.6]}
+    rows = []
+    for loss, per in taus.items():
+        for method in ("tree", "chain"):
+            rows.append({"loss": loss, "method": method, "tau": sum(per) / len(per),
+                         "tau_per_prompt": per, "target_calls_per_token": 0.6,
+                         "speedup": 1.0, "tau_std": 0.1,
+                         **{f"accept_at_{k}": 0.5 / k for k in range(1, ACCEPT_POSITIONS + 1)}})
+    return rows
+
+
+def test_ordering_rows_pair_the_drafters_a_table_holds_per_method():
+    rows = ordering_rows(_table())
+    # only HASS over EAGLE has both sides here (no talf, eagle3 or medusa rows)
+    assert [(r["above"], r["below"], r["method"]) for r in rows] == [
+        ("hass", "eagle", "tree"), ("hass", "eagle", "chain")]
+    assert all(r["verdict"] == "holds" for r in rows)  # HASS above on all 8 prompts
+    assert rows[0]["claim"] == PAPER_ORDERINGS[0].claim
+    assert ordering_rows(_table(), orderings=[Ordering("talf", "eagle", "x")]) == []
+
+
+class _Recorder:
+    def __init__(self):
+        self.tables, self.metrics, self.texts = {}, {}, {}
+
+    def log_table(self, rows, name):
+        self.tables[name] = rows
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.update(metrics)
+
+    def log_text(self, text, name):
+        self.texts[name] = text
+
+    def log_figure(self, fig, name):
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def test_a_comparison_logs_its_orderings_beside_its_table():
+    rec = _Recorder()
+    text = log_comparison(rec, _table())
+    assert "the papers' orderings" in text and "holds" in text
+    assert [r["verdict"] for r in rec.tables["orderings"]] == ["holds", "holds"]
+    assert rec.metrics["ordering_hass_over_eagle_tree"] > 0
+    assert "tau_per_prompt" in rec.tables["loss_comparison"][0]
+    # a table with no ordering's two sides logs no orderings
+    rec2 = _Recorder()
+    log_comparison(rec2, [r for r in _table() if r["loss"] == "eagle"])
+    assert "orderings" not in rec2.tables and not rec2.metrics
