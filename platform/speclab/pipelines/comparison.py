@@ -76,8 +76,9 @@ def log_comparison(tracker, table: list[dict], name: str = "loss_comparison",
     (CSV/JSON/TXT) with the tau-by-``key`` and the acceptance-per-position plots to
     ``tracker``'s run; where the table holds both sides of a published ordering (HASS
     above EAGLE, ...: :data:`speclab.orderings.PAPER_ORDERINGS`), the paired differences
-    over prompts are printed under it and logged as ``orderings.csv/json/txt`` with
-    ``ordering_<above>_over_<below>_<method>`` metrics. Returns the printed text."""
+    over prompts are printed under it (``<name>.txt``) and logged as ``orderings.csv`` /
+    ``orderings.json`` with ``ordering_<above>_over_<below>_<method>`` metrics.
+    Returns the printed text."""
     cols = [(key, "{}"), ("method", "{}"), ("tau", "{:.2f}"),
             ("target_calls_per_token", "{:.3f}"), ("speedup", "{:.2f}x"),
             *((f"accept_at_{k}", "{:.2f}") for k in range(1, 4))]
