@@ -40,7 +40,8 @@ class Ordering:
 
 
 #: the orderings issue 55 re-tests, by the comparison rows' names (``compare.losses`` of
-#: ``compare_eagle``; Medusa variants by their objective)
+#: ``compare_eagle``; ``medusa.variants`` of ``train_medusa``, whose table keys them by
+#: ``variant``)
 PAPER_ORDERINGS: tuple[Ordering, ...] = (
     Ordering("hass", "eagle", "HASS paper: +8-20% tau over EAGLE"),
     Ordering("talf", "eagle", "TALF paper: +3.5-7% tau over EAGLE"),
