@@ -23,6 +23,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from serve_apps.errors import as_failure, downstream_cancel
+
 #: ``run``'s result for a step that is not done yet: it runs again in the next batch
 AGAIN = object()
 
@@ -94,6 +96,10 @@ class StepBatcher:
                     raise RuntimeError(f"batch: {len(results)} results for {len(live)} steps")
             except Exception as exc:  # the whole batch failed: every step hears why
                 results = [exc] * len(live)
+            except asyncio.CancelledError as exc:  # a replica call of the batch, not us
+                if not downstream_cancel(exc):
+                    raise
+                results = [as_failure(exc, "batch")] * len(live)
             again = []
             for (step, src, fut), res in zip(live, results, strict=True):
                 if fut.done():
@@ -101,7 +107,7 @@ class StepBatcher:
                 if res is AGAIN:
                     again.append((step, src, fut))
                 elif isinstance(res, BaseException):
-                    fut.set_exception(res)
+                    fut.set_exception(as_failure(res, "step"))
                 else:
                     fut.set_result(res)
             self._queue[:0] = again  # first in line for the next batch

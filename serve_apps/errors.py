@@ -7,9 +7,18 @@ replica no longer holds or whose input is bad gets an error entry
 that drives the request turns an entry back into an exception with
 :func:`request_error`; the ingress maps it to an HTTP status (``ValueError``: 400 naming
 the field, anything else: 503).
+
+A replica call can also end in ``asyncio.CancelledError`` without anyone cancelling the
+caller: Ray Serve turns the ``TaskCancelledError`` of a task on a replica that died or
+was stopped into one. :func:`downstream_cancel` tells that apart from the caller's own
+cancellation, and :func:`as_failure` makes it the replica failure it is (a 503), so it
+neither escapes as a cancellation (an HTTP 500 "No response returned") nor stops a
+batching loop.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from serve_apps.sessions import SessionGone
 
@@ -23,3 +32,23 @@ def request_error(rid: str, error: dict) -> Exception:
     if error["kind"] == "failed":
         return RuntimeError(f"request {rid}: {error['message']}")
     return SessionGone(f"request {rid}: {error['message']}")
+
+
+def downstream_cancel(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CancelledError that came from a replica call while the running
+    task itself was not being cancelled (a client that went away, a deadline: those
+    cancel the running task, and stay cancellations)."""
+    if not isinstance(exc, asyncio.CancelledError):
+        return False
+    task = asyncio.current_task()
+    return task is None or task.cancelling() == 0
+
+
+def as_failure(exc: BaseException, what: str) -> BaseException:
+    """``exc``, or for a CancelledError that a replica call returned or raised (see
+    :func:`downstream_cancel`; an entry of ``gather(..., return_exceptions=True)`` is one
+    whenever it is a CancelledError) a RuntimeError naming ``what``."""
+    if isinstance(exc, asyncio.CancelledError):
+        return RuntimeError(f"{what}: the replica's task was cancelled (the replica died "
+                            "or was stopped)")
+    return exc

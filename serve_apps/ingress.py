@@ -45,6 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_apps.chat import chat_prompt
 from serve_apps.decode import DecodeRequest, LiveStats
+from serve_apps.errors import as_failure, downstream_cancel
 from serve_apps.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -336,6 +337,11 @@ class Ingress:
             finished = not dec.deadline_exceeded
         except Exception as exc:
             raise _replica_error(exc, f"request {rid}") from None
+        except asyncio.CancelledError as exc:  # the replica's task, not this request
+            if not downstream_cancel(exc):
+                raise
+            raise _replica_error(as_failure(exc, "draft" if drafting else "target"),
+                                 f"request {rid}") from None
         finally:
             if not finished:
                 response.cancel()
@@ -695,8 +701,10 @@ class Ingress:
         try:
             res = await self.draft.rec_run.remote(rid, body.history, body.k, body.verify, n,
                                                   gamma, body.seed)
-        except Exception as exc:
-            err = _replica_error(exc, f"request {rid}: recommend")
+        except (Exception, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError) and not downstream_cancel(exc):
+                raise
+            err = _replica_error(as_failure(exc, "draft"), f"request {rid}: recommend")
             await self._end(rid, rid, True)  # a replica died mid-request: free the other
             raise err from None
         self.metrics.request("recommend", time.perf_counter() - t0, None)

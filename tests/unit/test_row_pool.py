@@ -399,3 +399,41 @@ def test_a_prompt_prefilled_in_chunks_gives_what_one_prefill_gives(tiny_pair):
     alone.start([NewRow("s", prompts(1)[0][:3], greedy, RuleSpec("greedy"), seeded(0))])
     assert out == [alone.verify([("s", None)])[0].new for _ in out]
     assert pool.rids == ["s", "r0"] and pool.verify([("r0", None)])[0].new == b[0].new
+
+
+def test_a_replica_calls_cancellation_is_a_failure_and_the_callers_own_stays_one():
+    """A CancelledError that a batch's replica call raised (Ray Serve's form of a dead
+    replica's TaskCancelledError) fails that batch's steps with a RuntimeError and the
+    batcher serves the next batch; the caller's own cancellation stays a cancellation."""
+    from serve_apps.errors import as_failure, downstream_cancel
+
+    async def run(steps):
+        if 99 in steps:
+            raise asyncio.CancelledError  # as `await handle.remote()` does
+        return [asyncio.CancelledError() if s < 0 else s for s in steps]
+
+    async def main():
+        b = StepBatcher(run, lambda: 2, max_batch=8, max_wait_s=1.0)
+        res = await asyncio.wait_for(asyncio.gather(  # never answered before: a hang
+            b.submit(99, "a"), b.submit(2, "b"), return_exceptions=True), 30)
+        assert all(type(r) is RuntimeError and "cancelled" in str(r) for r in res), res
+        ok, bad = await asyncio.gather(b.submit(1, "a"), b.submit(-1, "b"),
+                                       return_exceptions=True)
+        assert ok == 1 and type(bad) is RuntimeError  # one step's entry, that step only
+        assert downstream_cancel(asyncio.CancelledError())  # nobody cancelled this task
+        assert not downstream_cancel(RuntimeError("x"))
+        exc = ValueError("bad")
+        assert as_failure(exc, "x") is exc
+
+        async def cancelled_from_outside():
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError as exc:
+                return downstream_cancel(exc)
+
+        task = asyncio.create_task(cancelled_from_outside())
+        await asyncio.sleep(0)
+        task.cancel()
+        assert await task is False  # a cancelled caller: stays a cancellation
+
+    _run(main())
