@@ -84,19 +84,29 @@ def ordering_rows(table: Sequence[dict], key: str = "loss",
     comparison table of :func:`speclab.pipelines.comparison.comparison_rows`): the
     ordering's ``above`` / ``below`` / ``claim``, the method, both mean taus and
     :func:`paired_difference`'s figures. Orderings with a side missing are skipped."""
-    cells = {(r[key], r["method"]): r for r in table if "tau_per_prompt" in r}
     methods = list(dict.fromkeys(r["method"] for r in table))
+    return [{"above": row["above"], "below": row["below"], "method": m, **row}
+            for o in orderings for m in methods
+            for row in paired_rows([r for r in table if r["method"] == m], [o], key)]
+
+
+def paired_rows(rows: Sequence[dict], orderings: Sequence[Ordering],
+                key: str = "method") -> list[dict]:
+    """One row per ordering whose two rows are both in ``rows`` (found by ``key``: the
+    evaluate table's ``method`` column, i.e. each method's label; each row with ``tau``
+    and ``tau_per_prompt``): ``above`` / ``below`` / ``claim``, both mean taus
+    (``tau_above`` / ``tau_below``) and :func:`paired_difference`'s figures. Orderings
+    with a side missing are skipped."""
+    cells = {r[key]: r for r in rows if "tau_per_prompt" in r}
     out = []
     for o in orderings:
-        for m in methods:
-            lo_row, hi_row = cells.get((o.below, m)), cells.get((o.above, m))
-            if lo_row is None or hi_row is None:
-                continue
-            out.append({"above": o.above, "below": o.below, "method": m,
-                        "tau_above": hi_row["tau"], "tau_below": lo_row["tau"],
-                        **paired_difference(lo_row["tau_per_prompt"],
-                                            hi_row["tau_per_prompt"]),
-                        "claim": o.claim})
+        lo_row, hi_row = cells.get(o.below), cells.get(o.above)
+        if lo_row is None or hi_row is None:
+            continue
+        out.append({"above": o.above, "below": o.below, "tau_above": hi_row["tau"],
+                    "tau_below": lo_row["tau"],
+                    **paired_difference(lo_row["tau_per_prompt"], hi_row["tau_per_prompt"]),
+                    "claim": o.claim})
     return out
 
 

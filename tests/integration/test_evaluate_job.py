@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke",
     assert note.startswith("**Best speedup") and "| method | tau |" in note, note
     assert "| chain(gamma=2) |" in note
     children = method_children(client, run)
-    assert sorted(children) == sorted(["ar", "chain(gamma=2)", "chain(gamma=4)",
+    assert sorted(children) == sorted(["ar", "chain(gamma=2)", "chain 4",
                                        *(k for k in children if k.startswith(("tree(", "salf(")))])
     assert len(children) == 5, sorted(children)
     chain = children["chain(gamma=2)"]
@@ -104,7 +105,7 @@ def test_every_smoke_config_is_run_by_some_test():
 
 
 @pytest.mark.parametrize("path", SMOKE_CONFIGS, ids=[p.name for p in SMOKE_CONFIGS])
-def test_every_smoke_config_runs_end_to_end(job_env, path):
+def test_every_smoke_config_runs_end_to_end(job_env, path, tmp_path):
     """`python -m jobs.<job> --config experiments/smoke/<job>.yaml` on embedded Ray."""
     job = yaml.safe_load(path.read_text())["job"]
     assert path.stem == job  # experiments/smoke/<job>.yaml
@@ -122,7 +123,19 @@ def test_every_smoke_config_runs_end_to_end(job_env, path):
         assert out.rindex("[evaluate] actor ") < out.index("\nmethod ")  # then the table
         assert "\n  salf: salf(batch=2," in out  # a short label's legend
         assert "http://127.0.0.1:5000/#/experiments/" in res.stdout  # a direct link
+        assert "[evaluate] orderings, paired over prompts" in out  # the config's ordering
+        tail = out[out.index("[evaluate] orderings"):].splitlines()
+        [line] = [ln for ln in tail if ln.startswith("chain 4 ")]
+        assert line.split()[2] == "ar" and re.search(r"[+-]\d+\.\d% \[", line), line
         check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
+        client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
+        [row] = json.loads(Path(client.download_artifacts(
+            run.info.run_id, "orderings.json", str(tmp_path))).read_text())
+        assert (row["above"], row["below"], row["prompts"]) == ("chain 4", "ar", 4), row
+        assert row["verdict"] in ("holds", "unresolved", "fails")
+        chain4 = method_children(client, run)["chain 4"]
+        assert row["tau_above"] == pytest.approx(chain4.data.metrics["tau"])
+        assert run.data.metrics["ordering_chain 4_over_ar"] == pytest.approx(row["difference"])
     if job == "compare_losses":
         check_comparison_runs(job_env["MLFLOW_TRACKING_URI"])
     if job == "recommend_eval":

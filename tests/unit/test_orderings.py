@@ -113,3 +113,47 @@ def test_a_comparison_logs_its_orderings_beside_its_table():
     rec2 = _Recorder()
     log_comparison(rec2, [r for r in _table() if r["loss"] == "eagle"])
     assert "orderings" not in rec2.tables and not rec2.metrics
+
+
+def test_paired_rows_order_an_evaluations_methods_by_label():
+    """The evaluate job's ``orderings``: rows found by their ``method`` label; a side
+    the table lacks is skipped."""
+    from speclab.orderings import paired_rows
+
+    table = [{"method": "ar", "tau": 1.0, "tau_per_prompt": [1.0] * 6},
+             {"method": "tree", "tau": 1.8, "tau_per_prompt": [1.5, 1.7, 1.8, 1.9, 2.0, 1.9]},
+             {"method": "chain", "tau": 1.4,
+              "tau_per_prompt": [1.4, 1.3, 1.5, 1.4, 1.3, 1.5]}]
+    rows = paired_rows(table, [Ordering("tree", "chain", "trees above chains"),
+                               Ordering("salf", "chain", "not in the table")])
+    [row] = rows
+    assert (row["above"], row["below"], row["claim"]) == ("tree", "chain",
+                                                          "trees above chains")
+    assert (row["tau_above"], row["tau_below"], row["prompts"]) == (1.8, 1.4, 6)
+    expected = paired_difference(table[2]["tau_per_prompt"], table[1]["tau_per_prompt"])
+    assert row["difference"] == expected["difference"] and row["verdict"] == "holds"
+    rec = _Recorder()
+    from speclab.pipelines.comparison import log_orderings
+
+    text = log_orderings(rec, rows)
+    assert rec.tables["orderings"] == rows and "method" not in text.splitlines()[0]
+    assert rec.metrics == {"ordering_tree_over_chain": row["difference"]}
+
+
+def test_an_evaluate_config_orders_labelled_methods_only():
+    from speclab.config.base import ConfigError
+    from speclab.config.jobs import ExperimentConfig
+
+    base = {"job": "evaluate", "methods": [{"name": "chain", "gamma": 2, "label": "c2"},
+                                           {"name": "chain", "gamma": 3}]}
+    cfg = ExperimentConfig.from_dict({**base, "orderings": [{"above": "c2", "below": "ar"}]})
+    assert [(o.above, o.below) for o in cfg.orderings] == [("c2", "ar")]
+    with pytest.raises(ConfigError, match=r"orderings\[0\]\.above: 'chain\(gamma=3\)' is no "):
+        ExperimentConfig.from_dict({**base, "orderings": [{"above": "chain(gamma=3)",
+                                                           "below": "c2"}]})
+    with pytest.raises(ConfigError, match=r"orderings\[0\]: above and below"):
+        ExperimentConfig.from_dict({**base, "orderings": [{"above": "c2", "below": "c2"}]})
+    with pytest.raises(ConfigError, match="decoding.batch_sizes"):
+        ExperimentConfig.from_dict({**base, "data": {"num_prompts": 4},
+                                    "decoding": {"batch_sizes": [1, 2]},
+                                    "orderings": [{"above": "c2", "below": "ar"}]})

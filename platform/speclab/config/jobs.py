@@ -77,6 +77,7 @@ from speclab.config.schema import (
     HeadConfig,
     MedusaTrainConfig,
     ModelsConfig,
+    OrderingConfig,
     OutputConfig,
     RayConfig,
     RecConfig,
@@ -267,6 +268,9 @@ class EvaluateJob(_Evaluates):
     ``decoding.batch_sizes`` when given: :mod:`speclab.pipelines.batch_sweep`)."""
 
     job: Literal["evaluate"] = "evaluate"
+    #: orderings between the methods' rows, by their ``label`` (printed, logged as
+    #: ``orderings.csv`` / ``orderings.json`` and ``ordering_<above>_over_<below>``)
+    orderings: list[OrderingConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _sweep_fits(self):
@@ -274,6 +278,22 @@ class EvaluateJob(_Evaluates):
         if sizes and max(sizes) > self.data.num_prompts:
             raise ValueError(f"decoding.batch_sizes: the largest ({max(sizes)}) exceeds "
                              f"data.num_prompts ({self.data.num_prompts})")
+        return self
+
+    @model_validator(mode="after")
+    def _orderings_name_rows(self):
+        if self.orderings and self.decoding.batch_sizes:
+            raise ValueError("orderings: tested on one evaluation's rows; leave "
+                             "decoding.batch_sizes unset")
+        labels = ["ar", *(m.label for m in self.method_list() if m.label)]
+        for i, o in enumerate(self.orderings):
+            for side in ("above", "below"):
+                if getattr(o, side) not in labels:
+                    raise ValueError(
+                        f"orderings[{i}].{side}: {getattr(o, side)!r} is no method's label "
+                        f"(labels: {labels}); give each ordered method a `label`")
+            if o.above == o.below:
+                raise ValueError(f"orderings[{i}]: above and below are both {o.above!r}")
         return self
 
 

@@ -607,6 +607,17 @@ class CompareConfig(StrictModel):
         return self
 
 
+class OrderingConfig(StrictModel):
+    """One ordering an evaluation tests (``speclab.orderings``): the method labelled
+    ``above`` accepts more than the one labelled ``below`` (``ar``: plain decoding), as a
+    median paired tau ratio over the prompts with its interval; ``claim``: where the
+    ordering comes from, for the table."""
+
+    above: str
+    below: str
+    claim: str = ""
+
+
 class RecConfig(StrictModel):
     """Recommendation data (AtSpeed): synthetic, or Amazon JSON lines / MovieLens
     ``ratings.dat`` at ``path``; semantic ids of ``levels`` codes from ``codebook``."""

@@ -9,7 +9,10 @@ compares two runs that were adjacent in time on the same cores. The driver merge
 counters and pairs, prints the table (speedup: the median paired ratio with its 95%
 interval, beside the ratio of totals, the engine's overhead against the measured
 forward costs and a ``noisy`` flag) and logs params, metrics, the resolved config, the
-table (CSV/JSON), the forward cost curves and plots (PNG) to MLflow.
+table (CSV/JSON), the forward cost curves and plots (PNG) to MLflow. ``orderings``
+(pairs of method labels) adds each one's median paired tau ratio over the prompts with
+its interval and verdict (:mod:`speclab.orderings`), printed and logged as
+``orderings.csv`` / ``orderings.json``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ import sys
 import time
 
 from speclab.models.registry import resolve_models
+from speclab.orderings import Ordering, paired_rows
 from speclab.pipelines.actor_eval import evaluate_pair, tokenized_prompts
 from speclab.pipelines.batch_sweep import batch_sweep
 from speclab.pipelines.cli import start_job
+from speclab.pipelines.comparison import log_orderings
 from speclab.raylib import init_ray
 from speclab.tracking import run_link, running_ui_port
 
@@ -46,7 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.decoding.batch_sizes:
             batch_sweep(cfg, target, draft, prompts, t)
         else:
-            evaluate_pair(cfg, target, draft, prompts, t)
+            rows = evaluate_pair(cfg, target, draft, prompts, t)
+            if cfg.orderings:
+                print("[evaluate] orderings, paired over prompts (median tau ratio - 1):\n"
+                      + log_orderings(t, paired_rows(rows, [
+                          Ordering(o.above, o.below, o.claim) for o in cfg.orderings])),
+                      flush=True)
         t.log_metrics({"wall_s": time.perf_counter() - t_start})
     if tracker.run_id:
         port = running_ui_port(str(tracker.uri))  # the ui record, read once

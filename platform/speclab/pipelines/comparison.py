@@ -6,6 +6,7 @@ from __future__ import annotations
 from speclab.evaluation import ACCEPT_POSITIONS, format_table
 from speclab.orderings import difference_cell, ordering_rows
 from speclab.pipelines.eval_plots import wrap_label
+from speclab.tracking import metric_key
 
 
 def comparison_rows(loss: str, rows: list[dict], key: str = "loss") -> list[dict]:
@@ -86,17 +87,27 @@ def log_comparison(tracker, table: list[dict], name: str = "loss_comparison",
     orderings = ordering_rows(table, key)
     if orderings:
         text += "\n\nthe papers' orderings, paired over prompts (median tau ratio - 1):\n"
-        text += format_table(orderings, [
-            ("above", "{}"), ("below", "{}"), ("method", "{}"), ("tau_above", "{:.2f}"),
-            ("tau_below", "{:.2f}"), ("difference", difference_cell), ("prompts", "{}"),
-            ("verdict", "{}"), ("claim", "{}")])
-        tracker.log_table(orderings, "orderings")
-        tracker.log_metrics({
-            f"ordering_{o['above']}_over_{o['below']}_{o['method']}": o["difference"]
-            for o in orderings})
+        text += log_orderings(tracker, orderings)
     print(text, flush=True)
     tracker.log_table(table, name)
     tracker.log_text(text, f"{name}.txt")
     tracker.log_figure(_tau_by_loss(table, key), f"tau_by_{key}.png")
     tracker.log_figure(_acceptance_per_position(table, key), "acceptance_per_position.png")
     return text
+
+
+def log_orderings(tracker, orderings: list[dict]) -> str:
+    """Log rows of :func:`speclab.orderings.ordering_rows` or
+    :func:`speclab.orderings.paired_rows` to ``tracker``'s run as ``orderings.csv`` /
+    ``orderings.json`` and one ``ordering_<above>_over_<below>[_<method>]`` metric each
+    (the median paired difference; names made valid MLflow keys); returns them as a
+    printed table."""
+    by_method = any("method" in o for o in orderings)
+    tracker.log_table(orderings, "orderings")
+    tracker.log_metrics({metric_key(
+        f"ordering_{o['above']}_over_{o['below']}" + (f"_{o['method']}" if by_method else "")
+    ): o["difference"] for o in orderings})
+    return format_table(orderings, [
+        ("above", "{}"), ("below", "{}"), *((("method", "{}"),) if by_method else ()),
+        ("tau_above", "{:.2f}"), ("tau_below", "{:.2f}"), ("difference", difference_cell),
+        ("prompts", "{}"), ("verdict", "{}"), ("claim", "{}")])
