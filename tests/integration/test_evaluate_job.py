@@ -47,7 +47,7 @@ def check_evaluate_run(tracking_uri: str, experiment: str = "speclab-smoke",
     assert note.startswith("**Best speedup") and "| method | tau |" in note, note
     assert "| chain(gamma=2) |" in note
     children = method_children(client, run)
-    assert sorted(children) == sorted(["ar", "chain(gamma=2)", "chain 4",
+    assert sorted(children) == sorted(["ar", "chain(gamma=2)", "chain(gamma=4)",
                                        *(k for k in children if k.startswith(("tree(", "salf(")))])
     assert len(children) == 5, sorted(children)
     chain = children["chain(gamma=2)"]
@@ -105,7 +105,7 @@ def test_every_smoke_config_is_run_by_some_test():
 
 
 @pytest.mark.parametrize("path", SMOKE_CONFIGS, ids=[p.name for p in SMOKE_CONFIGS])
-def test_every_smoke_config_runs_end_to_end(job_env, path, tmp_path):
+def test_every_smoke_config_runs_end_to_end(job_env, path):
     """`python -m jobs.<job> --config experiments/smoke/<job>.yaml` on embedded Ray."""
     job = yaml.safe_load(path.read_text())["job"]
     assert path.stem == job  # experiments/smoke/<job>.yaml
@@ -123,19 +123,7 @@ def test_every_smoke_config_runs_end_to_end(job_env, path, tmp_path):
         assert out.rindex("[evaluate] actor ") < out.index("\nmethod ")  # then the table
         assert "\n  salf: salf(batch=2," in out  # a short label's legend
         assert "http://127.0.0.1:5000/#/experiments/" in res.stdout  # a direct link
-        assert "[evaluate] orderings, paired over prompts" in out  # the config's ordering
-        tail = out[out.index("[evaluate] orderings"):].splitlines()
-        [line] = [ln for ln in tail if ln.startswith("chain 4 ")]
-        assert line.split()[2] == "ar" and re.search(r"[+-]\d+\.\d% \[", line), line
         check_evaluate_run(job_env["MLFLOW_TRACKING_URI"])
-        client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
-        [row] = json.loads(Path(client.download_artifacts(
-            run.info.run_id, "orderings.json", str(tmp_path))).read_text())
-        assert (row["above"], row["below"], row["prompts"]) == ("chain 4", "ar", 4), row
-        assert row["verdict"] in ("holds", "unresolved", "fails")
-        chain4 = method_children(client, run)["chain 4"]
-        assert row["tau_above"] == pytest.approx(chain4.data.metrics["tau"])
-        assert run.data.metrics["ordering_chain 4_over_ar"] == pytest.approx(row["difference"])
     if job == "compare_losses":
         check_comparison_runs(job_env["MLFLOW_TRACKING_URI"])
     if job == "recommend_eval":
@@ -307,6 +295,36 @@ def test_evaluate_job_decodes_in_batches(job_env):
     assert m["target_forwards_per_token"] < m["target_calls_per_token"]
     assert children["ar"].data.metrics["target_forwards_per_token"] == pytest.approx(0.5, abs=0.07)
     assert math.isnan(m["speedup_std"])  # one wall time for the whole batch: no spread
+
+
+def test_evaluate_job_tests_orderings_between_labelled_methods(job_env, tmp_path):
+    """`orderings`: each pair of method labels as a median paired tau ratio over the
+    prompts with its interval and verdict, printed and logged on the parent run."""
+    res = run_cmd([python(), "-m", "jobs.evaluate", "--config", SMOKE,
+                   "resources.num_actors=1", "name=smoke-evaluate-orderings",
+                   "methods=[{name: chain, gamma: 2, label: c2}, "
+                   "{name: chain, gamma: 4, label: chain 4}]",
+                   "orderings=[{above: chain 4, below: c2}, {above: c2, below: ar, "
+                   "claim: a drafted token commits more than one}]"], job_env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    tail = out[out.index("[evaluate] orderings, paired over prompts"):].splitlines()
+    [line] = [ln for ln in tail if ln.startswith("chain 4 ")]
+    assert line.split()[2] == "c2" and re.search(r"[+-]\d+\.\d% \[", line), line
+    client, run = find_run(job_env["MLFLOW_TRACKING_URI"], "speclab-smoke")
+    rows = json.loads(Path(client.download_artifacts(
+        run.info.run_id, "orderings.json", str(tmp_path))).read_text())
+    assert [(r["above"], r["below"], r["prompts"]) for r in rows] == [
+        ("chain 4", "c2", 4), ("c2", "ar", 4)], rows
+    children = method_children(client, run)
+    assert rows[0]["tau_above"] == pytest.approx(children["chain 4"].data.metrics["tau"])
+    assert rows[1]["tau_below"] == pytest.approx(1.0)
+    assert rows[1]["verdict"] in ("holds", "unresolved")  # tau >= 1 on every prompt
+    assert run.data.metrics["ordering_chain 4_over_c2"] == pytest.approx(rows[0]["difference"])
+    bad = run_cmd([python(), "-m", "jobs.evaluate", "--config", SMOKE,
+                   "orderings=[{above: chain(gamma=2), below: ar}]"], job_env)
+    assert bad.returncode == 2 and "orderings[0].above: 'chain(gamma=2)' is no method's " \
+        "label" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_evaluate_job_sweeps_batch_sizes_with_an_auto_budget(job_env):

@@ -30,8 +30,24 @@ pytestmark = pytest.mark.integration
 METHOD = {"nodes": 8, "batch": 2, "salf_threshold": 0.3, "depth": 4}  # as in the smoke config
 
 
-def _start(root: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
-    """``speclab serve --config experiments/smoke/serve.yaml`` on a free port, ready."""
+def _start(root: Path, overrides: list[str], tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """``speclab serve --config experiments/smoke/serve.yaml`` on a free port, ready; a
+    port that another process took between :func:`free_port` and the proxy's bind
+    (``Failed to bind to address``) is tried again on a new one, ``tries`` times."""
+    for attempt in range(tries):
+        try:
+            return _start_once(root, overrides)
+        except _PortTaken:
+            if attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    """The server could not bind the port it was given."""
+
+
+def _start_once(root: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "SPECLAB_HOME": str(root / "home"), "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
@@ -48,6 +64,8 @@ def _start(root: Path, overrides: list[str]) -> tuple[subprocess.Popen, str]:
     while time.time() < deadline:
         if proc.poll() is not None:
             _stop(proc)  # whatever it left behind
+            if "Failed to bind to address" in log.read_text():
+                raise _PortTaken(port)
             pytest.fail("server exited: " + log.read_text()[-3000:])
         try:
             if requests.get(f"{url}/health", timeout=5).status_code == 200:
