@@ -29,7 +29,7 @@ import torch
 from serve_apps.batcher import StepBatcher
 from serve_apps.channel import ChannelClient, ChannelError
 from serve_apps.decode import DecodeRequest, Timing, stream_rounds
-from serve_apps.errors import as_failure, request_error
+from serve_apps.errors import request_error
 from serve_apps.metrics import ServeMetrics
 from serve_apps.router import target_key
 from serve_apps.sessions import PoolRow, RequestStates, SessionGone
@@ -271,8 +271,7 @@ class DraftDeployment(RequestStates):
         for (kind, mine), reply in zip(parts, replies, strict=True):
             for j, entry in enumerate(mine):
                 i, s = entry[0], entry[1]
-                res = as_failure(reply, f"{kind}_rows") if isinstance(reply, BaseException) \
-                    else reply[j]
+                res = reply if isinstance(reply, BaseException) else reply[j]
                 if isinstance(res, BaseException) or "error" in res:
                     out[i] = res if isinstance(res, BaseException) else request_error(
                         s.rid, res["error"])

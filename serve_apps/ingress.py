@@ -175,10 +175,12 @@ async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
                      "internal_error").response()
 
 
-def _replica_error(exc: Exception, what: str) -> HTTPError:
-    """A replica call failed: the caller's fault (ValueError: 400) or not (503)."""
+def _replica_error(exc: BaseException, what: str) -> HTTPError:
+    """A replica call failed: the caller's fault (ValueError: 400) or not (503; a
+    replica's cancelled task included, :func:`serve_apps.errors.as_failure`)."""
     if isinstance(exc, HTTPError):
         return exc
+    exc = as_failure(exc, "replica call")
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
     if isinstance(exc, ValueError):
         return HTTPError(400, text)
@@ -335,13 +337,10 @@ class Ingress:
                     dec.token_logprobs += chunk.get("logprobs", [])
                     yield chunk["tokens"]
             finished = not dec.deadline_exceeded
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            if not isinstance(exc, Exception) and not downstream_cancel(exc):
+                raise  # this request was cancelled (client gone), not a replica's task
             raise _replica_error(exc, f"request {rid}") from None
-        except asyncio.CancelledError as exc:  # the replica's task, not this request
-            if not downstream_cancel(exc):
-                raise
-            raise _replica_error(as_failure(exc, "draft" if drafting else "target"),
-                                 f"request {rid}") from None
         finally:
             if not finished:
                 response.cancel()
@@ -702,9 +701,9 @@ class Ingress:
             res = await self.draft.rec_run.remote(rid, body.history, body.k, body.verify, n,
                                                   gamma, body.seed)
         except (Exception, asyncio.CancelledError) as exc:
-            if isinstance(exc, asyncio.CancelledError) and not downstream_cancel(exc):
-                raise
-            err = _replica_error(as_failure(exc, "draft"), f"request {rid}: recommend")
+            if not isinstance(exc, Exception) and not downstream_cancel(exc):
+                raise  # this request was cancelled (client gone), not a replica's task
+            err = _replica_error(exc, f"request {rid}: recommend")
             await self._end(rid, rid, True)  # a replica died mid-request: free the other
             raise err from None
         self.metrics.request("recommend", time.perf_counter() - t0, None)
