@@ -212,3 +212,18 @@ def test_switching_the_method_by_override_drops_the_old_methods_knobs():
     assert cfg.method.name == "chain" and cfg.method.gamma == 3
     same = ServeJob.from_yaml("experiments/smoke/serve.yaml", ["method.nodes=6"])
     assert same.method.name == "salf" and same.method.nodes == 6  # same method: kept
+
+
+@pytest.mark.parametrize("config,overrides,expected", [
+    ("distill.yaml", ["output.run_name=draft-s150"], "draft-s150"),
+    ("distill.yaml", ["output.run_name=draft-s150", "tracking.run_name=mine"], "mine"),
+    ("distill.yaml", [], None),  # the config's name
+    ("evaluate.yaml", [], None),  # no output group
+])
+def test_the_parent_run_is_named_by_tracking_then_output_then_the_config(config, overrides,
+                                                                         expected):
+    from speclab.pipelines.cli import parent_run_name
+
+    cfg = load_experiment(ROOT / "experiments" / "smoke" / config, overrides)
+    assert parent_run_name(cfg) == (expected or cfg.name)
+    assert cfg.name and not cfg.name.startswith("draft-s150")

@@ -150,7 +150,9 @@ class TrackingConfig(StrictModel):
     enabled: bool = True
     uri: str | None = None
     experiment: str = "speclab"
-    run_name: str | None = None
+    run_name: str | None = Field(None, description="the parent run's name (None: "
+                                 "output.run_name where the job has one, else the "
+                                 "config's name)")
 
 
 class RayConfig(StrictModel):

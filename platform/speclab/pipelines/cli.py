@@ -68,12 +68,20 @@ def start_job(job: str, description: str | None, argv: list[str] | None,
     cfg = load_or_exit(JOB_CONFIGS[job], args.config, args.overrides)
     try:  # a remote tracking server is checked before any expensive work
         tracker = open_tracker(cfg.tracking.enabled, cfg.tracking.uri, cfg.tracking.experiment,
-                               cfg.tracking.run_name or cfg.name, cfg.dump())
+                               parent_run_name(cfg), cfg.dump())
         inputs = prepare(cfg) if prepare is not None else None
     except (TrackingUnavailable, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     return JobStart(args, cfg, tracker, inputs)
+
+
+def parent_run_name(cfg: Any) -> str:
+    """The job's MLflow parent run name: ``tracking.run_name``, else the training job's
+    ``output.run_name`` (the folder its checkpoints go to, so the run and the folder
+    share a name), else the config's ``name``."""
+    output = getattr(cfg, "output", None)
+    return cfg.tracking.run_name or getattr(output, "run_name", None) or cfg.name
 
 
 def run_dirs(cfg: Any) -> tuple[Path, str]:
