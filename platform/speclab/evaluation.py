@@ -556,9 +556,6 @@ def summarize(
         "prompts": totals.prompts,
         "new_tokens": totals.new_tokens,
         "tau": tau(totals.committed, totals.target_calls),
-        # each prompt's own tau (first pass, prompt order): what paired comparisons of
-        # two drafters on the same prompts read (:mod:`speclab.orderings`)
-        "tau_per_prompt": [tau(p.committed, p.target_calls) for p in totals.per_prompt],
         "target_calls_per_token": totals.target_calls / n,
         "target_forwards_per_token": totals.forwards / n,
         "draft_calls_per_token": totals.draft_calls / n,
@@ -598,16 +595,20 @@ def summarize(
     return row
 
 
-def prompt_spread(totals: Totals, ar: Totals) -> dict[str, float | None]:
-    """``<column>_std`` for tau, target_calls_per_token, acceptance_rate, tokens_per_s
+def prompt_spread(totals: Totals, ar: Totals) -> dict[str, float | list[float] | None]:
+    """``tau_per_prompt``, each prompt's own tau (first pass, prompt order: what paired
+    comparisons of two drafters on the same prompts read, :mod:`speclab.orderings`), and
+    ``<column>_std`` for tau, target_calls_per_token, acceptance_rate, tokens_per_s
     and speedup: the sample standard deviation over prompts of each prompt's own figure
     in the first pass (``speedup``: the prompt's tokens/s over the same prompt's tokens/s
     in its AR timing; :func:`summarize` replaces it by the spread of every paired ratio
     when the totals carry pairs). The wall-clock ones are None when either block ran
     batched (one wall time for the whole batch)."""
     per = totals.per_prompt
-    out: dict[str, float | None] = {
-        "tau_std": spread([tau(p.committed, p.target_calls) for p in per]),
+    taus = [tau(p.committed, p.target_calls) for p in per]
+    out: dict[str, float | list[float] | None] = {
+        "tau_per_prompt": taus,
+        "tau_std": spread(taus),
         "target_calls_per_token_std": spread([p.target_calls / max(p.new_tokens, 1)
                                               for p in per]),
         "acceptance_rate_std": spread([p.accepted / p.judged if p.judged else 0.0
