@@ -191,3 +191,24 @@ def test_adaptive_drafter_sampling_matches_target_distribution(micro_pair):
         accepted += res.stats.accepted_tokens
     assert accepted > N // 4
     assert chi_square_p(counts, exact, N) > 1e-3
+
+
+def test_batched_greedy_accept_data_equals_one_prompt_at_a_time(runners):
+    """accept_examples decodes greedy responses in batches (EOS stops a row); each row is
+    what accept_example gives that prompt alone; sampled rows keep their per-prompt
+    seeds."""
+    from speclab.train.distill_data import accept_examples
+
+    target, draft = runners
+    prompts = [[3, 9, 27, 4], [5, 6, 7, 8], [11, 2, 40, 41], [1, 2, 3, 4]]
+    alone = [accept_example(target, draft, p, 12, 0.0, 7 + j, None)
+             for j, p in enumerate(prompts)]
+    eos = alone[1]["x"][3]  # a token the second response emits: it stops there
+    with_eos = [accept_example(target, draft, p, 12, 0.0, 7 + j, eos)
+                for j, p in enumerate(prompts)]
+    assert len(with_eos[1]["x"]) < 12 and with_eos[1]["x"][-1] == eos
+    assert accept_examples(target, draft, prompts, 12, 0.0, 7, None, batch=3) == alone
+    assert accept_examples(target, draft, prompts, 12, 0.0, 7, eos, batch=3) == with_eos
+    sampled = [accept_example(target, draft, p, 6, 1.0, 7 + j, None)
+               for j, p in enumerate(prompts[:2])]
+    assert accept_examples(target, draft, prompts[:2], 6, 1.0, 7, None) == sampled
