@@ -123,6 +123,20 @@ def medusa_run(folder: str) -> MethodRun:
                      f"medusa {Path(folder).name} {knobs}")
 
 
+# the bench's SpecDec++ row: the acceptance head's stop threshold and draft-length cap
+# (experiments/specdecpp_smollm2.yaml sweeps h; this is its best point on the real pair)
+SPECDECPP_RUN = {"stop_threshold": 0.6, "max_draft": 8}
+
+
+def specdecpp_run(folder: str) -> MethodRun:
+    """The bench's SpecDec++ row (:data:`SPECDECPP_RUN`) with the acceptance head saved in
+    ``folder`` (beside a copy of the draft it was trained on, which must be the bench's
+    draft: :func:`speclab.real_pair.ensure_real_pair` checks it)."""
+    knobs = ",".join(f"{k}={v}" for k, v in SPECDECPP_RUN.items())
+    return MethodRun("specdecpp", {**SPECDECPP_RUN, "head": str(folder)},
+                     f"specdecpp {Path(folder).name} {knobs}")
+
+
 def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> Totals:
     """Time ``transformers`` ``generate`` (greedy) per prompt (the clock read after the
     device finished); fills wall time, outputs and the block's ``peak_gpu_mb``."""
@@ -372,8 +386,8 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     :func:`grow_xl`) ``eagles`` are drafters for the SMALL reference target, grown with
     it, and the rows are :data:`XL_RUNS` and :func:`xl_eagle_runs`. On a real pair
     (``build``: :func:`reference_setup`) the rows are :data:`REAL_RUNS` and a row per
-    registered EAGLE drafter and Medusa heads of the pair, besides ``eagles`` and
-    ``medusas``."""
+    registered EAGLE drafter, Medusa heads and SpecDec++ head (:data:`SPECDECPP_RUN`) of
+    the pair, besides ``eagles`` and ``medusas``."""
     name = pair
     # refused before any model is loaded
     extra = [eagle_run(d) for d in eagles or []]
@@ -386,7 +400,7 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
     if isinstance(pair, RealPair):
         extra += [eagle_run(d) for d in pair.eagles]
         medusa += [medusa_run(d) for d in pair.medusas]
-        runs = runs or REAL_RUNS + extra + medusa
+        runs = runs or REAL_RUNS + extra + medusa + [specdecpp_run(d) for d in pair.heads]
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
     if not extra and name == "reference-large":

