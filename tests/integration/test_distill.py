@@ -52,9 +52,10 @@ def test_target_then_drafter_both_registered_and_loadable(job_env, tmp_path, mon
     assert sd.token_ids == ar.token_ids  # lossless with the distilled drafter
 
 
-def test_generation_keeps_finished_shards(tiny_pair, tmp_path):
+def test_generation_keeps_finished_shards(tiny_pair, tmp_path, capsys):
     """A rerun regenerates only missing shards (resume without redoing finished work) and
-    removes what a writer killed mid-write left behind."""
+    removes what a writer killed mid-write left behind; each written shard prints a
+    progress line (shards of this run, examples, rate, ETA)."""
     import ray
     import torch
 
@@ -72,6 +73,9 @@ def test_generation_keeps_finished_shards(tiny_pair, tmp_path):
     try:
         shards, peak = generate(cfg, tiny_pair["target"], data, {"kd"}, tokens)
         assert shards == {"kd": 3} and peak > 0
+        out = capsys.readouterr().out
+        assert "[generate] 1/3 shards (4 examples) in " in out
+        assert "[generate] 3/3 shards (12 examples) in " in out and "ETA 0 s" in out
         shards = sorted((data / "kd").glob("shard-*.parquet"))
         assert len(shards) == 3
         before = {p.name: p.stat().st_mtime_ns for p in shards}
@@ -84,6 +88,7 @@ def test_generation_keeps_finished_shards(tiny_pair, tmp_path):
         ray.shutdown()
     assert set(after) == set(before)
     assert stats["shards_kept"] == 2 and stats["shards_written"] == 1
+    assert "[generate] 1/1 shards (4 examples) in " in capsys.readouterr().out  # this run's
     assert after[shards[0].name] == before[shards[0].name]  # untouched
     assert after[shards[2].name] == before[shards[2].name]
     assert not list((data / "kd").glob("*.tmp"))

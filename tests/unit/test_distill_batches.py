@@ -86,3 +86,11 @@ def test_talf_batch_loss_is_finite_and_trains(tiny_pair, target):
         loss.backward()
         opt.step()
     assert torch.isfinite(loss) and loss.item() < first
+
+
+def test_generation_progress_line_gives_the_rate_and_eta():
+    from speclab.pipelines.signals import progress_line
+
+    assert progress_line(2, 8, 128, 64.0) == ("2/8 shards (128 examples) in 64 s, 2.0 "
+                                              "examples/s, ETA 192 s")
+    assert progress_line(8, 8, 512, 256.0).endswith("ETA 0 s")
