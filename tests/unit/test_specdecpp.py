@@ -212,3 +212,25 @@ def test_batched_greedy_accept_data_equals_one_prompt_at_a_time(runners):
     sampled = [accept_example(target, draft, p, 6, 1.0, 7 + j, None)
                for j, p in enumerate(prompts[:2])]
     assert accept_examples(target, draft, prompts[:2], 6, 1.0, 7, None) == sampled
+
+
+def test_draft_features_skip_the_lm_head_only_where_the_decoder_gives_its_input(tiny_pair):
+    """The decoder's last_hidden_state is the LM head's input on the tiny LLaMA draft, so
+    the features come without the head; a decoder that gives something else (here
+    another model's) is detected by the probe and the full forward is used."""
+    draft = load_model(tiny_pair["close"])
+    feats = DraftFeatures(draft)
+    assert feats.decoder is draft.get_decoder()
+    inputs = torch.tensor([[3, 9, 27, 4, 5], [1, 2, 3, 0, 0]])
+    fast = feats(inputs)
+    draft(input_ids=inputs)
+    torch.testing.assert_close(fast, feats._last.float(), rtol=0, atol=0)
+    other = load_model(tiny_pair["target"])  # the draft is a noisy copy: same shapes
+    mixed = load_model(tiny_pair["close"])
+    mixed.get_decoder = lambda: other.get_decoder()
+    slow = DraftFeatures(mixed)
+    assert slow.decoder is None
+    torch.testing.assert_close(slow(inputs), fast, rtol=0, atol=0)
+    wrong = load_model(tiny_pair["close"])
+    wrong.get_decoder = lambda: wrong  # no decoder apart from the model itself
+    assert DraftFeatures(wrong).decoder is None

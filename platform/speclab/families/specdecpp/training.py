@@ -14,7 +14,13 @@ import torch
 
 
 class DraftFeatures:
-    """The frozen drafter's final hidden states (its LM head's input) for a batch."""
+    """The frozen drafter's final hidden states (its LM head's input) for a batch.
+
+    Where the model's decoder (``get_decoder()``) returns exactly its LM head's input as
+    ``last_hidden_state`` (checked once, on a short probe), the features come from the
+    decoder alone: the LM head is not computed (on SmolLM2's cut draft, 49,152 x 576,
+    it is most of a forward). Otherwise a hook reads the head's input in a full forward.
+    """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model.eval()
@@ -22,9 +28,30 @@ class DraftFeatures:
             prm.requires_grad_(False)
         self._last: torch.Tensor | None = None
         model.get_output_embeddings().register_forward_pre_hook(self._grab)
+        self.decoder = self._decoder_if_same(model)
 
     def _grab(self, _module, args) -> None:
         self._last = args[0]
+
+    @torch.no_grad()
+    def _decoder_if_same(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        """``model.get_decoder()`` when its ``last_hidden_state`` equals the LM head's
+        input on a probe of 8 tokens ``[1, 8]``, else None."""
+        try:
+            decoder = model.get_decoder()
+        except (AttributeError, NotImplementedError, ValueError):
+            return None
+        if not isinstance(decoder, torch.nn.Module) or decoder is model:
+            return None
+        device = next(model.parameters()).device
+        probe = (torch.arange(8, device=device) * 7 % int(model.config.vocab_size))[None]
+        model(input_ids=probe)
+        want = self._last
+        try:
+            got = decoder(input_ids=probe).last_hidden_state
+        except (AttributeError, TypeError, ValueError):
+            return None
+        return decoder if got.shape == want.shape and torch.equal(got, want) else None
 
     @property
     def hidden_size(self) -> int:
@@ -33,6 +60,8 @@ class DraftFeatures:
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         """``inputs [B, S]`` (right-padded) -> hidden ``[B, S, H]``."""
+        if self.decoder is not None:
+            return self.decoder(input_ids=inputs).last_hidden_state.float()
         self.model(input_ids=inputs)
         return self._last.float()
 
