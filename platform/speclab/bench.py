@@ -132,10 +132,10 @@ SPECDECPP_RUN = {"stop_threshold": 0.6, "max_draft": 8}
 def specdecpp_run(folder: str) -> MethodRun:
     """The bench's SpecDec++ row (:data:`SPECDECPP_RUN`) with the acceptance head saved in
     ``folder`` (beside a copy of the draft it was trained on, which must be the bench's
-    draft: :func:`speclab.real_pair.ensure_real_pair` checks it)."""
+    draft: :func:`speclab.real_pair.ensure_real_pair` checks it), labelled by its knobs
+    (a registered head's folder is named ``model``, which says nothing)."""
     knobs = ",".join(f"{k}={v}" for k, v in SPECDECPP_RUN.items())
-    return MethodRun("specdecpp", {**SPECDECPP_RUN, "head": str(folder)},
-                     f"specdecpp {Path(folder).name} {knobs}")
+    return MethodRun("specdecpp", {**SPECDECPP_RUN, "head": str(folder)}, f"specdecpp {knobs}")
 
 
 def hf_generate_totals(dec, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> Totals:
