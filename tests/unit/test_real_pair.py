@@ -29,25 +29,32 @@ def real_home(tmp_path) -> dict[str, str]:
             "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
 
 
+def _register(env: dict[str, str], folder: Path, name: str) -> None:
+    """Log ``folder`` as a model registered as ``name`` in the bench's store (the env's
+    MLFLOW_TRACKING_URI), leaving this process's MLFLOW_TRACKING_URI as it was."""
+    from speclab.tracking import MlflowTracker
+
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        with MlflowTracker(env["MLFLOW_TRACKING_URI"], "speclab-test", name, {}) as t:
+            t.log_model(folder, name)
+    finally:
+        if old is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = old
+
+
 def _register_draft(env: dict[str, str], tmp_path: Path) -> None:
     """The target cut to one layer, registered as the real pair's standalone draft."""
     from transformers import AutoTokenizer
 
     from speclab.models.pruned import cut_model
-    from speclab.tracking import MlflowTracker
 
     target = Path(env["SPECLAB_HOME"]) / "models" / "smollm2-135m"
     tok = AutoTokenizer.from_pretrained(target)
     draft = cut_model(str(target), 1, len(tok), tok.eos_token_id)
     draft.save_pretrained(tmp_path / "draft")
     tok.save_pretrained(tmp_path / "draft")
-    old = os.environ.get("MLFLOW_TRACKING_URI")
-    try:
-        with MlflowTracker(env["MLFLOW_TRACKING_URI"], "speclab-test", "draft", {}) as t:
-            t.log_model(tmp_path / "draft", "speclab-draft-smollm2")
-    finally:
-        if old is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = old
+    _register(env, tmp_path / "draft", "speclab-draft-smollm2")
 
 
 def _register_head(env: dict[str, str], draft: Path, out: Path) -> None:
@@ -58,17 +65,10 @@ def _register_head(env: dict[str, str], draft: Path, out: Path) -> None:
     from transformers import AutoConfig
 
     from speclab.decoding.acceptance_head import AcceptanceHead, save_head
-    from speclab.tracking import MlflowTracker
 
     shutil.copytree(draft, out)
     save_head(AcceptanceHead(AutoConfig.from_pretrained(draft).hidden_size, 1), out)
-    old = os.environ.get("MLFLOW_TRACKING_URI")
-    try:
-        with MlflowTracker(env["MLFLOW_TRACKING_URI"], "speclab-test", "head", {}) as t:
-            t.log_model(out, "speclab-specdecpp-smollm2-D1-w3")
-    finally:
-        if old is not None:
-            os.environ["MLFLOW_TRACKING_URI"] = old
+    _register(env, out, "speclab-specdecpp-smollm2-D1-w3")
 
 
 def _bench(env: dict[str, str], out: Path, prompts: Path, *extra: str):
