@@ -183,8 +183,11 @@ class CorpusConfig(StrictModel):
     chat_template: str | None = Field(None, description=(
         "conversations: a Jinja chat template (text or a file) for a target whose "
         "tokenizer has none"))
-    max_conversations: int = Field(2000, gt=0, description=(
-        "conversations: at most this many of the split are rendered"))
+    max_conversations: int | None = Field(2000, gt=0, description=(
+        "conversations: at most this many of the split are rendered (null: all)"))
+    shard_tokens: int = Field(1 << 20, ge=1024, description=(
+        "conversations: tokens per shard of the tokenised corpus (written once under "
+        "$SPECLAB_HOME/data/tokens, memory-mapped by later runs)"))
     validation: float = Field(0.02, ge=0.0, lt=0.5, description=(
         "conversations: the fraction held out for validation (by a hash of the id)"))
     test: float = Field(0.02, ge=0.0, lt=0.5, description=(

@@ -81,7 +81,7 @@ def plan(cfg: Any) -> tuple[list[list[dict]], dict]:
         if not any(m["role"] == "user" for m in conv.messages):
             continue
         picked.append({"id": conv.id, "messages": conv.messages})
-        if len(picked) >= c.max_conversations:
+        if c.max_conversations is not None and len(picked) >= c.max_conversations:
             break
     if not picked:
         raise ValueError(f"corpus.path: {c.path!r} holds no {r.split} conversation with a "
