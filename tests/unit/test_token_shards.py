@@ -5,6 +5,11 @@ the settings change; sharding never changes the stream or the inputs drawn from 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -87,12 +92,24 @@ def test_a_damaged_shard_folder_is_refused_by_name_and_a_dead_writer_leaves_noth
     (folder / "mask-00001.npy").unlink()
     with pytest.raises(ValueError, match=r"shard 1 is unreadable.*delete the folder"):
         token_stream(corpus, tokenizer)
-    # a writer that died left its temporary folder: the next writer of that key removes it
-    dead = folder.parent / f"{folder.name}.tmp-0badf00d"
-    dead.mkdir()
+    # a writer that died left its temporary folder: the next writer of that key removes
+    # it; a live writer's (this process's) and a fresh one of another host stay
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    host = socket.gethostname()
+    dead = folder.parent / f"{folder.name}.tmp-{host}-{gone.stdout.strip()}-0badf00d"
+    live = folder.parent / f"{folder.name}.tmp-{host}-{os.getpid()}-0000beef"
+    remote = folder.parent / f"{folder.name}.tmp-elsewhere-1-0000cafe"
+    old_remote = folder.parent / f"{folder.name}.tmp-elsewhere-2-0000dead"
+    for f in (dead, live, remote, old_remote):
+        f.mkdir()
+    day_ago = time.time() - 2 * 24 * 3600
+    os.utime(old_remote, (day_ago, day_ago))
     shutil.rmtree(folder)
     again = token_stream(corpus, tokenizer)
-    assert not dead.exists() and again.numel() == manifest["tokens"]
+    assert again.numel() == manifest["tokens"]
+    assert not dead.exists() and not old_remote.exists()
+    assert live.exists() and remote.exists()
 
 
 def test_an_empty_split_is_refused_and_nothing_is_cached(tokenizer, tmp_path, home):

@@ -14,10 +14,12 @@ vocabulary and chat template, so a changed file or tokenizer makes a new folder)
   used, skipped) and the settings the key hashes.
 
 The folder is written under a temporary name and renamed whole, so a folder that exists
-is complete; an interrupted write leaves only a temporary folder (removed by the next
-writer). Reading (:func:`open_shards`) memory-maps each shard (``numpy.load(...,
-mmap_mode="r")``): the sampler of :class:`speclab.data.token_stream.TokenStream` walks
-one shard at a time. No Ray, no MLflow, no torch.
+is complete; an interrupted write leaves only a temporary folder, removed by the next
+writer once its own writer is gone (two jobs may tokenise one corpus at once: the first
+to finish renames its folder, the other keeps it). Reading (:func:`open_shards`)
+memory-maps each shard (``numpy.load(..., mmap_mode="r")``): the sampler of
+:class:`speclab.data.token_stream.TokenStream` walks one shard at a time. No Ray, no
+MLflow, no torch.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -95,9 +98,11 @@ def write_shards(records: Iterable[tuple[list[int], list[int]]], out: Path, shar
     the manifest. Memory holds one shard. Returns the manifest; with no record at all,
     nothing is written and its ``conversations_used`` is 0."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    for old in out.parent.glob(f"{out.name}.tmp-*"):  # an interrupted writer's
-        shutil.rmtree(old, ignore_errors=True)
-    tmp = out.parent / f"{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    for old in out.parent.glob(f"{out.name}.tmp-*"):  # a dead writer's (a live one's stays)
+        if _abandoned(old):
+            shutil.rmtree(old, ignore_errors=True)
+    writer = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / f"{out.name}.tmp-{writer}"
     tmp.mkdir()
     sizes: list[int] = []
     ids: list[int] = []
@@ -145,6 +150,32 @@ def write_shards(records: Iterable[tuple[list[int], list[int]]], out: Path, shar
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return json.loads((out / MANIFEST).read_text())
+
+
+#: a temporary folder of another machine's writer (a shared file system) is abandoned
+#: once it has not changed for this long (a live writer adds a shard every few seconds)
+ABANDONED_AFTER_S = 24 * 3600.0
+
+
+def _abandoned(tmp: Path) -> bool:
+    """Whether the temporary folder ``tmp`` (``<key>.tmp-<host>-<pid>-<hex>``) belongs to
+    a writer that is gone: on this host, one whose process no longer runs; elsewhere (or a
+    name without a host and pid), one untouched for :data:`ABANDONED_AFTER_S`. Two jobs
+    that tokenise the same corpus at once (Tune trials, parallel tests) keep each
+    other's folders."""
+    parts = tmp.name.split(".tmp-", 1)[-1].rsplit("-", 2)
+    if len(parts) == 3 and parts[0] == socket.gethostname() and parts[1].isdigit():
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
+    try:
+        return time.time() - tmp.stat().st_mtime > ABANDONED_AFTER_S
+    except OSError:  # removed meanwhile
+        return False
 
 
 def open_shards(folder: Path) -> tuple[list[Shard], dict]:
