@@ -13,6 +13,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session")
+def chat_tokenizer(tmp_path_factory):
+    """The tokenizer of a tiny LLaMA with a ChatML template (SmolLM2's shape)."""
+    from transformers import AutoTokenizer
+
+    from tests.gguf_fixture import tiny_chat_llama
+
+    return AutoTokenizer.from_pretrained(tiny_chat_llama(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture()
+def own_home(tmp_path, monkeypatch):
+    """A test's own ``$SPECLAB_HOME`` (what it caches, such as a corpus's token shards,
+    stays in its temp dir): ``pytestmark = pytest.mark.usefixtures("own_home")``."""
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models on a shared 2-core machine: torch on one thread for a module's tests

@@ -19,21 +19,9 @@ import torch
 from speclab.config.schema import CorpusConfig
 from speclab.data.token_shards import MANIFEST
 from speclab.data.token_stream import token_stream
-from tests.gguf_fixture import tiny_chat_llama
 from tests.unit.test_token_stream import _conversations
 
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_chat_llama(tmp_path_factory.mktemp("tok")))
-
-
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
+pytestmark = pytest.mark.usefixtures("own_home")  # the shards stay in the test's dir
 
 
 @pytest.fixture()
@@ -43,11 +31,11 @@ def chat_file(tmp_path):
     return path
 
 
-def test_sharding_changes_neither_the_stream_nor_the_inputs_drawn(tokenizer, chat_file):
+def test_sharding_changes_neither_the_stream_nor_the_inputs_drawn(chat_tokenizer, chat_file):
     corpus = CorpusConfig(source="conversations", path=str(chat_file), validation=0.1,
                           test=0.1)
-    whole = token_stream(corpus, tokenizer)
-    cut = token_stream(corpus.model_copy(update={"shard_tokens": 1024}), tokenizer)
+    whole = token_stream(corpus, chat_tokenizer)
+    cut = token_stream(corpus.model_copy(update={"shard_tokens": 1024}), chat_tokenizer)
     assert len(whole.shards) == 1 and len(cut.shards) >= 3
     assert whole.stats["cache"] != cut.stats["cache"]  # the shard size is in the key
     for part in ("tokens", "mask", "segment"):
@@ -65,33 +53,33 @@ def test_sharding_changes_neither_the_stream_nor_the_inputs_drawn(tokenizer, cha
 
 
 def test_a_second_run_reuses_the_shards_and_a_changed_file_is_tokenised_again(
-        tokenizer, chat_file, home, capsys):
+        chat_tokenizer, chat_file, own_home, capsys):
     corpus = CorpusConfig(source="conversations", path=str(chat_file), max_conversations=None)
-    first = token_stream(corpus, tokenizer)
+    first = token_stream(corpus, chat_tokenizer)
     assert "tokenised in" in capsys.readouterr().out
-    again = token_stream(corpus, tokenizer)
+    again = token_stream(corpus, chat_tokenizer)
     assert "reused" in capsys.readouterr().out
     assert again.stats == first.stats and torch.equal(again.tokens, first.tokens)
     assert first.stats["conversations_used"] > 100  # null: every train conversation
     with open(chat_file, "a") as f:  # one more conversation: a new key
         f.write(json.dumps(_conversations(121)[-1]) + "\n")
-    grown = token_stream(corpus, tokenizer)
+    grown = token_stream(corpus, chat_tokenizer)
     assert grown.stats["cache"] != first.stats["cache"]
     assert grown.stats["conversations_read"] == first.stats["conversations_read"] + 1
-    assert len(list((home / "data" / "tokens").iterdir())) == 2  # no temporary folder
+    assert len(list((own_home / "data" / "tokens").iterdir())) == 2  # no temporary folder
 
 
 def test_a_damaged_shard_folder_is_refused_by_name_and_a_dead_writer_leaves_nothing(
-        tokenizer, chat_file, home):
+        chat_tokenizer, chat_file, own_home):
     import shutil
 
     corpus = CorpusConfig(source="conversations", path=str(chat_file), shard_tokens=1024)
-    folder = Path(token_stream(corpus, tokenizer).stats["cache"])
+    folder = Path(token_stream(corpus, chat_tokenizer).stats["cache"])
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["conversations_used"] > 0 and len(manifest["shards"]) >= 3
     (folder / "mask-00001.npy").unlink()
     with pytest.raises(ValueError, match=r"shard 1 is unreadable.*delete the folder"):
-        token_stream(corpus, tokenizer)
+        token_stream(corpus, chat_tokenizer)
     # a writer that died left its temporary folder: the next writer of that key removes
     # it; a live writer's (this process's) and a fresh one of another host stay
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
@@ -106,16 +94,16 @@ def test_a_damaged_shard_folder_is_refused_by_name_and_a_dead_writer_leaves_noth
     day_ago = time.time() - 2 * 24 * 3600
     os.utime(old_remote, (day_ago, day_ago))
     shutil.rmtree(folder)
-    again = token_stream(corpus, tokenizer)
+    again = token_stream(corpus, chat_tokenizer)
     assert again.numel() == manifest["tokens"]
     assert not dead.exists() and not old_remote.exists()
     assert live.exists() and remote.exists()
 
 
-def test_an_empty_split_is_refused_and_nothing_is_cached(tokenizer, tmp_path, home):
+def test_an_empty_split_is_refused_and_nothing_is_cached(chat_tokenizer, tmp_path, own_home):
     path = tmp_path / "none.jsonl"
     path.write_text(json.dumps({"id": "a", "conversations": [
         {"from": "human", "value": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="holds no train conversation"):
-        token_stream(CorpusConfig(source="conversations", path=str(path)), tokenizer)
-    assert not any((home / "data" / "tokens").iterdir())
+        token_stream(CorpusConfig(source="conversations", path=str(path)), chat_tokenizer)
+    assert not any((own_home / "data" / "tokens").iterdir())

@@ -11,7 +11,8 @@ import torch
 
 from speclab.config.schema import CorpusConfig
 from speclab.data.token_stream import TokenStream, row_loss_mask, token_stream
-from tests.gguf_fixture import tiny_chat_llama
+
+pytestmark = pytest.mark.usefixtures("own_home")  # the corpus's shards
 
 
 def _conversations(n: int) -> list[dict]:
@@ -22,11 +23,9 @@ def _conversations(n: int) -> list[dict]:
         {"from": "gpt", "value": "def reverse(s): return s[::-1]"}]} for i in range(n)]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_chat_llama(tmp_path_factory.mktemp("tok")))
+@pytest.fixture()
+def tokenizer(chat_tokenizer):
+    return chat_tokenizer
 
 
 @pytest.fixture()
