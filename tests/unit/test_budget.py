@@ -39,7 +39,7 @@ def test_cheap_drafts_and_high_acceptance_draft_deep_and_the_opposite_drafts_non
 
 def test_acceptance_is_learned_per_sequence_and_plain_runs_are_probed():
     auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 4, prior=[0.95], warmup=0,
-                      probe_every=3).row()
+                      probe_every=3, probe_z=0.0).row()  # (probes not gated: see below)
     assert auto.choose() == 4
     for _ in range(30):  # this sequence's drafts are never accepted
         auto.observe(4, 0, 4, 0.006)
@@ -304,12 +304,51 @@ def test_with_nobody_waiting_the_slowest_row_decides():
 
 
 def test_probes_come_less_often_while_plain_decoding_keeps_winning():
+    def probes(z: float) -> list[int]:
+        auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=0,
+                          probe_every=2, probe_z=z)
+        row = auto.row()
+        picks = []
+        for _ in range(40):
+            picks.append(row.choose())
+            row.observe(picks[-1], 0, picks[-1], 0.002 + 0.001 * picks[-1])
+        return [i for i, p in enumerate(picks) if p > 0]
+
+    # the 2nd, then 4th, 8th, 16th decision of a plain run (at most 8x the interval)
+    assert probes(0.0) == [1, 5, 13, 29]
+    # gated: a draft at depth 1 pays only with acceptance above 0.5 (T(1) = 1.5 T(0));
+    # the first probes find none, and once even the estimate's optimistic bound (2 sd
+    # over the rounds behind it) stays below 0.5, no more probes are spent
+    assert probes(2.0) == [1, 5]
+
+
+def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost():
     auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=0,
                       probe_every=2)
     row = auto.row()
-    picks = []
-    for _ in range(16):
-        picks.append(row.choose())
-        row.observe(picks[-1], 0, picks[-1], 0.002 + 0.001 * picks[-1])
-    probes = [i for i, p in enumerate(picks) if p > 0]
-    assert probes == [1, 5, 13]  # the 2nd, then 4th, then 8th decision of a plain run
+    assert auto.optimism(2.0)[0] > 0.5  # the prior alone (4 rounds): wide
+    for _ in range(60):  # many rounds that accept nothing: the bound is near 0
+        row.observe(2, 0, 2, 0.005)
+    assert auto.optimism(2.0)[0] < 0.1 and max(auto.rates(z=2.0)[1:]) < auto.rates()[0]
+    auto.next_step()
+    # a newcomer with no rounds of its own: the pooled counts (this row's) still say no
+    fresh = auto.row()
+    assert fresh.q(1) < 0.2 and max(auto.rates(z=2.0)[1:]) < auto.rates()[0]
+    tight = auto.optimism(2.0)[0]
+    row.close()  # only the newcomer is left: its estimate rests on the prior's 4 rounds
+    assert auto.optimism(2.0)[0] > 3 * tight
+    # a drafted step right after a plain one carries the draft model's catch-up: it
+    # sets a depth's draft part where none was measured, but does not move one that was
+    timed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0)
+    r = timed.row()
+    assert r.choose() == 2
+    r.observe(2, 2, 2, 0.0015)  # steady: 0.5 ms beyond the forward
+    timed.decisions.append(0)  # (stands for a plain step in between)
+    timed.next_step()
+    assert r.choose() == 2 and timed._after_plain
+    r.observe(2, 2, 2, 0.010)  # 9 ms: a catch-up over the plain steps
+    assert timed.draft_part[2] == pytest.approx(0.0005)
+    timed.next_step()
+    assert r.choose() == 2 and not timed._after_plain
+    r.observe(2, 2, 2, 0.0025)  # a steady step moves it: 0.5 + 0.2 (1.5 - 0.5) ms
+    assert timed.draft_part[2] == pytest.approx(0.0007)

@@ -41,10 +41,14 @@ limit it last asked with), so the depth is the one that brings the LAST row home
 The first
 :attr:`AutoBudget.warmup` decisions draft at the method's own length (measuring it);
 after :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best
-positive depth, so the acceptance estimates stay current; a probe after which the model
-still chooses plain decoding doubles the run the next one waits for (at most 8x), and a
-drafting choice of the model resets it. Pure Python: no Ray, no
-MLflow, no tensors.
+positive depth, so the acceptance estimates stay current, unless drafting loses even with
+every position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
+deviations of the live rows' acceptance over the rounds behind it: a probe could not
+change the decision, and it costs a draft model's catch-up over the whole
+plain run); a probe after which the model still chooses plain decoding doubles the run
+the next one waits for (at most 8x), and a drafting choice of the model resets it. A
+drafted step right after a plain one pays that catch-up, so its time sets a depth's draft
+part only where none was measured. Pure Python: no Ray, no MLflow, no tensors.
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ class AutoBudget:
     prior_weight: float = 4.0
     decay: float = 0.97
     probe_every: int = 16
+    #: a probe is skipped while drafting loses even with acceptance this many standard
+    #: deviations above its estimate (0: always probe)
+    probe_z: float = 2.0
     warmup: int = 2
     width: float = 1.0  # draft nodes per level (per row)
     #: whether sequences wait to join (throughput objective) or not (the slowest row's)
@@ -115,6 +122,10 @@ class AutoBudget:
     _observed: bool = False  # a round ended since the last decision
     _timed: bool = False  # the current decision's step time is in already
     _plain_run: int = 0
+    #: the decision drafts after a plain step: its draft part includes the draft model's
+    #: catch-up over every token committed since its last round, not a steady draft
+    #: step's cost, so it sets a depth's draft part only where none was measured yet
+    _after_plain: bool = False
     _probe_gap: int = 0  # plain decisions in a row before the next probe (0: probe_every)
 
     def __post_init__(self) -> None:
@@ -142,11 +153,27 @@ class AutoBudget:
             return prior
         return (acc.hits[k - 1] + w * prior) / (acc.judged[k - 1] + w)
 
-    def expected_tokens(self, depth: int, key: int | None = None) -> float:
-        """``E(depth)``: expected tokens a round of that depth commits for row ``key``."""
+    def optimism(self, z: float) -> list[float]:
+        """Per draft position, what an optimistic estimate adds to every row's :meth:`q`:
+        ``z`` standard deviations of the live rows' mean acceptance, as a binomial sample
+        of the rounds behind it (the live rows' and the prior's weight; not the ended
+        rows': in Serve they are other requests, and rows that join with none of their
+        own widen it again), plus ``z / (n + 1)`` (a width where the rate is 0 or 1)."""
+        out = []
+        for k in range(1, self.max_depth + 1):
+            n = self.prior_weight + sum(a.judged[k - 1] for a in self._rows.values())
+            m = sum(self.q(k, key) for key in self._rows) / len(self._rows) if self._rows \
+                else self.q(k)
+            out.append(z * (m * (1.0 - m) / (n + 1.0)) ** 0.5 + z / (n + 1.0))
+        return out
+
+    def expected_tokens(self, depth: int, key: int | None = None,
+                        boost: Sequence[float] = ()) -> float:
+        """``E(depth)``: expected tokens a round of that depth commits for row ``key``
+        (``boost``: added to each position's acceptance, :meth:`optimism`)."""
         total, p = 1.0, 1.0
         for k in range(1, depth + 1):
-            p *= self.q(k, key)
+            p *= min(self.q(k, key) + (boost[k - 1] if boost else 0.0), 1.0)
             total += p
         return total
 
@@ -188,16 +215,18 @@ class AutoBudget:
         return self.verify_s(depth, rows) + self.draft_s(depth, rows)
 
     # ------------------------------------------------------------------ the decision
-    def rates(self, limit: int | None = None) -> list[float]:
+    def rates(self, limit: int | None = None, z: float = 0.0) -> list[float]:
         """Expected committed tokens per second of a step at each depth ``0..max`` over
-        the live rows (``limit``: the most levels it may draft)."""
+        the live rows (``limit``: the most levels it may draft; ``z``: with optimistic
+        acceptance, :meth:`optimism`)."""
         top = self.max_depth if limit is None else max(min(self.max_depth, limit), 0)
         keys = list(self._rows) or [None]
         lag = self.laggards()
+        up = self.optimism(z) if z > 0.0 else ()
         if lag:  # nobody waits: the slowest row's progress, scaled to the batch's tokens
-            return [min(self.expected_tokens(d, k) for k in lag) * len(keys)
+            return [min(self.expected_tokens(d, k, up) for k in lag) * len(keys)
                     / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
-        return [sum(self.expected_tokens(d, k) for k in keys)
+        return [sum(self.expected_tokens(d, k, up) for k in keys)
                 / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
 
     def laggards(self) -> list[int]:
@@ -224,8 +253,13 @@ class AutoBudget:
             self._plain_run += 1
             gap = self._probe_gap or self.probe_every
             if self._plain_run >= gap:
-                best = max(range(1, len(rates)), key=rates.__getitem__)
-                self._probe_gap = min(2 * gap, 8 * self.probe_every)
+                hope = self.rates(z=self.probe_z) if self.probe_z > 0.0 else None
+                if hope is None or max(hope[1:]) > hope[0]:  # it could pay: look again
+                    best = max(range(1, len(rates)), key=rates.__getitem__)
+                    self._probe_gap = min(2 * gap, 8 * self.probe_every)
+                else:  # not even with optimistic acceptance: no probe this interval
+                    self._plain_run = 0
+        self._after_plain = best > 0 and bool(self.decisions) and self.decisions[-1] == 0
         if best > 0:
             self._plain_run = 0
         self.decisions.append(best)
@@ -276,7 +310,10 @@ class AutoBudget:
             else:
                 part = max(seconds - self.verify_s(budget, rows, drafted), 0.0)
                 old = self.draft_part.get(budget)
-                self.draft_part[budget] = part if old is None else old + 0.2 * (part - old)
+                if old is None:
+                    self.draft_part[budget] = part
+                elif not self._after_plain:  # (see _after_plain)
+                    self.draft_part[budget] = old + 0.2 * (part - old)
         self._observed = True
 
     def state(self) -> dict:
