@@ -280,6 +280,41 @@ def test_a_budget_of_another_draft_length_starts_afresh(tiny_pair, tmp_path, mon
     assert AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 8).resume(state).q(8) == 0.5
 
 
+def test_rates_are_expected_tokens_over_step_seconds_for_every_depth():
+    # rates() takes every depth's E(d) from one pass per row (expected_all); each must be
+    # the product formula sum_j prod_{k<=j} q_k, per row, over T(d), with and without
+    # optimism and with the slowest row deciding
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 0.2e-3), _linear(0.3e-3, 0.0)), 6,
+                      prior=[0.7, 0.5], warmup=0, driven=True)
+    rows = [auto.row() for _ in range(3)]
+    for step in range(12):
+        for i, r in enumerate(rows):
+            r.observe(6, (step + i) % 7, 6, 0.004)
+
+    def e(d, key, up=()):
+        total, p = 1.0, 1.0
+        for k in range(1, d + 1):
+            p *= min(auto.q(k, key) + (up[k - 1] if up else 0.0), 1.0)
+            total += p
+        return total
+
+    keys = [r.key for r in rows]
+    for z in (0.0, 2.0):
+        up = auto.optimism(z) if z else ()
+        want = [sum(e(d, k, up) for k in keys) / auto.seconds(d, 3) for d in range(7)]
+        assert auto.rates(z=z) == pytest.approx(want, rel=1e-12)
+        assert auto.rates(limit=3, z=z) == pytest.approx(want[:4], rel=1e-12)
+    assert [auto.expected_tokens(d, keys[1]) for d in range(7)] == pytest.approx(
+        [e(d, keys[1]) for d in range(7)], rel=1e-12)
+    auto.backlog = False
+    for r, left in zip(rows, (40, 39, 5)):
+        r.choose(limit=left)
+    lag = auto.laggards()
+    assert sorted(lag) == keys[:2]
+    want = [min(e(d, k) for k in lag) * 3 / auto.seconds(d, 3) for d in range(7)]
+    assert auto.rates() == pytest.approx(want, rel=1e-12)
+
+
 def test_with_nobody_waiting_the_slowest_row_decides():
     """Offline, once no sequence waits to join, the batch ends with its slowest row: a
     depth that pays on the rows' sum but not for the row with the most tokens left is

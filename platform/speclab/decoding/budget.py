@@ -171,11 +171,18 @@ class AutoBudget:
                         boost: Sequence[float] = ()) -> float:
         """``E(depth)``: expected tokens a round of that depth commits for row ``key``
         (``boost``: added to each position's acceptance, :meth:`optimism`)."""
-        total, p = 1.0, 1.0
-        for k in range(1, depth + 1):
+        return self.expected_all(depth, key, boost)[depth]
+
+    def expected_all(self, top: int, key: int | None = None,
+                     boost: Sequence[float] = ()) -> list[float]:
+        """``[E(0), ..., E(top)]`` for row ``key`` in one pass over the positions (what
+        :meth:`rates` asks for every depth; :meth:`expected_tokens` is one of them)."""
+        out, total, p = [1.0], 1.0, 1.0
+        for k in range(1, top + 1):
             p *= min(self.q(k, key) + (boost[k - 1] if boost else 0.0), 1.0)
             total += p
-        return total
+            out.append(total)
+        return out
 
     # ------------------------------------------------------------------ time
     def verify_s(self, depth: int, rows: int, nodes: float | None = None) -> float:
@@ -223,11 +230,12 @@ class AutoBudget:
         keys = list(self._rows) or [None]
         lag = self.laggards()
         up = self.optimism(z) if z > 0.0 else ()
+        per_row = [self.expected_all(top, k, up) for k in (lag or keys)]
         if lag:  # nobody waits: the slowest row's progress, scaled to the batch's tokens
-            return [min(self.expected_tokens(d, k, up) for k in lag) * len(keys)
+            return [min(e[d] for e in per_row) * len(keys)
                     / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
-        return [sum(self.expected_tokens(d, k, up) for k in keys)
-                / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
+        return [sum(e[d] for e in per_row) / max(self.seconds(d, len(keys)), 1e-12)
+                for d in range(top + 1)]
 
     def laggards(self) -> list[int]:
         """The rows that finish the batch when none wait to join (:attr:`backlog` false):
