@@ -30,9 +30,11 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -158,6 +160,20 @@ def markdown(rows: list[dict], columns: tuple[str, ...]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: the CUDA tests' pytest temporary folder, one per report process: pytest's default
+#: (``/tmp/pytest-of-<user>``) would have the session, at its end, prune the numbered
+#: folders of every other pytest session on the machine (a CI run's 50 s clean-up, under
+#: the running suite's own sessions, was stopped as "hung at exit")
+PYTEST_BASETEMP = Path(tempfile.gettempdir()) / f"speclab-cuda-tests-{os.getpid()}"
+
+
+def pytest_command(py: str) -> list[str]:
+    """The CUDA tests' pytest command: no cache, failures listed, its own temporary
+    folder (:data:`PYTEST_BASETEMP`, removed when the report ends)."""
+    return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
+            "--basetemp", str(PYTEST_BASETEMP)]
+
+
 def full_steps(args: argparse.Namespace, out: Path) -> tuple[list, dict, dict]:
     """``make gpu-report``'s steps ``[(name, command, share of the budget)]`` and where
     their bench JSONs go (``{pair: folder}``, ``{mode: folder}``): every CUDA test, the
@@ -167,8 +183,7 @@ def full_steps(args: argparse.Namespace, out: Path) -> tuple[list, dict, dict]:
     pairs = args.pair or ["reference", "reference-large"]
     bench = ["--device", "cuda", "--dtype", "bfloat16", "--max-new-tokens",
              str(args.max_new_tokens)]
-    steps = [("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-                             "tests/gpu", *shlex.split(args.test_args)], 0.55)]
+    steps = [("cuda_tests", [*pytest_command(py), "tests/gpu", *shlex.split(args.test_args)], 0.55)]
     for pair in pairs:
         steps.append((f"bench_{pair}", [*speclab, "bench", *bench, "--pair", pair,
                                          "--prompts", str(args.prompts),
@@ -210,8 +225,7 @@ def offline_steps(args: argparse.Namespace, out: Path) -> tuple[list, dict, dict
     eagles = [x for e in args.eagle for x in ("--eagle", e)]
     workers = (["-n", "4", "--dist", "loadfile"]
                if importlib.util.find_spec("xdist") and not args.rehearse else [])
-    steps = [("cuda_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
-                             *workers, *RAY_FREE_TESTS,
+    steps = [("cuda_tests", [*pytest_command(py), *workers, *RAY_FREE_TESTS,
                              *[x for t in RAY_TESTS_THERE for x in ("--deselect", t)],
                              *shlex.split(args.test_args)], 0.3),
              ("batch_compiled", [py, "-m", "speclab.cli", "bench", *xl, *eagles, "--prompts",
@@ -308,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results.append(run_step(name, cmd, budget, out))
         saved = max(budget - results[-1]["wall_s"], 0.0)
+    shutil.rmtree(PYTEST_BASETEMP, ignore_errors=True)
     collected, tests = read_test_log(log_path)
     report = {"gpu": gpu, "steps": results, "cuda_tests": tests,
               "bench": {p: bench_rows(d / "bench.json") for p, d in bench_dirs.items()},

@@ -71,7 +71,7 @@ def test_the_cuda_tests_log_their_outcomes_as_they_run(tmp_path):
     # holds PYTEST_XDIST_WORKER, which must not make the new session leave its log to a
     # controller it does not have (the hook asks its own config whether it is a worker)
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    "tests/gpu/test_cuda_timing.py"], cwd=gpu_report.ROOT, check=False,
+                    "--basetemp", str(tmp_path / "basetemp"), "tests/gpu/test_cuda_timing.py"], cwd=gpu_report.ROOT, check=False,
                    env={**os.environ, "SPECLAB_TEST_LOG": str(log),
                         "PYTEST_XDIST_WORKER": os.environ.get("PYTEST_XDIST_WORKER", "gw0")},
                    capture_output=True)
@@ -113,3 +113,24 @@ def test_a_failed_step_is_named_last_and_fails_the_report(capsys, monkeypatch, t
     tail = capsys.readouterr().out.strip().splitlines()[-1]
     assert tail.startswith("gpu-report: step broken ended with 3 after ")
     assert tail.endswith(f"its log: {tmp_path / 'r' / 'broken.log'}")
+
+
+def test_the_cuda_tests_keep_a_pytest_folder_of_their_own(capsys, monkeypatch, tmp_path):
+    """Both reports run the CUDA tests with their own ``--basetemp``: pytest's default
+    folder would have the session prune every other session's numbered folders at its
+    end (a CI run's nested report was stopped as "hung at exit" in that clean-up). The
+    folder is gone when the report ends."""
+    import argparse
+
+    args = argparse.Namespace(pair=None, max_new_tokens=8, prompts=2, test_args="",
+                              rehearse=True, xl="2x4", xl_checksums=None, eagle=[])
+    for steps in (gpu_report.full_steps, gpu_report.offline_steps):
+        (name, cmd, _), *_ = steps(args, tmp_path)[0]
+        assert name == "cuda_tests"
+        assert cmd[cmd.index("--basetemp") + 1] == str(gpu_report.PYTEST_BASETEMP)
+    monkeypatch.setattr(gpu_report, "cuda_device", lambda: "a fake GPU")
+    code = f"import pathlib; pathlib.Path({str(gpu_report.PYTEST_BASETEMP)!r}).mkdir()"
+    monkeypatch.setattr(gpu_report, "full_steps", lambda args, out: (
+        [("makes_it", [__import__("sys").executable, "-c", code], 1.0)], {}, {}))
+    assert gpu_report.main(["--out", str(tmp_path / "r"), "--budget-s", "60"]) == 0
+    assert not gpu_report.PYTEST_BASETEMP.exists()
