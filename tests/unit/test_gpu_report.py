@@ -71,7 +71,8 @@ def test_the_cuda_tests_log_their_outcomes_as_they_run(tmp_path):
     # holds PYTEST_XDIST_WORKER, which must not make the new session leave its log to a
     # controller it does not have (the hook asks its own config whether it is a worker)
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    "--basetemp", str(tmp_path / "basetemp"), "tests/gpu/test_cuda_timing.py"], cwd=gpu_report.ROOT, check=False,
+                    "--basetemp", str(tmp_path / "basetemp"), "tests/gpu/test_cuda_timing.py"],
+                   cwd=gpu_report.ROOT, check=False,
                    env={**os.environ, "SPECLAB_TEST_LOG": str(log),
                         "PYTEST_XDIST_WORKER": os.environ.get("PYTEST_XDIST_WORKER", "gw0")},
                    capture_output=True)
