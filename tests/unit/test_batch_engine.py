@@ -64,6 +64,30 @@ def test_batch_runner_logits_equal_single_rows(tiny_pair):
     assert batch.rows == 3 and batch.width == max(batch.length(b) for b in range(3))
 
 
+def test_a_row_leaving_keeps_the_cache_buffer_and_its_spare_room(tiny_pair):
+    """A dropped row's rows are taken from the whole preallocated buffer: the next forward
+    writes into the spare capacity (no reallocation and copy of the whole cache, what a
+    row's leaving cost before), and the rows left decode as they would alone."""
+    model = Decoder.from_pretrained(tiny_pair["target"]).target.model
+    seqs = [[1, 2, 3], [4, 5, 6, 7], [8]]
+    batch, alone = BatchRunner(model), ModelRunner(model)
+    batch.add_rows(seqs)
+    alone.reset()
+    alone.forward(torch.tensor(seqs[1]))
+    batch.forward([torch.tensor([5])] * 3)
+    alone.forward(torch.tensor([5]))
+    layer = batch.cache.layers[0]
+    room = layer._k.shape[2]
+    assert room > layer.keys.shape[2]  # spare capacity to keep
+    batch.drop([0, 2])
+    buffer = layer._k
+    assert buffer.shape[:3] == (1, layer.keys.shape[1], room)
+    got = batch.forward([torch.tensor([9])])
+    assert layer._k is buffer  # written in place
+    torch.testing.assert_close(got[0, :1], alone.forward(torch.tensor([9])), atol=1e-5,
+                               rtol=1e-5)
+
+
 @pytest.mark.parametrize("draft", ["close", "weak"])
 def test_every_method_in_a_batch_equals_each_row_alone(tiny_pair, draft):
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair[draft])

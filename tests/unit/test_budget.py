@@ -90,7 +90,10 @@ def test_wall_time_beyond_the_curves_is_learned_as_a_draft_part_per_depth():
     assert auto.seconds(3, 1) == pytest.approx(0.001 + 0.00175)
     auto._timed = False
     row.observe(0, 0, 0, 0.0015)  # a plain round 1.5x its forward: the target part rises
-    assert auto.seconds(0, 1) == pytest.approx(0.0011)  # running: 1 + 0.2 (1.5 - 1)
+    assert auto.seconds(0, 1) == pytest.approx(0.0015)  # the first at 1 row: as measured
+    auto._timed = False
+    row.observe(0, 0, 0, 0.0010)  # then running: 1.5 + 0.2 (1 - 1.5)
+    assert auto.seconds(0, 1) == pytest.approx(0.0014)
     assert conditional_acceptance([0.8, 0.4, float("nan")]) == pytest.approx([0.8, 0.5])
 
 
@@ -387,3 +390,41 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
     assert r.choose() == 2 and not timed._after_plain
     r.observe(2, 2, 2, 0.0025)  # a steady step moves it: 0.5 + 0.2 (1.5 - 0.5) ms
     assert timed.draft_part[2] == pytest.approx(0.0007)
+
+
+def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_time():
+    """The warm-up ends with a plain step; a plain step's ratio to its curve is kept per
+    batch size (the nearest measured stands in for one not measured); a step that ran
+    right after rows joined or left (its one-off costs) and a drafted step right after a
+    plain one (the catch-up) teach no step time, not even at a depth never measured."""
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=2, driven=True)
+    rows = [auto.row() for _ in range(4)]
+
+    def step(seconds: float) -> int:
+        picks = {r.choose() for r in rows}
+        assert len(picks) == 1
+        auto.next_step()
+        for r in rows:
+            r.observe(picks.pop() if picks else auto._decision, 1, 2, seconds)
+        return auto._decision
+
+    assert step(0.050) == 2  # the first step: rows just joined, nothing learned
+    assert auto.draft_part == {} and auto.plain_ratios == {}
+    assert step(0.004) == 2  # a steady drafted step: 2 ms beyond its 2 ms forward
+    assert auto.draft_part == {2: pytest.approx(0.002)}
+    assert step(0.003) == 0  # the warm-up's plain step: 1.5x its curve at 4 rows
+    assert auto.plain_ratios == {4: pytest.approx(1.5)}
+    assert auto.seconds(0, 4) == pytest.approx(0.003)
+    assert auto.ratio(3) == auto.ratio(16) == pytest.approx(1.5)  # nearest measured
+    auto.plain_ratios[16] = 0.5
+    assert auto.ratio(12) == 0.5 and auto.ratio(5) == pytest.approx(1.5)
+    # the drafted step after the plain one (a catch-up): its 30 ms are not a draft part
+    assert step(0.030) == 2 and auto.draft_part == {2: pytest.approx(0.002)}
+    rows.pop().close()  # a row leaves: the next step's time is not learned
+    before = dict(auto.draft_part), dict(auto.plain_ratios)
+    step(0.040)
+    assert (auto.draft_part, auto.plain_ratios) == before
+    step(0.0045)  # then steady again: learned
+    assert auto.draft_part != before[0] or auto.plain_ratios != before[1]
+    resumed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2).resume(auto.state())
+    assert resumed.plain_ratios == auto.plain_ratios and resumed.warmup == 0

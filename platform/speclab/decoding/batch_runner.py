@@ -226,8 +226,11 @@ class BatchRunner(TracksFeatures):
             return
         idx = to_device(torch.tensor(keep), self.device)
         for layer in self.cache.layers:
-            layer.keys, layer.values = (layer.keys.index_select(0, idx),
-                                        layer.values.index_select(0, idx))
+            if isinstance(layer, PreallocatedLayer):
+                layer.select_rows(idx)
+            else:
+                layer.keys, layer.values = (layer.keys.index_select(0, idx),
+                                            layer.values.index_select(0, idx))
         self.slots = [self.slots[b] for b in keep]
         self.live = self.live[keep]
         self.slot_pos = self.slot_pos[keep]
@@ -364,6 +367,15 @@ class PreallocatedLayer(DynamicLayer):
     @values.setter
     def values(self, value: torch.Tensor | None) -> None:
         self._v = value
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        """Keep the rows ``idx`` (``[R]`` indices, on the buffer's device), buffer and all:
+        the next forward writes into the spare capacity as before. (Assigning the live
+        views' rows instead leaves a buffer with none, and the next forward reallocates
+        and copies the whole cache: on a CPU, a row's leaving cost 5 ms for the select
+        plus 9 ms for that copy at 16 rows of the reference target, a step's worth.)"""
+        if self._k is not None:
+            self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device

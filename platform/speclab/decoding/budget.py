@@ -21,15 +21,24 @@ The model of a step of depth ``d`` over the ``R`` live rows:
   (given ``j-1`` accepted), counted with a decay (recent rounds weigh more) on top of a
   prior (the drafter's measured acceptance, weight :attr:`AutoBudget.prior_weight`
   rounds);
-* seconds ``T(d) = target(R, 1 + n(d)) * r0 + D(d)``: the target's calibrated cost curve
-  (:mod:`speclab.calibration`) over the root and ``n(d)`` draft tokens per row (the
+* seconds ``T(d) = target(R, 1 + n(d)) * r0(R) + D(d)``: the target's calibrated cost
+  curve (:mod:`speclab.calibration`) over the root and ``n(d)`` draft tokens per row (the
   running count at that depth, else ``w d`` with ``w`` the running nodes per level),
-  times ``r0``, the running ratio of a plain step's wall time to its forward (the rule,
-  the commit, the loop); and ``D(d)``, the draft part: the running wall time a step of
-  depth ``d`` took beyond its target part (the draft model or network, tree building),
+  times ``r0(R)``, the running ratio of a plain step's wall time to its forward at ``R``
+  rows (the rule, the commit, the loop; at a batch size not measured, the nearest one
+  measured's, before any 1); and ``D(d)``, the draft part: the running wall time a step
+  of depth ``d`` took beyond its target part (the draft model or network, tree building),
   for depths not measured a line through those measured, before any the draft model's
   curve times ``d`` (0 for model-free drafters);
-* ``T(0) = target(R, 1) * r0``, ``E_r(0) = 1``.
+* ``T(0) = target(R, 1) * r0(R)``, ``E_r(0) = 1``.
+
+Both sides of the comparison are measured where the decision is made: the warm-up ends
+with a plain step, and ``r0`` is kept per batch size (a plain step's cost beyond its
+curve is not the same at 1 row and at 16). A step in which sequences joined or left (a
+driver's batch changed since its last step: a prefill, a cache cut, a new shape's first
+forward, up to 2.5x a step on a CPU) teaches no step time: its one-off costs would make
+plain decoding look dearer than it is (measured: a plain step of 16 rows estimated at
+12.5 ms where it took 9.5).
 
 The decision is ``argmax_d sum_rows E_r(d) / T(d)`` (committed tokens per second: right
 while new sequences wait to take the places of those that end, as in Serve). When none
@@ -38,22 +47,24 @@ when its slowest row does, and a step that drafts makes rows advance unevenly: t
 decision is then ``argmax_d min_{r in L} E_r(d) / T(d)`` over the laggards ``L`` (the rows
 with the most tokens left, within 10% of the most: each row's remaining budget is the
 limit it last asked with), so the depth is the one that brings the LAST row home soonest.
-The first
-:attr:`AutoBudget.warmup` decisions draft at the method's own length (measuring it);
-after :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best
-positive depth, so the acceptance estimates stay current, unless drafting loses even with
-every position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
+The first :attr:`AutoBudget.warmup` decisions draft at the method's own length
+(measuring it), the next one is plain (measuring that); after
+:attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best positive
+depth, so the acceptance estimates stay current, unless drafting loses even with every
+position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
 deviations of the live rows' acceptance over the rounds behind it: a probe could not
-change the decision, and it costs a draft model's catch-up over the whole
-plain run); a probe after which the model still chooses plain decoding doubles the run
-the next one waits for (at most 8x), and a drafting choice of the model resets it. A
-drafted step right after a plain one pays that catch-up, so its time sets a depth's draft
-part only where none was measured. Pure Python: no Ray, no MLflow, no tensors.
+change the decision, and it costs a draft model's catch-up over the whole plain run); a
+probe after which the model still chooses plain decoding doubles the run the next one
+waits for (at most 8x), and a drafting choice of the model resets it. A drafted step right
+after a plain one pays that catch-up, so, like a step on a changed batch, its time is not
+learned (a depth first measured there kept 30 ms where its steady steps took 5). Pure
+Python: no Ray, no MLflow, no tensors.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -100,8 +111,11 @@ class AutoBudget:
     width: float = 1.0  # draft nodes per level (per row)
     #: whether sequences wait to join (throughput objective) or not (the slowest row's)
     backlog: bool = True
-    #: running ratio of a plain step's wall seconds to its target forward's curve
+    #: the ratio of a plain step's wall seconds to its target forward's curve where no
+    #: batch size is measured
     plain_ratio: float = 1.0
+    #: per batch size (rows): running ratio of a plain step's wall seconds to its curve
+    plain_ratios: dict[int, float] = field(default_factory=dict)
     #: per depth: running seconds of a step beyond its target forward (the draft part)
     draft_part: dict[int, float] = field(default_factory=dict)
     #: per depth: running number of draft tokens a row's round of that budget proposed
@@ -124,8 +138,13 @@ class AutoBudget:
     _plain_run: int = 0
     #: the decision drafts after a plain step: its draft part includes the draft model's
     #: catch-up over every token committed since its last round, not a steady draft
-    #: step's cost, so it sets a depth's draft part only where none was measured yet
+    #: step's cost, so its time is not learned
     _after_plain: bool = False
+    #: the driver's step (``_step``) in which sequences last joined or left: the next
+    #: step carries their one-off costs and teaches no step time
+    _churned: int = -1
+    _dirty: bool = False  # the step being reported ran on a changed batch
+    _curves: dict = field(default_factory=dict)  # (side, rows, tokens) -> seconds
     _probe_gap: int = 0  # plain decisions in a row before the next probe (0: probe_every)
 
     def __post_init__(self) -> None:
@@ -138,6 +157,7 @@ class AutoBudget:
         """A new sequence's handle (its own acceptance; the shared decision)."""
         key = next(self._keys)
         self._rows[key] = _Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
+        self._churned = self._step
         return RowBudget(self, key)
 
     def q(self, k: int, key: int | None = None) -> float:
@@ -185,13 +205,34 @@ class AutoBudget:
         return out
 
     # ------------------------------------------------------------------ time
+    def curve(self, side: str, rows: int, tokens: int) -> float:
+        """``costs.<side>(rows, tokens)`` (side: ``target`` or ``draft``), looked up once
+        per point: the calibrated curves do not change while a budget lives, and their
+        interpolation was a quarter of a batch step's decision."""
+        key = (side, rows, tokens)
+        out = self._curves.get(key)
+        if out is None:
+            out = self._curves[key] = getattr(self.costs, side)(rows, tokens)
+        return out
+
+    def ratio(self, rows: int) -> float:
+        """``r0(rows)``: the running ratio of a plain step of ``rows`` rows to its curve;
+        at a batch size not measured, that of the nearest one measured (in log rows),
+        before any :attr:`plain_ratio`."""
+        if rows in self.plain_ratios:
+            return self.plain_ratios[rows]
+        if not self.plain_ratios:
+            return self.plain_ratio
+        near = min(self.plain_ratios, key=lambda r: (abs(math.log(r / max(rows, 1))), r))
+        return self.plain_ratios[near]
+
     def verify_s(self, depth: int, rows: int, nodes: float | None = None) -> float:
         """Seconds of the step's target part: the curve's forward over the root and
         ``nodes`` draft tokens per row (default: the running count at that depth, else
-        ``width * depth``), times the running plain-step ratio."""
+        ``width * depth``), times the plain-step ratio at ``rows`` (:meth:`ratio`)."""
         if nodes is None:
             nodes = self.nodes.get(depth, self.width * depth)
-        return self.costs.target(rows, 1 + round(nodes)) * self.plain_ratio
+        return self.curve("target", rows, 1 + round(nodes)) * self.ratio(rows)
 
     def draft_s(self, depth: int, rows: int) -> float:
         """Seconds of the step's draft part at ``depth``: measured at that depth, else a
@@ -215,7 +256,7 @@ class AutoBudget:
             return v1 * depth / d1
         if self.costs.draft is None:
             return 0.0
-        return depth * self.costs.draft(rows, max(round(self.width), 1))
+        return depth * self.curve("draft", rows, max(round(self.width), 1))
 
     def seconds(self, depth: int, rows: int) -> float:
         """``T(depth)`` of a step of ``rows`` rows: the target part plus the draft part."""
@@ -250,11 +291,14 @@ class AutoBudget:
         return [k for k, v in left.items() if v >= 0.9 * most]
 
     def decide(self) -> int:
-        """The step's depth (0: plain decoding): warm-up, the best rate, or a probe."""
+        """The step's depth (0: plain decoding): warm-up (:attr:`warmup` steps at the
+        method's own length, then one plain step), the best rate, or a probe."""
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         if len(self.decisions) < self.warmup:
             best = self.max_depth
+        elif self.warmup and len(self.decisions) == self.warmup:
+            best = 0  # the warm-up's plain step: r0 measured at this batch size
         elif best > 0:  # the model drafts again: probes come at the first interval
             self._probe_gap = self.probe_every
         if best == 0:
@@ -280,6 +324,7 @@ class AutoBudget:
         """A driver's batch step ended: the rows' next rounds get a new decision (the
         first row to ask makes it, the others share it)."""
         self.driven = True
+        self._dirty = self._churned == self._step  # rows joined or left before it ran
         self._step += 1
 
     def current(self) -> int:
@@ -309,19 +354,18 @@ class AutoBudget:
             self.width += 0.2 * (drafted / budget - self.width)
             old = self.nodes.get(budget)
             self.nodes[budget] = drafted if old is None else old + 0.2 * (drafted - old)
-        if not self._timed and (budget == self._decision or self._decision is None):
+        if (not self._timed and (budget == self._decision or self._decision is None)
+                and not self._dirty):
             self._timed = True
             rows = max(len(self._rows), 1)
             if budget <= 0:
-                r = seconds / max(self.costs.target(rows, 1), 1e-12)
-                self.plain_ratio += 0.2 * (r - self.plain_ratio)
-            else:
+                r = seconds / max(self.curve("target", rows, 1), 1e-12)
+                old = self.plain_ratios.get(rows)
+                self.plain_ratios[rows] = r if old is None else old + 0.2 * (r - old)
+            elif not self._after_plain:  # (see _after_plain)
                 part = max(seconds - self.verify_s(budget, rows, drafted), 0.0)
                 old = self.draft_part.get(budget)
-                if old is None:
-                    self.draft_part[budget] = part
-                elif not self._after_plain:  # (see _after_plain)
-                    self.draft_part[budget] = old + 0.2 * (part - old)
+                self.draft_part[budget] = part if old is None else old + 0.2 * (part - old)
         self._observed = True
 
     def state(self) -> dict:
@@ -329,13 +373,15 @@ class AutoBudget:
         ended. A later budget of the same method and batch resumes from it
         (:meth:`resume`): a short generate then starts where the last one stopped."""
         ended = self._ended
-        return {"plain_ratio": self.plain_ratio, "draft_part": dict(self.draft_part),
+        return {"plain_ratio": self.plain_ratio, "plain_ratios": dict(self.plain_ratios),
+                "draft_part": dict(self.draft_part),
                 "nodes": dict(self.nodes), "width": self.width,
                 "ended": None if ended is None else [list(ended.judged), list(ended.hits)]}
 
     def resume(self, state: dict) -> AutoBudget:
         """Start from another budget's :meth:`state` (no warm-up: it measured already)."""
         self.plain_ratio, self.width = state["plain_ratio"], state["width"]
+        self.plain_ratios = {int(r): v for r, v in state.get("plain_ratios", {}).items()}
         self.draft_part, self.nodes = dict(state["draft_part"]), dict(state["nodes"])
         if state.get("ended") is not None and len(state["ended"][0]) == self.max_depth:
             self._ended = _Acceptance(*(list(v) for v in state["ended"]))
@@ -349,6 +395,7 @@ class AutoBudget:
         acc = self._rows.pop(key, None)
         if acc is None:
             return
+        self._churned = self._step
         if self._ended is None:
             self._ended = _Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
         for k in range(self.max_depth):  # decayed: the last requests weigh most
