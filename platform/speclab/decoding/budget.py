@@ -47,8 +47,10 @@ when its slowest row does, and a step that drafts makes rows advance unevenly: t
 decision is then ``argmax_d min_{r in L} E_r(d) / T(d)`` over the laggards ``L`` (the rows
 with the most tokens left, within 10% of the most: each row's remaining budget is the
 limit it last asked with), so the depth is the one that brings the LAST row home soonest.
-The first :attr:`AutoBudget.warmup` decisions draft at the method's own length
-(measuring it), the next one is plain (measuring that); after
+The first :attr:`AutoBudget.warmup` decisions draft at the best positive depth by the
+prior and the calibrated curves (measuring it; the method's own length was a SALF tree
+of depth 10 at 16 rows: 2.5 plain steps each), the next one is plain (measuring that);
+after
 :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best positive
 depth, so the acceptance estimates stay current, unless drafting loses even with every
 position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
@@ -292,11 +294,11 @@ class AutoBudget:
 
     def decide(self) -> int:
         """The step's depth (0: plain decoding): warm-up (:attr:`warmup` steps at the
-        method's own length, then one plain step), the best rate, or a probe."""
+        best positive depth, then one plain step), the best rate, or a probe."""
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
-        if len(self.decisions) < self.warmup:
-            best = self.max_depth
+        if len(self.decisions) < self.warmup:  # the best positive depth by the prior
+            best = max(range(1, len(rates)), key=rates.__getitem__)
         elif self.warmup and len(self.decisions) == self.warmup:
             best = 0  # the warm-up's plain step: r0 measured at this batch size
         elif best > 0:  # the model drafts again: probes come at the first interval
