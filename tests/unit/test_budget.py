@@ -26,7 +26,7 @@ def _linear(base: float, per_token: float):
 def test_cheap_drafts_and_high_acceptance_draft_deep_and_the_opposite_drafts_none():
     # a memory-bound target (more tokens cost little) and a drafter it agrees with
     cheap = AutoBudget(RoundCosts(_linear(10e-3, 0.1e-3), _linear(0.5e-3, 0.0)), 5,
-                       prior=[0.9], warmup=0).row()
+                       prior=[0.9], warmup=0, plain_probes=0).row()
     assert cheap.choose() == 5
     # a compute-bound target, a costly draft model and a drafter it rarely agrees with
     dear = AutoBudget(RoundCosts(_linear(1e-3, 1e-3), _linear(2e-3, 0.0)), 5, prior=[0.1],
@@ -39,7 +39,8 @@ def test_cheap_drafts_and_high_acceptance_draft_deep_and_the_opposite_drafts_non
 
 def test_acceptance_is_learned_per_sequence_and_plain_runs_are_probed():
     auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 4, prior=[0.95], warmup=0,
-                      probe_every=3, probe_z=0.0).row()  # (probes not gated: see below)
+                      probe_every=3, probe_z=0.0,  # (probes not gated: see below)
+                      plain_probes=0).row()
     assert auto.choose() == 4
     for _ in range(30):  # this sequence's drafts are never accepted
         auto.observe(4, 0, 4, 0.006)
@@ -323,7 +324,7 @@ def test_with_nobody_waiting_the_slowest_row_decides():
     depth that pays on the rows' sum but not for the row with the most tokens left is
     not chosen; while sequences wait, the sum (throughput) decides."""
     auto = AutoBudget(RoundCosts(_linear(1e-3, 0.5e-3)), 4, prior=[0.5], warmup=0,
-                      driven=True)
+                      driven=True, plain_probes=0)
     fast, slow = auto.row(), auto.row()
     for _ in range(40):  # the fast row accepts every draft, the slow one none
         fast.observe(4, 4, 4, 0.004)
@@ -377,7 +378,8 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
     assert auto.optimism(2.0)[0] > 3 * tight
     # a drafted step right after a plain one carries the draft model's catch-up: it
     # sets a depth's draft part where none was measured, but does not move one that was
-    timed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0)
+    timed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,
+                       plain_probes=0)
     r = timed.row()
     assert r.choose() == 2
     r.observe(2, 2, 2, 0.0015)  # steady: 0.5 ms beyond the forward
@@ -393,7 +395,8 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
 
 
 def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_time():
-    """The warm-up ends with a plain step; a plain step's ratio to its curve is kept per
+    """Before a drafting choice stands at a batch size, a plain step measures r0 there
+    (at most ``plain_probes`` tries); a plain step's ratio to its curve is kept per
     batch size (the nearest measured stands in for one not measured); a step that ran
     right after rows joined or left (its one-off costs) and a drafted step right after a
     plain one (the catch-up) teach no step time, not even at a depth never measured."""
@@ -412,7 +415,7 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     assert auto.draft_part == {} and auto.plain_ratios == {}
     assert step(0.004) == 2  # a steady drafted step: 2 ms beyond its 2 ms forward
     assert auto.draft_part == {2: pytest.approx(0.002)}
-    assert step(0.003) == 0  # the warm-up's plain step: 1.5x its curve at 4 rows
+    assert step(0.003) == 0  # drafting would win, but r0 at 4 rows is not measured
     assert auto.plain_ratios == {4: pytest.approx(1.5)}
     assert auto.seconds(0, 4) == pytest.approx(0.003)
     assert auto.ratio(3) == auto.ratio(16) == pytest.approx(1.5)  # nearest measured
@@ -428,3 +431,14 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     assert auto.draft_part != before[0] or auto.plain_ratios != before[1]
     resumed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2).resume(auto.state())
     assert resumed.plain_ratios == auto.plain_ratios and resumed.warmup == 0
+    # a batch size whose plain steps all ran on a changed batch: at most 3 tries
+    tries = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,
+                       driven=True)
+    row = tries.row()
+    picks = []
+    for _ in range(5):
+        picks.append(row.choose())
+        tries._churned = tries._step  # (stands for a row joining before every step)
+        tries.next_step()
+        row.observe(picks[-1], 1, 2, 0.002)
+    assert picks == [0, 0, 0, 2, 2] and tries.plain_ratios == {}

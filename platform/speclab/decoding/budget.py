@@ -32,13 +32,15 @@ The model of a step of depth ``d`` over the ``R`` live rows:
   curve times ``d`` (0 for model-free drafters);
 * ``T(0) = target(R, 1) * r0(R)``, ``E_r(0) = 1``.
 
-Both sides of the comparison are measured where the decision is made: the warm-up ends
-with a plain step, and ``r0`` is kept per batch size (a plain step's cost beyond its
-curve is not the same at 1 row and at 16). A step in which sequences joined or left (a
-driver's batch changed since its last step: a prefill, a cache cut, a new shape's first
-forward, up to 2.5x a step on a CPU) teaches no step time: its one-off costs would make
-plain decoding look dearer than it is (measured: a plain step of 16 rows estimated at
-12.5 ms where it took 9.5).
+Both sides of the comparison are measured where the decision is made: ``r0`` is kept per
+batch size (a plain step's cost beyond its curve is not the same at 1 row and at 16, and
+the curve, calibrated at one context length, was 28% above a plain step of 4 rows), and
+a drafting choice at a batch size with no plain step measured is first replaced by one
+(at most :attr:`AutoBudget.plain_probes` tries there). A step in which sequences joined
+or left (a driver's batch changed since its last step: a prefill, a cache cut, a new
+shape's first forward, up to 2.5x a step on a CPU) teaches no step time: its one-off
+costs would make plain decoding look dearer than it is (measured: a plain step of 16 rows
+estimated at 12.5 ms where it took 9.5).
 
 The decision is ``argmax_d sum_rows E_r(d) / T(d)`` (committed tokens per second: right
 while new sequences wait to take the places of those that end, as in Serve). When none
@@ -49,8 +51,7 @@ with the most tokens left, within 10% of the most: each row's remaining budget i
 limit it last asked with), so the depth is the one that brings the LAST row home soonest.
 The first :attr:`AutoBudget.warmup` decisions draft at the best positive depth by the
 prior and the calibrated curves (measuring it; the method's own length was a SALF tree
-of depth 10 at 16 rows: 2.5 plain steps each), the next one is plain (measuring that);
-after
+of depth 10 at 16 rows: 2.5 plain steps each); after
 :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best positive
 depth, so the acceptance estimates stay current, unless drafting loses even with every
 position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
@@ -110,6 +111,9 @@ class AutoBudget:
     #: deviations above its estimate (0: always probe)
     probe_z: float = 2.0
     warmup: int = 2
+    #: at most this many plain steps per batch size to measure ``r0`` there before a
+    #: drafting choice stands (a step on a changed batch measures nothing)
+    plain_probes: int = 3
     width: float = 1.0  # draft nodes per level (per row)
     #: whether sequences wait to join (throughput objective) or not (the slowest row's)
     backlog: bool = True
@@ -147,6 +151,7 @@ class AutoBudget:
     _churned: int = -1
     _dirty: bool = False  # the step being reported ran on a changed batch
     _curves: dict = field(default_factory=dict)  # (side, rows, tokens) -> seconds
+    _plain_probes: dict = field(default_factory=dict)  # rows -> plain steps spent measuring
     _probe_gap: int = 0  # plain decisions in a row before the next probe (0: probe_every)
 
     def __post_init__(self) -> None:
@@ -294,13 +299,17 @@ class AutoBudget:
 
     def decide(self) -> int:
         """The step's depth (0: plain decoding): warm-up (:attr:`warmup` steps at the
-        best positive depth, then one plain step), the best rate, or a probe."""
+        best positive depth), a plain step to measure ``r0`` at this batch size, the best
+        rate, or a probe."""
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
+        rows = max(len(self._rows), 1)
         if len(self.decisions) < self.warmup:  # the best positive depth by the prior
             best = max(range(1, len(rates)), key=rates.__getitem__)
-        elif self.warmup and len(self.decisions) == self.warmup:
-            best = 0  # the warm-up's plain step: r0 measured at this batch size
+        elif (best > 0 and rows not in self.plain_ratios
+              and self._plain_probes.get(rows, 0) < self.plain_probes):
+            best = 0  # drafting wins against an r0 not measured at this batch size: measure
+            self._plain_probes[rows] = self._plain_probes.get(rows, 0) + 1
         elif best > 0:  # the model drafts again: probes come at the first interval
             self._probe_gap = self.probe_every
         if best == 0:
