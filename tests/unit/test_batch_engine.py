@@ -88,6 +88,44 @@ def test_a_row_leaving_keeps_the_cache_buffer_and_its_spare_room(tiny_pair):
                                rtol=1e-5)
 
 
+def test_a_row_leaving_moves_the_rows_after_it_in_place_and_a_join_leaves_spare_room(
+        tiny_pair):
+    """A middle row's leaving moves the rows after it down inside the same storage (no
+    new buffer); rows joining a batch are merged into ONE buffer with spare capacity, so
+    the forward after a join writes in place; every row still decodes as it would alone."""
+    model = Decoder.from_pretrained(tiny_pair["target"]).target.model
+    seqs = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    batch = BatchRunner(model)
+    batch.add_rows(seqs)
+    alone = {}
+    for b in (0, 2):
+        alone[b] = ModelRunner(model)
+        alone[b].reset()
+        alone[b].forward(torch.tensor(seqs[b]))
+    layer = batch.cache.layers[0]
+    storage = layer._k.untyped_storage().data_ptr()
+    batch.drop([1])
+    assert layer._k.shape[0] == 2 and layer._k.untyped_storage().data_ptr() == storage
+    got = batch.forward([torch.tensor([5]), torch.tensor([6])])
+    for row, b in enumerate((0, 2)):
+        torch.testing.assert_close(got[row, :1], alone[b].forward(torch.tensor([5 + row])),
+                                   atol=1e-5, rtol=1e-5)
+    joined = ModelRunner(model)
+    joined.reset()
+    joined.forward(torch.tensor([3, 1, 4, 1, 5, 9]))
+    batch.add_rows([[3, 1, 4, 1, 5, 9]])
+    assert layer._k.shape[0] == 3 and layer._k.shape[2] > batch.width  # spare room
+    buffer = layer._k
+    got = batch.forward([torch.tensor([7]), torch.tensor([7]), torch.tensor([2])])
+    assert layer._k is buffer  # written in place: no reallocation after the join
+    torch.testing.assert_close(got[0, :1], alone[0].forward(torch.tensor([7])), atol=1e-5,
+                               rtol=1e-5)
+    torch.testing.assert_close(got[1, :1], alone[2].forward(torch.tensor([7])), atol=1e-5,
+                               rtol=1e-5)
+    torch.testing.assert_close(got[2, :1], joined.forward(torch.tensor([2])), atol=1e-5,
+                               rtol=1e-5)
+
+
 @pytest.mark.parametrize("draft", ["close", "weak"])
 def test_every_method_in_a_batch_equals_each_row_alone(tiny_pair, draft):
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair[draft])
