@@ -323,6 +323,13 @@ def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(x.shape[0], width - x.shape[1])], dim=1)
 
 
+def _capacity(held: int, new: int = 0) -> int:
+    """The slots a :class:`PreallocatedLayer` buffer gets when it holds ``held`` and must
+    take ``new`` more: twice what it holds (at least 64), so the forwards after it write
+    in place."""
+    return max(2 * held, held + new, 64)
+
+
 class PreallocatedLayer(DynamicLayer):
     """A cache layer whose keys and values live in a preallocated buffer
     ``[B, heads, capacity, D]``: a forward writes its new slots in place (no per-round
@@ -378,7 +385,7 @@ class PreallocatedLayer(DynamicLayer):
         again."""
         old_k, old_v, n = self._k, self._v, self._len
         rows = old_k.shape[0] + keys.shape[0]
-        cap = max(2 * width, width + 64)
+        cap = _capacity(width)
         k = old_k.new_empty(rows, old_k.shape[1], cap, old_k.shape[3])
         v = old_v.new_empty(rows, old_v.shape[1], cap, old_v.shape[3])
         b, s = old_k.shape[0], keys.shape[2]
@@ -400,7 +407,7 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, t = self._len, key_states.shape[2]
         if self._k is None or n + t > self._k.shape[2]:
-            cap = max(2 * n, n + t, 64)
+            cap = _capacity(n, t)
             k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[3])
             v = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[3])
             if n:
