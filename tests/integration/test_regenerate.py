@@ -95,6 +95,15 @@ def test_regenerate_resume_refuse_and_train(job_env, tmp_path, pair):
     res = _run(job_env, [*base, "regenerate.method={name: ar}", f"regenerate.output={out_ar}"])
     assert "(1 already done)" in res.stdout and "shard 1 done" in res.stdout
     assert "shard 0 done" not in res.stdout and lost.read_text() == before
+    resumed = json.loads((out_ar / "manifest.json").read_text())
+    assert resumed["last_run"]["answers"] < 12  # this run answered only the lost shard
+    assert sorted(resumed["shard_results"]) == ["0", "1"]  # shard 0's figures were kept
+    whole = resumed["all_shards"]
+    assert whole["shards"] == 2 and whole["answers"] == 12
+    assert whole["new_tokens"] == manifest["last_run"]["new_tokens"]
+    assert whole["seconds"] == pytest.approx(sum(
+        r["seconds"] for r in resumed["shard_results"].values()))
+    assert "in all 2 shards: 12 answers" in res.stdout
 
     # other settings in the same folder, a target without a chat template: refused
     refused_before_work("regenerate", CONFIG, [*base, "regenerate.max_new_tokens=11",

@@ -13,6 +13,7 @@ path: <that folder>}``. MLflow gets the settings, the totals and the manifest.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from speclab.config import RegenerateJob
@@ -63,4 +64,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{totals['target_calls_per_token']:.3f} target calls per token, "
           f"{totals['capped']} answers capped at {cfg.regenerate.max_new_tokens} tokens, "
           f"{totals['too_long']} turns too long for the target's context): {out}", flush=True)
+    whole = json.loads((out / MANIFEST).read_text())["all_shards"]
+    print(f"[regenerate] in all {whole['shards']} shards: {whole['answers']} answers, "
+          f"{whole['new_tokens']} tokens in {whole['seconds']:.0f}s of decoding "
+          f"({whole['tokens_per_s']:.1f} tokens/s, {whole['target_calls_per_token']:.3f} "
+          "target calls per token), over every run that wrote them", flush=True)
     return 0

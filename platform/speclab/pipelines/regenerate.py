@@ -183,23 +183,48 @@ def check_output(out: Path, settings: dict) -> None:
         raise ValueError(f"regenerate.output: {out} is not empty and holds no {MANIFEST}")
 
 
-def open_output(out: Path, settings: dict, shards: int) -> set[int]:
-    """Create or resume ``out``: the indices of the shards already finished
-    (:func:`check_output` first)."""
+SHARD_FIELDS = ("answers", "new_tokens", "target_calls", "capped", "too_long", "seconds")
+
+
+def open_output(out: Path, settings: dict, shards: int) -> tuple[set[int], dict[int, dict]]:
+    """Create or resume ``out`` (:func:`check_output` first): the indices of the shards
+    already finished, and what each of them took (``{index: {answers, new_tokens,
+    target_calls, capped, too_long, seconds}}``, from the manifest; absent for shards an
+    older version wrote)."""
     check_output(out, settings)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp"):
         stale.unlink()
-    done = {int(p.stem.split("-")[1]) for p in out.glob("shard-*.jsonl")}
-    write_manifest(out, settings, shards, done, {})
-    return {i for i in done if i < shards}
+    done = {i for i in (int(p.stem.split("-")[1]) for p in out.glob("shard-*.jsonl"))
+            if i < shards}
+    path = out / MANIFEST
+    old = json.loads(path.read_text()).get("shard_results", {}) if path.exists() else {}
+    results = {int(k): v for k, v in old.items() if int(k) in done}
+    write_manifest(out, settings, shards, done, {}, results)
+    return done, results
 
 
-def write_manifest(out: Path, settings: dict, shards: int, done: set[int], totals: dict) -> None:
-    """``manifest.json``, written atomically."""
+def all_shards(results: dict[int, dict]) -> dict:
+    """Totals over every finished shard whose figures are known, whichever run wrote it
+    (so a regeneration resumed over several runs states its whole decoding time):
+    the fields of :data:`SHARD_FIELDS` summed, ``shards``, tokens/s and target calls
+    per token."""
+    tot = {k: sum(r[k] for r in results.values()) for k in SHARD_FIELDS}
+    tot["shards"] = len(results)
+    tot["tokens_per_s"] = tot["new_tokens"] / tot["seconds"] if tot["seconds"] else 0.0
+    tot["target_calls_per_token"] = tot["target_calls"] / max(1, tot["new_tokens"])
+    return tot
+
+
+def write_manifest(out: Path, settings: dict, shards: int, done: set[int], totals: dict,
+                   results: dict[int, dict]) -> None:
+    """``manifest.json``, written atomically; ``results``: each finished shard's figures
+    (kept across reruns) and their sum, ``all_shards``."""
     body = {"settings": settings, "settings_sha256": hashlib.sha256(
         json.dumps(settings, sort_keys=True).encode()).hexdigest(), "shards": shards,
-        "shards_done": len(done), "complete": len(done) == shards, **totals}
+        "shards_done": len(done), "complete": len(done) == shards, **totals,
+        "all_shards": all_shards(results),
+        "shard_results": {str(i): results[i] for i in sorted(results)}}
     tmp = out / f"{MANIFEST}.tmp"
     tmp.write_text(json.dumps(body, indent=2))
     os.replace(tmp, out / MANIFEST)
@@ -224,7 +249,7 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
     r = cfg.regenerate
     shards, read = plan(cfg)
     settings = settings_of(cfg, target)
-    done = open_output(out, settings, len(shards))
+    done, results = open_output(out, settings, len(shards))
     template = chat_template_of(cfg.corpus)
     print(f"[regenerate] {read['read']}; {read['conversations']} {r.split} conversations in "
           f"{len(shards)} shards ({len(done)} already done) -> {out}", flush=True)
@@ -272,7 +297,8 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
                 actor = pending.pop(ref)
                 res: ShardResult = ray.get(ref)  # an actor's error stops the job
                 done.add(res.index)
-                for k in ("answers", "new_tokens", "target_calls", "capped", "too_long"):
+                results[res.index] = {k: getattr(res, k) for k in SHARD_FIELDS}
+                for k in SHARD_FIELDS[:-1]:
                     totals[k] += getattr(res, k)
                 wall = time.perf_counter() - t0
                 rate = totals["new_tokens"] / wall if wall else 0.0
@@ -281,7 +307,7 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
                 print(f"[regenerate] shard {res.index} done ({len(done)}/{len(shards)}): "
                       f"{res.answers} answers, {res.new_tokens} tokens in {res.seconds:.0f}s; "
                       f"{rate:.1f} tokens/s, ETA {eta / 60:.1f} min", flush=True)
-                write_manifest(out, settings, len(shards), done, {})
+                write_manifest(out, settings, len(shards), done, {}, results)
                 if todo:
                     i = todo.pop(0)
                     pending[actor.shard.remote(i, shards[i])] = actor
@@ -293,6 +319,7 @@ def run(cfg: Any, target: str, draft: str | None, out: Path) -> dict:
     totals.update({"tokens_per_s": totals["new_tokens"] / max(totals["seconds"], 1e-9),
                    "target_calls_per_token": totals["target_calls"] / new,
                    "conversations": read["conversations"]})
-    write_manifest(out, settings, len(shards), done, {"last_run": totals, "read": read})
+    write_manifest(out, settings, len(shards), done, {"last_run": totals, "read": read},
+                   results)
     return totals
 
