@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from speclab.api import Decoder
-from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.batch_runner import BatchRunner, prefill_groups
 from speclab.decoding.drafting import PerRowDrafters
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
@@ -125,6 +125,44 @@ def test_a_row_leaving_moves_the_rows_after_it_in_place_and_a_join_leaves_spare_
     torch.testing.assert_close(got[2, :1], joined.forward(torch.tensor([2])), atol=1e-5,
                                rtol=1e-5)
 
+
+
+def test_prefill_groups_bound_the_padding():
+    """Longest first; a group takes rows at least half as long as its longest, and every
+    row once its longest is at most the floor."""
+    assert prefill_groups([150, 20, 90, 3, 160]) == [[4, 0, 2], [1, 3]]
+    assert prefill_groups([10, 60, 1]) == [[1, 0, 2]]
+    assert prefill_groups([400, 100, 190]) == [[0], [2, 1]]
+    assert prefill_groups([]) == []
+
+
+def test_a_ragged_prefill_runs_in_groups_and_keeps_the_rows_order(tiny_pair):
+    """Rows joining with prompts of very different lengths are prefilled one forward per
+    group (not all padded to the longest); their logits, their tracked features and the
+    next forward are each row's alone, in the order the rows were given."""
+    model = Decoder.from_pretrained(tiny_pair["target"]).target.model
+    seqs = [[(7 * i + 3 * n) % 50 + 1 for i in range(n)] for n in (150, 20, 90, 3, 160)]
+    batch = BatchRunner(model)
+    batch.track_hidden()
+    batch.add_rows([[5, 6, 7]])  # a row already decoding: the new rows go after it
+    calls = batch.calls
+    pre = batch.add_rows(seqs)
+    assert batch.calls == calls + 2  # [160, 150, 90] and [20, 3]
+    feats = batch.hidden
+    singles = []
+    for b, s in enumerate(seqs):
+        one = ModelRunner(model)
+        one.track_hidden()
+        one.reset()
+        torch.testing.assert_close(pre[b, :len(s)], one.forward(torch.tensor(s)),
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(feats[b, :len(s)], one.hidden, atol=1e-5, rtol=1e-5)
+        singles.append(one)
+    assert [batch.length(b) for b in range(6)] == [3] + [len(s) for s in seqs]
+    got = batch.forward([torch.tensor([9])] * 6)
+    for b, one in enumerate(singles):
+        torch.testing.assert_close(got[b + 1, :1], one.forward(torch.tensor([9])),
+                                   atol=1e-5, rtol=1e-5)
 
 @pytest.mark.parametrize("draft", ["close", "weak"])
 def test_every_method_in_a_batch_equals_each_row_alone(tiny_pair, draft):

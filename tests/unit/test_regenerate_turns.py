@@ -4,6 +4,7 @@ not answered (its conversation ends before it; one with no answered turn is left
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -57,3 +58,26 @@ def test_turns_too_long_for_the_context_are_not_answered(dec):
     assert out[0]["messages"][1] == out[1]["messages"][1]  # the same first turn, greedy
     assert totals["too_long"] == 2 and totals["answers"] == 3
     assert totals["new_tokens"] == sum(sum(r["regenerated"]["new_tokens"]) for r in out)
+
+
+@pytest.mark.parametrize("order", ["length", "source"])
+def test_shards_hold_conversations_of_like_length_or_the_source_order(order):
+    """``regenerate.order: length`` cuts the shards from the conversations sorted by the
+    characters of their first user turn (a batch of like-length prompts); ``source``
+    keeps the order read; either way every conversation is in exactly one shard and the
+    setting is part of what a rerun must match."""
+    from speclab.config.jobs import RegenerateJob
+    from speclab.pipelines.regenerate import plan, settings_of
+
+    cfg = RegenerateJob.from_yaml("experiments/smoke/regenerate.yaml",
+                                  [f"regenerate.order={order}"])
+    shards, read = plan(cfg)
+    ids = [x["id"] for s in shards for x in s]
+    first = [len(json.dumps(user_turns(Conversation(x["id"], x["messages"]), 1)[0],
+                            ensure_ascii=False)) for s in shards for x in s]
+    assert len(ids) == read["conversations"] == 8 and len(set(ids)) == 8
+    if order == "length":
+        assert first == sorted(first) and ids != sorted(ids)
+    else:
+        assert ids == sorted(ids)  # the smoke file lists smoke-00, smoke-01, ...
+    assert settings_of(cfg, "t")["order"] == order

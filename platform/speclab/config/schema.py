@@ -217,6 +217,10 @@ class RegenerateConfig(StrictModel):
         "drafting method speeds the job up and never changes its outputs at T=0)"))
     batch_size: int = Field(8, gt=0, description="conversations decoded together")
     shard_size: int = Field(64, gt=0, description="conversations per output shard")
+    order: Literal["length", "source"] = Field("length", description=(
+        "how conversations are cut into shards: 'length' (by the characters of their "
+        "first user turn, so a batch holds prompts of like length and no short prompt "
+        "decodes over a long one's padded cache) or 'source' (as read)"))
     actors: int = Field(1, gt=0)
     cpus_per_actor: float = Field(1.0, gt=0.0)
     gpus_per_actor: float = Field(0.0, ge=0.0)

@@ -64,12 +64,17 @@ def settings_of(cfg: Any, target: str) -> dict:
             "conversations": c.max_conversations, "turns": r.turns,
             "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
             "top_p": r.top_p, "seed": r.seed, "shard_size": r.shard_size,
-            "dtype": cfg.models.dtype}
+            "order": r.order, "dtype": cfg.models.dtype}
 
 
 def plan(cfg: Any) -> tuple[list[list[dict]], dict]:
     """The conversations to answer, cut into shards (records ``{"id", "messages"}``), and
-    the read's statistics. Streams the source and stops at ``corpus.max_conversations``."""
+    the read's statistics. Streams the source and stops at ``corpus.max_conversations``;
+    with ``regenerate.order: length`` the conversations picked are sorted (stably) by
+    the characters of their first user turn before they are cut, so each shard's batch
+    holds prompts of like length (ShareGPT's first turns run from a few tokens to
+    20,000: in a batch of 16 a single long one made every row decode over its padded
+    cache)."""
     from speclab.data.conversations import ReadStats
 
     c, r = cfg.corpus, cfg.regenerate
@@ -86,6 +91,9 @@ def plan(cfg: Any) -> tuple[list[list[dict]], dict]:
     if not picked:
         raise ValueError(f"corpus.path: {c.path!r} holds no {r.split} conversation with a "
                          f"user turn ({stats.summary()})")
+    if r.order == "length":
+        picked.sort(key=lambda x: len(json.dumps(user_turns(
+            Conversation(x["id"], x["messages"]), 1)[0], ensure_ascii=False)))
     shards = [picked[i: i + r.shard_size] for i in range(0, len(picked), r.shard_size)]
     return shards, {"read": stats.summary(), "conversations": len(picked),
                     "malformed": stats.malformed, "truncated": stats.truncated}
