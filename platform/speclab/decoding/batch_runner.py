@@ -182,13 +182,11 @@ class BatchRunner(TracksFeatures):
         return _rows_in_order(outs, back) if logits else None
 
     def _reorder_tail(self, first: int, order: torch.Tensor) -> None:
-        """Rows ``first ..`` become rows ``first + order`` (``order``: ``[R]`` indices
-        into them), cache and all."""
-        n = self.width
+        """Row ``first + j`` takes what row ``first + order[j]`` held (``order``: ``[R]``,
+        a permutation of the rows from ``first`` on), cache and all."""
         dev = to_device(order, self.device)
         for layer in self.cache.layers:
-            layer._k[first:, :, :n] = layer._k[first:, :, :n].index_select(0, dev)
-            layer._v[first:, :, :n] = layer._v[first:, :, :n].index_select(0, dev)
+            layer.reorder_rows(first, dev)
         self.slots = self.slots[:first] + [self.slots[first + int(j)] for j in order]
         self.live[first:] = self.live[first:][order]
         self.slot_pos[first:] = self.slot_pos[first:][order]
@@ -438,6 +436,14 @@ class PreallocatedLayer(DynamicLayer):
                 self._k[j, :, :n].copy_(self._k[b, :, :n])
                 self._v[j, :, :n].copy_(self._v[b, :, :n])
         self._k, self._v = self._k[:len(keep)], self._v[:len(keep)]
+
+    def reorder_rows(self, first: int, order: torch.Tensor) -> None:
+        """Row ``first + j`` takes the live slots row ``first + order[j]`` held, in place
+        (``order``: ``[R]`` on the buffer's device, a permutation of the rows from
+        ``first`` on)."""
+        n = self._len
+        for buf in (self._k, self._v):
+            buf[first:, :, :n] = buf[first:, :, :n].index_select(0, order)
 
     def merge_rows(self, keys: torch.Tensor, values: torch.Tensor, width: int) -> None:
         """Append rows given as ``[R, heads, S_new, D]`` keys and values after this
