@@ -4,7 +4,6 @@ not answered (its conversation ends before it; one with no answered turn is left
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -67,14 +66,13 @@ def test_shards_hold_conversations_of_like_length_or_the_source_order(order):
     keeps the order read; either way every conversation is in exactly one shard and the
     setting is part of what a rerun must match."""
     from speclab.config.jobs import RegenerateJob
-    from speclab.pipelines.regenerate import plan, settings_of
+    from speclab.pipelines.regenerate import first_turn_size, plan, settings_of
 
     cfg = RegenerateJob.from_yaml("experiments/smoke/regenerate.yaml",
                                   [f"regenerate.order={order}"])
     shards, read = plan(cfg)
     ids = [x["id"] for s in shards for x in s]
-    first = [len(json.dumps(user_turns(Conversation(x["id"], x["messages"]), 1)[0],
-                            ensure_ascii=False)) for s in shards for x in s]
+    first = [first_turn_size(x) for s in shards for x in s]
     assert len(ids) == read["conversations"] == 8 and len(set(ids)) == 8
     if order == "length":
         assert first == sorted(first) and ids != sorted(ids)

@@ -67,6 +67,13 @@ def settings_of(cfg: Any, target: str) -> dict:
             "order": r.order, "dtype": cfg.models.dtype}
 
 
+def first_turn_size(record: dict) -> int:
+    """Characters of a record's first prompt (its system and first user messages, as
+    JSON): the key ``regenerate.order: length`` sorts conversations by."""
+    first = user_turns(Conversation(record["id"], record["messages"]), 1)[0]
+    return len(json.dumps(first, ensure_ascii=False))
+
+
 def plan(cfg: Any) -> tuple[list[list[dict]], dict]:
     """The conversations to answer, cut into shards (records ``{"id", "messages"}``), and
     the read's statistics. Streams the source and stops at ``corpus.max_conversations``;
@@ -92,8 +99,7 @@ def plan(cfg: Any) -> tuple[list[list[dict]], dict]:
         raise ValueError(f"corpus.path: {c.path!r} holds no {r.split} conversation with a "
                          f"user turn ({stats.summary()})")
     if r.order == "length":
-        picked.sort(key=lambda x: len(json.dumps(user_turns(
-            Conversation(x["id"], x["messages"]), 1)[0], ensure_ascii=False)))
+        picked.sort(key=first_turn_size)
     shards = [picked[i: i + r.shard_size] for i in range(0, len(picked), r.shard_size)]
     return shards, {"read": stats.summary(), "conversations": len(picked),
                     "malformed": stats.malformed, "truncated": stats.truncated}
