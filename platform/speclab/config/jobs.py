@@ -338,10 +338,15 @@ def known_family(name: Any) -> TrainedFamily | None:
 
 def default_trained(data: dict, fam: TrainedFamily | None) -> None:
     """Methods of ``fam``'s method (in ``method`` / ``methods`` of the raw ``data``)
-    without its artifact field evaluate the artifact the job trains (``trained``)."""
+    without its artifact field evaluate the artifact the job trains (``trained``). An
+    explicit ``methods: []`` with no ``method`` evaluates the trained artifact with its
+    method's defaults, not the chain of :func:`default_method` (which needs a draft model
+    the real targets lack, and would fail only once training is done)."""
     if fam is None or fam.method is None:
         return
     methods = data.get("methods")  # anything but a list is refused by validation
+    if methods == [] and data.get("method") is None:
+        data["method"] = {"name": fam.method}
     entries = [data.get("method")] + (methods if isinstance(methods, list) else [])
     for m in entries:
         if isinstance(m, dict) and m.get("name") == fam.method:
