@@ -91,17 +91,18 @@ DEFAULT_RUNS = [
 EAGLE_RUN = {"tree_top_k": 4, "depth": 6, "nodes": 16, "score_temperature": 0.3}
 
 
-def eagle_run(folder: str) -> MethodRun:
+def eagle_run(folder: str, name: str | None = None) -> MethodRun:
     """The bench's EAGLE row (:data:`EAGLE_RUN`) with the drafter in ``folder`` (a speclab
-    EAGLE folder or a public checkpoint the engine loads), labelled by its folder name
-    (and ``eagle3`` for a speclab EAGLE-3 folder); a missing folder is refused here,
-    naming ``--eagle``."""
+    EAGLE folder or a public checkpoint the engine loads), labelled by ``name`` (a real
+    pair's registered ``models:/NAME/VERSION``: its downloaded folders all end in
+    ``eagle``), else its folder name (and ``eagle3`` for a speclab EAGLE-3 folder); a
+    missing folder is refused here, naming ``--eagle``."""
     if not Path(folder).is_dir():
         raise ValueError(f"--eagle: {folder} is not a folder")
     version = (json.loads((Path(folder) / "config.json").read_text()).get("version", 1)
                if is_eagle_folder(folder) else 1)
     knobs = ",".join(f"{k}={v}" for k, v in EAGLE_RUN.items())
-    label = f"eagle{'3' if version == 3 else ''} {Path(folder).name} {knobs}"
+    label = f"eagle{'3' if version == 3 else ''} {name or Path(folder).name} {knobs}"
     return MethodRun("eagle", {**EAGLE_RUN, "eagle_model": str(folder)}, label)
 
 
@@ -110,17 +111,18 @@ def eagle_run(folder: str) -> MethodRun:
 MEDUSA_RUN = {"tree": "sparse", "nodes": 16}
 
 
-def medusa_run(folder: str) -> MethodRun:
+def medusa_run(folder: str, name: str | None = None) -> MethodRun:
     """The bench's Medusa row (:data:`MEDUSA_RUN`) with the heads in ``folder`` (speclab
-    heads with their calibration, ``tree.json``), labelled by its folder name; a folder
-    without calibrated speclab heads is refused here, naming ``--medusa``."""
+    heads with their calibration, ``tree.json``), labelled by ``name`` (a registered
+    model) or its folder name; a folder without calibrated speclab heads is refused here,
+    naming ``--medusa``."""
     if not is_medusa_folder(folder) or not (Path(folder) / "tree.json").is_file():
         raise ValueError(f"--medusa: {folder} holds no calibrated speclab Medusa heads "
                          "(config.json of kind speclab-medusa and tree.json, written by "
                          "jobs.train_medusa)")
     knobs = ",".join(f"{k}={v}" for k, v in MEDUSA_RUN.items())
     return MethodRun("medusa", {**MEDUSA_RUN, "medusa_model": str(folder)},
-                     f"medusa {Path(folder).name} {knobs}")
+                     f"medusa {name or Path(folder).name} {knobs}")
 
 
 # the bench's SpecDec++ row: the acceptance head's stop threshold and draft-length cap
@@ -399,8 +401,8 @@ def run_bench(num_prompts: int = 16, max_new_tokens: int = 64, out_dir: str = "b
                                          prompt_file=prompt_file, eagles=eagles, xl=xl,
                                          checksums=checksums, build=build)
     if isinstance(pair, RealPair):
-        extra += [eagle_run(d) for d in pair.eagles]
-        medusa += [medusa_run(d) for d in pair.medusas]
+        extra += [eagle_run(d, uri) for d, uri in pair.named("eagle")]
+        medusa += [medusa_run(d, uri) for d, uri in pair.named("medusa")]
         runs = runs or REAL_RUNS + extra + medusa + [specdecpp_run(d) for d in pair.heads]
     passes = passes or TIMING_PASSES
     gen = {"max_new_tokens": max_new_tokens, "timing_passes": passes}
@@ -659,7 +661,7 @@ def run_batch_bench(batch_sizes: list[int], num_prompts: int = 16, max_new_token
                                          prompt_file, eagles=eagles, xl=xl,
                                          checksums=checksums, build=build)
     if isinstance(pair, RealPair):
-        eagle_rows += [eagle_run(d) for d in pair.eagles]
+        eagle_rows += [eagle_run(d, uri) for d, uri in pair.named("eagle")]
     if isinstance(pair, XLPair):  # the grown drafters, under the same tree
         eagle_rows = [r for r in xl_eagle_runs(pair.xl)
                       if r.params.get("builder") != "optimal"]

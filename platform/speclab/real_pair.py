@@ -79,6 +79,12 @@ class RealPair:
     heads: list[str] = field(default_factory=list)
     sources: dict[str, list[str]] = field(default_factory=dict)
 
+    def named(self, role: str) -> list[tuple[str, str]]:
+        """(folder, ``models:/NAME/VERSION``) of each ``role`` drafter in use (``eagle``,
+        ``medusa`` or ``head``), in :data:`SMOLLM2_DRAFTERS`'s order: the name tells
+        apart drafters whose downloaded folders share a name."""
+        return list(zip(getattr(self, f"{role}s"), self.sources.get(role, []), strict=True))
+
 
 def latest_version(name: str, tracking_uri: str | None = None) -> int | None:
     """The newest version of the registered model ``name`` in the store (None: not

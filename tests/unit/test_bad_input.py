@@ -148,6 +148,9 @@ def test_widen_and_bench_drafter_options_are_checked_first(tmp_path, capsys):
     run = eagle_run(str(tmp_path / "e3"))
     assert run.name.startswith("eagle3 e3 ") and run.method == "eagle"
     assert run.params == {**EAGLE_RUN, "eagle_model": str(tmp_path / "e3")}
+    # a real pair's registered drafters download to folders of one name: labelled by it
+    named = eagle_run(str(tmp_path / "e3"), "models:/speclab-eagle3-smollm2/1")
+    assert named.name.startswith("eagle3 models:/speclab-eagle3-smollm2/1 ")
     assert main(["bench", "--medusa", str(tmp_path / "e3")]) == 2  # an EAGLE folder
     assert "--medusa:" in capsys.readouterr().err
     (tmp_path / "m").mkdir()

@@ -171,3 +171,23 @@ def test_a_head_trained_on_another_draft_is_left_out(real_home, tmp_path, monkey
     assert any("models:/speclab-specdecpp-smollm2-D1-w3/2 was trained on another draft than "
                "models:/speclab-draft-smollm2/1" in line and "specdecpp_smollm2.yaml" in line
                for line in lines), lines
+
+
+def test_the_real_pairs_drafters_are_labelled_by_their_registered_names(tmp_path):
+    """Registered drafters download to folders of one name (``.../artifacts/eagle``): the
+    bench's rows carry the registered name, so two EAGLE-3 drafters give two rows."""
+    from speclab.bench import eagle_run
+    from speclab.real_pair import RealPair
+
+    folders = []
+    for i in (1, 2):
+        folder = tmp_path / str(i) / "eagle"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text('{"kind": "speclab-eagle", "version": 3}')
+        folders.append(str(folder))
+    uris = ["models:/speclab-eagle3-smollm2/1", "models:/speclab-eagle3-regen-smollm2/2"]
+    pair = RealPair("smollm2-135m", "t", "d", eagles=folders, sources={"eagle": uris})
+    assert pair.named("eagle") == list(zip(folders, uris))
+    labels = [eagle_run(d, uri).name for d, uri in pair.named("eagle")]
+    assert [x.split(" ")[:2] for x in labels] == [["eagle3", uris[0]], ["eagle3", uris[1]]]
+    assert pair.named("medusa") == []
