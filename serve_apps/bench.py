@@ -35,6 +35,7 @@ import requests
 
 from serve_apps.loadtest import PROMPTS, run_load
 from speclab.api import Decoder
+from speclab.bench import EAGLE_RUN
 from speclab.config import ServeJob
 from speclab.models.registry import resolve_models
 from speclab.paths import repo_root
@@ -73,7 +74,10 @@ def in_process(cfg, method: dict, prompts: list[str], max_tokens: int) -> dict:
 def bench_method(cfg, name: str, eagle_model: str | None = None,
                  medusa_model: str | None = None) -> dict:
     """The method config of row ``name``: the config's own method when it is that one,
-    EAGLE / Medusa with the drafter given on the command line, else the method's
+    EAGLE / Medusa with the drafter given on the command line (EAGLE under the tree
+    ``speclab bench`` gives its EAGLE rows, :data:`speclab.bench.EAGLE_RUN`: under
+    EagleConfig's defaults, whose ranking is untuned, the reference pair's EAGLE row ran
+    1.13x plain decoding through Serve where this tree ran 1.26x), else the method's
     defaults."""
     if name == cfg.method.name:
         return cfg.method.model_dump(mode="json")
@@ -83,7 +87,8 @@ def bench_method(cfg, name: str, eagle_model: str | None = None,
             if given is None:
                 raise ValueError(f"--{method}-model: the {method!r} row needs a trained "
                                  f"drafter (a folder or a models:/ URI)")
-            return {"name": method, field: given}
+            return {"name": method, field: given,
+                    **(EAGLE_RUN if method == "eagle" else {})}
     return {"name": name}
 
 

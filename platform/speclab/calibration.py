@@ -38,11 +38,17 @@ DEFAULT_CONTEXT = 128
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """A hash of ``model``'s config, its parameters' names, shapes and dtypes, and a
-    strided sample of at most 4,096 values of each (weights that change change it)."""
+    strided sample of at most 4,096 values of each (weights that change change it). Not
+    where it was loaded from: a ``models:/`` drafter downloads to a new temporary folder
+    each time, and with the config's ``_name_or_path`` in the hash no stored calibration
+    of it was ever found again (the evaluate job re-measured the pair, 37 s of SmolLM2,
+    inside a timed pass at every batch size)."""
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     if config is not None:
-        h.update(config.to_json_string(use_diff=False).encode())
+        settings = {k: v for k, v in config.to_dict().items()
+                    if k not in ("_name_or_path", "_commit_hash")}
+        h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():
             flat = p.detach().reshape(-1)

@@ -396,11 +396,16 @@ def interleaved_comparison(
     gen = dict(gen)
     passes = passes or gen.pop("timing_passes", None) or TIMING_PASSES
     gen.pop("timing_passes", None)
+    batch_size = gen.get("batch_size", 1) or 1
     if warmup and prompts:
         for run in [MethodRun("ar"), *runs]:
             run_prompts(dec, run, prompts[:1], {**gen, "max_new_tokens": 8})
         dec.forget_budgets()  # the warm-up's first-use costs must not steer the timed passes
-    batch_size = gen.get("batch_size", 1) or 1
+    if any(r.params.get("budget") == "auto" for r in runs) and not dec.compile:
+        # the auto budget's curves up to the timed batch (read, or measured now): the
+        # one-prompt warm-up covers one row, and a measurement inside a timed block
+        # would be charged to the method that asked first
+        dec.calibration(min(batch_size, len(prompts)))
     batched = batch_size > 1 or dec.compile
     costs = forward_costs if isinstance(forward_costs, CostModel) else None
     sampler = key = None

@@ -127,6 +127,27 @@ def test_a_row_leaving_moves_the_rows_after_it_in_place_and_a_join_leaves_spare_
 
 
 
+def test_logits_at_computes_each_rows_wanted_position_only(tiny_pair):
+    """``forward(..., logits_at=[...])`` (a drafter's catch-up, which reads each row's
+    last logits) returns ``[B, 1, V]``: row ``b``'s logits at its index, equal to the
+    full forward's there, with the LM head run at the rows' distinct positions only."""
+    model = Decoder.from_pretrained(tiny_pair["target"]).target.model
+    seqs, new = [[1, 2, 3], [4, 5], [6]], [[7, 8, 9], [1], [2, 3]]
+    full, part = BatchRunner(model), BatchRunner(model)
+    for r in (full, part):
+        r.add_rows(seqs)
+    want = full.forward([torch.tensor(t) for t in new])
+    heads = []
+    call = part.call_model
+    part.call_model = lambda ids, pos, mask, keep: (heads.append(keep), call(ids, pos, mask,
+                                                                            keep))[1]
+    at = [len(t) - 1 for t in new]
+    got = part.forward([torch.tensor(t) for t in new], logits_at=at)
+    assert got.shape == (3, 1, want.shape[-1]) and heads[0].tolist() == [0, 1, 2]
+    for b, i in enumerate(at):
+        torch.testing.assert_close(got[b, 0], want[b, i], atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_groups_bound_the_padding():
     """Longest first; a group takes rows at least half as long as its longest, and every
     row once its longest is at most the floor."""

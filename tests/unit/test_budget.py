@@ -162,6 +162,13 @@ def test_calibration_is_stored_and_reused_until_the_models_change(tiny_pair, tmp
     costs = again.round_costs(batched=True)
     assert costs.target(2, 8) > 0 and costs.draft(1, 1) > 0
     key = calibration_key(dec)
+    # the same models from other folders (a models:/ drafter downloads to a new
+    # temporary folder each time) find it: where they were loaded from is not the key
+    copy = tmp_path / "elsewhere"
+    for role, src in (("target", dec.target.model), ("draft", dec.draft.model)):
+        src.save_pretrained(copy / role)
+    moved = Decoder.from_pretrained(str(copy / "target"), str(copy / "draft"))
+    assert calibration_key(moved) == key and load_calibration(moved, rows=2) is not None
     with torch.no_grad():
         next(dec.draft.model.parameters()).add_(0.01)
     assert calibration_key(dec) != key and load_calibration(dec) is None

@@ -157,3 +157,21 @@ def test_a_deadline_is_told_from_a_replicas_own_timeout():
     with pytest.raises(TimeoutError, match="the replica's own"):
         asyncio.run(_before(broken(), time.perf_counter() + 60))
     assert asyncio.run(_before(fine(), None)) == 7
+
+
+def test_the_serve_benchs_eagle_row_uses_the_benchs_tree():
+    """``serve_apps.bench``'s EAGLE row runs the tree ``speclab bench`` gives its EAGLE
+    rows (the method's defaults ranked untuned: 1.13x against 1.26x through Serve), with
+    the drafter given; a row without one is refused naming the flag."""
+    from serve_apps.bench import bench_method
+    from speclab.bench import EAGLE_RUN
+    from speclab.config import ServeJob
+
+    cfg = ServeJob.model_validate({"name": "t", "models": {"target": "t", "draft": "d"}})
+    row = bench_method(cfg, "eagle", eagle_model="models:/e/1")
+    assert row == {"name": "eagle", "eagle_model": "models:/e/1", **EAGLE_RUN}
+    assert bench_method(cfg, "medusa", medusa_model="m") == {"name": "medusa",
+                                                             "medusa_model": "m"}
+    with pytest.raises(ValueError, match="--eagle-model"):
+        bench_method(cfg, "eagle")
+    assert bench_method(cfg, cfg.method.name) == cfg.method.model_dump(mode="json")

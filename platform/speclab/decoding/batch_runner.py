@@ -95,7 +95,7 @@ class BatchRunner(TracksFeatures):
     def forward(self, tokens: list[torch.Tensor],
                 positions: list[torch.Tensor | None] | None = None,
                 allowed: list[torch.Tensor | None] | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, logits_at: list[int] | None = None) -> torch.Tensor:
         """Process ``tokens[b]`` on top of row ``b``'s cache and append them to it.
 
         Args:
@@ -108,9 +108,13 @@ class BatchRunner(TracksFeatures):
                 prefix); or None: causal over everything the row holds.
             last_only: compute logits at the last padded position only (a prefill whose
                 logits nobody reads), unless hidden states are tracked.
+            logits_at: per row, the one index among its new tokens whose logits are
+                wanted (a drafter's catch-up over many tokens reads its last one's): the
+                LM head runs at those positions only, unless hidden states are tracked.
         Returns:
             ``[B, T, V]`` float32 logits, ``T = max n_b``; row ``b``'s are ``[b, :n_b]``
-            (``[B, 1, V]`` with ``last_only``).
+            (``[B, 1, V]`` with ``last_only``; with ``logits_at``, ``[B, 1, V]`` holding
+            row ``b``'s at ``logits_at[b]``).
         """
         if len(tokens) != self.rows:
             raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
@@ -127,8 +131,18 @@ class BatchRunner(TracksFeatures):
         else:
             k_pos = torch.cat([self.slot_pos, pos], dim=1)
             mask = self.layout.model_mask(seen, pos, k_pos, self.dtype, self.device)
+        keep: int | torch.Tensor | None = None
+        if self._hook is None and logits_at is not None:
+            at = torch.tensor(logits_at, dtype=torch.long)
+            cols = torch.unique(at)  # sorted: the positions any row wants
+            keep = to_device(cols, self.device)
+        elif self._hook is None and last_only:
+            keep = 1
         logits = self.call_model(to_device(ids, self.device), to_device(pos, self.device), mask,
-                                 last_only and self._hook is None)
+                                 keep)
+        if logits_at is not None:
+            idx = torch.tensor(logits_at) if keep is None else torch.searchsorted(cols, at)
+            logits = logits[torch.arange(self.rows), to_device(idx, logits.device)][:, None]
         new_slots = torch.arange(s, s + t_new)
         self.slots = [torch.cat([sl, new_slots[:nb]]) for sl, nb in zip(self.slots, n)]
         self.live = torch.cat([self.live, query], dim=1)
@@ -139,12 +153,13 @@ class BatchRunner(TracksFeatures):
         return logits
 
     def call_model(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor,
-                   last_only: bool) -> torch.Tensor:
+                   keep: int | torch.Tensor | None) -> torch.Tensor:
         """The model call of :meth:`forward` on its padded inputs (``ids`` / ``pos``
-        ``[B, T]``, the additive ``mask``) over the cache; returns ``[B, T, V]`` float32
-        logits (``[B, 1, V]`` with ``last_only``). A runner over a model with other
-        inputs (a feature drafter) overrides it."""
-        extra = {"logits_to_keep": 1} if last_only else {}
+        ``[B, T]``, the additive ``mask``) over the cache; returns
+        ``[B, T, V]`` float32 logits, or ``[B, K, V]`` at the positions ``keep`` names
+        (Hugging Face's ``logits_to_keep``: an int, the last ``K``; a ``[K]`` tensor,
+        those). A runner over a model with other inputs (a feature drafter) overrides it."""
+        extra = {"logits_to_keep": keep} if keep is not None else {}
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask,
                          past_key_values=self.cache, use_cache=True, **extra)
         return out.logits.float()

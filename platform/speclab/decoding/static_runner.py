@@ -268,7 +268,8 @@ class StaticBatchRunner(BatchRunner):
         self.slot_pos = torch.zeros(self.fast.rows, self.fast.capacity, dtype=torch.long)
 
     @torch.inference_mode()
-    def forward(self, tokens, positions=None, allowed=None, last_only=False) -> torch.Tensor:
+    def forward(self, tokens, positions=None, allowed=None, last_only=False,
+                logits_at=None) -> torch.Tensor:
         del last_only  # every position's logits: the step's shapes stay few
         if len(tokens) != self.rows:
             raise ValueError(f"tokens: {len(tokens)} rows given, the batch has {self.rows}")
@@ -309,7 +310,11 @@ class StaticBatchRunner(BatchRunner):
         self.width = s + t_new
         self.clock.stop()
         self.calls += 1
-        return logits.index_select(0, idx).float()
+        logits = logits.index_select(0, idx).float()
+        if logits_at is not None:  # (computed at every position: the shapes stay few)
+            at = to_device(torch.tensor(logits_at, dtype=torch.long), logits.device)
+            logits = logits[torch.arange(len(at), device=logits.device), at][:, None]
+        return logits
 
     @torch.inference_mode()
     def add_rows(self, sequences: list[list[int]], logits: bool = True) -> torch.Tensor | None:

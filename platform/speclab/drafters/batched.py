@@ -100,11 +100,11 @@ class BatchModelDrafter(BatchDrafter):
             if self.runner.length(b) >= len(committed):  # root already processed: re-run it
                 self.runner.crop(b, len(committed) - 1)
             tokens[b] = longs(committed[self.runner.length(b):])
-        logits = self.runner.forward(tokens)
+        logits = self.runner.forward(tokens, logits_at=[max(int(t.shape[0]) - 1, 0)
+                                                         for t in tokens])
         out = []
         for b in rows:
-            n = int(tokens[b].shape[0])
-            out.append(logits[b, n - 1])
+            out.append(logits[b, 0])
             self.base[b] = self.runner.length(b)
             self.slots[b] = {0: self.base[b] - 1}
         return torch.stack(out) if out else logits[:0, 0]

@@ -103,10 +103,14 @@ class EagleDrafter(Drafter):
 
     def _run(self, features: torch.Tensor, tokens: torch.Tensor,
              positions: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, F]`` features + ``[T]`` tokens -> (``f_hat [T, H]``, ``probs [T, V]``)."""
+             last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, F]`` features + ``[T]`` tokens -> (``f_hat [T, H]``, ``probs [T, V]``;
+        ``[1, V]``, the last token's, with ``last_only``: a catch-up over a prompt reads
+        no other, and its full ``[T, V]`` softmax over SmolLM2's vocabulary was 200 MB)."""
+        extra = {"logits_to_keep": 1} if last_only else {}
         f_hat, logits = self.runner.run(tokens, positions, allowed,
-                                        features=features.to(self.runner.device)[None])
+                                        features=features.to(self.runner.device)[None],
+                                        **extra)
         return f_hat[0], (logits[0].float() / self.score_temperature).softmax(-1)
 
     def propose(self, committed: list[int], budget: int) -> TokenTree:
@@ -117,7 +121,7 @@ class EagleDrafter(Drafter):
             self.hid = {}
             return TokenTree(committed[-1])
         tokens = torch.tensor(committed[m + 1: n], dtype=torch.long)
-        f_hat, probs = self._run(self.pending, tokens)
+        f_hat, probs = self._run(self.pending, tokens, last_only=True)
         self.pending = torch.zeros(0, self.hidden)
         self.base = self.runner.length
         hid: dict[int, torch.Tensor] = {0: f_hat[-1]}

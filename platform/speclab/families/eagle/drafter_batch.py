@@ -52,15 +52,18 @@ class TakesFeatures:
                 positions: list[torch.Tensor | None] | None = None,
                 allowed: list[torch.Tensor | None] | None = None,
                 last_only: bool = False,
-                features: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                features: list[torch.Tensor | None] | None = None,
+                logits_at: list[int] | None = None) -> torch.Tensor:
         """:meth:`BatchRunner.forward` with ``features[b]`` ``[n_b, F]`` the input feature
         of each of row ``b``'s tokens (None or absent: a row with no tokens; every row's
         must have the same width ``F``). Returns ``[B, T, V]`` float32 logits (every
-        position's); the outputs ``[B, T, H]`` are :attr:`f_hat`."""
-        del last_only  # the drafter computes every position's logits
+        position's; ``[B, 1, V]`` at ``logits_at``); the outputs ``[B, T, H]`` are
+        :attr:`f_hat`."""
+        del last_only  # the drafter computes every position's logits (or logits_at's)
         self._features = features
         try:
-            return super().forward(tokens, positions, allowed, last_only=False)
+            return super().forward(tokens, positions, allowed, last_only=False,
+                                   logits_at=logits_at)
         finally:
             self._features = None
 
@@ -68,13 +71,13 @@ class TakesFeatures:
 class FeatureBatchRunner(TakesFeatures, BatchRunner):
     """The eager :class:`BatchRunner` over an EAGLE drafter (:class:`TakesFeatures`)."""
 
-    def call_model(self, ids, pos, mask, last_only):
-        del last_only  # the drafter computes every position's logits
+    def call_model(self, ids, pos, mask, keep):
         feats = padded_features(self.model, self._features, list(range(ids.shape[0])),
                                 *ids.shape, self.device)
         f_hat, logits = self.model(features=feats, input_ids=ids,
                                    position_ids=pos, attention_mask=mask,
-                                   past_key_values=self.cache, use_cache=True)
+                                   past_key_values=self.cache, use_cache=True,
+                                   logits_to_keep=keep)
         self.f_hat = f_hat
         return logits.float()
 
@@ -233,14 +236,14 @@ class BatchEagleDrafter(BatchTreeDrafter):
                 m, n = self.runner.length(b), len(self.committed[b])
                 tokens[b] = torch.tensor(self.committed[b][m + 1:n], dtype=torch.long)
                 features[b] = self.pending[b]
-            logits = self.runner.forward(tokens, features=features)
+            last = [max(int(t.shape[0]) - 1, 0) for t in tokens]
+            logits = self.runner.forward(tokens, features=features, logits_at=last)
             for b in group:
-                last = int(tokens[b].shape[0]) - 1
-                roots[b] = logits[b, last]
+                roots[b] = logits[b, 0]
                 self.pending[b] = torch.zeros(0, self.width)
                 self.base[b] = self.runner.length(b)
                 self.slots[b] = {0: self.base[b] - 1}
-                self.f_hat[b] = {self.base[b] - 1: self.runner.f_hat[b, last]}
+                self.f_hat[b] = {self.base[b] - 1: self.runner.f_hat[b, last[b]]}
         return torch.stack([roots[b] for b in rows])
 
     def expand(self, requests: dict[int, tuple[TokenTree, list[int]]]) -> dict[int, torch.Tensor]:

@@ -184,10 +184,12 @@ class EagleModel(nn.Module):
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
                 past_key_values=None, use_cache: bool = False,
+                logits_to_keep: int | torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``features [B, T, H]`` (``f_t``), ``input_ids [B, T]`` (``x_{t+1}``) ->
         ``(f_hat [B, T, H], logits [B, T, V])``. ``attention_mask``: None (causal), a
-        ``[B, S]`` padding mask or a ``[B, 1, T, S]`` additive mask (tree attention)."""
+        ``[B, S]`` padding mask or a ``[B, 1, T, S]`` additive mask (tree attention).
+        ``logits_to_keep``: logits at those positions only (:func:`kept_positions`)."""
         emb = self.embed(input_ids)
         if self.meta.embed_scale != 1.0:  # as the target family embeds (Gemma: sqrt(H))
             emb = emb * self.meta.embed_scale
@@ -196,7 +198,7 @@ class EagleModel(nn.Module):
                            attention_mask=attention_mask, past_key_values=past_key_values,
                            use_cache=use_cache)
         f_hat = out.last_hidden_state
-        return f_hat, self.lm_head(f_hat)
+        return f_hat, self.lm_head(kept_positions(f_hat, logits_to_keep))
 
     def cost_inputs(self, n: int) -> dict[str, torch.Tensor]:
         """:func:`feature_inputs`: what a forward of ``n`` new tokens takes besides them."""
@@ -335,3 +337,12 @@ def check_artifact(model: nn.Module, target_config, field: str, target_source: s
     elif int(model.meta.vocab_size) != int(target_vocab):
         raise ValueError(f"{field}: trained for a target with vocab_size="
                          f"{model.meta.vocab_size}, but the target has {target_vocab}")
+
+
+def kept_positions(x: torch.Tensor, keep: int | torch.Tensor | None) -> torch.Tensor:
+    """``x [B, T, ...]`` at the positions an LM head's logits are wanted, as Hugging Face
+    models read ``logits_to_keep``: None all ``T``, an int the last ``keep``, a ``[K]``
+    index tensor those ``K`` positions (every row's)."""
+    if keep is None:
+        return x
+    return x[:, -keep:] if isinstance(keep, int) else x[:, keep]

@@ -62,6 +62,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from speclab.decoding.features import layer_ids, num_decoder_layers
+from speclab.families.eagle.model import kept_positions
 
 if TYPE_CHECKING:
     from speclab.families.eagle.model import EagleMeta
@@ -226,13 +227,16 @@ class Eagle3Model(nn.Module):
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
                 past_key_values=None, use_cache: bool = False,
+                logits_to_keep: int | torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``features [B, T, F]`` (the target's fused ``[B, T, k * H_t]`` or the drafter's
         own ``[B, T, H]``), ``input_ids [B, T]`` -> ``(out [B, T, H], logits [B, T, V])``
         over the target's vocabulary (``finfo.min`` outside the draft vocabulary); ``out``
         is the state fed back for the next draft step (``norm(out)`` with
         ``meta.feed_normed``). ``attention_mask``: None (causal), ``[B, S]`` padding or
-        ``[B, 1, T, S]`` additive."""
+        ``[B, 1, T, S]`` additive. ``logits_to_keep``: logits at those positions only
+        (:func:`~speclab.families.eagle.model.kept_positions`: a catch-up over a long
+        prompt computed ``[B, T, V]`` float logits nobody read, most of a first step)."""
         del use_cache  # the cache is used whenever given
         dtype = self.fc.weight.dtype
         emb = self.embed(input_ids).to(dtype)
@@ -249,8 +253,9 @@ class Eagle3Model(nn.Module):
         out = self.layer(emb, hidden, self.rotary(hidden, position_ids), mask, past_key_values)
         if self.meta.feed_normed:  # speculators' norm_output: the normed state goes on
             out = self.norm(out)
-            return out, self.target_logits(self.lm_head(out))
-        head_in = self.norm(out) if self.meta.head_norm else out
+            return out, self.target_logits(self.lm_head(kept_positions(out, logits_to_keep)))
+        head_in = kept_positions(out, logits_to_keep)
+        head_in = self.norm(head_in) if self.meta.head_norm else head_in
         return out, self.target_logits(self.lm_head(head_in))
 
     def cost_inputs(self, n: int) -> dict[str, torch.Tensor]:
