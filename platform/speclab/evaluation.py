@@ -402,9 +402,8 @@ def interleaved_comparison(
             run_prompts(dec, run, prompts[:1], {**gen, "max_new_tokens": 8})
         dec.forget_budgets()  # the warm-up's first-use costs must not steer the timed passes
     if any(r.params.get("budget") == "auto" for r in runs) and not dec.compile:
-        # the auto budget's curves up to the timed batch (read, or measured now): the
-        # one-prompt warm-up covers one row, and a measurement inside a timed block
-        # would be charged to the method that asked first
+        # the auto budget's curves up to the timed batch (read, or measured now, before
+        # the timed passes): the one-prompt warm-up asked for one row only
         dec.calibration(min(batch_size, len(prompts)))
     batched = batch_size > 1 or dec.compile
     costs = forward_costs if isinstance(forward_costs, CostModel) else None
