@@ -368,6 +368,12 @@ def batch_inputs(tokens: list[torch.Tensor], positions: list[torch.Tensor | None
     return ids, pos, seen, query
 
 
+def last_indices(tokens: list[torch.Tensor]) -> list[int]:
+    """Each row's last new-token index (0 for a row with none): the ``logits_at`` of a
+    catch-up forward, which reads each row's last logits only."""
+    return [max(int(t.shape[0]) - 1, 0) for t in tokens]
+
+
 def prefill_groups(lengths: list[int], floor: int = 64) -> list[list[int]]:
     """The rows of a prefill (``lengths``: tokens per row) split so one padded forward
     per group wastes at most half its tokens on padding: longest first, a group takes

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.batch_runner import BatchRunner, last_indices
 from speclab.decoding.drafting import (
     BatchDrafter,
     TopChildren,
@@ -100,8 +100,7 @@ class BatchModelDrafter(BatchDrafter):
             if self.runner.length(b) >= len(committed):  # root already processed: re-run it
                 self.runner.crop(b, len(committed) - 1)
             tokens[b] = longs(committed[self.runner.length(b):])
-        logits = self.runner.forward(tokens, logits_at=[max(int(t.shape[0]) - 1, 0)
-                                                         for t in tokens])
+        logits = self.runner.forward(tokens, logits_at=last_indices(tokens))
         out = []
         for b in rows:
             out.append(logits[b, 0])

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from speclab.decoding.batch_runner import BatchRunner
+from speclab.decoding.batch_runner import BatchRunner, last_indices
 from speclab.decoding.drafting import TopChildren, TreeSteps
 from speclab.decoding.runner import tree_node_inputs
 from speclab.decoding.static_runner import StaticBatchRunner, Step
@@ -236,7 +236,7 @@ class BatchEagleDrafter(BatchTreeDrafter):
                 m, n = self.runner.length(b), len(self.committed[b])
                 tokens[b] = torch.tensor(self.committed[b][m + 1:n], dtype=torch.long)
                 features[b] = self.pending[b]
-            last = [max(int(t.shape[0]) - 1, 0) for t in tokens]
+            last = last_indices(tokens)
             logits = self.runner.forward(tokens, features=features, logits_at=last)
             for b in group:
                 roots[b] = logits[b, 0]
