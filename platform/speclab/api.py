@@ -36,6 +36,7 @@ from speclab.config.method import MethodSpec, method_class, parse_method
 from speclab.decoding.batch_loop import BatchStats, generate_batch, new_rows
 from speclab.decoding.batch_runner import BatchRunner
 from speclab.decoding.budget import AutoBudget, conditional_acceptance
+from speclab.decoding.gqa_attention import use_packed_attention
 from speclab.decoding.loop import GenerationStats, accept_at_least, generate_tokens
 from speclab.decoding.row_pool import DraftPool, TargetPool, seeded
 from speclab.decoding.rules import request_rule
@@ -110,6 +111,9 @@ class Decoder:
             raise ValueError(f"capacity: must be >= 2 cache slots, got {capacity}")
         if draft is not None:
             check_same_vocab(target, draft)
+        for model in (target, draft):  # sdpa without copying a grouped-query cache
+            if model is not None:
+                use_packed_attention(model)
         self.target = ModelRunner(target)
         self.draft = ModelRunner(draft) if draft is not None else None
         self.tokenizer = tokenizer

@@ -37,17 +37,20 @@ DEFAULT_CONTEXT = 128
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of ``model``'s config, its parameters' names, shapes and dtypes, and a
-    strided sample of at most 4,096 values of each (weights that change change it). Not
-    where it was loaded from: a ``models:/`` drafter downloads to a new temporary folder
-    each time, and with the config's ``_name_or_path`` in the hash no stored calibration
-    of it was ever found again (every process re-measured the pair: 38 s for SmolLM2 at
-    16 rows)."""
+    """A hash of ``model``'s config and attention implementation, its parameters'
+    names, shapes and dtypes, and a strided sample of at most 4,096 values of each
+    (weights that change change it). Not where it was loaded from: a ``models:/``
+    drafter downloads to a new temporary folder each time, and with the config's
+    ``_name_or_path`` in the hash no stored calibration of it was ever found again
+    (every process re-measured the pair: 38 s for SmolLM2 at 16 rows)."""
     h = hashlib.sha256()
     config = getattr(model, "config", None)
     if config is not None:
         settings = {k: v for k, v in config.to_dict().items()
                     if k not in ("_name_or_path", "_commit_hash")}
+        # the attention function changes the costs (gqa_attention: a several-token forward
+        # of SmolLM2 at 16 rows 5x cheaper) and is not in the config's dict
+        settings["attention"] = getattr(config, "_attn_implementation", None)
         h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     with torch.no_grad():
         for name, p in model.named_parameters():

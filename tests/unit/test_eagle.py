@@ -139,6 +139,34 @@ def test_batched_rows_equal_rows_alone(tiny_pair, trained, tmp_path, builder):
     assert [r.stats.accepted_lengths for r in res] == [a.stats.accepted_lengths for a in alone]
 
 
+def test_batched_rows_feed_their_prompts_at_join_grouped_by_length(tiny_pair, trained,
+                                                                   tmp_path, monkeypatch):
+    """Rows of very different prompt lengths: the batched EAGLE drafter feeds each
+    prompt's pairs when the row joins (BatchRunner.add_rows: rows of similar lengths in
+    one forward), so its first sync feeds one pair per row, not the longest prompt
+    padded into every row; outputs stay plain decoding's."""
+    from speclab.families.eagle.drafter_batch import FeatureBatchRunner
+
+    folder = str(save_eagle(trained[0], tmp_path / "e"))
+    dec = Decoder.from_pretrained(tiny_pair["target"])
+    ps = [PROMPT * 12, [7], [5, 6, 7, 8], PROMPT * 3]
+    widths = []
+    real = FeatureBatchRunner.forward
+    monkeypatch.setattr(FeatureBatchRunner, "forward", lambda self, tokens, *a, **k: (
+        widths.append([int(t.shape[0]) for t in tokens]) or real(self, tokens, *a, **k)))
+    kw = {"method": "eagle", "eagle_model": folder, "tree_top_k": 3, "depth": 4,
+          "nodes": 8, "max_new_tokens": 12}
+    res = dec.generate(prompts=ps, **kw)
+    ar = dec.generate(prompts=ps, method="ar", max_new_tokens=12)
+    assert [r.token_ids for r in res] == [a.token_ids for a in ar]
+    # the join: two groups (the 72-token prompt alone; the rest, 18 tokens at most),
+    # each row's pairs but its last; then the first sync feeds one pair per row
+    assert sorted(widths[0] + widths[1]) == sorted(len(p) - 2 if len(p) > 1 else 0
+                                                    for p in ps)
+    assert sorted(map(len, widths[:2])) == [1, 3]
+    assert widths[2] == [1, 0, 1, 1]  # the 1-token prompt has no feature: the target first
+
+
 def test_training_raises_agreement_and_hass_trains_too(tiny_pair, trained):
     model, history, batch = trained
     assert history[-1] < 0.5 * history[0]

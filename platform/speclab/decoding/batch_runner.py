@@ -166,12 +166,15 @@ class BatchRunner(TracksFeatures):
 
     # ------------------------------------------------------------------ rows
     @inference
-    def add_rows(self, sequences: list[list[int]], logits: bool = True) -> torch.Tensor | None:
+    def add_rows(self, sequences: list[list[int]], logits: bool = True,
+                 **per_row: list) -> torch.Tensor | None:
         """Append rows holding ``sequences`` (prefilled in one forward per group of
         :func:`prefill_groups`, then merged into the cache, in the order given). Returns
         their ``[R, T, V]`` logits (row ``r``'s are ``[r, :len(sequences[r])]``), or None
         when ``logits`` is False (then no ``[R, T, V]`` tensor is computed). Tracked
-        features read afterwards are ``[R, T, F]`` in the same order.
+        features read afterwards are ``[R, T, F]`` in the same order. ``per_row``: other
+        inputs of :meth:`forward`, one entry per sequence (an EAGLE drafter's
+        ``features``), split with the groups.
 
         One padded forward over prompts of very different lengths costs the longest
         prompt's tokens in every row: one 2,000-token prompt among 15 of 40 tokens took
@@ -181,11 +184,12 @@ class BatchRunner(TracksFeatures):
             return torch.zeros(0, 0, self.vocab_size) if logits else None
         groups = prefill_groups([len(q) for q in sequences])
         if len(groups) == 1:
-            return self._add_group(sequences, logits)
+            return self._add_group(sequences, logits, **per_row)
         first = self.rows
         outs, feats = [], []
         for g in groups:
-            outs.append(self._add_group([sequences[i] for i in g], logits))
+            outs.append(self._add_group([sequences[i] for i in g], logits,
+                                        **{k: [v[i] for i in g] for k, v in per_row.items()}))
             if self._hook is not None:
                 feats.append(dict(self._hook.values))
         order = [i for g in groups for i in g]  # the row at first + p holds sequence order[p]
@@ -206,7 +210,8 @@ class BatchRunner(TracksFeatures):
         self.live[first:] = self.live[first:][order]
         self.slot_pos[first:] = self.slot_pos[first:][order]
 
-    def _add_group(self, sequences: list[list[int]], logits: bool) -> torch.Tensor | None:
+    def _add_group(self, sequences: list[list[int]], logits: bool,
+                   **per_row: list) -> torch.Tensor | None:
         """:meth:`add_rows` for sequences prefilled in ONE forward."""
         old_cache, old_slots, old_width, old_live = self.cache, self.slots, self.width, self.live
         old_pos = self.slot_pos
@@ -216,7 +221,7 @@ class BatchRunner(TracksFeatures):
         self.slot_pos = torch.zeros(len(sequences), 0, dtype=torch.long)
         # rows with nothing to prefill get one hidden padding slot, so the cache exists
         out = self.forward([torch.tensor(q, dtype=torch.long) for q in sequences],
-                           last_only=not logits)
+                           last_only=not logits, **per_row)
         logits = out if logits else None
         if old_cache is None or not old_slots:
             return logits

@@ -317,9 +317,11 @@ class StaticBatchRunner(BatchRunner):
         return logits
 
     @torch.inference_mode()
-    def add_rows(self, sequences: list[list[int]], logits: bool = True) -> torch.Tensor | None:
-        """Prefill the new rows eagerly (a plain :class:`BatchRunner`), then copy their
-        cache into free physical rows, just below the write frontier."""
+    def add_rows(self, sequences: list[list[int]], logits: bool = True,
+                 **per_row: list) -> torch.Tensor | None:
+        """Prefill the new rows eagerly (a plain :class:`BatchRunner`; ``per_row`` as
+        there), then copy their cache into free physical rows, just below the write
+        frontier."""
         free = [p for p in range(self.fast.rows) if p not in self.phys]
         if len(sequences) > len(free):
             raise ValueError(f"batch_size: {len(self.phys) + len(sequences)} rows exceed the "
@@ -327,7 +329,7 @@ class StaticBatchRunner(BatchRunner):
         pre = self.eager(self.model)
         for spec in self.specs:
             pre.track_hidden(spec)
-        out = pre.add_rows(sequences, logits)
+        out = pre.add_rows(sequences, logits, **per_row)
         self.take_prefill(pre)
         pre.compact()
         longest = pre.width

@@ -16,15 +16,17 @@ def tiny_llama_config(
     intermediate_size: int | None = None,
     max_positions: int = 512,
     eos_token_id: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> LlamaConfig:
-    """A small LlamaConfig (sdpa attention, no tied embeddings)."""
+    """A small LlamaConfig (sdpa attention, no tied embeddings; ``num_kv_heads``:
+    grouped-query attention, default one key/value head per query head)."""
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 4 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
         max_position_embeddings=max_positions,
         eos_token_id=eos_token_id,
         bos_token_id=None,

@@ -35,6 +35,9 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel
 
+from speclab.decoding.gqa_attention import NAME as PACKED_ATTENTION
+from speclab.decoding.gqa_attention import register as register_packed_attention
+
 KIND = "speclab-eagle"
 
 
@@ -130,7 +133,10 @@ class EagleMeta:
             layer_ids(self.feature_layers, num_decoder_layers(config), f"{name}: feature_layers")
 
     def layer_config(self) -> LlamaConfig:
-        """The LLaMA config of the drafter's decoder layers."""
+        """The LLaMA config of the drafter's decoder layers (attention:
+        :func:`speclab.decoding.gqa_attention.packed_sdpa`, sdpa without copying a
+        grouped-query cache for a several-token query)."""
+        register_packed_attention()
         extra = {"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling else {}
         if self.head_dim:
             extra["head_dim"] = self.head_dim
@@ -140,7 +146,7 @@ class EagleMeta:
             num_attention_heads=self.heads, num_key_value_heads=self.kv_heads or self.heads,
             max_position_embeddings=self.max_positions, rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta, bos_token_id=None, eos_token_id=None,
-            pad_token_id=None, tie_word_embeddings=False, attn_implementation="sdpa",
+            pad_token_id=None, tie_word_embeddings=False, attn_implementation=PACKED_ATTENTION,
             **extra)
 
 
