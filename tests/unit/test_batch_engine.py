@@ -148,6 +148,35 @@ def test_logits_at_computes_each_rows_wanted_position_only(tiny_pair):
         torch.testing.assert_close(got[b, 0], want[b, i], atol=1e-5, rtol=1e-5)
 
 
+def test_with_tracked_features_the_lm_head_runs_at_the_wanted_positions_only(tiny_pair):
+    """A target whose hidden states are tracked (a feature drafter's): ``logits_at`` and
+    ``last_only`` feed the LM head the wanted positions only, and the kept states stay
+    every position's."""
+    model = Decoder.from_pretrained(tiny_pair["target"]).target.model
+    seqs, new = [[1, 2, 3], [4, 5], [6]], [[7, 8, 9], [1], [2, 3, 4]]
+    full, part = BatchRunner(model), BatchRunner(model)
+    for r in (full, part):
+        r.track_hidden("eagle3")
+        r.add_rows(seqs)
+    want = full.forward([torch.tensor(t) for t in new])
+    want_states = full.features("eagle3")
+    seen = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(
+        lambda _m, args: seen.append(tuple(args[0].shape)))
+    try:
+        at = [len(t) - 1 for t in new]
+        got = part.forward([torch.tensor(t) for t in new], logits_at=at)
+        torch.testing.assert_close(part.features("eagle3"), want_states)
+        assert part.features(None).shape[:2] == (3, 3)
+        part.add_rows([[9, 9, 9, 9]], logits=False)
+    finally:
+        handle.remove()
+    h = model.config.hidden_size  # (this hook runs after the runners', on their cut)
+    assert seen == [(3, 2, h), (1, 1, h)]  # positions 0 and 2 of 3; the prefill's last
+    for b, i in enumerate(at):
+        torch.testing.assert_close(got[b, 0], want[b, i], atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_groups_bound_the_padding():
     """Longest first; a group takes rows at least half as long as its longest, and every
     row once its longest is at most the floor."""

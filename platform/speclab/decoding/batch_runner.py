@@ -107,10 +107,10 @@ class BatchRunner(TracksFeatures):
                 only, each also seeing everything the row holds (a tree over a committed
                 prefix); or None: causal over everything the row holds.
             last_only: compute logits at the last padded position only (a prefill whose
-                logits nobody reads), unless hidden states are tracked.
+                logits nobody reads; tracked hidden states are kept whole).
             logits_at: per row, the one index among its new tokens whose logits are
                 wanted (a drafter's catch-up over many tokens reads its last one's): the
-                LM head runs at those positions only, unless hidden states are tracked.
+                LM head runs at those positions only.
         Returns:
             ``[B, T, V]`` float32 logits, ``T = max n_b``; row ``b``'s are ``[b, :n_b]``
             (``[B, 1, V]`` with ``last_only``; with ``logits_at``, ``[B, 1, V]`` holding
@@ -132,16 +132,22 @@ class BatchRunner(TracksFeatures):
             k_pos = torch.cat([self.slot_pos, pos], dim=1)
             mask = self.layout.model_mask(seen, pos, k_pos, self.dtype, self.device)
         keep: int | torch.Tensor | None = None
-        if self._hook is None and logits_at is not None:
+        if logits_at is not None:
             at = torch.tensor(logits_at, dtype=torch.long)
             cols = torch.unique(at)  # sorted: the positions any row wants
             keep = to_device(cols, self.device)
-        elif self._hook is None and last_only:
-            keep = 1
-        logits = self.call_model(to_device(ids, self.device), to_device(pos, self.device), mask,
-                                 keep)
+        elif last_only:
+            keep = 1 if self._hook is None else to_device(torch.tensor([t_new - 1]), self.device)
+        if self._hook is not None:  # the hooks keep every position's states; the LM head
+            self._hook.head_positions, keep = keep, None  # computes the wanted ones
+        try:
+            logits = self.call_model(to_device(ids, self.device), to_device(pos, self.device),
+                                     mask, keep)
+        finally:
+            if self._hook is not None:
+                self._hook.head_positions = None
         if logits_at is not None:
-            idx = torch.tensor(logits_at) if keep is None else torch.searchsorted(cols, at)
+            idx = torch.searchsorted(cols, at) if logits.shape[1] == len(cols) else at
             logits = logits[torch.arange(self.rows), to_device(idx, logits.device)][:, None]
         new_slots = torch.arange(s, s + t_new)
         self.slots = [torch.cat([sl, new_slots[:nb]]) for sl, nb in zip(self.slots, n)]

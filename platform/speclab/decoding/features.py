@@ -103,18 +103,28 @@ class FeatureHooks:
 
     ``values[i]``: ``[B, T, H]`` hidden state ``i`` (the module docstring's indexing); the
     LM head's input (``i = L``) is always tracked, decoder-layer inputs once a spec
-    :meth:`add`\\ s them. :meth:`get` concatenates a spec's states."""
+    :meth:`add`\\ s them. :meth:`get` concatenates a spec's states.
+
+    ``head_positions`` (``[K]`` indices along ``T``, or None): the LM head then computes
+    the logits at those positions only (``[B, K, V]``), its input kept whole. What
+    ``logits_to_keep`` does without hooks, which would cut the kept input too (a
+    prefill's or a catch-up's logits over SmolLM2's 49,152 tokens at every prompt
+    position, for one position read)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.num_layers = num_decoder_layers(model.config)
         self.values: dict[int, torch.Tensor] = {}
         self.handles: dict[int, Any] = {}
+        self.head_positions: torch.Tensor | None = None
         self._hook(self.num_layers, model.get_output_embeddings())
 
     def _hook(self, index: int, module: nn.Module) -> None:
         def grab(_module, args, kwargs):
             self.values[index] = _states(args, kwargs).detach()
+            if index == self.num_layers and self.head_positions is not None and args:
+                return (args[0][:, self.head_positions], *args[1:]), kwargs
+            return None
 
         self.handles[index] = module.register_forward_pre_hook(grab, with_kwargs=True)
 
