@@ -168,6 +168,8 @@ def test_with_tracked_features_the_lm_head_runs_at_the_wanted_positions_only(tin
         got = part.forward([torch.tensor(t) for t in new], logits_at=at)
         torch.testing.assert_close(part.features("eagle3"), want_states)
         assert part.features(None).shape[:2] == (3, 3)
+        # each row reads its own from ONE concatenation per forward
+        assert part.features("eagle3") is part.features("eagle3")
         part.add_rows([[9, 9, 9, 9]], logits=False)
     finally:
         handle.remove()

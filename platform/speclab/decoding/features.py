@@ -114,14 +114,27 @@ class FeatureHooks:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.num_layers = num_decoder_layers(model.config)
-        self.values: dict[int, torch.Tensor] = {}
         self.handles: dict[int, Any] = {}
         self.head_positions: torch.Tensor | None = None
+        #: the last forward's concatenations, by layer ids: every row of a batch reads
+        #: its own from one (16 rows re-concatenated the batch's 16 times a step)
+        self._joined: dict[tuple[int, ...], torch.Tensor | None] = {}
+        self.values = {}
         self._hook(self.num_layers, model.get_output_embeddings())
+
+    @property
+    def values(self) -> dict[int, torch.Tensor]:
+        """The kept states of the last forward, by index."""
+        return self._values
+
+    @values.setter
+    def values(self, values: dict[int, torch.Tensor]) -> None:
+        self._values, self._joined = values, {}
 
     def _hook(self, index: int, module: nn.Module) -> None:
         def grab(_module, args, kwargs):
             self.values[index] = _states(args, kwargs).detach()
+            self._joined = {}
             if index == self.num_layers and self.head_positions is not None and args:
                 return (args[0][:, self.head_positions], *args[1:]), kwargs
             return None
@@ -137,7 +150,10 @@ class FeatureHooks:
     def get(self, spec: FeatureSpec = None) -> torch.Tensor | None:
         """``[B, T, len(ids) * H]``: the states ``spec`` names, concatenated (None before
         the first forward)."""
-        return concat_states(self.values, layer_ids(spec, self.num_layers))
+        ids = layer_ids(spec, self.num_layers)
+        if ids not in self._joined:
+            self._joined[ids] = concat_states(self.values, ids)
+        return self._joined[ids]
 
     def clear(self) -> None:
         """Forget the kept states (the hooks stay)."""
