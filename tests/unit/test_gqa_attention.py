@@ -93,3 +93,29 @@ def test_models_without_sdpa_are_left_alone(gqa_pair):
     assert eager.config._attn_implementation == "eager"
     packed = load_model(gqa_pair[0])
     assert use_packed_attention(packed) and use_packed_attention(packed)
+
+
+def test_an_eagle_drafter_with_grouped_heads_drafts_without_repeating_them(
+        gqa_pair, tmp_path, monkeypatch):
+    """An EAGLE drafter whose layer groups its heads (as public EAGLE-3 checkpoints of
+    LLaMA-3 do: 32 over 8) is built with the packed attention; its tree steps and the
+    target's verification never repeat a cache, and the output is plain decoding's."""
+    from dataclasses import replace
+
+    from speclab.families.eagle.model import EagleMeta, EagleModel, save_eagle
+
+    target = load_model(gqa_pair[0])
+    model = EagleModel(replace(EagleMeta.for_target(target.config), kv_heads=2))
+    assert model.config._attn_implementation == NAME
+    folder = str(save_eagle(model, tmp_path / "eagle"))
+    dec = Decoder.from_pretrained(gqa_pair[0])
+    ps = prompts(3)
+    want = [r.token_ids for r in dec.generate(prompts=ps, method="ar", max_new_tokens=10)]
+    repeats = []
+    real = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv",
+                        lambda x, n: repeats.append(n) or real(x, n))
+    got = dec.generate(prompts=ps, method="eagle", eagle_model=folder, tree_top_k=3, depth=3,
+                       nodes=8, max_new_tokens=10)
+    assert [r.token_ids for r in got] == want
+    assert repeats == []
