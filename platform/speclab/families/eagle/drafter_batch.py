@@ -160,11 +160,10 @@ class BatchEagleDrafter(BatchTreeDrafter):
 
     def join(self, prompts, generators, prefill_tops, features) -> None:
         """New rows, their prompts' pairs fed now (token ``i + 1`` with the target's
-        feature ``i``) but the last, which the first :meth:`sync` feeds for the root's
-        logits:
-        :meth:`BatchRunner.add_rows` prefills rows of similar lengths together, where
-        a first :meth:`sync` over whole prompts padded every row to the longest (16
-        ShareGPT prompts of 35 to 1,465 tokens: 0.8 s of EAGLE-3 on SmolLM2, mostly
+        feature ``i``), all but the last, which the first :meth:`sync` feeds for the
+        root's logits. :meth:`BatchRunner.add_rows` prefills rows of similar lengths
+        together, where a first sync over whole prompts padded every row to the longest
+        (16 ShareGPT prompts of 35 to 1,465 tokens: 0.8 s of EAGLE-3 on SmolLM2, mostly
         padding)."""
         del prefill_tops
         first = len(self.committed)
