@@ -142,9 +142,9 @@ def test_batched_rows_equal_rows_alone(tiny_pair, trained, tmp_path, builder):
 def test_batched_rows_feed_their_prompts_at_join_grouped_by_length(tiny_pair, trained,
                                                                    tmp_path, monkeypatch):
     """Rows of very different prompt lengths: the batched EAGLE drafter feeds each
-    prompt's pairs when the row joins (BatchRunner.add_rows: rows of similar lengths in
-    one forward), so its first sync feeds one pair per row, not the longest prompt
-    padded into every row; outputs stay plain decoding's."""
+    prompt's pairs when the row first drafts (BatchRunner.add_rows: rows of similar
+    lengths in one forward), so its first sync feeds one pair per row, not the longest
+    prompt padded into every row; outputs stay plain decoding's."""
     from speclab.families.eagle.drafter_batch import FeatureBatchRunner
 
     folder = str(save_eagle(trained[0], tmp_path / "e"))
@@ -165,6 +165,42 @@ def test_batched_rows_feed_their_prompts_at_join_grouped_by_length(tiny_pair, tr
                                                     for p in ps)
     assert sorted(map(len, widths[:2])) == [1, 3]
     assert widths[2] == [1, 0, 1, 1]  # the 1-token prompt has no feature: the target first
+
+
+@pytest.mark.parametrize("method", ["chain", "eagle"])
+def test_a_rows_draft_prefill_waits_for_its_first_draft(tiny_pair, trained, tmp_path,
+                                                        monkeypatch, method):
+    """A batch decoded plainly (an auto budget of 0 every step) runs no draft forward at
+    all; one that drafts after plain steps prefills what the rows committed by then and
+    decodes what plain decoding does; rows that join later (a batch of 2 over 4 prompts)
+    wait at the end of the batch while the others draft, and leave from anywhere."""
+    from speclab.decoding.budget import RowBudget
+
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    folder = str(save_eagle(trained[0], tmp_path / "e"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    kw = ({"gamma": 3} if method == "chain" else
+          {"eagle_model": folder, "tree_top_k": 3, "depth": 3, "nodes": 6})
+    ps = [PROMPT * 4, [7], [5, 6, 7, 8], PROMPT]
+    ar = [r.token_ids for r in dec.generate(prompts=ps, method="ar", max_new_tokens=14)]
+    plan: list[int] = []
+
+    def choose(self, limit=None):
+        b = min(plan[min(len(self.chosen), len(plan) - 1)],
+                limit if limit is not None else self.max_depth)
+        self.chosen.append(b)
+        return b
+
+    monkeypatch.setattr(RowBudget, "choose", choose)
+    plan[:] = [0]
+    res = dec.generate(prompts=ps, method=method, budget="auto", max_new_tokens=14, **kw)
+    assert [r.token_ids for r in res] == ar and dec.last_batch.draft_forwards == 0
+    for size in (4, 2):
+        plan[:] = [0, 0, 0, 3, 0, 2, 3, 1, 0, 3]
+        res = dec.generate(prompts=ps, method=method, budget="auto", max_new_tokens=14,
+                           batch_size=size, **kw)
+        assert [r.token_ids for r in res] == ar
+        assert dec.last_batch.draft_forwards > 0
 
 
 def test_training_raises_agreement_and_hass_trains_too(tiny_pair, trained):

@@ -152,7 +152,12 @@ def test_pools_group_drafters_by_sampling_and_name_unknown_requests(tiny_pair):
             NewRow("b", [4, 5], hot, RuleSpec("sample"), seeded(0))]
     target.start(rows)
     drafts.join(rows)
-    assert len(drafts.groups) == 2 and target.length("a") == 2 and drafts.length("b") == 1
+    # a draft row's prompt waits for its first draft: a request decoded plainly costs none
+    assert len(drafts.groups) == 2 and target.length("a") == 2 and drafts.length("b") == 0
+    drafts.propose([("b", None, [], 0, None)])
+    assert drafts.length("b") == 0
+    drafts.propose([("b", None, [], 2, None)])  # prompt (1), root (1), the chain's first (1)
+    assert drafts.length("b") == 3
     with pytest.raises(KeyError):
         target.verify([("nope", None)])
     with pytest.raises(KeyError):

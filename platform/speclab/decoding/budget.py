@@ -304,8 +304,8 @@ class AutoBudget:
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         rows = max(len(self._rows), 1)
-        if len(self.decisions) < self.warmup:  # the best positive depth by the prior
-            best = max(range(1, len(rates)), key=rates.__getitem__)
+        if len(self.decisions) < self.warmup and best > 0:
+            pass  # the prior says drafting pays: draft at once, r0 measured after
         elif (best > 0 and rows not in self.plain_ratios
               and self._plain_probes.get(rows, 0) < self.plain_probes):
             best = 0  # drafting wins against an r0 not measured at this batch size: measure

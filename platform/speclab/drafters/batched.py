@@ -36,6 +36,17 @@ class BatchModelDrafter(BatchDrafter):
     row what it lacks (always the root) in ONE forward; tree nodes are appended during
     the round (``slots[b]``: node -> logical cache position) and :meth:`accept` keeps the
     committed prefix plus the accepted, processed nodes.
+
+    A joining row's prompt is prefilled when the row first drafts, not when it joins
+    (:meth:`prefill`): rows decoded plainly (an ``auto`` budget of 0, the rule at a
+    batch size where drafting does not pay) never cost a draft prefill. The runner holds
+    the first :attr:`held` rows; those that joined since wait at the end of the batch
+    (rows join at the end and leave from anywhere, so the waiting ones stay a suffix)
+    and are prefilled together, grouped by length
+    (:meth:`~speclab.decoding.batch_runner.BatchRunner.add_rows`), as soon as one of them
+    drafts. SmolLM2 at 16 rows of ShareGPT prompts (35 to 1,465 tokens): the 4-layer draft
+    model's prefill took 0.27 s, 4% of a 48-token run that an ``auto`` budget decoded
+    plainly.
     """
 
     def __init__(self, runner: BatchRunner) -> None:
@@ -45,21 +56,23 @@ class BatchModelDrafter(BatchDrafter):
         self.last: list[TokenTree | None] = []
         self.base: list[int] = []
         self.slots: list[dict[int, int]] = []
+        self.held = 0  # rows the runner holds (the first ones); the others wait to draft
 
     @property
     def calls(self) -> int:
         return self.runner.calls
 
     def cached_tokens(self, row: int) -> int:
-        return self.runner.length(row)
+        return self.runner.length(row) if row < self.held else 0
 
     @property
     def rows(self) -> int:
         return len(self.committed)
 
     def join(self, prompts, generators, prefill_tops, features) -> None:
+        """New rows at the end; their prompts wait for the rows' first draft
+        (:meth:`prefill`)."""
         del prefill_tops, features
-        self.runner.add_rows([list(p[:-1]) for p in prompts], logits=False)
         for p, g in zip(prompts, generators, strict=True):
             self.committed.append(list(p))
             self.generators.append(g)
@@ -67,8 +80,22 @@ class BatchModelDrafter(BatchDrafter):
             self.base.append(0)
             self.slots.append({})
 
+    def prefill(self, rows: list[int]) -> None:
+        """Feed waiting rows ``rows`` (the batch's last ones, in order) what they have
+        committed, all but the last token (the first :meth:`sync` feeds it for the root's
+        logits), as new rows of the runner."""
+        self.runner.add_rows([list(self.committed[b][:-1]) for b in rows], logits=False)
+
+    def hold_waiting(self, budgets: list[int]) -> None:
+        """Prefill the waiting rows (:meth:`prefill`) once one of them drafts (a budget
+        above 0)."""
+        if any(budgets[b] > 0 for b in range(self.held, self.rows)):
+            self.prefill(list(range(self.held, self.rows)))
+            self.held = self.rows
+
     def drop(self, rows: list[int]) -> None:
-        self.runner.drop(rows)
+        self.runner.drop([b for b in rows if b < self.held])
+        self.held -= sum(1 for b in set(rows) if b < self.held)
         for b in sorted(rows, reverse=True):
             for state in (self.committed, self.generators, self.last, self.base, self.slots):
                 state.pop(b)
@@ -81,7 +108,8 @@ class BatchModelDrafter(BatchDrafter):
         """Row ``row``'s committed tokens and cache keep their first ``keep``; its last
         tree is forgotten (:meth:`sync` feeds the rest with its next proposal)."""
         self.committed[row] = self.committed[row][:keep]
-        self.runner.crop(row, min(self.runner.length(row), keep))
+        if row < self.held:
+            self.runner.crop(row, min(self.runner.length(row), keep))
         self.last[row] = None
         self.base[row], self.slots[row] = 0, {}
 
@@ -135,6 +163,7 @@ class BatchModelDrafter(BatchDrafter):
         for b, (new, f) in enumerate(zip(news, features, strict=True)):
             self.committed[b] += new
             self.observe(b, f)
+        self.hold_waiting(budgets)
         trees: list[TokenTree | None] = [None] * len(budgets)
         rows = []
         for b, budget in enumerate(budgets):

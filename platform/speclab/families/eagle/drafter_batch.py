@@ -154,36 +154,51 @@ class BatchEagleDrafter(BatchTreeDrafter):
         super().__init__(runner or FeatureBatchRunner(model), "eagle", steps, k,
                          score_temperature)
         self.width = int(model.meta.feature_width)  # the target's features: H or k * H
-        self.pending: list[torch.Tensor] = []  # per row: [c, F] target features owed
+        #: per row: the target features ``[c, F]`` owed, in the chunks that came (a row
+        #: waiting for its first draft collects one per step; joined when read)
+        self.pending: list[list[torch.Tensor]] = []
         self.f_hat: list[dict[int, torch.Tensor]] = []  # per row: logical position -> [H]
         self.guess: list[list[torch.Tensor] | None] = []  # per row: own outputs on a path
 
     def join(self, prompts, generators, prefill_tops, features) -> None:
-        """New rows, their prompts' pairs fed now (token ``i + 1`` with the target's
-        feature ``i``), all but the last, which the first :meth:`sync` feeds for the
-        root's logits. :meth:`BatchRunner.add_rows` prefills rows of similar lengths
-        together, where a first sync over whole prompts padded every row to the longest
-        (16 ShareGPT prompts of 35 to 1,465 tokens: 0.8 s of EAGLE-3 on SmolLM2, mostly
-        padding)."""
+        """New rows with their prompts' features; the pairs wait for the rows' first
+        draft (:meth:`prefill`)."""
         del prefill_tops
-        first = len(self.committed)
         for p, g, f in zip(prompts, generators, features, strict=True):
             self.committed.append(list(p))
             self.generators.append(g)
             self.last.append(None)
             self.base.append(0)
             self.slots.append({})
-            self.pending.append(torch.zeros(0, self.width))
+            self.pending.append([])
             self.f_hat.append({})
             self.guess.append(None)
             self.observe(len(self.committed) - 1, f)
-        owed = self.pending[first:]
-        ready = [max(min(len(p) - 1, len(f)) - 1, 0) for p, f in zip(prompts, owed, strict=True)]
-        self.runner.add_rows([list(p[1:1 + k]) for p, k in zip(prompts, ready, strict=True)],
+
+    def prefill(self, rows: list[int]) -> None:
+        """Feed waiting rows ``rows`` their committed pairs (token ``i + 1`` with the
+        target's feature ``i``), all but the last, which the first :meth:`sync` feeds for
+        the root's logits. :meth:`BatchRunner.add_rows` prefills rows of similar lengths
+        together, where a first sync over whole prompts padded every row to the longest
+        (16 ShareGPT prompts of 35 to 1,465 tokens: 0.8 s of EAGLE-3 on SmolLM2, mostly
+        padding)."""
+        owed = [self.owed(b) for b in rows]
+        ready = [max(min(len(self.committed[b]) - 1, len(f)) - 1, 0)
+                 for b, f in zip(rows, owed, strict=True)]
+        self.runner.add_rows([list(self.committed[b][1:1 + k]) for b, k in zip(rows, ready,
+                                                                                strict=True)],
                              logits=False,
                              features=[f[:k] for f, k in zip(owed, ready, strict=True)])
-        for i, k in enumerate(ready):
-            self.pending[first + i] = owed[i][k:]
+        for b, f, k in zip(rows, owed, ready, strict=True):
+            self.pending[b] = [f[k:]]
+
+    def owed(self, b: int) -> torch.Tensor:
+        """Row ``b``'s queued target features ``[c, F]`` as one tensor (kept so)."""
+        chunks = self.pending[b]
+        out = (chunks[0] if len(chunks) == 1 else torch.cat(chunks) if chunks
+               else torch.zeros(0, self.width))
+        self.pending[b] = [out] if len(out) else []
+        return out
 
     def drop(self, rows: list[int]) -> None:
         super().drop(rows)
@@ -193,20 +208,21 @@ class BatchEagleDrafter(BatchTreeDrafter):
 
     def observe(self, b: int, features: torch.Tensor | None) -> None:
         """Queue the target's features ``[n, F]`` of row ``b``'s next committed positions."""
-        if features is not None:
-            self.pending[b] = torch.cat([self.pending[b],
-                                         checked_features(features, self.width)])
+        if features is not None and len(features):
+            self.pending[b].append(checked_features(features, self.width))
 
     def rewind(self, row: int, keep: int) -> None:
         """Keep row ``row``'s pairs of its first ``keep`` committed tokens (at most
         ``keep - 1``) and the target features still owed for them; what was drafted on
         the drafter's own outputs (drafting ahead) goes."""
-        runner = self.runner
-        runner.crop(row, min(runner.length(row), max(keep - 1, 0)))
-        self.pending[row] = self.pending[row][:max(keep - 1 - runner.length(row), 0)]
+        runner, held = self.runner, row < self.held
+        if held:
+            runner.crop(row, min(runner.length(row), max(keep - 1, 0)))
+        length = runner.length(row) if held else 0
+        self.pending[row] = [self.owed(row)[:max(keep - 1 - length, 0)]]
         self.committed[row] = self.committed[row][:keep]
         self.last[row], self.guess[row], self.f_hat[row] = None, None, {}
-        self.base[row], self.slots[row] = runner.length(row), {}
+        self.base[row], self.slots[row] = length, {}
 
     def accept(self, paths: list[list[int] | None]) -> None:
         """Crop each verified row to its committed pairs; keep the drafter's own outputs
@@ -232,16 +248,17 @@ class BatchEagleDrafter(BatchTreeDrafter):
         or on a guessed path the drafter's own outputs; None when it has none yet (a
         1-token prompt: the target goes first)."""
         guess, self.guess[b] = self.guess[b], None
-        self.pending[b] = owed_features(self.pending[b], guess, len(self.committed[b]),
-                                        self.runner.length(b))
-        return self.pending[b] if len(self.pending[b]) else None
+        owed = owed_features(self.owed(b), guess, len(self.committed[b]),
+                             self.runner.length(b))
+        self.pending[b] = [owed] if len(owed) else []
+        return owed if len(owed) else None
 
     def sync(self, rows: list[int]) -> torch.Tensor:
         """Feed rows ``rows`` their owed pairs (one forward per feature width, usually
         one); returns their ``[len(rows), V]`` root logits."""
         by_width: dict[int, list[int]] = {}
         for b in rows:
-            by_width.setdefault(int(self.pending[b].shape[-1]), []).append(b)
+            by_width.setdefault(int(self.owed(b).shape[-1]), []).append(b)
         roots: dict[int, torch.Tensor] = {}
         for group in by_width.values():
             tokens = [torch.zeros(0, dtype=torch.long) for _ in range(self.runner.rows)]
@@ -249,12 +266,12 @@ class BatchEagleDrafter(BatchTreeDrafter):
             for b in group:
                 m, n = self.runner.length(b), len(self.committed[b])
                 tokens[b] = torch.tensor(self.committed[b][m + 1:n], dtype=torch.long)
-                features[b] = self.pending[b]
+                features[b] = self.owed(b)
             last = last_indices(tokens)
             logits = self.runner.forward(tokens, features=features, logits_at=last)
             for b in group:
                 roots[b] = logits[b, 0]
-                self.pending[b] = torch.zeros(0, self.width)
+                self.pending[b] = []
                 self.base[b] = self.runner.length(b)
                 self.slots[b] = {0: self.base[b] - 1}
                 self.f_hat[b] = {self.base[b] - 1: self.runner.f_hat[b, last[b]]}
