@@ -35,9 +35,9 @@ from speclab.calibration import Calibration, calibrate, load_calibration
 from speclab.config.method import MethodSpec, method_class, parse_method
 from speclab.decoding.batch_loop import BatchStats, generate_batch, new_rows
 from speclab.decoding.batch_runner import BatchRunner
-from speclab.decoding.budget import AutoBudget, conditional_acceptance
+from speclab.decoding.budget import Acceptance, AutoBudget, judged_counts
 from speclab.decoding.gqa_attention import use_packed_attention
-from speclab.decoding.loop import GenerationStats, accept_at_least, generate_tokens
+from speclab.decoding.loop import GenerationStats, generate_tokens
 from speclab.decoding.row_pool import DraftPool, TargetPool, seeded
 from speclab.decoding.rules import request_rule
 from speclab.decoding.runner import ModelRunner
@@ -128,6 +128,7 @@ class Decoder:
         self._live_rows: Callable[[], list[str]] = list
         self._calibration: Calibration | None = None  # the `auto` budget's cost curves
         self.acceptance: dict[str, list[float]] = {}  # method -> measured q_k (auto's prior)
+        self._acceptance_counts: dict[str, Acceptance] = {}  # method -> the rounds behind it
         # (method, its draft length, engine, rows) -> AutoBudget.state()
         self._budgets: dict[tuple, dict] = {}
         eos = target.generation_config.eos_token_id if target.generation_config else None
@@ -258,7 +259,9 @@ class Decoder:
             raise ValueError(f"budget: auto needs a method with a known draft length; "
                              f"{cfg.name!r} does not say its own")
         costs = self.calibration(rows if batched else 1).round_costs(batched)
-        budget = AutoBudget(costs, depth, list(self.acceptance.get(cfg.label or cfg.name, ())))
+        label = cfg.label or cfg.name
+        budget = AutoBudget(costs, depth, list(self.acceptance.get(label, ())),
+                            measured=self._acceptance_counts.get(label))
         state = self._budgets.get((cfg.label or cfg.name, depth, batched, rows))
         return budget.resume(state) if state is not None else budget
 
@@ -279,12 +282,20 @@ class Decoder:
 
     def _measured(self, cfg: MethodSpec, stats: list[GenerationStats]) -> None:
         """Remember a drafting method's per-position acceptance (the next ``auto``
-        budget's prior)."""
+        budget's prior): the counts of every round this Decoder ran with it (an ``auto``
+        run that decoded mostly plainly adds few rounds, and moves the prior little)."""
         depth = cfg.draft_length() if cfg.traits().drafting else None
         if depth:
-            q = conditional_acceptance(accept_at_least(stats, depth))
+            label = cfg.label or cfg.name
+            counts = judged_counts([a for s in stats for a in s.round_accepted],
+                                   [r for s in stats for r in s.round_reach], depth)
+            old = self._acceptance_counts.get(label)
+            if old is not None and len(old.judged) == depth:
+                counts = old.plus(counts)
+            q = counts.rates()
             if q:
-                self.acceptance[cfg.label or cfg.name] = q
+                self.acceptance[label] = q
+                self._acceptance_counts[label] = counts
 
     def drafter_networks(self) -> dict[str, torch.nn.Module]:
         """The drafters' own networks loaded so far (once per Decoder, e.g. an EAGLE

@@ -14,7 +14,7 @@ import torch
 
 from speclab.api import Decoder
 from speclab.calibration import calibrate, calibration_key, load_calibration
-from speclab.decoding.budget import AutoBudget, RoundCosts, RowBudget, conditional_acceptance
+from speclab.decoding.budget import Acceptance, AutoBudget, RoundCosts, RowBudget, judged_counts
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
 
@@ -95,7 +95,11 @@ def test_wall_time_beyond_the_curves_is_learned_as_a_draft_part_per_depth():
     auto._timed = False
     row.observe(0, 0, 0, 0.0010)  # then running: 1.5 + 0.2 (1 - 1.5)
     assert auto.seconds(0, 1) == pytest.approx(0.0014)
-    assert conditional_acceptance([0.8, 0.4, float("nan")]) == pytest.approx([0.8, 0.5])
+    # rounds (accepted, reach): a position counts where the round reached it with every
+    # position before it accepted
+    counts = judged_counts([2, 0, 1, 3], [3, 3, 1, 3], 4)
+    assert counts == Acceptance([4.0, 2.0, 2.0, 0.0], [3.0, 2.0, 1.0, 0.0])
+    assert counts.rates() == pytest.approx([0.75, 1.0, 0.5])
 
 
 @pytest.fixture
@@ -349,6 +353,42 @@ def test_with_nobody_waiting_the_slowest_row_decides():
     assert rates[0] == max(rates)
 
 
+def test_the_prior_is_as_sure_as_the_rounds_that_measured_it(tiny_pair, tmp_path,
+                                                              monkeypatch):
+    """A prior measured over many rounds starts the ended rows' counts: its optimistic
+    bound is narrow, so no probe is spent where drafting would not pay even at that
+    bound; 4 rounds' worth of the same prior leaves it wide. The Decoder keeps the
+    counts of every round it ran with a method (an auto run adds its few)."""
+    def budget(measured):
+        return AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.2], warmup=0,
+                          probe_every=2, measured=measured)
+    many = budget(Acceptance([500.0, 100.0], [100.0, 30.0]))
+    few = budget(None)
+    for auto in (many, few):
+        auto.row()
+    assert many.optimism(2.0)[0] < 0.05 < 0.5 < few.optimism(2.0)[0]
+    assert many.q(1) == pytest.approx(0.2)
+
+    def picks(auto):
+        row = auto.row()
+        out = []
+        for _ in range(12):
+            out.append(row.choose())
+            row.observe(out[-1], 0, out[-1], 0.002 + 0.001 * out[-1])
+        return out
+    assert max(picks(budget(Acceptance([500.0, 100.0], [100.0, 30.0])))) == 0
+    assert max(picks(budget(None))) > 0  # the wide prior probes
+    monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    dec.generate(prompt_ids=PROMPT, method="chain", gamma=3, max_new_tokens=20)
+    first = dec._acceptance_counts["chain"]
+    dec.generate(prompt_ids=PROMPT, method="chain", gamma=3, max_new_tokens=20)
+    both = dec._acceptance_counts["chain"]
+    assert both.judged[0] == 2 * first.judged[0] > 0
+    assert dec.acceptance["chain"] == pytest.approx(both.rates())
+    assert dec.auto_budget(dec.method_config("chain", {"gamma": 3}), False)._ended == both
+
+
 def test_probes_come_less_often_while_plain_decoding_keeps_winning():
     def probes(z: float) -> list[int]:
         auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=0,
@@ -381,8 +421,8 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
     fresh = auto.row()
     assert fresh.q(1) < 0.2 and max(auto.rates(z=2.0)[1:]) < auto.rates()[0]
     tight = auto.optimism(2.0)[0]
-    row.close()  # only the newcomer is left: its estimate rests on the prior's 4 rounds
-    assert auto.optimism(2.0)[0] > 3 * tight
+    row.close()  # only the newcomer is left; the ended row's rounds still count
+    assert auto.optimism(2.0)[0] <= tight
     # a drafted step right after a plain one carries the draft model's catch-up: it
     # sets a depth's draft part where none was measured, but does not move one that was
     timed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,

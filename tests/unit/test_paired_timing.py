@@ -285,6 +285,20 @@ def test_cost_curves_interpolate_and_are_non_decreasing():
     assert math.isnan(engine_overhead(10.0, math.nan)) and math.isnan(engine_overhead(0, 1))
 
 
+def test_prefills_are_measured_only_at_shapes_the_prompts_can_make():
+    from speclab.forward_costs import SMALL, prefill_shapes, token_points
+
+    lengths = [35, 40, 60, 100, 300, 1465]
+    tokens = token_points([[0] * n for n in lengths])
+    assert tokens[-1] == 1465 and 1024 in tokens
+    assert prefill_shapes(lengths, 1, tokens) == tokens  # one row: every prefill
+    small = [t for t in tokens if t <= SMALL]
+    # 2 rows: two prompts of 300+ tokens make a 2-row prefill of up to 600 (a group pads
+    # a row to at most twice its length), none of 1,024
+    assert prefill_shapes(lengths, 2, tokens) == small + [64, 128, 256, 512]
+    assert prefill_shapes(lengths, 8, tokens) == small  # 6 prompts: no 8-row prefill
+
+
 def test_modelled_seconds_price_every_forward_a_block_ran(tiny_pair):
     """With a flat made-up curve (1 ms a forward) ``modelled_s`` counts the forwards the
     hooks saw: for AR exactly one per token plus the prefill."""

@@ -49,9 +49,12 @@ when its slowest row does, and a step that drafts makes rows advance unevenly: t
 decision is then ``argmax_d min_{r in L} E_r(d) / T(d)`` over the laggards ``L`` (the rows
 with the most tokens left, within 10% of the most: each row's remaining budget is the
 limit it last asked with), so the depth is the one that brings the LAST row home soonest.
-The first :attr:`AutoBudget.warmup` decisions draft at the best positive depth by the
-prior and the calibrated curves (measuring it; the method's own length was a SALF tree
-of depth 10 at 16 rows: 2.5 plain steps each); after
+Where the prior and the calibrated curves say drafting pays, the first
+:attr:`AutoBudget.warmup` decisions draft at once, before ``r0`` is measured at that batch
+size; where they say it does not, the first steps are plain: a forced warm-up draft cost
+the two drafted steps and the draft model's prefill of every prompt (batched drafters
+prefill a row when it first drafts), 4% of a 48-token run of SmolLM2 at 16 rows where
+plain decoding won every later step. After
 :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best positive
 depth, so the acceptance estimates stay current, unless drafting loses even with every
 position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
@@ -85,12 +88,44 @@ class RoundCosts:
 
 
 @dataclass
-class _Acceptance:
-    """One row's decayed counts per draft position: rounds that judged it, and that
-    accepted it."""
+class Acceptance:
+    """Counts per draft position (a row's, decayed; or a run's): rounds that judged it
+    (drafted that deep with every position before it accepted), and that accepted it."""
 
     judged: list[float]
     hits: list[float]
+
+    def rates(self) -> list[float]:
+        """Conditional acceptance ``q_k = hits_k / judged_k``, up to the first position
+        no round judged."""
+        out = []
+        for j, h in zip(self.judged, self.hits, strict=True):
+            if j <= 0:
+                break
+            out.append(h / j)
+        return out
+
+    def plus(self, other: Acceptance) -> Acceptance:
+        """Both counts together (over the longer one's positions)."""
+        n = max(len(self.judged), len(other.judged))
+
+        def pad(v: list[float]) -> list[float]:
+            return list(v) + [0.0] * (n - len(v))
+        return Acceptance([a + b for a, b in zip(pad(self.judged), pad(other.judged))],
+                          [a + b for a, b in zip(pad(self.hits), pad(other.hits))])
+
+
+def judged_counts(accepted: Sequence[int], reach: Sequence[int], depth: int) -> Acceptance:
+    """The counts of rounds (each: draft tokens ``accepted`` out of a budget that could
+    reach ``reach`` positions) at positions ``1..depth``."""
+    judged, hits = [0.0] * depth, [0.0] * depth
+    for a, r in zip(accepted, reach, strict=True):
+        for k in range(1, min(r, depth) + 1):
+            if a < k - 1:
+                break
+            judged[k - 1] += 1.0
+            hits[k - 1] += float(a >= k)
+    return Acceptance(judged, hits)
 
 
 @dataclass
@@ -104,6 +139,9 @@ class AutoBudget:
     costs: RoundCosts
     max_depth: int
     prior: Sequence[float] = ()
+    #: the rounds behind the prior (:func:`judged_counts` of the runs that measured it):
+    #: they start the ended rows' counts, so the prior's confidence is what was measured
+    measured: Acceptance | None = None
     prior_weight: float = 4.0
     decay: float = 0.97
     probe_every: int = 16
@@ -127,11 +165,11 @@ class AutoBudget:
     #: per depth: running number of draft tokens a row's round of that budget proposed
     nodes: dict[int, float] = field(default_factory=dict)
     decisions: list[int] = field(default_factory=list)  # every step's depth
-    _rows: dict[int, _Acceptance] = field(default_factory=dict)
+    _rows: dict[int, Acceptance] = field(default_factory=dict)
     _left: dict[int, int] = field(default_factory=dict)  # row -> tokens it may still draft
     #: the counts of the rows that ended (decayed as they are added): every later row's
     #: prior, so what earlier requests measured carries over
-    _ended: _Acceptance | None = None
+    _ended: Acceptance | None = None
     _keys: itertools.count = field(default_factory=itertools.count)
     #: a driver marks its batch steps (:meth:`next_step`): one decision per step; else a
     #: decision per round (one sequence alone)
@@ -158,12 +196,16 @@ class AutoBudget:
         if isinstance(self.max_depth, bool) or self.max_depth < 1:
             raise ValueError(f"budget: auto needs a method with a draft length >= 1, got "
                              f"{self.max_depth}")
+        if self.measured is not None:  # the prior's rounds, at this method's positions
+            d, m = self.max_depth, self.measured
+            self._ended = Acceptance((list(m.judged) + [0.0] * d)[:d],
+                                     (list(m.hits) + [0.0] * d)[:d])
 
     # ------------------------------------------------------------------ rows
     def row(self) -> RowBudget:
         """A new sequence's handle (its own acceptance; the shared decision)."""
         key = next(self._keys)
-        self._rows[key] = _Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
+        self._rows[key] = Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
         self._churned = self._step
         return RowBudget(self, key)
 
@@ -183,12 +225,18 @@ class AutoBudget:
     def optimism(self, z: float) -> list[float]:
         """Per draft position, what an optimistic estimate adds to every row's :meth:`q`:
         ``z`` standard deviations of the live rows' mean acceptance, as a binomial sample
-        of the rounds behind it (the live rows' and the prior's weight; not the ended
-        rows': in Serve they are other requests, and rows that join with none of their
-        own widen it again), plus ``z / (n + 1)`` (a width where the rate is 0 or 1)."""
+        of the rounds behind it (the live rows', the prior's weight and the ended rows':
+        their counts move every row's prior, so they narrow it too; decayed as they are
+        added, they weigh about the last 30 rows' rounds at most), plus ``z / (n + 1)``
+        (a width where the rate is 0 or 1). Without the ended rows, each batch of 8 new
+        rows of SmolLM2 widened it again to about +0.3, and a probe every 16 and 32 steps
+        paid the draft's prefill of the rows that had not drafted yet, 3% of a 48-token
+        run at batch 8 whose rounds had measured acceptance 0.2 where 0.3 would pay."""
         out = []
+        ended = self._ended
         for k in range(1, self.max_depth + 1):
             n = self.prior_weight + sum(a.judged[k - 1] for a in self._rows.values())
+            n += ended.judged[k - 1] if ended is not None else 0.0
             m = sum(self.q(k, key) for key in self._rows) / len(self._rows) if self._rows \
                 else self.q(k)
             out.append(z * (m * (1.0 - m) / (n + 1.0)) ** 0.5 + z / (n + 1.0))
@@ -298,9 +346,9 @@ class AutoBudget:
         return [k for k, v in left.items() if v >= 0.9 * most]
 
     def decide(self) -> int:
-        """The step's depth (0: plain decoding): warm-up (:attr:`warmup` steps at the
-        best positive depth), a plain step to measure ``r0`` at this batch size, the best
-        rate, or a probe."""
+        """The step's depth (0: plain decoding): the best rate (in the first
+        :attr:`warmup` steps, drafting as soon as the prior says it pays), a plain step
+        to measure ``r0`` at this batch size, or a probe."""
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         rows = max(len(self._rows), 1)
@@ -395,7 +443,7 @@ class AutoBudget:
         self.plain_ratios = {int(r): v for r, v in state.get("plain_ratios", {}).items()}
         self.draft_part, self.nodes = dict(state["draft_part"]), dict(state["nodes"])
         if state.get("ended") is not None and len(state["ended"][0]) == self.max_depth:
-            self._ended = _Acceptance(*(list(v) for v in state["ended"]))
+            self._ended = Acceptance(*(list(v) for v in state["ended"]))
         self.warmup = 0
         return self
 
@@ -408,7 +456,7 @@ class AutoBudget:
             return
         self._churned = self._step
         if self._ended is None:
-            self._ended = _Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
+            self._ended = Acceptance([0.0] * self.max_depth, [0.0] * self.max_depth)
         for k in range(self.max_depth):  # decayed: the last requests weigh most
             self._ended.judged[k] = self.decay * self._ended.judged[k] + acc.judged[k]
             self._ended.hits[k] = self.decay * self._ended.hits[k] + acc.hits[k]
@@ -448,16 +496,3 @@ class RowBudget:
     def close(self) -> None:
         """The sequence ended."""
         self.shared.end(self.key)
-
-
-def conditional_acceptance(at_least: Sequence[float]) -> list[float]:
-    """Per-position conditional acceptance ``q_k = P(>= k) / P(>= k-1)`` from the
-    fractions of rounds that accepted at least ``k`` drafts
-    (:func:`speclab.decoding.loop.accept_at_least`); NaN or missing positions end it."""
-    out, prev = [], 1.0
-    for a in at_least:
-        if a != a or prev <= 0:  # NaN: no round reached it
-            break
-        out.append(min(max(a / prev, 0.0), 1.0))
-        prev = a
-    return out
