@@ -142,7 +142,9 @@ def calibrate(dec, max_rows: int = 1, context: int = DEFAULT_CONTEXT,
         raise ValueError("compile: the compiled fast path is not calibrated (its forwards "
                          "cost less than the eager curves); calibrate without --compile")
     t0 = time.perf_counter()
-    prompts = [[0] * context]  # a prefix of `context` tokens (the sampler's own ids)
+    # a prefix of `context` tokens per row (the sampler's own ids): prefills of every
+    # row count up to max_rows (forward_costs.prefill_shapes)
+    prompts = [[0] * context] * max_rows
     cal = Calibration(calibration_key(dec))
     for engine, rows in (("single", 1), ("batched", max_rows)):
         if engine == "batched" and rows < 2:
