@@ -389,6 +389,37 @@ def test_the_prior_is_as_sure_as_the_rounds_that_measured_it(tiny_pair, tmp_path
     assert dec.auto_budget(dec.method_config("chain", {"gamma": 3}), False)._ended == both
 
 
+def test_a_probe_drafts_only_the_rows_that_drafted_before_or_one():
+    """A probe (plain decoding wins, the interval ran out) drafts on the rows that
+    drafted before, or, when no live row did, on the first row to ask: the others stay
+    plain (their draft models would pay a prefill). The model's own choices draft every
+    row."""
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=0,
+                      probe_every=2, probe_z=0.0, plain_probes=0, driven=True)
+    rows = [auto.row() for _ in range(3)]
+
+    def step() -> list[int]:
+        picks = [r.choose() for r in rows]
+        auto.next_step()
+        for r, p in zip(rows, picks, strict=True):
+            r.observe(p, 0, p, 0.002 + 0.001 * max(picks))
+        return picks
+
+    out = [step() for _ in range(6)]
+    assert [i for i, p in enumerate(out) if any(p)] == [1, 5]  # the probes
+    assert out[1][0] > 0 and out[1][1:] == [0, 0]  # nobody drafted before: the first
+    assert out[5][0] > 0 and out[5][1:] == [0, 0]  # the row that drafted before
+    rows.pop(0).close()
+    rows.append(auto.row())
+    out = [step() for _ in range(10)]
+    probes = [p for p in out if any(p)]
+    assert probes and all(p == [probes[0][0], 0, 0] for p in probes)
+    keen = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,
+                      plain_probes=0, driven=True)
+    both = [keen.row(), keen.row()]
+    assert [r.choose() for r in both] == [2, 2]  # a drafting choice: every row
+
+
 def test_probes_come_less_often_while_plain_decoding_keeps_winning():
     def probes(z: float) -> list[int]:
         auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=0,

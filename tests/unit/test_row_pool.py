@@ -158,6 +158,14 @@ def test_pools_group_drafters_by_sampling_and_name_unknown_requests(tiny_pair):
     assert drafts.length("b") == 0
     drafts.propose([("b", None, [], 2, None)])  # prompt (1), root (1), the chain's first (1)
     assert drafts.length("b") == 3
+    # rows wait at the end of the batch: one that drafts prefills the waiting rows up to
+    # itself, not those after it
+    trio = [NewRow(r, [1, 2, 3], SamplingParams(), RuleSpec("greedy"), seeded(0))
+            for r in ("x", "y", "z")]
+    drafts.join(trio)  # (into "a"'s group, after it)
+    drafts.propose([("x", None, [], 0, None), ("y", None, [], 2, None),
+                    ("z", None, [], 0, None)])
+    assert [drafts.length(r) for r in ("a", "x", "y", "z")] == [2, 2, 4, 0]
     with pytest.raises(KeyError):
         target.verify([("nope", None)])
     with pytest.raises(KeyError):

@@ -43,8 +43,8 @@ class BatchModelDrafter(BatchDrafter):
     the first :attr:`held` rows; those that joined since wait at the end of the batch
     (rows join at the end and leave from anywhere, so the waiting ones stay a suffix)
     and are prefilled together, grouped by length
-    (:meth:`~speclab.decoding.batch_runner.BatchRunner.add_rows`), as soon as one of them
-    drafts. SmolLM2 at 16 rows of ShareGPT prompts (35 to 1,465 tokens): the 4-layer draft
+    (:meth:`~speclab.decoding.batch_runner.BatchRunner.add_rows`), up to the last one
+    that drafts. SmolLM2 at 16 rows of ShareGPT prompts (35 to 1,465 tokens): the 4-layer draft
     model's prefill took 0.27 s, 4% of a 48-token run that an ``auto`` budget decoded
     plainly.
     """
@@ -87,11 +87,12 @@ class BatchModelDrafter(BatchDrafter):
         self.runner.add_rows([list(self.committed[b][:-1]) for b in rows], logits=False)
 
     def hold_waiting(self, budgets: list[int]) -> None:
-        """Prefill the waiting rows (:meth:`prefill`) once one of them drafts (a budget
-        above 0)."""
-        if any(budgets[b] > 0 for b in range(self.held, self.rows)):
-            self.prefill(list(range(self.held, self.rows)))
-            self.held = self.rows
+        """Prefill the waiting rows (:meth:`prefill`) up to the last one that drafts (a
+        budget above 0); those after it wait on (an ``auto`` probe drafts one row)."""
+        drafting = [b for b in range(self.held, self.rows) if budgets[b] > 0]
+        if drafting:
+            self.prefill(list(range(self.held, drafting[-1] + 1)))
+            self.held = drafting[-1] + 1
 
     def drop(self, rows: list[int]) -> None:
         self.runner.drop([b for b in rows if b < self.held])
