@@ -262,7 +262,7 @@ class Decoder:
         label = cfg.label or cfg.name
         budget = AutoBudget(costs, depth, list(self.acceptance.get(label, ())),
                             measured=self._acceptance_counts.get(label))
-        state = self._budgets.get((cfg.label or cfg.name, depth, batched, rows))
+        state = self._budgets.get((label, depth, batched, rows))
         return budget.resume(state) if state is not None else budget
 
     def forget_budgets(self) -> None:
