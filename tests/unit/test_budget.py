@@ -414,6 +414,18 @@ def test_a_probe_drafts_only_the_rows_that_drafted_before_or_one():
     out = [step() for _ in range(10)]
     probes = [p for p in out if any(p)]
     assert probes and all(p == [probes[0][0], 0, 0] for p in probes)
+    # a warm-up where the prior says plain decoding wins: it looks anyway, on one row
+    warm = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=2,
+                      plain_probes=0, driven=True)
+    trio = [warm.row() for _ in range(3)]
+    first = []
+    for _ in range(3):
+        first.append([r.choose() for r in trio])
+        warm.next_step()
+        for r, p in zip(trio, first[-1], strict=True):
+            r.observe(p, 0, p, 0.002 + 0.001 * max(first[-1]))
+    assert first[0][0] > 0 and first[0][1:] == [0, 0] and first[1][1:] == [0, 0]
+    assert first[2] == [0, 0, 0]
     keen = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,
                       plain_probes=0, driven=True)
     both = [keen.row(), keen.row()]

@@ -51,10 +51,11 @@ with the most tokens left, within 10% of the most: each row's remaining budget i
 limit it last asked with), so the depth is the one that brings the LAST row home soonest.
 Where the prior and the calibrated curves say drafting pays, the first
 :attr:`AutoBudget.warmup` decisions draft at once, before ``r0`` is measured at that batch
-size; where they say it does not, the first steps are plain: a forced warm-up draft cost
-the two drafted steps and the draft model's prefill of every prompt (batched drafters
-prefill a row when it first drafts), 4% of a 48-token run of SmolLM2 at 16 rows where
-plain decoding won every later step. After
+size; where they say it does not, they draft as probes do, on one row
+(:meth:`AutoBudget.drafts`): a warm-up of every row cost the draft model's prefill of
+every prompt (batched drafters prefill a row when it first drafts), 4% of a 48-token run
+of SmolLM2 at 16 rows where plain decoding won every later step, and no warm-up at all
+left EAGLE-3 on SmolLM2 at batch 1 plain (1.00x where its warm-up had found 1.10x). After
 :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best positive
 depth, so the acceptance estimates stay current, unless drafting loses even with every
 position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
@@ -356,6 +357,9 @@ class AutoBudget:
         rows = max(len(self._rows), 1)
         self._probing, self._probers = False, None
         warm = len(self.decisions) < self.warmup  # drafting that pays by the prior: at once
+        if warm and best == 0:  # the prior says plain: the warm-up looks anyway, as a probe
+            best = max(range(1, len(rates)), key=rates.__getitem__)
+            self._probing = True
         if (best > 0 and not warm and rows not in self.plain_ratios
                 and self._plain_probes.get(rows, 0) < self.plain_probes):
             best = 0  # drafting wins against an r0 not measured at this batch size: measure
