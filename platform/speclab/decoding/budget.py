@@ -194,7 +194,6 @@ class AutoBudget:
     _probe_gap: int = 0  # plain decisions in a row before the next probe (0: probe_every)
     _probing: bool = False  # the decision in force is a probe
     _probers: set | None = None  # the rows the probe drafts (chosen when the first asks)
-    _drafted: set = field(default_factory=set)  # live rows that drafted a round
 
     def __post_init__(self) -> None:
         if isinstance(self.max_depth, bool) or self.max_depth < 1:
@@ -350,13 +349,14 @@ class AutoBudget:
 
     def decide(self) -> int:
         """The step's depth (0: plain decoding): the best rate (in the first
-        :attr:`warmup` steps, drafting as soon as the prior says it pays), a plain step
+        :attr:`warmup` steps, drafting at once: every row where the prior says it pays,
+        one row as a probe where it does not), a plain step
         to measure ``r0`` at this batch size, or a probe."""
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         rows = max(len(self._rows), 1)
         self._probing, self._probers = False, None
-        warm = len(self.decisions) < self.warmup  # drafting that pays by the prior: at once
+        warm = len(self.decisions) < self.warmup  # the warm-up drafts at once
         if warm and best == 0:  # the prior says plain: the warm-up looks anyway, as a probe
             best = max(range(1, len(rates)), key=rates.__getitem__)
             self._probing = True
@@ -414,7 +414,8 @@ class AutoBudget:
         if not self._probing:
             return True
         if self._probers is None:
-            self._probers = {k for k in self._rows if k in self._drafted} or {key}
+            # a row that drafted a round has judged its first position
+            self._probers = {k for k, a in self._rows.items() if a.judged[0] > 0} or {key}
         return key in self._probers
 
     def observe(self, key: int, budget: int, accepted: int, drafted: int,
@@ -426,7 +427,6 @@ class AutoBudget:
         step's time counts once per decision (the first row to report it)."""
         acc = self._rows.get(key)
         if acc is not None and budget > 0:
-            self._drafted.add(key)
             for k in range(1, self.max_depth + 1):
                 acc.judged[k - 1] *= self.decay
                 acc.hits[k - 1] *= self.decay
@@ -474,7 +474,6 @@ class AutoBudget:
         """Row ``key`` left: its counts join those of the rows that ended (the prior of
         the rows to come) and no longer count in the decisions."""
         self._left.pop(key, None)
-        self._drafted.discard(key)
         acc = self._rows.pop(key, None)
         if acc is None:
             return
