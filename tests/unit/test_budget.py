@@ -236,7 +236,10 @@ def test_bench_auto_needs_the_batch_sweep(capsys):
 def test_a_budget_resumes_what_the_last_one_learned(tiny_pair, tmp_path, monkeypatch):
     auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.5])
     row = auto.row()
-    row.choose()
+    assert row.choose() == 4
+    row.observe(4, 4, 4, 0.030)  # the row's first draft: its prefill or catch-up is in it
+    assert auto.draft_part == {}  # ... so it teaches no step time
+    assert row.choose() == 4
     row.observe(4, 4, 4, 0.003)
     row.close()
     again = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.5]).resume(auto.state())
@@ -426,6 +429,13 @@ def test_a_probe_drafts_only_the_rows_that_drafted_before_or_one():
             r.observe(p, 0, p, 0.002 + 0.001 * max(first[-1]))
     assert first[0][0] > 0 and first[0][1:] == [0, 0] and first[1][1:] == [0, 0]
     assert first[2] == [0, 0, 0]
+    # ... unless even optimism loses: a prior measured over 500 rounds at 0.05
+    sure = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=2,
+                      plain_probes=0, driven=True,
+                      measured=Acceptance([500.0, 25.0], [25.0, 1.0]))
+    assert not sure.could_pay() and warm.probe_z == sure.probe_z > 0
+    trio = [sure.row() for _ in range(3)]
+    assert [r.choose() for r in trio] == [0, 0, 0]
     keen = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,
                       plain_probes=0, driven=True)
     both = [keen.row(), keen.row()]
@@ -466,19 +476,23 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
     tight = auto.optimism(2.0)[0]
     row.close()  # only the newcomer is left; the ended row's rounds still count
     assert auto.optimism(2.0)[0] <= tight
-    # a drafted step right after a plain one carries the draft model's catch-up: it
-    # sets a depth's draft part where none was measured, but does not move one that was
+    # a row's drafted round right after a plain round of its own, or its first (batched
+    # drafters prefill a row's prompt then), carries the draft model's catch-up: its
+    # step's time is not learned, neither where a depth's draft part was measured nor
+    # where none was
     timed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,
                        plain_probes=0)
     r = timed.row()
-    assert r.choose() == 2
+    assert r.choose() == 2 and timed._after_plain  # the row's first draft
+    r.observe(2, 2, 2, 0.030)  # 29 ms: its prefill
+    assert timed.draft_part == {}
+    assert r.choose() == 2 and not timed._after_plain
     r.observe(2, 2, 2, 0.0015)  # steady: 0.5 ms beyond the forward
-    timed.decisions.append(0)  # (stands for a plain step in between)
-    timed.next_step()
+    assert r.choose(limit=0) == 0  # a plain round of this row
+    r.observe(0, 0, 0, 0.001)
     assert r.choose() == 2 and timed._after_plain
-    r.observe(2, 2, 2, 0.010)  # 9 ms: a catch-up over the plain steps
+    r.observe(2, 2, 2, 0.010)  # 9 ms: a catch-up over the plain round
     assert timed.draft_part[2] == pytest.approx(0.0005)
-    timed.next_step()
     assert r.choose() == 2 and not timed._after_plain
     r.observe(2, 2, 2, 0.0025)  # a steady step moves it: 0.5 + 0.2 (1.5 - 0.5) ms
     assert timed.draft_part[2] == pytest.approx(0.0007)

@@ -51,21 +51,27 @@ with the most tokens left, within 10% of the most: each row's remaining budget i
 limit it last asked with), so the depth is the one that brings the LAST row home soonest.
 Where the prior and the calibrated curves say drafting pays, the first
 :attr:`AutoBudget.warmup` decisions draft at once, before ``r0`` is measured at that batch
-size; where they say it does not, they draft as probes do, on one row
-(:meth:`AutoBudget.drafts`): a warm-up of every row cost the draft model's prefill of
-every prompt (batched drafters prefill a row when it first drafts), 4% of a 48-token run
-of SmolLM2 at 16 rows where plain decoding won every later step, and no warm-up at all
-left EAGLE-3 on SmolLM2 at batch 1 plain (1.00x where its warm-up had found 1.10x). After
+size. Where they say it does not, they draft as probes do: on one row
+(:meth:`AutoBudget.drafts`; a warm-up of every row cost the draft model's prefill of
+every prompt, batched drafters prefilling a row when it first drafts: 4% of a 48-token
+run of SmolLM2 at 16 rows where plain decoding won every later step), and only where a
+probe would (:meth:`AutoBudget.could_pay`; a one-row warm-up of EAGLE-3 on SmolLM2 at 16
+rows padded every row's verification to the probed row's 17 tokens, two steps of about
+twice a plain one's cost, where a prior measured over hundreds of rounds said drafting
+could not pay). After
 :attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best positive
 depth, so the acceptance estimates stay current, unless drafting loses even with every
 position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
 deviations of the live rows' acceptance over the rounds behind it: a probe could not
 change the decision, and it costs a draft model's catch-up over the whole plain run); a
 probe after which the model still chooses plain decoding doubles the run the next one
-waits for (at most 8x), and a drafting choice of the model resets it. A drafted step right
-after a plain one pays that catch-up, so, like a step on a changed batch, its time is not
-learned (a depth first measured there kept 30 ms where its steady steps took 5). Pure
-Python: no Ray, no MLflow, no tensors.
+waits for (at most 8x), and a drafting choice of the model resets it. A drafted step in
+which a row drafts after a plain round of its own, or for the first time, pays that
+catch-up (or, batched drafters prefilling a row when it first drafts, its prompt's
+prefill), so, like a step on a changed batch, its time is not learned (a depth first
+measured there kept 30 ms where its steady steps took 5; EAGLE-3 on SmolLM2 at batch 1,
+each prompt a new row, learned 23 ms for a depth-1 step that takes 2-9 and stopped
+drafting). Pure Python: no Ray, no MLflow, no tensors.
 """
 
 from __future__ import annotations
@@ -181,9 +187,10 @@ class AutoBudget:
     _observed: bool = False  # a round ended since the last decision
     _timed: bool = False  # the current decision's step time is in already
     _plain_run: int = 0
-    #: the decision drafts after a plain step: its draft part includes the draft model's
-    #: catch-up over every token committed since its last round, not a steady draft
-    #: step's cost, so its time is not learned
+    #: a row drafts in this step after a plain round of its own, or for the first time:
+    #: the step's draft part includes that row's catch-up over every token committed
+    #: since its last round (or its prompt's prefill: batched drafters prefill a row when
+    #: it first drafts), not a steady draft step's cost, so its time is not learned
     _after_plain: bool = False
     #: the driver's step (``_step``) in which sequences last joined or left: the next
     #: step carries their one-off costs and teaches no step time
@@ -350,15 +357,16 @@ class AutoBudget:
     def decide(self) -> int:
         """The step's depth (0: plain decoding): the best rate (in the first
         :attr:`warmup` steps, drafting at once: every row where the prior says it pays,
-        one row as a probe where it does not), a plain step
-        to measure ``r0`` at this batch size, or a probe."""
+        one row as a probe where it does not but could with optimistic acceptance,
+        :meth:`could_pay`), a plain step to measure ``r0`` at this batch size, or a
+        probe."""
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         rows = max(len(self._rows), 1)
         self._probing, self._probers = False, None
         warm = len(self.decisions) < self.warmup  # the warm-up drafts at once
-        if warm and best == 0:  # the prior says plain: the warm-up looks anyway, as a probe
-            best = max(range(1, len(rates)), key=rates.__getitem__)
+        if warm and best == 0 and self.could_pay():  # the prior says plain: the warm-up
+            best = max(range(1, len(rates)), key=rates.__getitem__)  # looks, as a probe
             self._probing = True
         if (best > 0 and not warm and rows not in self.plain_ratios
                 and self._plain_probes.get(rows, 0) < self.plain_probes):
@@ -370,14 +378,13 @@ class AutoBudget:
             self._plain_run += 1
             gap = self._probe_gap or self.probe_every
             if self._plain_run >= gap:
-                hope = self.rates(z=self.probe_z) if self.probe_z > 0.0 else None
-                if hope is None or max(hope[1:]) > hope[0]:  # it could pay: look again
+                if self.could_pay():  # look again
                     best = max(range(1, len(rates)), key=rates.__getitem__)
                     self._probe_gap = min(2 * gap, 8 * self.probe_every)
                     self._probing = True
                 else:  # not even with optimistic acceptance: no probe this interval
                     self._plain_run = 0
-        self._after_plain = best > 0 and bool(self.decisions) and self.decisions[-1] == 0
+        self._after_plain = False  # set by the first row that catches up (RowBudget.choose)
         if best > 0:
             self._plain_run = 0
         self.decisions.append(best)
@@ -385,6 +392,15 @@ class AutoBudget:
             del self.decisions[:2048]
         self._timed = False
         return best
+
+    def could_pay(self) -> bool:
+        """Whether some depth beats plain decoding with every position's acceptance
+        raised by :meth:`optimism` (``probe_z``; always with ``probe_z = 0``): a probe,
+        or a warm-up where the estimates say plain, is spent only then."""
+        if self.probe_z <= 0.0:
+            return True
+        hope = self.rates(z=self.probe_z)
+        return max(hope[1:]) > hope[0]
 
     def next_step(self) -> None:
         """A driver's batch step ended: the rows' next rounds get a new decision (the
@@ -507,7 +523,9 @@ class RowBudget:
             b = 0
         if limit is not None:
             b = max(min(b, limit), 0)
-        self.chosen.append(b)
+        if b > 0 and (not self.chosen or self.chosen[-1] == 0):
+            self.shared._after_plain = True  # this row catches up: the step's time is not
+        self.chosen.append(b)               # a steady drafted step's
         return b
 
     def observe(self, budget: int, accepted: int, drafted: int, seconds: float) -> None:
