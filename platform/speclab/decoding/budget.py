@@ -102,12 +102,12 @@ class Acceptance:
     judged: list[float]
     hits: list[float]
 
-    def rates(self) -> list[float]:
+    def rates(self, least: float = 0.0) -> list[float]:
         """Conditional acceptance ``q_k = hits_k / judged_k``, up to the first position
-        no round judged."""
+        judged by no round, or by fewer than ``least``."""
         out = []
         for j, h in zip(self.judged, self.hits, strict=True):
-            if j <= 0:
+            if j <= 0 or j < least:
                 break
             out.append(h / j)
         return out
