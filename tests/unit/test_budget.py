@@ -439,7 +439,7 @@ def test_a_probe_drafts_only_the_rows_that_drafted_before_or_one():
     sure = AutoBudget(RoundCosts(_linear(1e-3, 1e-3)), 2, prior=[0.05], warmup=2,
                       plain_probes=0, driven=True,
                       measured=Acceptance([500.0, 25.0], [25.0, 1.0]))
-    assert not sure.could_pay() and warm.probe_z == sure.probe_z > 0
+    assert sure.explore() == 0 and warm.probe_z == sure.probe_z > 0
     trio = [sure.row() for _ in range(3)]
     assert [r.choose() for r in trio] == [0, 0, 0]
     keen = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,

@@ -55,7 +55,7 @@ size. Where they say it does not, they draft as probes do: on one row
 (:meth:`AutoBudget.drafts`; a warm-up of every row cost the draft model's prefill of
 every prompt, batched drafters prefilling a row when it first drafts: 4% of a 48-token
 run of SmolLM2 at 16 rows where plain decoding won every later step), and only where a
-probe would (:meth:`AutoBudget.could_pay`; a one-row warm-up of EAGLE-3 on SmolLM2 at 16
+probe would (:meth:`AutoBudget.explore`; a one-row warm-up of EAGLE-3 on SmolLM2 at 16
 rows padded every row's verification to the probed row's 17 tokens, two steps of about
 twice a plain one's cost, where a prior measured over hundreds of rounds said drafting
 could not pay). After
@@ -186,7 +186,8 @@ class AutoBudget:
     _decided_at: int = -1
     _observed: bool = False  # a round ended since the last decision
     _timed: bool = False  # the current decision's step time is in already
-    _plain_run: int = 0
+    _choice: int | None = None  # the model's own last choice (before probes)
+    _run: int = 0  # decisions in a row of that choice
     #: a row drafts in this step after a plain round of its own, or for the first time:
     #: the step's draft part includes that row's catch-up over every token committed
     #: since its last round (or its prompt's prefill: batched drafters prefill a row when
@@ -198,7 +199,7 @@ class AutoBudget:
     _dirty: bool = False  # the step being reported ran on a changed batch
     _curves: dict = field(default_factory=dict)  # (side, rows, tokens) -> seconds
     _plain_probes: dict = field(default_factory=dict)  # rows -> plain steps spent measuring
-    _probe_gap: int = 0  # plain decisions in a row before the next probe (0: probe_every)
+    _probe_gap: int = 0  # decisions of one choice in a row before a probe (0: probe_every)
     _probing: bool = False  # the decision in force is a probe
     _probers: set | None = None  # the rows the probe drafts (chosen when the first asks)
 
@@ -358,49 +359,66 @@ class AutoBudget:
         """The step's depth (0: plain decoding): the best rate (in the first
         :attr:`warmup` steps, drafting at once: every row where the prior says it pays,
         one row as a probe where it does not but could with optimistic acceptance,
-        :meth:`could_pay`), a plain step to measure ``r0`` at this batch size, or a
+        :meth:`explore`), a plain step to measure ``r0`` at this batch size, or a
         probe."""
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         rows = max(len(self._rows), 1)
         self._probing, self._probers = False, None
-        warm = len(self.decisions) < self.warmup  # the warm-up drafts at once
-        if warm and best == 0 and self.could_pay():  # the prior says plain: the warm-up
-            best = max(range(1, len(rates)), key=rates.__getitem__)  # looks, as a probe
-            self._probing = True
+        warm = len(self.decisions) < self.warmup  # the warm-up drafts at once, as deep
+        if warm:  # as optimism says (measuring the positions the prior only guesses)
+            look = self.explore()
+            self._probing = best == 0 and look > 0  # the prior says plain: as a probe
+            best = look
         if (best > 0 and not warm and rows not in self.plain_ratios
                 and self._plain_probes.get(rows, 0) < self.plain_probes):
             best = 0  # drafting wins against an r0 not measured at this batch size: measure
             self._plain_probes[rows] = self._plain_probes.get(rows, 0) + 1
-        elif best > 0:  # the model drafts again: probes come at the first interval
-            self._probe_gap = self.probe_every
-        if best == 0:
-            self._plain_run += 1
-            gap = self._probe_gap or self.probe_every
-            if self._plain_run >= gap:
-                if self.could_pay():  # look again
-                    best = max(range(1, len(rates)), key=rates.__getitem__)
-                    self._probe_gap = min(2 * gap, 8 * self.probe_every)
-                    self._probing = True
-                else:  # not even with optimistic acceptance: no probe this interval
-                    self._plain_run = 0
+        elif not warm:
+            best = self._look(best)
         self._after_plain = False  # set by the first row that catches up (RowBudget.choose)
-        if best > 0:
-            self._plain_run = 0
         self.decisions.append(best)
         if len(self.decisions) > 4096:  # a long-lived replica: keep the recent ones
             del self.decisions[:2048]
         self._timed = False
         return best
 
-    def could_pay(self) -> bool:
-        """Whether some depth beats plain decoding with every position's acceptance
-        raised by :meth:`optimism` (``probe_z``; always with ``probe_z = 0``): a probe,
-        or a warm-up where the estimates say plain, is spent only then."""
+    def _look(self, best: int) -> int:
+        """The model chose ``best``: after :attr:`probe_every` decisions in a row of the
+        same choice (doubling, up to 8x, while probes leave it unchanged; the first
+        interval again once the model's choice changes), a probe at :meth:`explore`'s
+        depth where that differs (the acceptance of positions no step drafted is only
+        the prior's guess: a chain that drafted 1 level in every step never measured
+        levels 2-4)."""
+        if best != self._choice:  # the model changed its mind: the first interval again
+            self._choice, self._run, self._probe_gap = best, 0, self.probe_every
+        self._run += 1
+        gap = self._probe_gap or self.probe_every
+        if self._run < gap:
+            return best
+        self._run = 0
+        look = self.explore()
+        if look <= 0 or look == best:  # optimism agrees with the model: nothing to learn
+            return best
+        self._probe_gap = min(2 * gap, 8 * self.probe_every)
+        self._probing = True
+        return look
+
+    def explore(self) -> int:
+        """The depth a probe or a warm-up step drafts: the one that wins most with every
+        position's acceptance raised by :meth:`optimism` (``probe_z``; with ``probe_z =
+        0``, the best positive depth of the estimates), or 0 where even then plain
+        decoding wins (such a probe could not change a decision). The optimistic best
+        measures the deeper positions the estimates only guess: through Serve, a chain
+        whose requests started from the default prior (0.5) learned depth 1 alone in its
+        warm-up, found it did not pay, and drafted 1% of its rounds where gamma=4 (tau
+        3.1) ran 1.18x plain decoding."""
         if self.probe_z <= 0.0:
-            return True
+            rates = self.rates()
+            return max(range(1, len(rates)), key=rates.__getitem__)
         hope = self.rates(z=self.probe_z)
-        return max(hope[1:]) > hope[0]
+        best = max(range(1, len(hope)), key=hope.__getitem__)
+        return best if hope[best] > hope[0] else 0
 
     def next_step(self) -> None:
         """A driver's batch step ended: the rows' next rounds get a new decision (the
