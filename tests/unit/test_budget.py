@@ -552,3 +552,28 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
         tries.next_step()
         row.observe(picks[-1], 1, 2, 0.002)
     assert picks == [0, 0, 0, 2, 2] and tries.plain_ratios == {}
+
+
+def test_a_run_of_one_drafting_choice_is_probed_deeper():
+    """The model drafts 1 level in every step (levels 2+ never judged: their acceptance
+    is the prior's guess); after ``probe_every`` such decisions one step drafts at the
+    depth optimism favours, as a probe, and the next waits twice as long while the model
+    keeps its choice. A run the optimistic bound agrees with is never probed."""
+    def picks(prior: list[float], z: float = 2.0) -> tuple[list[int], list[int]]:
+        auto = AutoBudget(RoundCosts(_linear(1e-3, 1e-4), _linear(3e-4, 0.0)), 3,
+                          prior=prior, warmup=0, plain_probes=0, probe_z=z)
+        row = auto.row()
+        out, probes = [], []
+        for i in range(60):
+            out.append(row.choose())
+            if auto._probing:
+                probes.append(i)
+            # position 1 always accepted, position 2 never
+            row.observe(out[-1], min(out[-1], 1), out[-1], 1.2e-3 + 3e-4 * out[-1])
+        return out, probes
+
+    out, probes = picks([0.9, 0.3])
+    assert probes == [15, 47] and all(out[i] > 1 for i in probes)
+    assert all(p == 1 for i, p in enumerate(out) if i not in probes)
+    _, none = picks([0.9, 0.3], z=0.0)  # no optimism: nothing to look for
+    assert none == []
