@@ -489,17 +489,17 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
     timed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,
                        plain_probes=0)
     r = timed.row()
-    assert r.choose() == 2 and timed._after_plain  # the row's first draft
+    assert r.choose() == 2 and timed._catching_up  # the row's first draft
     r.observe(2, 2, 2, 0.030)  # 29 ms: its prefill
     assert timed.draft_part == {}
-    assert r.choose() == 2 and not timed._after_plain
+    assert r.choose() == 2 and not timed._catching_up
     r.observe(2, 2, 2, 0.0015)  # steady: 0.5 ms beyond the forward
     assert r.choose(limit=0) == 0  # a plain round of this row
     r.observe(0, 0, 0, 0.001)
-    assert r.choose() == 2 and timed._after_plain
+    assert r.choose() == 2 and timed._catching_up
     r.observe(2, 2, 2, 0.010)  # 9 ms: a catch-up over the plain round
     assert timed.draft_part[2] == pytest.approx(0.0005)
-    assert r.choose() == 2 and not timed._after_plain
+    assert r.choose() == 2 and not timed._catching_up
     r.observe(2, 2, 2, 0.0025)  # a steady step moves it: 0.5 + 0.2 (1.5 - 0.5) ms
     assert timed.draft_part[2] == pytest.approx(0.0007)
 

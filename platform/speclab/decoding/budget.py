@@ -51,21 +51,24 @@ with the most tokens left, within 10% of the most: each row's remaining budget i
 limit it last asked with), so the depth is the one that brings the LAST row home soonest.
 Where the prior and the calibrated curves say drafting pays, the first
 :attr:`AutoBudget.warmup` decisions draft at once, before ``r0`` is measured at that batch
-size. Where they say it does not, they draft as probes do: on one row
+size. Where they say it does not, they draft as probes do (below): on one row
 (:meth:`AutoBudget.drafts`; a warm-up of every row cost the draft model's prefill of
 every prompt, batched drafters prefilling a row when it first drafts: 4% of a 48-token
-run of SmolLM2 at 16 rows where plain decoding won every later step), and only where a
-probe would (:meth:`AutoBudget.explore`; a one-row warm-up of EAGLE-3 on SmolLM2 at 16
+run of SmolLM2 at 16 rows where plain decoding won every later step), at the depth and
+only where a probe would (:meth:`AutoBudget.explore`; a one-row warm-up of EAGLE-3 on SmolLM2 at 16
 rows padded every row's verification to the probed row's 17 tokens, two steps of about
 twice a plain one's cost, where a prior measured over hundreds of rounds said drafting
 could not pay). After
-:attr:`AutoBudget.probe_every` plain decisions in a row one drafts at the best positive
-depth, so the acceptance estimates stay current, unless drafting loses even with every
-position's acceptance raised by :meth:`AutoBudget.optimism` (``probe_z`` standard
-deviations of the live rows' acceptance over the rounds behind it: a probe could not
-change the decision, and it costs a draft model's catch-up over the whole plain run); a
-probe after which the model still chooses plain decoding doubles the run the next one
-waits for (at most 8x), and a drafting choice of the model resets it. A drafted step in
+:attr:`AutoBudget.probe_every` decisions in a row of one choice, one step drafts at the
+depth that wins most with every position's acceptance raised by
+:meth:`AutoBudget.optimism` (``probe_z`` standard deviations of the live rows' acceptance
+over the rounds behind it), where that differs from the choice: after plain steps, so
+the acceptance estimates stay current; after drafting ones, deeper, so positions no step
+drafted are measured rather than guessed from the prior. Where drafting loses even with
+that acceptance no probe is spent (it could not change the decision, and it costs a draft
+model's catch-up over the whole plain run). A probe after which the model keeps its
+choice doubles the run the next one waits for (at most 8x), and a change of the model's
+choice resets it. A drafted step in
 which a row drafts after a plain round of its own, or for the first time, pays that
 catch-up (or, batched drafters prefilling a row when it first drafts, its prompt's
 prefill), so, like a step on a changed batch, its time is not learned (a depth first
@@ -192,7 +195,7 @@ class AutoBudget:
     #: the step's draft part includes that row's catch-up over every token committed
     #: since its last round (or its prompt's prefill: batched drafters prefill a row when
     #: it first drafts), not a steady draft step's cost, so its time is not learned
-    _after_plain: bool = False
+    _catching_up: bool = False
     #: the driver's step (``_step``) in which sequences last joined or left: the next
     #: step carries their one-off costs and teaches no step time
     _churned: int = -1
@@ -365,18 +368,17 @@ class AutoBudget:
         best = max(range(len(rates)), key=rates.__getitem__)
         rows = max(len(self._rows), 1)
         self._probing, self._probers = False, None
-        warm = len(self.decisions) < self.warmup  # the warm-up drafts at once, as deep
-        if warm:  # as optimism says (measuring the positions the prior only guesses)
-            look = self.explore()
-            self._probing = best == 0 and look > 0  # the prior says plain: as a probe
-            best = look
+        warm = len(self.decisions) < self.warmup  # the warm-up drafts at once
+        if warm and best == 0:  # the prior says plain: it looks where optimism says, as
+            best = self.explore()  # a probe
+            self._probing = best > 0
         if (best > 0 and not warm and rows not in self.plain_ratios
                 and self._plain_probes.get(rows, 0) < self.plain_probes):
             best = 0  # drafting wins against an r0 not measured at this batch size: measure
             self._plain_probes[rows] = self._plain_probes.get(rows, 0) + 1
         elif not warm:
             best = self._look(best)
-        self._after_plain = False  # set by the first row that catches up (RowBudget.choose)
+        self._catching_up = False  # set by the first row that catches up (RowBudget.choose)
         self.decisions.append(best)
         if len(self.decisions) > 4096:  # a long-lived replica: keep the recent ones
             del self.decisions[:2048]
@@ -478,7 +480,7 @@ class AutoBudget:
                 r = seconds / max(self.curve("target", rows, 1), 1e-12)
                 old = self.plain_ratios.get(rows)
                 self.plain_ratios[rows] = r if old is None else old + 0.2 * (r - old)
-            elif not self._after_plain:  # (see _after_plain)
+            elif not self._catching_up:  # (see _catching_up)
                 part = max(seconds - self.verify_s(budget, rows, drafted), 0.0)
                 old = self.draft_part.get(budget)
                 self.draft_part[budget] = part if old is None else old + 0.2 * (part - old)
@@ -542,7 +544,7 @@ class RowBudget:
         if limit is not None:
             b = max(min(b, limit), 0)
         if b > 0 and (not self.chosen or self.chosen[-1] == 0):
-            self.shared._after_plain = True  # this row catches up: the step's time is not
+            self.shared._catching_up = True  # this row catches up: the step's time is not
         self.chosen.append(b)               # a steady drafted step's
         return b
 
