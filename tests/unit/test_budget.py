@@ -93,8 +93,22 @@ def test_wall_time_beyond_the_curves_is_learned_as_a_draft_part_per_depth():
     row.observe(0, 0, 0, 0.0015)  # a plain round 1.5x its forward: the target part rises
     assert auto.seconds(0, 1) == pytest.approx(0.0015)  # the first at 1 row: as measured
     auto._timed = False
-    row.observe(0, 0, 0, 0.0010)  # then running: 1.5 + 0.2 (1 - 1.5)
-    assert auto.seconds(0, 1) == pytest.approx(0.0014)
+    row.observe(0, 0, 0, 0.0010)  # then running: the median of the last steps'
+    assert auto.seconds(0, 1) == pytest.approx(0.00125)
+    # one wall-time outlier among steady steps does not move a running step time; a
+    # lasting change does, once it is most of the last ``window`` steps
+    steady = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 1, prior=[0.5], warmup=0,
+                        window=5)
+    one = steady.row()
+    parts = []
+    for ms in [3, 4, 3, 40, 4, 3, 9, 9, 9]:
+        steady._timed, steady._catching_up = False, False
+        one.observe(1, 0, 1, 0.001 + ms * 1e-3)  # a 1-level round: 1 ms of target part
+        parts.append(round(steady.draft_part[1] * 1e3, 3))
+    assert parts[3:6] == [3.5, 4.0, 4.0]  # the 40 ms step is outvoted
+    assert parts[-1] == 9.0  # three 9 ms steps of the last five
+    with pytest.raises(ValueError, match="window"):
+        AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 1, window=0)
     # rounds (accepted, reach): a position counts where the round reached it with every
     # position before it accepted
     counts = judged_counts([2, 0, 1, 3], [3, 3, 1, 3], 4)
@@ -500,8 +514,8 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
     r.observe(2, 2, 2, 0.010)  # 9 ms: a catch-up over the plain round
     assert timed.draft_part[2] == pytest.approx(0.0005)
     assert r.choose() == 2 and not timed._catching_up
-    r.observe(2, 2, 2, 0.0025)  # a steady step moves it: 0.5 + 0.2 (1.5 - 0.5) ms
-    assert timed.draft_part[2] == pytest.approx(0.0007)
+    r.observe(2, 2, 2, 0.0025)  # a steady step moves it: the median of 0.5 and 1.5 ms
+    assert timed.draft_part[2] == pytest.approx(0.001)
 
 
 def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_time():
