@@ -33,6 +33,24 @@ def test_defaults_and_override_precedence(tmp_path):
     assert cfg.method.params() == {"gamma": 7}
 
 
+def test_reference_large_loads_in_its_run_dtype_unless_a_dtype_is_given(monkeypatch):
+    """Every job loads ``reference-large`` as ``speclab bench`` does (bfloat16 where it is
+    native, float32 elsewhere: ``reference_large.run_dtype``); an explicit dtype wins, and
+    every other target stays float32 by default."""
+    import speclab.reference_large as large
+
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(large, "native_bfloat16", lambda device="cpu", n=native: n)
+        cfg = EvaluateJob.from_dict({}, ["models.target=reference-large"])
+        assert cfg.models.dtype == expected
+    cfg = EvaluateJob.from_dict({}, ["models.target=reference-large", "models.dtype=float32"])
+    assert cfg.models.dtype == "float32"
+    monkeypatch.setattr(large, "native_bfloat16", lambda device="cpu": True)
+    assert EvaluateJob.from_dict({}, []).models.dtype == "float32"
+    serve = JOB_CONFIGS["serve"].from_dict({"job": "serve"}, ["models.target=reference-large"])
+    assert serve.models.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize(
     "data,overrides,message",
     [
