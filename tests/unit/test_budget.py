@@ -524,7 +524,9 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     batch size (the nearest measured stands in for one not measured); a step that ran
     right after rows joined or left (its one-off costs) and a drafted step right after a
     plain one (the catch-up) teach no step time, not even at a depth never measured."""
-    auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=2, driven=True)
+    # (r0_doubt 0.1: r0 could be far lower than the estimate, so it is worth measuring)
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=2, driven=True,
+                      r0_doubt=0.1)
     rows = [auto.row() for _ in range(4)]
 
     def step(seconds: float) -> int:
@@ -556,8 +558,8 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     resumed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2).resume(auto.state())
     assert resumed.plain_ratios == auto.plain_ratios and resumed.warmup == 0
     # a batch size whose plain steps all ran on a changed batch: at most 3 tries
-    tries = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0,
-                       driven=True)
+    tries = AutoBudget(RoundCosts(_linear(1e-3, 0.0), _linear(0.5e-3, 0.0)), 2, prior=[0.9],
+                       warmup=0, driven=True, r0_doubt=0.1)
     row = tries.row()
     picks = []
     for _ in range(5):
@@ -566,6 +568,22 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
         tries.next_step()
         row.observe(picks[-1], 1, 2, 0.002)
     assert picks == [0, 0, 0, 2, 2] and tries.plain_ratios == {}
+
+
+def test_a_plain_step_measures_r0_only_where_it_could_change_the_decision():
+    """At a batch size whose ``r0`` is not measured, a plain step measures it first only
+    where plain decoding would win with ``r0`` at ``r0_doubt`` (0.7) times the estimate
+    in use; where drafting wins even then, it drafts at once."""
+    def first(draft_per_level: float) -> int:
+        auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0), _linear(draft_per_level, 0.0)), 2,
+                          prior=[0.9], warmup=0, driven=True)
+        return auto.row().choose()
+
+    # 0.05 ms a level against a 1 ms step: depth 2 ahead 2.5x, and still at 0.7 r0
+    assert first(0.05e-3) == 2
+    # 0.7 ms a level: depth 2 ahead by 13% (1129 against 1000 tokens/s), but at 0.7 r0
+    # plain decoding wins (1429 against 1357 at depth 1): measure r0 first
+    assert first(0.7e-3) == 0
 
 
 def test_a_run_of_one_drafting_choice_is_probed_deeper():

@@ -37,7 +37,9 @@ Both sides of the comparison are measured where the decision is made: ``r0`` is 
 batch size (a plain step's cost beyond its curve is not the same at 1 row and at 16, and
 the curve, calibrated at one context length, was 28% above a plain step of 4 rows), and
 a drafting choice at a batch size with no plain step measured is first replaced by one
-(at most :attr:`AutoBudget.plain_probes` tries there). A step in which sequences joined
+(at most :attr:`AutoBudget.plain_probes` tries there), where the decision hangs on it:
+where plain decoding would win with ``r0`` 30% below the estimate in use there
+(:attr:`AutoBudget.r0_doubt`). A step in which sequences joined
 or left (a driver's batch changed since its last step: a prefill, a cache cut, a new
 shape's first forward, up to 2.5x a step on a CPU) teaches no step time: its one-off
 costs would make plain decoding look dearer than it is (measured: a plain step of 16 rows
@@ -165,6 +167,10 @@ class AutoBudget:
     #: at most this many plain steps per batch size to measure ``r0`` there before a
     #: drafting choice stands (a step on a changed batch measures nothing)
     plain_probes: int = 3
+    #: such a plain step is spent only where plain decoding would win with ``r0`` at this
+    #: fraction of the estimate in use there (the nearest batch size's): where drafting
+    #: wins even then, measuring ``r0`` could not change the decision (0: always measure)
+    r0_doubt: float = 0.7
     width: float = 1.0  # draft nodes per level (per row)
     #: whether sequences wait to join (throughput objective) or not (the slowest row's)
     backlog: bool = True
@@ -221,6 +227,9 @@ class AutoBudget:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"budget: window must be a whole number of steps >= 1, got "
                              f"{self.window!r}")
+        if not 0.0 <= self.r0_doubt <= 1.0:
+            raise ValueError(f"budget: r0_doubt must be within [0, 1] (0: always measure "
+                             f"r0 first), got {self.r0_doubt!r}")
         if self.measured is not None:  # the prior's rounds, at this method's positions
             d, m = self.max_depth, self.measured
             self._ended = Acceptance((list(m.judged) + [0.0] * d)[:d],
@@ -384,7 +393,8 @@ class AutoBudget:
             best = self.explore()  # a probe
             self._probing = best > 0
         if (best > 0 and not warm and rows not in self.plain_ratios
-                and self._plain_probes.get(rows, 0) < self.plain_probes):
+                and self._plain_probes.get(rows, 0) < self.plain_probes
+                and self._r0_decides(rows)):
             best = 0  # drafting wins against an r0 not measured at this batch size: measure
             self._plain_probes[rows] = self._plain_probes.get(rows, 0) + 1
         elif not warm:
@@ -395,6 +405,24 @@ class AutoBudget:
             del self.decisions[:2048]
         self._timed = False
         return best
+
+    def _r0_decides(self, rows: int) -> bool:
+        """Whether plain decoding would win at ``rows`` rows (where ``r0`` is not measured)
+        with ``r0`` at :attr:`r0_doubt` times the estimate in use: a lower ``r0`` makes
+        the target part cheaper against the draft part, so plain decoding gains. Where
+        drafting wins even then, no plain step is spent measuring ``r0``: on
+        ``reference-large`` the rows left as a batch ended (2-7) took up to 3 plain steps
+        per row count where the estimates put drafting 1.2-1.8x ahead, and most of those
+        steps ran on a changed batch, so they measured nothing."""
+        if self.r0_doubt <= 0.0:
+            return True
+        guess = self.ratio(rows)
+        self.plain_ratios[rows] = guess * self.r0_doubt
+        try:
+            rates = self.rates()
+        finally:
+            del self.plain_ratios[rows]
+        return rates[0] >= max(rates[1:])
 
     def _look(self, best: int) -> int:
         """The model chose ``best``: after :attr:`probe_every` decisions in a row of the
