@@ -427,7 +427,8 @@ def test_a_window_shorter_than_the_evaluation_contexts_is_reported(capsys):
 
 def test_tree_shards_record_the_trees_shape():
     """The TALF kinds' plan records ``talf_top_k`` / ``talf_depth`` (they change every
-    row), so shards made with other trees are refused instead of trained on."""
+    row) and ``talf_data_roots`` where set, so shards made with other trees are refused
+    instead of trained on."""
     from types import SimpleNamespace
 
     from speclab.train import distill_data as dd
@@ -439,3 +440,7 @@ def test_tree_shards_record_the_trees_shape():
     eagle.data, eagle.data_prompt = "target", 8
     assert dd.data_kind("feat_tree").settings(eagle) == {
         "talf_top_k": 3, "talf_depth": 6, "data": "target", "data_prompt": 8}
+    eagle.talf_data_roots = 32  # trees drawn when the data is made: recorded where set
+    assert dd.data_kind("feat3_tree").settings(eagle) == {
+        "feature_layers": "eagle3", "talf_top_k": 3, "talf_depth": 6, "talf_data_roots": 32,
+        "data": "target", "data_prompt": 8}

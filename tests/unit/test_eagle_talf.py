@@ -191,3 +191,42 @@ def test_drawn_trees_give_the_full_loss_in_expectation(tiny_pair):
             draws.append(float(talf_loss(model, sub)))
     assert len(draws) == 10
     assert sum(draws) / len(draws) == pytest.approx(want, rel=1e-5)
+
+
+def test_trees_drawn_when_the_data_is_made_are_the_full_forests_at_their_roots(tiny_pair):
+    """``eagle.talf_data_roots``: a window's trees built at ``n`` drawn roots are the full
+    forest's trees there (tokens, parents, the target's top-k), the batch names those roots,
+    a training draw picks among them, and the drafter's TALF logits at their nodes are the
+    full forest's."""
+    target = load_model(tiny_pair["target"])
+    runner = ModelRunner(target)
+    window = _window(target.config.vocab_size, 12, 5)
+    full = collate_forest([feat_forest_example(runner, window, K, TOP_K, DEPTH)])
+    row = feat_forest_example(runner, window, K, TOP_K, DEPTH, roots=4,
+                              generator=torch.Generator().manual_seed(1))
+    part = collate_forest([row])
+    at = part["forest_roots"][0]
+    assert part["forest_tokens"].shape == (1, 4, DEPTH, TOP_K)
+    assert at.tolist() == sorted(set(at.tolist())) and 0 <= int(at.min()) and int(at.max()) < 11
+    for key in ("forest_tokens", "forest_parents", "forest_ids"):
+        assert torch.equal(part[key][0], full[key][0, at]), key
+    torch.testing.assert_close(part["forest_probs"][0], full["forest_probs"][0, at])
+    again = feat_forest_example(runner, window, K, TOP_K, DEPTH, roots=4,
+                                generator=torch.Generator().manual_seed(1))
+    assert again["forest_roots"] == row["forest_roots"]  # the draw is the generator's
+    sub = collate_forest([row], 2, torch.Generator().manual_seed(0))
+    assert sub["forest_roots"].shape == (1, 2)
+    assert set(sub["forest_roots"][0].tolist()) <= set(at.tolist())
+    torch.manual_seed(0)
+    model = EagleModel.from_target(target).float().eval()
+    with torch.no_grad():
+        got, _, _ = talf_logits(model, part)
+        want, _, _ = talf_logits(model, full)
+    t = full["features"].shape[1] - 1
+    torch.testing.assert_close(got[0, :t], want[0, :t], atol=1e-4, rtol=1e-4)
+    for d in range(DEPTH):
+        for j, r in enumerate(at.tolist()):
+            for i in range(TOP_K):
+                torch.testing.assert_close(got[0, t + (d * 4 + j) * TOP_K + i],
+                                           want[0, t + (d * t + r) * TOP_K + i],
+                                           atol=1e-4, rtol=1e-4)

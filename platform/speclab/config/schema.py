@@ -470,6 +470,11 @@ class EagleTrainConfig(StrictModel):
     talf_depth: int = Field(3, gt=0, description="TALF training trees: depth")
     talf_roots: int = Field(0, ge=0, description="TALF trees per window and step, drawn at "
                                                  "random (0: every position's)")
+    talf_data_roots: int = Field(0, ge=0, description=(
+        "TALF data: trees the target builds per window, rooted at positions drawn at random "
+        "when the shards are made (0: one at every position); the tree forwards cost in "
+        "proportion (a SmolLM2 window of 256 with every root: about 12 s on 2 cores), and "
+        "talf_roots then draws among them"))
     init_from: str | None = Field(None, description="start from this EAGLE drafter (folder "
                                                     "or models:/ URI) instead of scratch")
     data: Literal["corpus", "target"] = Field("corpus", description=(

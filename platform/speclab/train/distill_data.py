@@ -94,9 +94,16 @@ def _feat_forward(target: ModelRunner, window: list[int], k: int, spec=None
 
 
 def feat_forest_example(target: ModelRunner, window: list[int], k: int, top_k: int,
-                        depth: int, spec=None) -> dict:
+                        depth: int, spec=None, roots: int = 0,
+                        generator: torch.Generator | None = None) -> dict:
     """A :func:`feat_example` plus, for TALF (SALF & TALF, Algorithm 1), a tree built by
-    the target rooted at EVERY input ``x_r``, ``r = 1..L-1`` (``R = L - 1`` roots).
+    the target rooted at EVERY input ``x_r``, ``r = 1..L-1`` (``R = L - 1`` roots), or,
+    with ``roots`` ``n`` in ``(0, L - 1)``, at ``n`` of them drawn uniformly at random
+    (``generator``), stored ascending as ``forest_roots`` (int32 bytes ``[R]``: each root's
+    pair index ``r - 1``). A tree depends only on its root's prefix, so a drawn root's
+    tree is the one the full forest holds there, at ``n / (L - 1)`` of the cost: the
+    target's tree forwards are ``R * top_k`` tokens each (on SmolLM2 a window of 256 with
+    every root cost about 12 s on 2 cores).
 
     Each tree is EAGLE-2's beam (the method the TALF paper trains with): depth 1 holds
     the root's ``top_k`` most probable children; depth ``d`` the ``top_k`` children of
@@ -110,12 +117,15 @@ def feat_forest_example(target: ModelRunner, window: list[int], k: int, top_k: i
     """
     row, logits = _feat_forward(target, window, k, spec)
     length = len(window) - 1
-    n_roots = length - 1
-    roots = torch.arange(1, length)
-    logp = torch.log_softmax(logits[1:].float(), -1)  # [R, V] after each root
+    at = torch.arange(1, length)  # the roots' input positions
+    if 0 < roots < length - 1:
+        at = at[torch.randperm(length - 1, generator=generator)[:roots].sort().values]
+        row["forest_roots"] = (at - 1).to(torch.int32).numpy().tobytes()
+    n_roots = len(at)
+    logp = torch.log_softmax(logits[at].float(), -1)  # [R, V] after each root
     # per-root ancestry: allowed cache columns of every beam slot, grown depth by depth
     seen = torch.zeros(n_roots, 1, length, dtype=torch.bool)
-    seen[:, 0] = torch.arange(length)[None, :] <= roots[:, None]  # x_0..x_r
+    seen[:, 0] = torch.arange(length)[None, :] <= at[:, None]  # x_0..x_r
     score = torch.zeros(n_roots, 1)  # path log-probability of each beam slot
     toks, pars, ids, probs = [], [], [], []
     for d in range(1, depth + 1):
@@ -130,7 +140,7 @@ def feat_forest_example(target: ModelRunner, window: list[int], k: int, top_k: i
         rows = seen.gather(1, parent[..., None].expand(-1, -1, seen.shape[-1]))  # [R, k, C]
         allowed[:, : rows.shape[-1]] = rows.reshape(n_new, -1)
         allowed[torch.arange(n_new), cols + torch.arange(n_new)] = True
-        positions = (roots[:, None] + d).expand(-1, top_k).reshape(-1)
+        positions = (at[:, None] + d).expand(-1, top_k).reshape(-1)
         out = target.forward(token.reshape(-1), positions, allowed)  # [R*k, V]
         seen = allowed.view(n_roots, top_k, -1)
         score = best
@@ -367,9 +377,11 @@ def _data_settings(eagle) -> dict:
 
 def _tree_settings(eagle) -> dict:
     """The plan's record of the target-built trees' shape (``eagle.talf_top_k`` /
-    ``talf_depth``: they change every row) and of ``eagle.data``."""
+    ``talf_depth``: they change every row; ``talf_data_roots`` where set, so the plans of
+    shards made before it existed still match) and of ``eagle.data``."""
+    drawn = getattr(eagle, "talf_data_roots", 0)
     return {"talf_top_k": eagle.talf_top_k, "talf_depth": eagle.talf_depth,
-            **_data_settings(eagle)}
+            **({"talf_data_roots": drawn} if drawn else {}), **_data_settings(eagle)}
 
 
 def _make_windows(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
@@ -380,10 +392,18 @@ def _make_feat(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[
     return [feat_example(ctx.target, x, ctx.distill.top_k) for x in _feat_windows(ctx, inputs)]
 
 
+def _forest_roots(ctx: SignalContext, first: int) -> dict:
+    """``feat_forest_example``'s root draw: ``eagle.talf_data_roots`` trees per window at
+    positions drawn with a generator seeded by the shard (``seed + first``)."""
+    n = getattr(ctx.eagle, "talf_data_roots", 0)
+    return {"roots": n, "generator": torch.Generator().manual_seed(ctx.seed + first)} \
+        if n else {}
+
+
 def _make_feat_tree(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
-    e = ctx.eagle
-    return [feat_forest_example(ctx.target, x, ctx.distill.top_k, e.talf_top_k, e.talf_depth)
-            for x in _feat_windows(ctx, inputs)]
+    e, draw = ctx.eagle, _forest_roots(ctx, first)
+    return [feat_forest_example(ctx.target, x, ctx.distill.top_k, e.talf_top_k, e.talf_depth,
+                                **draw) for x in _feat_windows(ctx, inputs)]
 
 
 def fused_spec(eagle) -> object:
@@ -408,8 +428,9 @@ def _make_feat3(ctx: SignalContext, inputs: list[list[int]], first: int) -> list
 
 def _make_feat3_tree(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:
     e = ctx.eagle
+    draw = _forest_roots(ctx, first)
     return [feat_forest_example(ctx.target, x, ctx.distill.top_k, e.talf_top_k, e.talf_depth,
-                                fused_spec(e)) for x in _feat_windows(ctx, inputs)]
+                                fused_spec(e), **draw) for x in _feat_windows(ctx, inputs)]
 
 
 def _make_medusa(ctx: SignalContext, inputs: list[list[int]], first: int) -> list[dict]:

@@ -173,14 +173,19 @@ def collate_forest(rows: list[dict], roots: int = 0,
 
     ``roots`` 0 keeps every root (``R = L - 1``); ``n`` keeps ``n`` trees drawn at random per
     row (with ``generator``), at a fraction of the cost; :func:`talf_weights` weighs their
-    node terms so that the loss's expectation over the draws is the full loss."""
+    node terms so that the loss's expectation over the draws is the full loss. A row
+    whose trees were drawn when it was made (``forest_roots`` stored:
+    ``eagle.talf_data_roots``) holds fewer trees than pairs; the draw is then among them,
+    which is still a uniform draw of the window's roots, so the same weights hold."""
     out = collate_feat(rows)
     shape = [int(v) for v in rows[0]["forest_shape"]]
     n_all = shape[0]
     n = n_all if roots <= 0 else min(roots, n_all)
     picks = [torch.arange(n_all) if n == n_all else
              torch.randperm(n_all, generator=generator)[:n].sort().values for _ in rows]
-    out["forest_roots"] = torch.stack(picks)
+    out["forest_roots"] = torch.stack([
+        _decode(r["forest_roots"], np.int32, [n_all]).long()[pick] if "forest_roots" in r
+        else pick for r, pick in zip(rows, picks, strict=True)])
     cols = (("forest_tokens", np.int32, shape[:3]), ("forest_parents", np.int8, shape[:3]),
             ("forest_ids", np.int32, shape), ("forest_probs", np.float16, shape))
     for key, dtype, shp in cols:
