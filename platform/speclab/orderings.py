@@ -15,7 +15,13 @@ per target call on that prompt). The ordering's figures:
   independent prompts);
 * ``tau_ratio``: the ratio of the two mean taus (every prompt weighed alike);
 * ``verdict``: ``holds`` when the interval lies above 0, ``fails`` when it lies below,
-  ``unresolved`` when it contains 0 (too few prompts, or no difference).
+  ``unresolved`` when it contains 0 (too few prompts, or no difference);
+* ``speedup_above`` / ``speedup_below``: beside the tau ordering, each row's own median
+  paired speedup over plain decoding, where the rows carry one (a claim made in speedup,
+  as EAGLE-3's, can differ from the tau ordering: EAGLE-3's smaller draft vocabulary
+  makes each draft step cheaper at equal tau). Each was paired with its own plain
+  decoding runs, so the two are not paired with each other; their intervals are the
+  rows' (``speedup_lo`` / ``speedup_hi``).
 
 A prompt whose tau is missing on either side (NaN) is left out of both; a comparison
 whose prompt counts differ is refused (the two rows did not decode the same prompts).
@@ -106,8 +112,26 @@ def paired_rows(rows: Sequence[dict], orderings: Sequence[Ordering],
         out.append({"above": o.above, "below": o.below, "tau_above": hi_row["tau"],
                     "tau_below": lo_row["tau"],
                     **paired_difference(lo_row["tau_per_prompt"], hi_row["tau_per_prompt"]),
-                    "claim": o.claim})
+                    **_speedups(hi_row, lo_row), "claim": o.claim})
     return out
+
+
+def _speedups(above: dict, below: dict) -> dict[str, float]:
+    """``speedup_above`` / ``speedup_below`` (and their ``_lo`` / ``_hi``) from the two
+    rows' speedup figures, for whichever the rows both carry (module docstring)."""
+    out = {}
+    for name in ("speedup", "speedup_lo", "speedup_hi"):
+        if name in above and name in below:
+            out[f"{name}_above"], out[f"{name}_below"] = above[name], below[name]
+    return out
+
+
+def speedups_cell(row: dict) -> str:
+    """``0.44x / 0.33x``: the rows' own median speedups, above / below; ``-`` when the
+    rows carried none."""
+    if "speedup_above" not in row:
+        return "-"
+    return f"{row['speedup_above']:.2f}x / {row['speedup_below']:.2f}x"
 
 
 def difference_cell(row: dict) -> str:

@@ -12,6 +12,7 @@ from speclab.orderings import (
     difference_cell,
     ordering_rows,
     paired_difference,
+    speedups_cell,
 )
 from speclab.paired_timing import median_interval
 from speclab.pipelines.comparison import log_comparison
@@ -109,6 +110,8 @@ def test_a_comparison_logs_its_orderings_beside_its_table():
     assert [r["verdict"] for r in rec.tables["orderings"]] == ["holds", "holds"]
     assert rec.metrics["ordering_hass_over_eagle_tree"] > 0
     assert "tau_per_prompt" in rec.tables["loss_comparison"][0]
+    assert rec.tables["orderings"][0]["speedup_above"] == 1.0  # the rows' speedups
+    assert "1.00x / 1.00x" in text
     # a table with no ordering's two sides logs no orderings
     rec2 = _Recorder()
     log_comparison(rec2, [r for r in _table() if r["loss"] == "eagle"])
@@ -121,9 +124,11 @@ def test_paired_rows_order_an_evaluations_methods_by_label():
     from speclab.orderings import paired_rows
 
     table = [{"method": "ar", "tau": 1.0, "tau_per_prompt": [1.0] * 6},
-             {"method": "tree", "tau": 1.8, "tau_per_prompt": [1.5, 1.7, 1.8, 1.9, 2.0, 1.9]},
+             {"method": "tree", "tau": 1.8, "tau_per_prompt": [1.5, 1.7, 1.8, 1.9, 2.0, 1.9],
+              "speedup": 0.35, "speedup_lo": 0.34, "speedup_hi": 0.38},
              {"method": "chain", "tau": 1.4,
-              "tau_per_prompt": [1.4, 1.3, 1.5, 1.4, 1.3, 1.5]}]
+              "tau_per_prompt": [1.4, 1.3, 1.5, 1.4, 1.3, 1.5],
+              "speedup": 0.63, "speedup_lo": 0.57, "speedup_hi": 0.71}]
     rows = paired_rows(table, [Ordering("tree", "chain", "trees above chains"),
                                Ordering("salf", "chain", "not in the table")])
     [row] = rows
@@ -132,12 +137,25 @@ def test_paired_rows_order_an_evaluations_methods_by_label():
     assert (row["tau_above"], row["tau_below"], row["prompts"]) == (1.8, 1.4, 6)
     expected = paired_difference(table[2]["tau_per_prompt"], table[1]["tau_per_prompt"])
     assert row["difference"] == expected["difference"] and row["verdict"] == "holds"
+    # the rows' own speedups beside the tau ordering: here tau and speed disagree
+    assert (row["speedup_above"], row["speedup_lo_above"], row["speedup_hi_above"]) == (
+        0.35, 0.34, 0.38)
+    assert (row["speedup_below"], row["speedup_lo_below"], row["speedup_hi_below"]) == (
+        0.63, 0.57, 0.71)
     rec = _Recorder()
     from speclab.pipelines.comparison import log_orderings
 
     text = log_orderings(rec, rows)
     assert rec.tables["orderings"] == rows and "method" not in text.splitlines()[0]
     assert rec.metrics == {"ordering_tree_over_chain": row["difference"]}
+    assert "0.35x / 0.63x" in text.splitlines()[2]
+    # rows without speedups (or one side without) give no speedup figures: '-' cell
+    bare = paired_rows([{k: v for k, v in r.items() if not k.startswith("speedup")}
+                        if r["method"] == "chain" else r for r in table],
+                       [Ordering("tree", "chain", "")])
+    assert not any(k.startswith("speedup") for k in bare[0])
+    assert speedups_cell(bare[0]) == "-"
+
 
 
 def test_an_evaluate_config_orders_labelled_methods_only():

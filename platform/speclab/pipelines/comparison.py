@@ -4,7 +4,7 @@ rows, the printed table, and the plots logged to the comparison's parent run."""
 from __future__ import annotations
 
 from speclab.evaluation import ACCEPT_POSITIONS, format_table
-from speclab.orderings import difference_cell, ordering_rows
+from speclab.orderings import difference_cell, ordering_rows, speedups_cell
 from speclab.pipelines.eval_plots import wrap_label
 from speclab.tracking import metric_key
 
@@ -13,8 +13,8 @@ def comparison_rows(loss: str, rows: list[dict], key: str = "loss") -> list[dict
     """One table row per evaluated method of the drafter trained with ``loss`` (in column
     ``key``; ``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first),
     with each prompt's tau (``tau_per_prompt``) for the paired orderings."""
-    keep = ("tau", "tau_std", "target_calls_per_token", "speedup", "speedup_std",
-            "tokens_per_s",
+    keep = ("tau", "tau_std", "target_calls_per_token", "speedup", "speedup_lo", "speedup_hi",
+            "speedup_std", "tokens_per_s",
             *(f"accept_at_{k}" for k in range(1, ACCEPT_POSITIONS + 1)))
     return [{key: loss, "method": row["method"], **{k: row[k] for k in keep},
              **({"tau_per_prompt": row["tau_per_prompt"]} if "tau_per_prompt" in row else {})}
@@ -110,4 +110,4 @@ def log_orderings(tracker, orderings: list[dict]) -> str:
     return format_table(orderings, [
         ("above", "{}"), ("below", "{}"), *((("method", "{}"),) if by_method else ()),
         ("tau_above", "{:.2f}"), ("tau_below", "{:.2f}"), ("difference", difference_cell),
-        ("prompts", "{}"), ("verdict", "{}"), ("claim", "{}")])
+        ("prompts", "{}"), ("verdict", "{}"), ("speedups", speedups_cell), ("claim", "{}")])
