@@ -157,7 +157,6 @@ def test_paired_rows_order_an_evaluations_methods_by_label():
     assert speedups_cell(bare[0]) == "-"
 
 
-
 def test_an_evaluate_config_orders_labelled_methods_only():
     from speclab.config.base import ConfigError
     from speclab.config.jobs import ExperimentConfig
