@@ -51,6 +51,7 @@ from speclab.paired_timing import (
     normalize_ar,
     overhead_figures,
     speedup_figures,
+    unit_speedups,
 )
 from speclab.timing import max_mb, peak_gpu_mb, reset_peak_gpu
 
@@ -199,7 +200,11 @@ class Totals:
 
     def merge(self, other: Totals) -> None:
         """Add ``other``: more prompts of the same passes (another prompt, another actor's
-        shard)."""
+        shard). ``other``'s pairs are renumbered after this totals' prompts, so a pair's
+        ``unit`` stays its prompt's index in the merged ``per_prompt`` order (the parts'
+        order: with several actors, the prompts as dealt to them, the same for every
+        method of one evaluation)."""
+        offset = len(self.per_prompt)
         for k in ("prompts", "new_tokens", "committed", "target_calls", "forwards", "draft_calls",
                   "drafted", "accepted", "judged", "wall_s", "draft_s", "verify_s", "rounds",
                   "timed_tokens"):
@@ -215,7 +220,8 @@ class Totals:
         self.modelled_s = _add_s(self.modelled_s, other.modelled_s)
         self.forward_s = _add_s(self.forward_s, other.forward_s)
         self.shapes = self.shapes + other.shapes
-        self.pairs = self.pairs + other.pairs
+        self.pairs = self.pairs + [replace(p, unit=p.unit + offset) if p.unit >= 0 else p
+                                   for p in other.pairs]
 
     def absorb(self, other: Totals) -> None:
         """Add ``other``'s timed figures only: further passes over the same prompts (the
@@ -519,10 +525,11 @@ def summarize(
     Wall-clock figures (module docstring): ``tokens_per_s`` and ``ar_tokens_per_s`` over
     every timed pass, ``speedup`` (median paired ratio) with ``speedup_lo`` /
     ``speedup_hi`` / ``speedup_coverage`` / ``speedup_pairs``, ``speedup_totals``,
-    ``ar_spread``, ``noisy``, ``timing_note``; ``modelled_s`` and ``engine_overhead``
-    with ``engine_overhead_lo`` / ``_hi`` / ``_totals`` (:func:`overheads`; NaN when the
-    forward costs were not measured); ``forward_s`` and ``engine_clocked``
-    (:func:`clocked`). The AR row (``totals is ar``) has
+    ``ar_spread``, ``noisy``, ``timing_note``, and (prompt by prompt, not batched)
+    ``speedup_per_prompt`` (:func:`speclab.paired_timing.unit_speedups`); ``modelled_s``
+    and ``engine_overhead`` with ``engine_overhead_lo`` / ``_hi`` / ``_totals``
+    (:func:`overheads`; NaN when the forward costs were not measured); ``forward_s``
+    and ``engine_clocked`` (:func:`clocked`). The AR row (``totals is ar``) has
     speedup 1 with the interval ``[1, 1]``. Totals without pairs (built by hand) get the
     ratio of totals as ``speedup`` and NaN for the interval and the spread.
     """
@@ -594,6 +601,9 @@ def summarize(
     if totals.pairs and totals is not ar and not totals.batched:
         row["speedup_std"] = spread([r for r in (p.ratio for p in totals.pairs)
                                      if not math.isnan(r)])  # over every paired ratio
+        # each prompt's own speedup (median over passes), in prompt order: what a
+        # paired speedup ordering of two methods reads (speclab.orderings)
+        row["speedup_per_prompt"] = unit_speedups(totals.pairs, len(totals.per_prompt))
     if reference_outputs is not None:
         row["identical_to_ar"] = totals.outputs == reference_outputs
     return row

@@ -19,9 +19,16 @@ per target call on that prompt). The ordering's figures:
 * ``speedup_above`` / ``speedup_below``: beside the tau ordering, each row's own median
   paired speedup over plain decoding, where the rows carry one (a claim made in speedup,
   as EAGLE-3's, can differ from the tau ordering: EAGLE-3's smaller draft vocabulary
-  makes each draft step cheaper at equal tau). Each was paired with its own plain
-  decoding runs, so the two are not paired with each other; their intervals are the
-  rows' (``speedup_lo`` / ``speedup_hi``).
+  makes each draft step cheaper at equal tau), with the rows' own intervals
+  (``speedup_lo`` / ``speedup_hi``);
+* ``speedup_ratio``: where both rows carry each prompt's own speedup over plain
+  decoding (``speedup_per_prompt``: the prompt's paired ratios, median over passes), the
+  speedup ordering paired the same way as tau: the median over prompts of
+  ``s_above_i / s_below_i`` with its order-statistics interval (``speedup_ratio_lo`` /
+  ``speedup_ratio_hi``) and ``speedup_verdict`` (``holds`` / ``fails`` /
+  ``unresolved`` as for tau). Each side's speedup was paired with its own plain decoding
+  of the prompt, so timing noise of either side's pair widens the interval rather than
+  hiding in it.
 
 A prompt whose tau is missing on either side (NaN) is left out of both; a comparison
 whose prompt counts differ is refused (the two rows did not decode the same prompts).
@@ -58,17 +65,44 @@ PAPER_ORDERINGS: tuple[Ordering, ...] = (
 )
 
 
+def _pairs(below: Sequence[float], above: Sequence[float], what: str
+           ) -> list[tuple[float, float]]:
+    """The prompts' ``(below_i, above_i)`` with both figures present (not NaN) and
+    ``below_i > 0``; ValueError naming ``what`` when the lengths differ."""
+    if len(below) != len(above):
+        raise ValueError(f"{what}: {len(below)} prompts against {len(above)}; "
+                         "an ordering compares two rows over the same prompts")
+    return [(b, a) for b, a in zip(below, above, strict=True)
+            if not (math.isnan(b) or math.isnan(a)) and b > 0]
+
+
+def _verdict(lo: float, hi: float) -> str:
+    return "holds" if lo > 1 else "fails" if hi < 1 else "unresolved"
+
+
+def paired_speedup(below: Sequence[float], above: Sequence[float]) -> dict[str, float | str]:
+    """The speedup ordering from per-prompt speedups over plain decoding of the same
+    prompts (``below[i]`` / ``above[i]``: prompt ``i``'s median paired speedup under each
+    row): ``speedup_ratio`` (the median of ``above_i / below_i``), its interval
+    ``speedup_ratio_lo`` / ``speedup_ratio_hi`` and ``speedup_verdict`` (module
+    docstring); NaN and ``unresolved`` without pairs. Raises ``ValueError`` when the
+    lengths differ."""
+    ratios = [a / b for b, a in _pairs(below, above, "paired_speedup")]
+    if not ratios:
+        return {"speedup_ratio": math.nan, "speedup_ratio_lo": math.nan,
+                "speedup_ratio_hi": math.nan, "speedup_verdict": "unresolved"}
+    lo, hi, _ = median_interval(ratios)
+    return {"speedup_ratio": median(ratios), "speedup_ratio_lo": lo, "speedup_ratio_hi": hi,
+            "speedup_verdict": _verdict(lo, hi)}
+
+
 def paired_difference(below: Sequence[float], above: Sequence[float]) -> dict[str, float]:
     """Figures of ``above`` against ``below`` from per-prompt taus of the same prompts
     (``below[i]`` and ``above[i]``: prompt ``i``'s tau under each; lengths equal):
     ``difference`` (median paired ratio - 1) with ``difference_lo`` / ``difference_hi``
     and their ``coverage``, ``tau_ratio`` (ratio of means), ``prompts`` (pairs used) and
     ``verdict`` (module docstring). Raises ``ValueError`` when the lengths differ."""
-    if len(below) != len(above):
-        raise ValueError(f"paired_difference: {len(below)} prompts against {len(above)}; "
-                         "an ordering compares two rows over the same prompts")
-    pairs = [(b, a) for b, a in zip(below, above, strict=True)
-             if not (math.isnan(b) or math.isnan(a)) and b > 0]
+    pairs = _pairs(below, above, "paired_difference")
     if not pairs:
         return {"difference": math.nan, "difference_lo": math.nan,
                 "difference_hi": math.nan, "coverage": 0.0, "tau_ratio": math.nan,
@@ -77,10 +111,10 @@ def paired_difference(below: Sequence[float], above: Sequence[float]) -> dict[st
     lo, hi, coverage = median_interval(ratios)
     mean_below = sum(b for b, _ in pairs) / len(pairs)
     mean_above = sum(a for _, a in pairs) / len(pairs)
-    verdict = "holds" if lo > 1 else "fails" if hi < 1 else "unresolved"
     return {"difference": median(ratios) - 1, "difference_lo": lo - 1,
             "difference_hi": hi - 1, "coverage": coverage,
-            "tau_ratio": mean_above / mean_below, "prompts": len(pairs), "verdict": verdict}
+            "tau_ratio": mean_above / mean_below, "prompts": len(pairs),
+            "verdict": _verdict(lo, hi)}
 
 
 def ordering_rows(table: Sequence[dict], key: str = "loss",
@@ -116,22 +150,32 @@ def paired_rows(rows: Sequence[dict], orderings: Sequence[Ordering],
     return out
 
 
-def _speedups(above: dict, below: dict) -> dict[str, float]:
+def _speedups(above: dict, below: dict) -> dict[str, float | str]:
     """``speedup_above`` / ``speedup_below`` (and their ``_lo`` / ``_hi``) from the two
-    rows' speedup figures, for whichever the rows both carry (module docstring)."""
-    out = {}
+    rows' speedup figures, for whichever the rows both carry, and
+    :func:`paired_speedup`'s figures where both carry ``speedup_per_prompt`` (module
+    docstring)."""
+    out: dict[str, float | str] = {}
     for name in ("speedup", "speedup_lo", "speedup_hi"):
         if name in above and name in below:
             out[f"{name}_above"], out[f"{name}_below"] = above[name], below[name]
+    if "speedup_per_prompt" in above and "speedup_per_prompt" in below:
+        out.update(paired_speedup(below["speedup_per_prompt"], above["speedup_per_prompt"]))
     return out
 
 
 def speedups_cell(row: dict) -> str:
-    """``0.44x / 0.33x``: the rows' own median speedups, above / below; ``-`` when the
-    rows carried none."""
+    """``0.44x / 0.33x``: the rows' own median speedups, above / below, and where the
+    rows carried per-prompt speedups their paired ratio, ``0.44x / 0.33x = 1.31x [1.18,
+    1.45] holds``; ``-`` when the rows carried none."""
     if "speedup_above" not in row:
         return "-"
-    return f"{row['speedup_above']:.2f}x / {row['speedup_below']:.2f}x"
+    cell = f"{row['speedup_above']:.2f}x / {row['speedup_below']:.2f}x"
+    r = row.get("speedup_ratio")
+    if r is None or math.isnan(r):
+        return cell
+    return (f"{cell} = {r:.2f}x [{row['speedup_ratio_lo']:.2f}, "
+            f"{row['speedup_ratio_hi']:.2f}] {row['speedup_verdict']}")
 
 
 def difference_cell(row: dict) -> str:

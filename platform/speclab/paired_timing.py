@@ -183,6 +183,19 @@ def totals_ratio(pairs: Iterable[Pair]) -> float:
     return (n / s) / (a / t)
 
 
+def unit_speedups(pairs: Iterable[Pair], units: int) -> list[float]:
+    """Each unit's own speedup: ``[s_0, ..., s_{units-1}]``, ``s_u`` the median paired
+    ratio of the pairs of unit ``u`` (one per timed pass; NaN where unit ``u`` has none
+    with a ratio). Units are prompt indexes in prompt order, so two methods' lists over
+    the same prompts pair up prompt by prompt (:func:`speclab.orderings.paired_speedup`);
+    batched pairs (unit ``-1``) belong to no prompt and are left out."""
+    by_unit: dict[int, list[float]] = {}
+    for p in pairs:
+        if 0 <= p.unit < units and not math.isnan(p.ratio):
+            by_unit.setdefault(p.unit, []).append(p.ratio)
+    return [median(by_unit[u]) if u in by_unit else math.nan for u in range(units)]
+
+
 def speedup_figures(pairs: Sequence[Pair], speedup_totals: float | None = None,
                     bound: float = AR_SPREAD_BOUND) -> dict[str, float | int | bool | str]:
     """A method's wall-clock speedup figures from its ``pairs`` (see the module docstring):

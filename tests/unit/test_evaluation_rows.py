@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from speclab.api import Decoder
 from speclab.decoding.loop import accept_at_least
 from speclab.evaluation import MAX_KEY, MethodRun, Totals, summarize
@@ -53,6 +55,7 @@ def test_rows_carry_the_spread_over_prompts(tiny_pair):
     assert row["tau_std"] == statistics.stdev(per_tau)
     assert row["tau_per_prompt"] == per_tau  # prompt order: what paired orderings read
     assert row["speedup_std"] == statistics.stdev(per_speed)
+    assert "speedup_per_prompt" not in row  # built by hand: no pairs
     assert row["tokens_per_s_std"] > 0
     one = Totals()
     one.add(dec.generate(prompt_ids=[3, 9, 27], method="ar", max_new_tokens=8))
@@ -125,3 +128,24 @@ def test_long_method_labels_get_a_short_name_and_a_legend():
     assert lines[7:] == [f"  tree: {tree}", f"  salf(batch=2): {salf[0]}",
                          f"  salf(batch=4): {salf[1]}"]
     assert max(len(x) for x in lines[:7]) < 30
+
+
+def test_merged_totals_keep_each_pair_on_its_prompt(tiny_pair):
+    """Two actors' shards merged (merge_results): the second shard's pairs move past the
+    first shard's prompts, so ``speedup_per_prompt`` lines up with ``tau_per_prompt``."""
+    from speclab.evaluation import interleaved_comparison, merge_results
+
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    runs = [MethodRun("chain", {"gamma": 2})]
+    gen = {"max_new_tokens": 8, "timing_passes": 2}
+    parts = [interleaved_comparison(dec, runs, shard, gen, warmup=False,
+                                    forward_costs=False)
+             for shard in ([[3, 9, 27], [5, 6, 7]], [[11, 12]])]
+    merged = merge_results(parts)[runs[0].name]
+    totals = merged["totals"]
+    assert sorted({p.unit for p in totals.pairs}) == [0, 1, 2]
+    assert [p.unit for p in totals.pairs[-2:]] == [2, 2]  # the second shard, both passes
+    row = summarize(runs[0], totals, merged["ar"])
+    assert len(row["speedup_per_prompt"]) == len(row["tau_per_prompt"]) == 3
+    last = [p.ratio for p in parts[1][runs[0].name]["totals"].pairs]
+    assert row["speedup_per_prompt"][2] == pytest.approx(sum(last) / 2)  # median of 2

@@ -12,9 +12,10 @@ from speclab.orderings import (
     difference_cell,
     ordering_rows,
     paired_difference,
+    paired_speedup,
     speedups_cell,
 )
-from speclab.paired_timing import median_interval
+from speclab.paired_timing import Pair, median_interval, unit_speedups
 from speclab.pipelines.comparison import log_comparison
 
 
@@ -174,3 +175,56 @@ def test_an_evaluate_config_orders_labelled_methods_only():
         ExperimentConfig.from_dict({**base, "data": {"num_prompts": 4},
                                     "decoding": {"batch_sizes": [1, 2]},
                                     "orderings": [{"above": "c2", "below": "ar"}]})
+
+
+def test_a_speedup_ordering_pairs_each_prompts_speedups():
+    """EAGLE-3's claim is in speedup: per prompt, the ratio of the two rows' own paired
+    speedups; the median with its order-statistics interval and a verdict."""
+    below = [0.30 + 0.01 * i for i in range(16)]
+    above = [s * (1.3 + 0.01 * (i % 3)) for i, s in enumerate(below)]
+    got = paired_speedup(below, above)
+    ratios = [a / b for a, b in zip(above, below, strict=True)]
+    lo, hi, _ = median_interval(ratios)
+    assert got["speedup_ratio"] == pytest.approx(1.31)
+    assert (got["speedup_ratio_lo"], got["speedup_ratio_hi"]) == (lo, hi)
+    assert got["speedup_verdict"] == "holds" and lo > 1
+    assert paired_speedup(above, below)["speedup_verdict"] == "fails"
+    spread = paired_speedup([1.0] * 8, [0.8, 0.9, 1.0, 1.05, 1.1, 1.2, 0.95, 1.15])
+    assert spread["speedup_verdict"] == "unresolved"
+    none = paired_speedup([math.nan, 0.0], [1.0, 1.0])  # no usable prompt
+    assert math.isnan(none["speedup_ratio"]) and none["speedup_verdict"] == "unresolved"
+    with pytest.raises(ValueError, match="paired_speedup: 2 prompts against 1"):
+        paired_speedup([1.0, 1.0], [1.0])
+
+
+def test_each_prompts_speedup_is_the_median_of_its_pairs_over_passes():
+    def pair(unit, k, ar_s, s):
+        return Pair(unit, k, ar_s, 10, s, 10)
+
+    pairs = [pair(0, 0, 1.0, 0.5), pair(1, 0, 1.0, 1.0), pair(0, 1, 1.0, 0.25),
+             pair(1, 1, 1.0, 2.0), pair(0, 2, 1.0, 1.0), pair(1, 2, 0.0, 1.0),
+             pair(-1, 0, 1.0, 0.1)]  # a batched pair: no prompt's
+    got = unit_speedups(pairs, 3)
+    assert got[0] == 2.0  # median of 2, 4 and 1
+    assert got[1] == pytest.approx(0.75)  # median of 1 and 0.5; the pair without time out
+    assert math.isnan(got[2])  # prompt 2 has no pair
+
+
+def test_the_orderings_table_prints_the_paired_speedup_ratio():
+    from speclab.orderings import paired_rows
+    from speclab.pipelines.comparison import log_orderings
+
+    slow = [0.30 + 0.01 * i for i in range(12)]
+    table = [{"method": "eagle3", "tau": 1.6, "tau_per_prompt": [1.6] * 12,
+              "speedup": 0.44, "speedup_lo": 0.39, "speedup_hi": 0.51,
+              "speedup_per_prompt": [s * 1.34 for s in slow]},
+             {"method": "eagle", "tau": 1.6, "tau_per_prompt": [1.6] * 12,
+              "speedup": 0.33, "speedup_lo": 0.29, "speedup_hi": 0.38,
+              "speedup_per_prompt": slow}]
+    [row] = paired_rows(table, [Ordering("eagle3", "eagle", "~1.4x")])
+    assert row["verdict"] == "unresolved"  # equal taus
+    assert row["speedup_ratio"] == pytest.approx(1.34) and row["speedup_verdict"] == "holds"
+    assert speedups_cell(row) == "0.44x / 0.33x = 1.34x [1.34, 1.34] holds"
+    rec = _Recorder()
+    log_orderings(rec, [row])
+    assert rec.metrics["ordering_speedup_eagle3_over_eagle"] == pytest.approx(1.34)

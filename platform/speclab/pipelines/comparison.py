@@ -12,12 +12,13 @@ from speclab.tracking import metric_key
 def comparison_rows(loss: str, rows: list[dict], key: str = "loss") -> list[dict]:
     """One table row per evaluated method of the drafter trained with ``loss`` (in column
     ``key``; ``rows``: :func:`~speclab.pipelines.actor_eval.evaluate_pair`'s, AR first),
-    with each prompt's tau (``tau_per_prompt``) for the paired orderings."""
+    with each prompt's tau and speedup (``tau_per_prompt``, ``speedup_per_prompt``) for
+    the paired orderings."""
     keep = ("tau", "tau_std", "target_calls_per_token", "speedup", "speedup_lo", "speedup_hi",
             "speedup_std", "tokens_per_s",
             *(f"accept_at_{k}" for k in range(1, ACCEPT_POSITIONS + 1)))
     return [{key: loss, "method": row["method"], **{k: row[k] for k in keep},
-             **({"tau_per_prompt": row["tau_per_prompt"]} if "tau_per_prompt" in row else {})}
+             **{k: row[k] for k in ("tau_per_prompt", "speedup_per_prompt") if k in row}}
             for row in rows[1:]]
 
 
@@ -100,13 +101,20 @@ def log_orderings(tracker, orderings: list[dict]) -> str:
     """Log rows of :func:`speclab.orderings.ordering_rows` or
     :func:`speclab.orderings.paired_rows` to ``tracker``'s run as ``orderings.csv`` /
     ``orderings.json`` and one ``ordering_<above>_over_<below>[_<method>]`` metric each
-    (the median paired difference; names made valid MLflow keys); returns them as a
-    printed table."""
+    (the median paired difference; names made valid MLflow keys), plus
+    ``ordering_speedup_<above>_over_<below>[_<method>]`` (the median paired speedup
+    ratio) where the rows carried per-prompt speedups; returns them as a printed
+    table."""
     by_method = any("method" in o for o in orderings)
     tracker.log_table(orderings, "orderings")
-    tracker.log_metrics({metric_key(
-        f"ordering_{o['above']}_over_{o['below']}" + (f"_{o['method']}" if by_method else "")
-    ): o["difference"] for o in orderings})
+
+    def key(o: dict, what: str) -> str:
+        return metric_key(f"{what}_{o['above']}_over_{o['below']}"
+                          + (f"_{o['method']}" if by_method else ""))
+
+    tracker.log_metrics({key(o, "ordering"): o["difference"] for o in orderings}
+                        | {key(o, "ordering_speedup"): o["speedup_ratio"] for o in orderings
+                           if "speedup_ratio" in o})
     return format_table(orderings, [
         ("above", "{}"), ("below", "{}"), *((("method", "{}"),) if by_method else ()),
         ("tau_above", "{:.2f}"), ("tau_below", "{:.2f}"), ("difference", difference_cell),
