@@ -3,6 +3,7 @@ each round, losslessness (greedy identity for every tree shape, chi-square at T 
 typical acceptance, and the MEDUSA-1 / MEDUSA-2 losses."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from speclab.families.medusa.training import (
     lm_quality,
     medusa1_loss,
     medusa2_loss,
+    repeated_ngram_share,
 )
 from speclab.families.medusa.trees import (
     cartesian_template,
@@ -303,8 +305,21 @@ def test_lm_quality_of_a_copy_and_of_another_model(tiny_pair):
     same = lm_quality(a, load_model(tiny_pair["target"]), windows, [PROMPT], 12)
     assert same["ppl_original"] == pytest.approx(same["ppl_tuned"])
     assert same["top1_agreement"] == 1.0 and same["greedy_identical"] == 1.0
+    assert same["repeat4_original"] == same["repeat4_tuned"]
     other = lm_quality(a, load_model(tiny_pair["weak"]), windows, [PROMPT], 12)
     assert other["top1_agreement"] < 1.0 and other["greedy_token_agreement"] < 1.0
+    a_out, _ = autoregressive_generate(ModelRunner(a), PROMPT, 12, SamplingParams(0.0))
+    assert other["repeat4_original"] == repeated_ngram_share([a_out], 4)
+
+
+def test_repeated_ngram_share_counts_repeats_within_each_sequence():
+    assert repeated_ngram_share([[1, 2, 3, 4, 5, 6]], 4) == 0.0  # 3 four-grams, all new
+    # a loop of period 2: (1,2,1,2) then (2,1,2,1), then each repeats
+    assert repeated_ngram_share([[1, 2] * 5], 4) == pytest.approx(5 / 7)
+    # pooled: the second sequence's 4-gram is not a repeat of the first's
+    assert repeated_ngram_share([[1, 2, 3, 4], [1, 2, 3, 4]], 4) == 0.0
+    assert repeated_ngram_share([[7, 7, 7, 7, 7]], 4) == 0.5
+    assert math.isnan(repeated_ngram_share([[1, 2, 3], []], 4))
 
 
 @pytest.mark.slow

@@ -23,7 +23,9 @@ from them and stored with the heads (``tree.json``), the heads are registered
 (``output.register_as``-<variant>) and ``methods`` are evaluated against plain decoding
 of the variant's target. For ``medusa2`` the run also logs how far the new target moved
 (``quality.ppl_original`` / ``quality.ppl_tuned`` on held-out text,
-``quality.top1_agreement``, ``quality.greedy_token_agreement``). The parent run gets the
+``quality.top1_agreement``, ``quality.greedy_token_agreement``,
+``quality.repeat4_original`` / ``quality.repeat4_tuned``: how often each repeats itself).
+The parent run gets the
 variant x method table and plots.
 """
 

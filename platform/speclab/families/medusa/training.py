@@ -202,7 +202,10 @@ def lm_quality(original: nn.Module, tuned: nn.Module, windows: torch.Tensor,
     (``ppl_original``, ``ppl_tuned``) and ``top1_agreement`` (teacher-forced argmax
     equality per position); ``prompts``: greedy decoding of ``max_new_tokens`` by each,
     ``greedy_token_agreement`` (equal tokens at equal positions) and
-    ``greedy_identical`` (fraction of prompts with identical outputs)."""
+    ``greedy_identical`` (fraction of prompts with identical outputs), and each model's
+    ``repeat4_original`` / ``repeat4_tuned`` (:func:`repeated_ngram_share` of its greedy
+    outputs: a tuned model that loops is easier to draft for, so a higher tau beside a
+    higher share is no gain at unchanged quality)."""
     from speclab.decoding.loop import autoregressive_generate
     from speclab.decoding.runner import ModelRunner
     from speclab.decoding.sampling import SamplingParams
@@ -217,14 +220,34 @@ def lm_quality(original: nn.Module, tuned: nn.Module, windows: torch.Tensor,
         argmax.append(logits.argmax(-1))
     out["top1_agreement"] = float((argmax[0] == argmax[1]).float().mean())
     same = equal = total = 0
+    outputs: dict[str, list[list[int]]] = {"original": [], "tuned": []}
     for prompt in prompts:
         a, _ = autoregressive_generate(ModelRunner(original), prompt, max_new_tokens,
                                        SamplingParams(0.0))
         b, _ = autoregressive_generate(ModelRunner(tuned), prompt, max_new_tokens,
                                        SamplingParams(0.0))
+        outputs["original"].append(a)
+        outputs["tuned"].append(b)
         same += a == b
         equal += sum(x == y for x, y in zip(a, b))
         total += max(len(a), len(b))
     out["greedy_token_agreement"] = equal / max(total, 1)
     out["greedy_identical"] = same / max(len(prompts), 1)
+    for name, seqs in outputs.items():
+        out[f"repeat4_{name}"] = repeated_ngram_share(seqs, 4)
     return out
+
+
+def repeated_ngram_share(sequences: list[list[int]], n: int = 4) -> float:
+    """The share of ``n``-grams that repeat an earlier ``n``-gram of the same sequence,
+    pooled over ``sequences`` (each a list of token ids): 0 for text that never repeats
+    itself, near 1 for a loop. NaN when no sequence holds ``n`` tokens."""
+    repeated = counted = 0
+    for seq in sequences:
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(seq) - n + 1):
+            gram = tuple(seq[i:i + n])
+            repeated += gram in seen
+            seen.add(gram)
+            counted += 1
+    return repeated / counted if counted else math.nan
