@@ -28,7 +28,10 @@ per target call on that prompt). The ordering's figures:
   ``speedup_ratio_hi``) and ``speedup_verdict`` (``holds`` / ``fails`` /
   ``unresolved`` as for tau). Each side's speedup was paired with its own plain decoding
   of the prompt, so timing noise of either side's pair widens the interval rather than
-  hiding in it.
+  hiding in it. A shift of the machine's speed between two separately timed evaluations
+  (``train_medusa``'s variants, each evaluated against its own target) moves every
+  prompt's ratio alike and is not in the interval: read such a ratio beside the tau
+  difference.
 
 A prompt whose tau is missing on either side (NaN) is left out of both; a comparison
 whose prompt counts differ is refused (the two rows did not decode the same prompts).

@@ -150,11 +150,7 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE
 def normalize_ar(pairs: Sequence[Pair]) -> list[Pair]:
     """``pairs`` with ``ar_norm`` set: each AR time over the median AR time of its unit
     among ``pairs`` (pass all pairs of a comparison: every method's)."""
-    by_unit: dict[int, list[float]] = {}
-    for p in pairs:
-        if p.ar_s > 0:
-            by_unit.setdefault(p.unit, []).append(p.ar_s)
-    ref = {u: median(v) for u, v in by_unit.items()}
+    ref = _unit_medians((p.unit, p.ar_s) for p in pairs if p.ar_s > 0)
     out = []
     for p in pairs:
         r = ref.get(p.unit, math.nan)
@@ -189,11 +185,17 @@ def unit_speedups(pairs: Iterable[Pair], units: int) -> list[float]:
     with a ratio). Units are prompt indexes in prompt order, so two methods' lists over
     the same prompts pair up prompt by prompt (:func:`speclab.orderings.paired_speedup`);
     batched pairs (unit ``-1``) belong to no prompt and are left out."""
+    med = _unit_medians((p.unit, p.ratio) for p in pairs
+                        if 0 <= p.unit < units and not math.isnan(p.ratio))
+    return [med.get(u, math.nan) for u in range(units)]
+
+
+def _unit_medians(values: Iterable[tuple[int, float]]) -> dict[int, float]:
+    """``{unit: median of its values}`` over ``(unit, value)`` pairs."""
     by_unit: dict[int, list[float]] = {}
-    for p in pairs:
-        if 0 <= p.unit < units and not math.isnan(p.ratio):
-            by_unit.setdefault(p.unit, []).append(p.ratio)
-    return [median(by_unit[u]) if u in by_unit else math.nan for u in range(units)]
+    for unit, value in values:
+        by_unit.setdefault(unit, []).append(value)
+    return {u: median(v) for u, v in by_unit.items()}
 
 
 def speedup_figures(pairs: Sequence[Pair], speedup_totals: float | None = None,
