@@ -1,21 +1,26 @@
-"""Serve benchmark: each method through Serve at several client counts, next to the
-in-process engine on the same prompts.
+"""Serve benchmark: each method through Serve at several client counts, paired with plain
+decoding through Serve, next to the in-process engine on the same prompts.
 
     .venv/bin/python -m serve_apps.bench --config experiments/serve_reference.yaml \\
-        [--methods ar,chain,eagle,medusa] [--clients 1,4,16] [--requests 8] \\
+        [--methods ar,chain,eagle,medusa] [--clients 1,4,16] [--requests 8] [--passes 6] \\
         [--max-tokens 48] [--eagle-model URI] [--medusa-model URI] \\
         [--out bench_out/serve_bench.json] [key=value ...]
 
-For each method, one after another (nothing else runs meanwhile): the in-process
-:class:`speclab.api.Decoder` decodes the load test's 8 prompts one at a time (greedy;
-with 8 requests per client, one client sends exactly these);
-then ``speclab serve`` starts the app on a free 127.0.0.1 port in its own process
-group, a warm-up request runs, and :func:`serve_apps.loadtest.run_load` runs at each
-client count; the server is stopped (its process group) before the next method.
-Prints a table (tokens/s, share of the in-process figure, p50 latency, tau, target
-calls per token, every served output equal to the in-process one) and where a round's
-time went (ingress, draft model, target call: hop, target model forward and the
-target's rules, batch wait), and writes JSON.
+First, with no server up, the in-process :class:`speclab.api.Decoder` decodes the load
+test's 8 prompts one at a time for each method (greedy; with 8 requests per client, one
+client sends exactly these). Then ``speclab serve`` starts each method's app on a free
+127.0.0.1 port in its own process group (warmed up with one request) and stops it (its
+process group) before the next method's. When ``--methods`` holds ``ar`` and others,
+plain decoding's app stays up throughout and each other method is timed PAIRED with it
+(:func:`serve_apps.paired.paired_load`: ``--passes`` passes, alternating which side goes
+first; one client: a pair per request, more: a pair per pass), so its speedup over plain
+decoding through Serve has a 95% interval (:func:`speclab.paired_timing.speedup_figures`;
+6 passes or more for a true 95%). Both apps being up, each side's timings include the
+other app's idle processes. Prints a table (tokens/s, share of the in-process figure, p50
+latency, tau, target calls per token, every served output equal to the in-process one,
+the speedup over ar with its interval) and where a round's time went (ingress, draft
+model, target call: hop, target model forward and the target's rules, batch wait), and
+writes JSON.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ from pathlib import Path
 
 import requests
 
-from serve_apps.loadtest import PROMPTS, run_load
+from serve_apps.loadtest import PROMPTS, run_load, summarize
+from serve_apps.paired import paired_load
 from speclab.api import Decoder
 from speclab.bench import EAGLE_RUN
 from speclab.config import ServeJob
 from speclab.models.registry import resolve_models
+from speclab.paired_timing import normalize_ar, speedup_figures
 from speclab.paths import repo_root
 from speclab.timing import now
 
@@ -162,14 +169,53 @@ def breakdown(results: list[dict]) -> dict:
     return {"per_round": t, "per_request": per_req}
 
 
+def _row_line(name: str, n: int, s: dict, base: dict) -> str:
+    """One line of the results table (``base``: the method's first client count)."""
+    cell = "-"
+    if "speedup" in s:
+        cell = f"{s['speedup']:.2f}x [{s['speedup_lo']:.2f}, {s['speedup_hi']:.2f}]"
+    return (f"{name:<8} {n:>7} {s['tokens_per_s']:>8.1f} {s['share_of_in_process']:>8.2f} "
+            f"{s['tokens_per_s'] / base['tokens_per_s']:>9.2f} {s['p50_s']:>6.2f} "
+            f"{s['tau']:>5.2f} {s['target_calls_per_token']:>9.3f} {s['errors']:>6} "
+            f"{str(s['identical_to_in_process']):>5} {cell:>20}"
+            + (" noisy" if s.get("noisy") else ""))
+
+
+def _breakdown_line(name: str, n: int, s: dict) -> str:
+    r, q = s["per_round"], s["per_request"]
+    return (f"{name:<8} {n:>3} clients: queue {1e3 * r['queue_s']:.2f}, draft "
+            f"{1e3 * r['draft_model_s']:.2f}, call {1e3 * r['target_call_s']:.2f} (hop "
+            f"{1e3 * r['hop_s']:.2f}), target {1e3 * r['target_model_s']:.2f}, rules "
+            f"{1e3 * r['target_rule_s']:.2f}, ahead {1e3 * r['ahead_s']:.2f}, rows "
+            f"{r['rows_per_target_forward']:.1f}; drafted ahead "
+            f"{r['ahead_rounds_share']:.0%}, hits "
+            f"{'-' if r['ahead_hit_rate'] is None else format(r['ahead_hit_rate'], '.0%')}"
+            f"; per request: http+proxy {1e3 * q['http_and_proxy_s']:.1f}, "
+            f"ingress->replica {1e3 * q['ingress_to_replica_s']:.1f}, prefill "
+            f"{1e3 * q['prefill_s']:.1f}")
+
+
+def _served(results: list[dict], summary: dict, local: dict) -> dict:
+    """A side's summary with its round breakdown and its check against the in-process
+    outputs."""
+    same = all(r["token_ids"] == local["outputs"][r["prompt"]]
+               for r in results if r["status"] == 200)
+    return {**summary, **breakdown(results), "identical_to_in_process": same,
+            "share_of_in_process": summary["tokens_per_s"] / local["tokens_per_s"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="experiments/serve_reference.yaml")
     p.add_argument("--methods", default="ar,chain",
-                   help="comma-separated; 'chain' takes the config's method params")
+                   help="comma-separated; 'chain' takes the config's method params; with "
+                        "'ar' and others, each other method is timed paired with 'ar'")
     p.add_argument("--clients", default="1,4,16")
-    p.add_argument("--requests", type=int, default=8, help="requests per client")
+    p.add_argument("--requests", type=int, default=8, help="requests per client and pass")
+    p.add_argument("--passes", type=int, default=6,
+                   help="timed passes per client count (paired with ar: its speedup's "
+                        "interval needs >= 6 for 95%%)")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default="bench_out/serve_bench.json")
     p.add_argument("--eagle-model", help="the 'eagle' row's drafter (folder or models:/ URI; "
@@ -181,77 +227,97 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = ServeJob.from_yaml(a.config, a.overrides)
         clients = [int(c) for c in a.clients.split(",")]
-        if min(clients) < 1 or a.requests < 1 or a.max_tokens < 1:
-            raise ValueError("clients, requests and max-tokens must be >= 1")
+        if min(clients) < 1 or a.requests < 1 or a.max_tokens < 1 or a.passes < 1:
+            raise ValueError("clients, requests, passes and max-tokens must be >= 1")
+        names = list(dict.fromkeys(a.methods.split(",")))
+        methods = {name: bench_method(cfg, name, a.eagle_model, a.medusa_model)
+                   for name in names}
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows, report = [], {"config": a.config, "max_tokens": a.max_tokens, "methods": {}}
-    for name in a.methods.split(","):
-        try:
-            method = bench_method(cfg, name, a.eagle_model, a.medusa_model)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        local = in_process(cfg, method, PROMPTS, a.max_tokens)
-        print(f"[{name}] in process: {local['tokens_per_s']:.1f} tok/s, tau "
-              f"{local['tau']:.2f}", flush=True)
-        proc, url = start_server(a.config, [*a.overrides, "method=" + json.dumps(method)],
-                                 out.parent / f"serve_{name}.log")
-        entry = {"in_process": {k: v for k, v in local.items() if k != "outputs"}, "serve": {}}
-        try:
-            requests.post(url + "/generate", json={"prompt": PROMPTS[0], "max_tokens": 8},
-                          timeout=120)
-            for n in clients:
-                results, s = run_load(url, n, a.requests, a.max_tokens)
-                same = all(r["token_ids"] == local["outputs"][r["prompt"]]
-                           for r in results if r["status"] == 200)
-                s.update(breakdown(results), identical_to_in_process=same,
-                         share_of_in_process=s["tokens_per_s"] / local["tokens_per_s"])
-                entry["serve"][n] = s
-                rows.append((name, n, s, local))
-                print(f"[{name}] {n} clients: {s['tokens_per_s']:.1f} tok/s, p50 "
-                      f"{s['p50_s']:.2f}s, identical {same}", flush=True)
-        finally:
-            stop_server(proc)
-        report["methods"][name] = entry
-    one = {name: e["serve"][clients[0]] for name, e in report["methods"].items()}
-    print(f"\n{'method':<8} {'clients':>7} {'tok/s':>8} {'/in-proc':>8} {'/1 client':>9} "
-          f"{'p50 s':>6} {'p50/1c':>6} {'tau':>5} {'calls/tok':>9} {'errors':>6} {'same':>5}")
-    for name, n, s, _ in rows:
-        base = one[name]
-        print(f"{name:<8} {n:>7} {s['tokens_per_s']:>8.1f} {s['share_of_in_process']:>8.2f} "
-              f"{s['tokens_per_s'] / base['tokens_per_s']:>9.2f} {s['p50_s']:>6.2f} "
-              f"{s['p50_s'] / base['p50_s']:>6.2f} {s['tau']:>5.2f} "
-              f"{s['target_calls_per_token']:>9.3f} {s['errors']:>6} "
-              f"{str(s['identical_to_in_process']):>5}")
+    paired = "ar" in names and len(names) > 1
+    local = {}
+    for name in names:  # every in-process figure first, with no server up
+        local[name] = in_process(cfg, methods[name], PROMPTS, a.max_tokens)
+        print(f"[{name}] in process: {local[name]['tokens_per_s']:.1f} tok/s, tau "
+              f"{local[name]['tau']:.2f}", flush=True)
+    report = {"config": a.config, "max_tokens": a.max_tokens, "passes": a.passes,
+              "paired_with_ar": paired, "methods": {
+                  name: {"in_process": {k: v for k, v in local[name].items()
+                                        if k != "outputs"}, "serve": {}}
+                  for name in names}}
+    rows = []
+    ar = _start(a, "ar", methods["ar"], out) if paired else None
+    try:
+        for name in names:
+            if paired and name == "ar":
+                continue
+            proc, url = _start(a, name, methods[name], out)
+            try:
+                for n in clients:
+                    if paired:
+                        pairs, got, sums = paired_load(ar[1], url, n, a.requests,
+                                                       a.max_tokens, a.passes)
+                        s = {**_served(got["method"], sums["method"], local[name]),
+                             **speedup_figures(normalize_ar(pairs))}
+                        base = _served(got["ar"], sums["ar"], local["ar"])
+                        report["methods"]["ar"]["serve"].setdefault(n, {})[name] = base
+                        rows.append(("ar", n, base))
+                    else:
+                        results, walls = [], 0.0
+                        for _ in range(a.passes):
+                            res, summ = run_load(url, n, a.requests, a.max_tokens)
+                            results += res
+                            walls += summ["wall_s"]
+                        s = _served(results, summarize(results, n, walls), local[name])
+                    report["methods"][name]["serve"][n] = s
+                    rows.append((name, n, s))
+                    print(f"[{name}] {n} clients: {s['tokens_per_s']:.1f} tok/s, p50 "
+                          f"{s['p50_s']:.2f}s, identical {s['identical_to_in_process']}"
+                          + (f", {s['speedup']:.2f}x [{s['speedup_lo']:.2f}, "
+                             f"{s['speedup_hi']:.2f}] over ar" if paired else ""), flush=True)
+            finally:
+                stop_server(proc)
+    finally:
+        if ar is not None:
+            stop_server(ar[0])
+    firsts = {}
+    for name, _n, s in rows:
+        firsts.setdefault(name, s)
+    print(f"\n{'method':<8} {'clients':>7} {'tok/s':>8} {'/in-proc':>8} {'/1st load':>9} "
+          f"{'p50 s':>6} {'tau':>5} {'calls/tok':>9} {'errors':>6} {'same':>5} "
+          f"{'over ar [95%]':>20}")
+    for name, n, s in rows:
+        print(_row_line(name, n, s, firsts[name]))
     print("\nper round (ms): queue, draft model, target call (hop + target model + target "
           "rules), target model, target rules, drafting ahead during the call, rows per "
           "target forward; rounds drafted ahead and their hit rate")
-    for name, n, s, _ in rows:
-        r = s["per_round"]
-        q = s["per_request"]
-        print(f"{name:<8} {n:>3} clients: queue {1e3 * r['queue_s']:.2f}, draft "
-              f"{1e3 * r['draft_model_s']:.2f}, call {1e3 * r['target_call_s']:.2f} (hop "
-              f"{1e3 * r['hop_s']:.2f}), target {1e3 * r['target_model_s']:.2f}, rules "
-              f"{1e3 * r['target_rule_s']:.2f}, ahead {1e3 * r['ahead_s']:.2f}, rows "
-              f"{r['rows_per_target_forward']:.1f}; drafted ahead "
-              f"{r['ahead_rounds_share']:.0%}, hits "
-              f"{'-' if r['ahead_hit_rate'] is None else format(r['ahead_hit_rate'], '.0%')}"
-              f"; per request: http+proxy "
-              f"{1e3 * q['http_and_proxy_s']:.1f}, ingress->replica "
-              f"{1e3 * q['ingress_to_replica_s']:.1f}, prefill {1e3 * q['prefill_s']:.1f}")
-    names = list(report["methods"])
-    if "ar" in names and len(names) > 1:
-        for name in names[1:]:
-            ratio = one[name]["tokens_per_s"] / one["ar"]["tokens_per_s"]
-            report["methods"][name]["one_client_over_ar"] = ratio
-            print(f"{name} over ar, one client through Serve: {ratio:.2f}x")
+    for name, n, s in rows:
+        print(_breakdown_line(name, n, s))
+    if paired:
+        print(f"\nover ar: each method's paired speedup through Serve, {a.passes} passes "
+              f"(one client: a pair per request; more: a pair per pass), median "
+              f"[95% interval]; ar's rows are the runs paired with the method above them")
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"written {out}")
     return 0
+
+
+def _start(a: argparse.Namespace, name: str, method: dict, out: Path
+           ) -> tuple[subprocess.Popen, str]:
+    """The app serving ``method`` (its log ``serve_NAME.log`` beside ``out``), warmed up
+    with one request."""
+    proc, url = start_server(a.config, [*a.overrides, "method=" + json.dumps(method)],
+                             out.parent / f"serve_{name}.log")
+    try:
+        requests.post(url + "/generate", json={"prompt": PROMPTS[0], "max_tokens": 8},
+                      timeout=120)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, url
 
 
 if __name__ == "__main__":

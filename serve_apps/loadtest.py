@@ -47,6 +47,13 @@ def run_load(url: str, clients: int, per_client: int, max_tokens: int,
     with ThreadPoolExecutor(clients) as pool:
         results = list(pool.map(lambda p: one_request(url, p, max_tokens), jobs))
     wall = time.perf_counter() - t0
+    return results, summarize(results, clients, wall)
+
+
+def summarize(results: list[dict], clients: int, wall: float) -> dict:
+    """The summary row of ``results`` (responses of :func:`one_request`) sent by
+    ``clients`` clients in ``wall`` seconds: requests, errors, p50 / p95 / max latency
+    (seconds), tokens and tokens/s over ``wall``, mean tau and target calls per token."""
     ok = [r for r in results if r["status"] == 200]
     lat = sorted(r["latency_s"] for r in ok) or [0.0]
     tokens = sum(len(r["token_ids"]) for r in ok)
@@ -57,7 +64,7 @@ def run_load(url: str, clients: int, per_client: int, max_tokens: int,
         "max_s": lat[-1], "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
         "tau": statistics.mean(r["stats"]["tau"] for r in ok) if ok else 0.0,
         "target_calls_per_token": calls / tokens if tokens else 0.0}
-    return results, summary
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
