@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ from speclab.config import ServeJob
 from speclab.models.registry import resolve_models
 from speclab.paired_timing import normalize_ar, speedup_figures
 from speclab.paths import repo_root
+from speclab.proctree import stop_process_tree
 from speclab.timing import now
 
 
@@ -126,17 +126,10 @@ def start_server(config: str, overrides: list[str], log: Path) -> tuple[subproce
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM the CLI (it shuts Serve and its Ray down), then its process group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this bench started, nothing else
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGTERM the CLI (it shuts Serve and its Ray down), then whatever is left of what it
+    started (its process group and every descendant: Ray puts workers in groups of their
+    own; :func:`speclab.proctree.stop_process_tree`)."""
+    stop_process_tree(proc, grace=30, leader_grace=90)
 
 
 def breakdown(results: list[dict]) -> dict:
