@@ -15,12 +15,13 @@ A decoding request is ONE handle call from here: to the draft deployment, which 
 the request's rounds next to its drafter and verifies on the target in batched calls
 (:mod:`serve_apps.draft`), or, for plain decoding, to the target deployment, which
 drives it alone (:mod:`serve_apps.target`); ``/recommend`` too goes to the draft
-deployment, which runs its beam SD rounds (:mod:`serve_apps.beams`). Every request gets
-the rounds' tokens as they come (a streamed call, whether or not its client streams),
-cut at a stop string by :mod:`serve_apps.stops`, so a stop string, a client that goes
-away or the request's deadline (``timeout``, ``serve.request_timeout_s``) ends its
-rounds at once. This module keeps the routes and the mapping of errors to HTTP
-statuses.
+deployment, which runs its beam SD rounds (:mod:`serve_apps.beams`). Every request is
+a streamed call, whether or not its client streams: a streamed request or one with stop
+strings gets each round's tokens as they come, cut at a stop string by
+:mod:`serve_apps.stops`; any other gets them in chunks of up to :data:`HOLD_S` seconds
+of rounds. A stop string, a client that goes away or the request's deadline
+(``timeout``, ``serve.request_timeout_s``) ends its rounds at once. This module keeps
+the routes and the mapping of errors to HTTP statuses.
 
 Every error answers OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``:
 400 naming the field, 401 without the API key (``serve.api_key``), 404 for an unknown
@@ -69,6 +70,12 @@ from speclab.decoding.loop import eos_set
 from speclab.decoding.rules import RuleSpec, request_rule
 from speclab.decoding.sampling import SamplingParams
 from speclab.models.loading import load_tokenizer
+
+#: seconds a replica may hold the rounds of a request whose reply waits for the end (not
+#: streamed, no stop strings) before sending them to the ingress as one chunk; a chunk
+#: per round cost plain decoding through Serve about a third of its throughput on the
+#: 2-core VM (docs/serve.md), a chunk per 0.1 s costs about 1 ms in 100
+HOLD_S = 0.1
 
 api = FastAPI(title="speclab", description=__doc__)
 
@@ -236,6 +243,8 @@ class Decoding:
     finish_reason: str = "length"
     deadline: float | None = None  # time.perf_counter() at which decoding stops
     deadline_exceeded: bool = False  # it did: the reply holds the rounds decoded by then
+    # seconds the driving replica may hold rounds before sending them (DecodeRequest)
+    hold_s: float = 0.0
 
     def kept_logprobs(self) -> list:
         """The entries of the tokens kept (a stop string may have cut the last round)."""
@@ -308,7 +317,7 @@ class Ingress:
         key = rid if self.colocated else target_key(rid, self.s["target_buckets"])
         req = DecodeRequest(dec.prompt_ids, dec.max_tokens, dec.sampling, dec.rule.to_dict(),
                             dec.seed, sorted(eos_set(info["eos"])), drafting, dec.logprobs,
-                            dec.echo, self.s.get("budget", "fixed")).__dict__
+                            dec.echo, self.s.get("budget", "fixed"), dec.hold_s).__dict__
         t0 = time.perf_counter()
         finished = False
         if drafting:
@@ -448,8 +457,11 @@ class Ingress:
         """Text deltas per round (``stream``), cut at a stop string (not included; see
         :class:`serve_apps.stops.StopText`); a stop string or a gone client ends the
         request's rounds early and frees its states at once. A request neither streamed
-        nor with stop strings gets its text decoded once, at the end."""
+        nor with stop strings gets its text decoded once, at the end, and its replica
+        sends its rounds in chunks of up to :data:`HOLD_S` seconds (at a deadline, the
+        reply holds the rounds that reached the ingress by then)."""
         if not stream and not dec.stops:
+            dec.hold_s = HOLD_S
             async for _ in self._decode(rid, dec):
                 pass
             yield self._text(dec.tokens)
