@@ -143,7 +143,7 @@ async def stream_rounds(req: DecodeRequest, step: Step, timing: Timing,
     go out together, as ONE chunk (their tokens and logprobs in order, the progress of
     all of them), and whatever is held goes out before ``stats``. Each chunk is a message
     from the replica to the ingress, which wakes both and Ray's IO threads: on the
-    2-core VM a chunk per round cost plain decoding through Serve about a third of its
+    2-core VM a chunk per round cost plain decoding through Serve a quarter to a third of its
     throughput (docs/serve.md)."""
     t0 = time.perf_counter()
     stats = GenerationStats()

@@ -73,8 +73,8 @@ from speclab.models.loading import load_tokenizer
 
 #: seconds a replica may hold the rounds of a request whose reply waits for the end (not
 #: streamed, no stop strings) before sending them to the ingress as one chunk; a chunk
-#: per round cost plain decoding through Serve about a third of its throughput on the
-#: 2-core VM (docs/serve.md), a chunk per 0.1 s costs about 1 ms in 100
+#: per round cost plain decoding through Serve a quarter to a third of its throughput
+#: on the 2-core VM (docs/serve.md); a chunk per 0.1 s costs about 1 ms in 100
 HOLD_S = 0.1
 
 api = FastAPI(title="speclab", description=__doc__)
