@@ -104,7 +104,7 @@ def test_wall_time_beyond_the_curves_is_learned_as_a_draft_part_per_depth():
     for ms in [3, 4, 3, 40, 4, 3, 9, 9, 9]:
         steady._timed, steady._catching_up = False, False
         one.observe(1, 0, 1, 0.001 + ms * 1e-3)  # a 1-level round: 1 ms of target part
-        parts.append(round(steady.draft_part[1] * 1e3, 3))
+        parts.append(round(steady.draft_part[1, 1] * 1e3, 3))
     assert parts[3:6] == [3.5, 4.0, 4.0]  # the 40 ms step is outvoted
     assert parts[-1] == 9.0  # three 9 ms steps of the last five
     with pytest.raises(ValueError, match="window"):
@@ -257,7 +257,7 @@ def test_a_budget_resumes_what_the_last_one_learned(tiny_pair, tmp_path, monkeyp
     row.observe(4, 4, 4, 0.003)
     row.close()
     again = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.5]).resume(auto.state())
-    assert again.warmup == 0 and again.draft_part == {4: pytest.approx(0.002)}
+    assert again.warmup == 0 and again.draft_part == {(1, 4): pytest.approx(0.002)}
     assert again.q(1) > 0.5  # the ended row's acceptance is the new prior
     monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
@@ -512,10 +512,49 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
     r.observe(0, 0, 0, 0.001)
     assert r.choose() == 2 and timed._catching_up
     r.observe(2, 2, 2, 0.010)  # 9 ms: a catch-up over the plain round
-    assert timed.draft_part[2] == pytest.approx(0.0005)
+    assert timed.draft_part[1, 2] == pytest.approx(0.0005)
     assert r.choose() == 2 and not timed._catching_up
     r.observe(2, 2, 2, 0.0025)  # a steady step moves it: the median of 0.5 and 1.5 ms
-    assert timed.draft_part[2] == pytest.approx(0.001)
+    assert timed.draft_part[1, 2] == pytest.approx(0.001)
+
+
+def test_a_draft_part_is_learned_per_batch_size():
+    """A draft part learned at one batch size prices another from the nearest one
+    measured, scaled by the draft model's curve, or without one in proportion to the
+    rows; a budget that learned its draft part alone (a Serve replica's first client)
+    does not carry it unscaled to 16 rows, where it would draft at a loss."""
+    # a drafter without a curve (EAGLE's head in Serve): learned at 1 row, 2 ms at depth 4
+    auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.9], warmup=0,
+                      plain_probes=0)
+    auto._learn("draft_part", (1, 4), 0.002)
+    assert auto.draft_s(4, 1) == pytest.approx(0.002)
+    assert auto.draft_s(2, 1) == pytest.approx(0.001)  # in proportion to depth
+    assert auto.draft_s(4, 16) == pytest.approx(0.032)  # in proportion to the rows
+    assert auto.draft_s(4, 3) == pytest.approx(0.006)  # from the nearest measured
+    auto._learn("draft_part", (16, 4), 0.010)  # then measured at 16 rows: as measured
+    assert auto.draft_s(4, 16) == pytest.approx(0.010)
+    assert auto.draft_s(2, 12) == pytest.approx(0.005 * 12 / 16)  # nearest: 16
+    assert auto.draft_s(4, 1) == pytest.approx(0.002)  # 1 row keeps its own
+    # with a draft model's curve, scaled by it from the nearest batch size measured
+    curved = AutoBudget(RoundCosts(_linear(1e-3, 0.0), _linear(0.5e-3, 0.0)), 4,
+                        prior=[0.9], warmup=0)
+    curved._learn("draft_part", (1, 4), 0.004)
+    assert curved.draft_s(4, 16) == pytest.approx(0.004 * 4.0)  # the curve's sqrt(16)
+    # state and resume keep the batch sizes
+    again = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4).resume(
+        json.loads(json.dumps(auto.state())))
+    assert again.draft_part == auto.draft_part
+    # a budget that learned 2 ms alone: at 16 rows its draft costs 32 ms, more than the
+    # tokens it would add are worth (a 16-row forward of 4 ms here), so it decodes plain
+    lone = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.6], warmup=0,
+                      plain_probes=0, driven=True)
+    lone._learn("draft_part", (1, 4), 0.002)
+    first = lone.row()
+    assert first.choose() > 0  # alone, drafting pays
+    first.close()
+    rows = [lone.row() for _ in range(16)]
+    lone.next_step()
+    assert {r.choose() for r in rows} == {0}
 
 
 def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_time():
@@ -540,7 +579,7 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     assert step(0.050) == 2  # the first step: rows just joined, nothing learned
     assert auto.draft_part == {} and auto.plain_ratios == {}
     assert step(0.004) == 2  # a steady drafted step: 2 ms beyond its 2 ms forward
-    assert auto.draft_part == {2: pytest.approx(0.002)}
+    assert auto.draft_part == {(4, 2): pytest.approx(0.002)}
     assert step(0.003) == 0  # drafting would win, but r0 at 4 rows is not measured
     assert auto.plain_ratios == {4: pytest.approx(1.5)}
     assert auto.seconds(0, 4) == pytest.approx(0.003)
@@ -548,7 +587,7 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     auto.plain_ratios[16] = 0.5
     assert auto.ratio(12) == 0.5 and auto.ratio(5) == pytest.approx(1.5)
     # the drafted step after the plain one (a catch-up): its 30 ms are not a draft part
-    assert step(0.030) == 2 and auto.draft_part == {2: pytest.approx(0.002)}
+    assert step(0.030) == 2 and auto.draft_part == {(4, 2): pytest.approx(0.002)}
     rows.pop().close()  # a row leaves: the next step's time is not learned
     before = dict(auto.draft_part), dict(auto.plain_ratios)
     step(0.040)

@@ -179,8 +179,12 @@ class AutoBudget:
     plain_ratio: float = 1.0
     #: per batch size (rows): running ratio of a plain step's wall seconds to its curve
     plain_ratios: dict[int, float] = field(default_factory=dict)
-    #: per depth: running seconds of a step beyond its target forward (the draft part)
-    draft_part: dict[int, float] = field(default_factory=dict)
+    #: per (rows, depth): running seconds of a step beyond its target forward (the draft
+    #: part). Per batch size too: a Serve replica's budget lives through every batch
+    #: size its clients bring, and a draft part learned at one row (EAGLE's tree on the
+    #: reference pair: 5 ms) priced the same depth at 14 rows (33 ms there), where its
+    #: steps, rows joining all the time, seldom teach one
+    draft_part: dict[tuple[int, int], float] = field(default_factory=dict)
     #: the running step times above are the median of this many recent steps (a running
     #: mean moved by a wall-time outlier: one 38 ms depth-1 step of EAGLE-3 on SmolLM2,
     #: among steady ones of 1-9 ms, lifted a mean with weight 0.2 from 3 to 11 ms)
@@ -323,15 +327,40 @@ class AutoBudget:
         return self.curve("target", rows, 1 + round(nodes)) * self.ratio(rows)
 
     def draft_s(self, depth: int, rows: int) -> float:
-        """Seconds of the step's draft part at ``depth``: measured at that depth, else a
-        line through the depths measured (one measured depth: proportional to depth),
-        else ``depth`` forwards of the draft model's curve (0 for drafters without one).
-        0 at depth 0."""
+        """Seconds of the step's draft part at ``depth`` with ``rows`` rows: measured
+        there, else a line through the depths measured at ``rows`` (one measured depth:
+        proportional to depth); at a batch size with none measured, that estimate at the
+        nearest one measured (in log rows), scaled by the draft model's curve from there
+        to ``rows``, or without a curve in proportion to the rows (a batched draft part
+        grows at most that fast: more rows, more per-row tree work, never less per row);
+        with nothing measured, ``depth`` forwards of the draft model's curve (0 for
+        drafters without one). 0 at depth 0."""
         if depth == 0:
             return 0.0
-        if depth in self.draft_part:
-            return self.draft_part[depth]
-        pts = sorted(self.draft_part.items())
+        if (rows, depth) in self.draft_part:
+            return self.draft_part[rows, depth]
+        measured = {r for r, _ in self.draft_part}
+        if not measured:
+            if self.costs.draft is None:
+                return 0.0
+            return depth * self.curve("draft", rows, max(round(self.width), 1))
+        near = rows if rows in measured else min(
+            measured, key=lambda r: (abs(math.log(r / max(rows, 1))), r))
+        part = self._draft_at(depth, near)
+        if near == rows:
+            return part
+        if self.costs.draft is not None:
+            w = max(round(self.width), 1)
+            return part * self.curve("draft", rows, w) / max(self.curve("draft", near, w),
+                                                             1e-12)
+        return part * rows / near
+
+    def _draft_at(self, depth: int, rows: int) -> float:
+        """The draft part at ``depth`` from the depths measured at ``rows`` (some are):
+        a line through them (one: proportional to depth)."""
+        pts = sorted((d, v) for (r, d), v in self.draft_part.items() if r == rows)
+        if depth in dict(pts):
+            return dict(pts)[depth]
         if len(pts) >= 2:
             n = len(pts)
             mx = sum(d for d, _ in pts) / n
@@ -339,12 +368,8 @@ class AutoBudget:
             var = sum((d - mx) ** 2 for d, _ in pts)
             slope = sum((d - mx) * (v - my) for d, v in pts) / var if var else 0.0
             return max(my + max(slope, 0.0) * (depth - mx), 0.0)
-        if pts:
-            d1, v1 = pts[0]
-            return v1 * depth / d1
-        if self.costs.draft is None:
-            return 0.0
-        return depth * self.curve("draft", rows, max(round(self.width), 1))
+        d1, v1 = pts[0]
+        return v1 * depth / d1
 
     def seconds(self, depth: int, rows: int) -> float:
         """``T(depth)`` of a step of ``rows`` rows: the target part plus the draft part."""
@@ -520,10 +545,10 @@ class AutoBudget:
                 self._learn("plain_ratios", rows, r)
             elif not self._catching_up:  # (see _catching_up)
                 part = max(seconds - self.verify_s(budget, rows, drafted), 0.0)
-                self._learn("draft_part", budget, part)
+                self._learn("draft_part", (rows, budget), part)
         self._observed = True
 
-    def _learn(self, name: str, key: int, value: float) -> None:
+    def _learn(self, name: str, key: int | tuple[int, int], value: float) -> None:
         """``self.<name>[key]`` (``plain_ratios`` or ``draft_part``) becomes the median of
         its last :attr:`window` values, ``value`` the newest (a value resumed from another
         budget, :meth:`resume`, counts as one)."""
@@ -542,7 +567,7 @@ class AutoBudget:
         (:meth:`resume`): a short generate then starts where the last one stopped."""
         ended = self._ended
         return {"plain_ratio": self.plain_ratio, "plain_ratios": dict(self.plain_ratios),
-                "draft_part": dict(self.draft_part),
+                "draft_part": [[r, d, v] for (r, d), v in self.draft_part.items()],
                 "nodes": dict(self.nodes), "width": self.width,
                 "ended": None if ended is None else [list(ended.judged), list(ended.hits)]}
 
@@ -550,7 +575,8 @@ class AutoBudget:
         """Start from another budget's :meth:`state` (no warm-up: it measured already)."""
         self.plain_ratio, self.width = state["plain_ratio"], state["width"]
         self.plain_ratios = {int(r): v for r, v in state.get("plain_ratios", {}).items()}
-        self.draft_part, self.nodes = dict(state["draft_part"]), dict(state["nodes"])
+        self.draft_part = {(int(r), int(d)): v for r, d, v in state["draft_part"]}
+        self.nodes = dict(state["nodes"])
         self._recent.clear()  # each resumed value starts its window
         if state.get("ended") is not None and len(state["ended"][0]) == self.max_depth:
             self._ended = Acceptance(*(list(v) for v in state["ended"]))
