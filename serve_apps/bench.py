@@ -10,7 +10,7 @@ First, with no server up, the in-process :class:`speclab.api.Decoder` decodes th
 test's 8 prompts one at a time for each method (greedy; with 8 requests per client, one
 client sends exactly these). Then ``speclab serve`` starts each method's app on a free
 127.0.0.1 port in its own process group (warmed up with one request) and stops it (its
-process group) before the next method's. When ``--methods`` holds ``ar`` and others,
+whole process tree) before the next method's. When ``--methods`` holds ``ar`` and others,
 plain decoding's app stays up throughout and each other method is timed PAIRED with it
 (:func:`serve_apps.paired.paired_load`: ``--passes`` passes, alternating which side goes
 first; one client: a pair per request, more: a pair per pass), so its speedup over plain
