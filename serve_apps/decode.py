@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from speclab.decoding.budget import AutoBudget
 from speclab.decoding.loop import Committed, GenerationStats, Start, eos_set, rounds
@@ -101,8 +101,9 @@ ROUND_LISTS = ("accepted_lengths", "round_accepted", "round_reach", "round_draft
 def round_progress(stats: GenerationStats, sent: int) -> dict:
     """``stats``' counters so far and its per-round list entries after the first ``sent``
     rounds (what :class:`LiveStats` adds)."""
-    out = {k: v for k, v in asdict(stats).items() if k not in ROUND_LISTS}
-    out.update({k: getattr(stats, k)[sent:] for k in ROUND_LISTS})
+    out = {f.name: getattr(stats, f.name) for f in fields(stats)  # the rest are numbers
+           if f.name not in ROUND_LISTS}
+    out.update({k: getattr(stats, k)[sent:] for k in ROUND_LISTS})  # copies of the new
     return out
 
 

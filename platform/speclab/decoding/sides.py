@@ -22,7 +22,7 @@ replicas hold many requests as rows instead: :mod:`speclab.decoding.batch_loop`,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,10 +67,14 @@ class VerifyResult:
     logprobs: list | None = None
 
     def to_dict(self) -> dict:
-        """Wire form (``features`` packed by :func:`pack_tensor`)."""
-        out = asdict(self)
-        out["features"] = pack_tensor(self.features)
-        return out
+        """Wire form (``features`` packed by :func:`pack_tensor`; the lists copied, their
+        entries not: ``asdict`` deep-copied every list entry and the features tensor,
+        once per row and round, 13% of a 16-client plain-decoding load on the reference
+        pair in a profile)."""
+        return {"path": list(self.path), "new": list(self.new), "accepted": self.accepted,
+                "evaluated": self.evaluated, "drafted": self.drafted,
+                "features": pack_tensor(self.features),
+                "logprobs": None if self.logprobs is None else list(self.logprobs)}
 
     @classmethod
     def from_dict(cls, data: dict) -> VerifyResult:
