@@ -17,6 +17,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,14 +40,31 @@ def one_request(url: str, prompt: str, max_tokens: int) -> dict:
             "prompt": prompt}
 
 
+#: ``(url, prompt, max_tokens) -> response`` (:func:`one_request`)
+Send = Callable[[str, str, int], dict]
+
+
+def load_jobs(clients: int, per_client: int, prompts: list[str] = PROMPTS) -> list[str]:
+    """The prompts of a load: client ``c``'s ``i``-th request sends prompt ``c + i``
+    (cycling through ``prompts``)."""
+    return [prompts[(c + i) % len(prompts)] for c in range(clients) for i in range(per_client)]
+
+
+def send_load(url: str, jobs: list[str], clients: int, max_tokens: int,
+              send: Send = one_request) -> tuple[list[dict], float]:
+    """``jobs`` (prompts) sent by ``clients`` threads to ``url``: every response, and the
+    wall seconds they took."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda p: send(url, p, max_tokens), jobs))
+    return results, time.perf_counter() - t0
+
+
 def run_load(url: str, clients: int, per_client: int, max_tokens: int,
              prompts: list[str] = PROMPTS) -> tuple[list[dict], dict]:
     """Every response, and the summary row (latencies in seconds)."""
-    jobs = [prompts[(c + i) % len(prompts)] for c in range(clients) for i in range(per_client)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda p: one_request(url, p, max_tokens), jobs))
-    wall = time.perf_counter() - t0
+    results, wall = send_load(url, load_jobs(clients, per_client, prompts), clients,
+                              max_tokens)
     return results, summarize(results, clients, wall)
 
 

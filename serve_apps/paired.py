@@ -21,29 +21,13 @@ prefill), as plain decoding's does, so the ratio is the speedup a client sees.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-
-from serve_apps.loadtest import PROMPTS, one_request, summarize
+from serve_apps.loadtest import PROMPTS, Send, load_jobs, one_request, send_load, summarize
 from speclab.paired_timing import Pair
-
-#: ``(url, prompt, max_tokens) -> response`` (:func:`serve_apps.loadtest.one_request`)
-Send = Callable[[str, str, int], dict]
 
 
 def _tokens(response: dict) -> int:
     """Tokens of a successful response (0 for a failed one: its pair has no ratio)."""
     return len(response["token_ids"]) if response["status"] == 200 else 0
-
-
-def _load(send: Send, url: str, jobs: list[str], clients: int, max_tokens: int
-          ) -> tuple[list[dict], float]:
-    """``jobs`` (prompts) sent by ``clients`` threads to ``url``: responses, wall seconds."""
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(lambda p: send(url, p, max_tokens), jobs))
-    return results, time.perf_counter() - t0
 
 
 def paired_load(ar_url: str, url: str, clients: int, per_client: int, max_tokens: int,
@@ -60,7 +44,7 @@ def paired_load(ar_url: str, url: str, clients: int, per_client: int, max_tokens
     (:func:`serve_apps.loadtest.summarize`, its wall the sum of the side's walls)."""
     if passes < 1 or clients < 1 or per_client < 1:
         raise ValueError("passes, clients and per_client must be >= 1")
-    jobs = [prompts[(c + i) % len(prompts)] for c in range(clients) for i in range(per_client)]
+    jobs = load_jobs(clients, per_client, prompts)
     responses: dict[str, list[dict]] = {"ar": [], "method": []}
     walls = {"ar": 0.0, "method": 0.0}
     urls = {"ar": ar_url, "method": url}
@@ -80,7 +64,7 @@ def paired_load(ar_url: str, url: str, clients: int, per_client: int, max_tokens
             continue
         got_s, got_n = {}, {}
         for side in order:
-            results, wall = _load(send, urls[side], jobs, clients, max_tokens)
+            results, wall = send_load(urls[side], jobs, clients, max_tokens, send)
             responses[side] += results
             walls[side] += wall
             got_s[side], got_n[side] = wall, sum(_tokens(r) for r in results)

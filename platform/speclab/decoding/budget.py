@@ -337,8 +337,6 @@ class AutoBudget:
         drafters without one). 0 at depth 0."""
         if depth == 0:
             return 0.0
-        if (rows, depth) in self.draft_part:
-            return self.draft_part[rows, depth]
         measured = {r for r, _ in self.draft_part}
         if not measured:
             if self.costs.draft is None:
@@ -357,10 +355,10 @@ class AutoBudget:
 
     def _draft_at(self, depth: int, rows: int) -> float:
         """The draft part at ``depth`` from the depths measured at ``rows`` (some are):
-        a line through them (one: proportional to depth)."""
+        as measured there, else a line through them (one: proportional to depth)."""
+        if (rows, depth) in self.draft_part:
+            return self.draft_part[rows, depth]
         pts = sorted((d, v) for (r, d), v in self.draft_part.items() if r == rows)
-        if depth in dict(pts):
-            return dict(pts)[depth]
         if len(pts) >= 2:
             n = len(pts)
             mx = sum(d for d, _ in pts) / n
