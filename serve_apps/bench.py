@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{name}] {n} clients: {s['tokens_per_s']:.1f} tok/s, p50 "
                           f"{s['p50_s']:.2f}s, identical {s['identical_to_in_process']}"
                           + (f", {s['speedup']:.2f}x [{s['speedup_lo']:.2f}, "
-                             f"{s['speedup_hi']:.2f}] over ar" if paired else ""), flush=True)
+                             f"{s['speedup_hi']:.2f}] over ar" if paired else "")
+                          + (f", rounds per budget {s['round_budgets']}"
+                             if s["round_budgets"] else ""), flush=True)
             finally:
                 stop_server(proc)
     finally:

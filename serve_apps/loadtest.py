@@ -17,6 +17,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,7 +72,9 @@ def run_load(url: str, clients: int, per_client: int, max_tokens: int,
 def summarize(results: list[dict], clients: int, wall: float) -> dict:
     """The summary row of ``results`` (responses of :func:`one_request`) sent by
     ``clients`` clients in ``wall`` seconds: requests, errors, p50 / p95 / max latency
-    (seconds), tokens and tokens/s over ``wall``, mean tau and target calls per token."""
+    (seconds), tokens and tokens/s over ``wall``, mean tau, target calls per token, and
+    ``round_budgets``: rounds per draft budget in levels (0: plain), from each
+    response's per-round statistics (``round_reach``: an ``auto`` budget's choices)."""
     ok = [r for r in results if r["status"] == 200]
     lat = sorted(r["latency_s"] for r in ok) or [0.0]
     tokens = sum(len(r["token_ids"]) for r in ok)
@@ -81,7 +84,9 @@ def summarize(results: list[dict], clients: int, wall: float) -> dict:
         "p50_s": statistics.median(lat), "p95_s": lat[int(0.95 * (len(lat) - 1))],
         "max_s": lat[-1], "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
         "tau": statistics.mean(r["stats"]["tau"] for r in ok) if ok else 0.0,
-        "target_calls_per_token": calls / tokens if tokens else 0.0}
+        "target_calls_per_token": calls / tokens if tokens else 0.0,
+        "round_budgets": {str(k): v for k, v in sorted(Counter(
+            b for r in ok for b in r["stats"].get("round_reach", [])).items())}}
     return summary
 
 

@@ -56,6 +56,10 @@ def test_the_serve_bench_pairs_a_method_with_plain_decoding(tmp_path, tiny):  # 
     assert chain["speedup_pairs"] == 6 and chain["requests"] == 6 and chain["errors"] == 0
     assert chain["speedup_lo"] <= chain["speedup"] <= chain["speedup_hi"]
     assert chain["identical_to_in_process"] is True and chain["tau"] > 1.0
+    # rounds per draft budget, from the responses' SD statistics: one entry per round
+    assert sum(chain["round_budgets"].values()) == round(
+        chain["target_calls_per_token"] * chain["tokens"])
+    assert max(int(k) for k in chain["round_budgets"]) >= 1
     ar = report["methods"]["ar"]["serve"]["1"]["chain"]  # the AR runs paired with chain
     assert ar["requests"] == 6 and ar["identical_to_in_process"] is True
     assert ar["tau"] == 1.0

@@ -14,7 +14,14 @@ import torch
 
 from speclab.api import Decoder
 from speclab.calibration import calibrate, calibration_key, load_calibration
-from speclab.decoding.budget import Acceptance, AutoBudget, RoundCosts, RowBudget, judged_counts
+from speclab.decoding.budget import (
+    Acceptance,
+    AutoBudget,
+    RoundCosts,
+    RowBudget,
+    batch_key,
+    judged_counts,
+)
 
 PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
 
@@ -104,7 +111,7 @@ def test_wall_time_beyond_the_curves_is_learned_as_a_draft_part_per_depth():
     for ms in [3, 4, 3, 40, 4, 3, 9, 9, 9]:
         steady._timed, steady._catching_up = False, False
         one.observe(1, 0, 1, 0.001 + ms * 1e-3)  # a 1-level round: 1 ms of target part
-        parts.append(round(steady.draft_part[1, 1] * 1e3, 3))
+        parts.append(round(steady.draft_s(1, 1) * 1e3, 3))
     assert parts[3:6] == [3.5, 4.0, 4.0]  # the 40 ms step is outvoted
     assert parts[-1] == 9.0  # three 9 ms steps of the last five
     with pytest.raises(ValueError, match="window"):
@@ -252,12 +259,12 @@ def test_a_budget_resumes_what_the_last_one_learned(tiny_pair, tmp_path, monkeyp
     row = auto.row()
     assert row.choose() == 4
     row.observe(4, 4, 4, 0.030)  # the row's first draft: its prefill or catch-up is in it
-    assert auto.draft_part == {}  # ... so it teaches no step time
+    assert auto.step_ratios == {}  # ... so it teaches no step time
     assert row.choose() == 4
     row.observe(4, 4, 4, 0.003)
     row.close()
     again = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.5]).resume(auto.state())
-    assert again.warmup == 0 and again.draft_part == {(1, 4): pytest.approx(0.002)}
+    assert again.warmup == 0 and again.step_ratios == {(1, 4): pytest.approx(3.0)}
     assert again.q(1) > 0.5  # the ended row's acceptance is the new prior
     monkeypatch.setenv("SPECLAB_HOME", str(tmp_path / "home"))
     dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
@@ -505,50 +512,68 @@ def test_no_probe_where_even_optimism_loses_and_a_catch_up_is_not_a_draft_cost()
     r = timed.row()
     assert r.choose() == 2 and timed._catching_up  # the row's first draft
     r.observe(2, 2, 2, 0.030)  # 29 ms: its prefill
-    assert timed.draft_part == {}
+    assert timed.step_ratios == {}
     assert r.choose() == 2 and not timed._catching_up
     r.observe(2, 2, 2, 0.0015)  # steady: 0.5 ms beyond the forward
     assert r.choose(limit=0) == 0  # a plain round of this row
     r.observe(0, 0, 0, 0.001)
     assert r.choose() == 2 and timed._catching_up
     r.observe(2, 2, 2, 0.010)  # 9 ms: a catch-up over the plain round
-    assert timed.draft_part[1, 2] == pytest.approx(0.0005)
+    assert timed.draft_s(2, 1) == pytest.approx(0.0005)
     assert r.choose() == 2 and not timed._catching_up
     r.observe(2, 2, 2, 0.0025)  # a steady step moves it: the median of 0.5 and 1.5 ms
-    assert timed.draft_part[1, 2] == pytest.approx(0.001)
+    assert timed.draft_s(2, 1) == pytest.approx(0.001)
 
 
 def test_a_draft_part_is_learned_per_batch_size():
     """A draft part learned at one batch size prices another from the nearest one
     measured, scaled by the draft model's curve, or without one in proportion to the
     rows; a budget that learned its draft part alone (a Serve replica's first client)
-    does not carry it unscaled to 16 rows, where it would draft at a loss."""
-    # a drafter without a curve (EAGLE's head in Serve): learned at 1 row, 2 ms at depth 4
+    does not carry it unscaled to 16 rows, where it would draft at a loss. A draft part
+    is a measured step's time beyond its target part at the ``r0`` in force: where
+    ``r0`` is measured later, the step still costs what it was measured to cost."""
+    # a drafter without a curve (EAGLE's head in Serve): learned at 1 row, a 3 ms step
+    # at depth 4, 2 ms beyond its 1 ms forward
     auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.9], warmup=0,
                       plain_probes=0)
-    auto._learn("draft_part", (1, 4), 0.002)
+    auto._learn("step_ratios", (1, 4), 3.0)  # 3x its 1 ms forward
     assert auto.draft_s(4, 1) == pytest.approx(0.002)
     assert auto.draft_s(2, 1) == pytest.approx(0.001)  # in proportion to depth
     assert auto.draft_s(4, 16) == pytest.approx(0.032)  # in proportion to the rows
     assert auto.draft_s(4, 3) == pytest.approx(0.006)  # from the nearest measured
-    auto._learn("draft_part", (16, 4), 0.010)  # then measured at 16 rows: as measured
-    assert auto.draft_s(4, 16) == pytest.approx(0.010)
+    auto._learn("step_ratios", (16, 4), 3.5)  # then measured at 16 rows: as measured
+    assert auto.draft_s(4, 16) == pytest.approx(0.010)  # (the forward: 4 ms)
     assert auto.draft_s(2, 12) == pytest.approx(0.005 * 12 / 16)  # nearest: 16
     assert auto.draft_s(4, 1) == pytest.approx(0.002)  # 1 row keeps its own
     # with a draft model's curve, scaled by it from the nearest batch size measured
     curved = AutoBudget(RoundCosts(_linear(1e-3, 0.0), _linear(0.5e-3, 0.0)), 4,
                         prior=[0.9], warmup=0)
-    curved._learn("draft_part", (1, 4), 0.004)
+    curved._learn("step_ratios", (1, 4), 5.0)
     assert curved.draft_s(4, 16) == pytest.approx(0.004 * 4.0)  # the curve's sqrt(16)
     # state and resume keep the batch sizes
     again = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4).resume(
         json.loads(json.dumps(auto.state())))
-    assert again.draft_part == auto.draft_part
+    assert again.step_ratios == auto.step_ratios
+    # r0 measured at 16 rows after the step was: a plain step at half its curve; the
+    # measured step keeps its 14 ms, its draft part is what the cheaper target leaves
+    auto.plain_ratios[16] = 0.5
+    assert auto.seconds(4, 16) == pytest.approx(0.014)
+    assert auto.draft_s(4, 16) == pytest.approx(0.012)
+    assert auto.seconds(0, 16) == pytest.approx(0.002)
     # a budget that learned 2 ms alone: at 16 rows its draft costs 32 ms, more than the
     # tokens it would add are worth (a 16-row forward of 4 ms here), so it decodes plain
+    # rows wander over a few sizes (clients joining and leaving): a batch size's steps
+    # teach one time, priced at each size by the target's curve
+    assert [batch_key(r) for r in (1, 3, 4, 5, 7, 8, 9, 12, 15, 16, 20, 31, 32)] == [
+        1, 3, 4, 5, 6, 8, 8, 12, 12, 16, 20, 24, 32]
+    pooled = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=0)
+    pooled._learn("step_ratios", (12, 2), 2.0)  # learned at 12-15 rows
+    assert pooled.step_s(2, 13) == pytest.approx(2.0 * 13 ** 0.5 * 1e-3)
+    assert pooled.step_s(2, 15) == pytest.approx(2.0 * 15 ** 0.5 * 1e-3)
+    assert pooled.step_s(2, 16) is None and pooled.step_s(1, 15) is None
     lone = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 4, prior=[0.6], warmup=0,
                       plain_probes=0, driven=True)
-    lone._learn("draft_part", (1, 4), 0.002)
+    lone._learn("step_ratios", (1, 4), 3.0)
     first = lone.row()
     assert first.choose() > 0  # alone, drafting pays
     first.close()
@@ -577,9 +602,9 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
         return auto._decision
 
     assert step(0.050) == 2  # the first step: rows just joined, nothing learned
-    assert auto.draft_part == {} and auto.plain_ratios == {}
+    assert auto.step_ratios == {} and auto.plain_ratios == {}
     assert step(0.004) == 2  # a steady drafted step: 2 ms beyond its 2 ms forward
-    assert auto.draft_part == {(4, 2): pytest.approx(0.002)}
+    assert auto.step_ratios == {(4, 2): pytest.approx(2.0)}
     assert step(0.003) == 0  # drafting would win, but r0 at 4 rows is not measured
     assert auto.plain_ratios == {4: pytest.approx(1.5)}
     assert auto.seconds(0, 4) == pytest.approx(0.003)
@@ -587,13 +612,13 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     auto.plain_ratios[16] = 0.5
     assert auto.ratio(12) == 0.5 and auto.ratio(5) == pytest.approx(1.5)
     # the drafted step after the plain one (a catch-up): its 30 ms are not a draft part
-    assert step(0.030) == 2 and auto.draft_part == {(4, 2): pytest.approx(0.002)}
+    assert step(0.030) == 2 and auto.step_ratios == {(4, 2): pytest.approx(2.0)}
     rows.pop().close()  # a row leaves: the next step's time is not learned
-    before = dict(auto.draft_part), dict(auto.plain_ratios)
+    before = dict(auto.step_ratios), dict(auto.plain_ratios)
     step(0.040)
-    assert (auto.draft_part, auto.plain_ratios) == before
+    assert (auto.step_ratios, auto.plain_ratios) == before
     step(0.0045)  # then steady again: learned
-    assert auto.draft_part != before[0] or auto.plain_ratios != before[1]
+    assert auto.step_ratios != before[0] or auto.plain_ratios != before[1]
     resumed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2).resume(auto.state())
     assert resumed.plain_ratios == auto.plain_ratios and resumed.warmup == 0
     # a batch size whose plain steps all ran on a changed batch: at most 3 tries
@@ -612,17 +637,24 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
 def test_a_plain_step_measures_r0_only_where_it_could_change_the_decision():
     """At a batch size whose ``r0`` is not measured, a plain step measures it first only
     where plain decoding would win with ``r0`` at ``r0_doubt`` (0.7) times the estimate
-    in use; where drafting wins even then, it drafts at once."""
-    def first(draft_per_level: float) -> int:
+    in use (a batch size within a factor of 2 measured); where drafting wins even then,
+    it drafts at once. With none measured that near, it measures."""
+    def first(draft_per_level: float, measured_at: int | None) -> int:
         auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0), _linear(draft_per_level, 0.0)), 2,
                           prior=[0.9], warmup=0, driven=True)
+        if measured_at is not None:  # r0 measured there, as the curve says
+            auto.plain_ratios[measured_at] = 1.0
         return auto.row().choose()
 
     # 0.05 ms a level against a 1 ms step: depth 2 ahead 2.5x, and still at 0.7 r0
-    assert first(0.05e-3) == 2
+    assert first(0.05e-3, 2) == 2
     # 0.7 ms a level: depth 2 ahead by 13% (1129 against 1000 tokens/s), but at 0.7 r0
     # plain decoding wins (1429 against 1357 at depth 1): measure r0 first
-    assert first(0.7e-3) == 0
+    assert first(0.7e-3, 2) == 0
+    # with r0 measured only at 4 rows (or none), its estimate at 1 row is a guess: a
+    # plain step measures it even where drafting wins by 2.5x
+    assert first(0.05e-3, 4) == 0
+    assert first(0.05e-3, None) == 0
 
 
 def test_a_run_of_one_drafting_choice_is_probed_deeper():

@@ -28,9 +28,11 @@ The model of a step of depth ``d`` over the ``R`` live rows:
   steps', as for ``D``) of a plain step's wall time to its forward at ``R``
   rows (the rule, the commit, the loop; at a batch size not measured, the nearest one
   measured's, before any 1); and ``D(d)``, the draft part: the running wall time a step
-  of depth ``d`` took beyond its target part (the draft model or network, tree building),
-  for depths not measured a line through those measured, before any the draft model's
-  curve times ``d`` (0 for model-free drafters);
+  of depth ``d`` took (:meth:`AutoBudget.step_s`) beyond its target part at the ``r0`` in
+  force (the draft model or network, tree building; so a measured step's ``T(d)`` is
+  what it took, whatever ``r0`` became since), for depths not measured a line through
+  those measured, before any the draft model's curve times ``d`` (0 for model-free
+  drafters);
 * ``T(0) = target(R, 1) * r0(R)``, ``E_r(0) = 1``.
 
 Both sides of the comparison are measured where the decision is made: ``r0`` is kept per
@@ -39,7 +41,10 @@ the curve, calibrated at one context length, was 28% above a plain step of 4 row
 a drafting choice at a batch size with no plain step measured is first replaced by one
 (at most :attr:`AutoBudget.plain_probes` tries there), where the decision hangs on it:
 where plain decoding would win with ``r0`` 30% below the estimate in use there
-(:attr:`AutoBudget.r0_doubt`). A step in which sequences joined
+(:attr:`AutoBudget.r0_doubt`), or where no batch size within a factor of 2 has ``r0``
+measured (the calibrated curve's error is not the same at 4 rows and at 15: a colocated
+Serve replica borrowed 4 rows' 1.08 at 15 rows, where a plain step ran at about half its
+curve, and drafted at 0.85x plain decoding's speed). A step in which sequences joined
 or left (a driver's batch changed since its last step: a prefill, a cache cut, a new
 shape's first forward, up to 2.5x a step on a CPU) teaches no step time: its one-off
 costs would make plain decoding look dearer than it is (measured: a plain step of 16 rows
@@ -91,6 +96,20 @@ from dataclasses import dataclass, field
 
 #: (rows, new tokens) -> seconds of one forward
 Cost = Callable[[int, int], float]
+
+
+def batch_key(rows: int) -> int:
+    """The batch size a step of ``rows`` rows learns its times under: ``rows`` up to 4,
+    above it the largest of ``p``, ``1.25 p``, ``1.5 p`` (``p`` a power of 2) not above
+    ``rows`` (13-15 rows: 12). In a Serve replica clients join and leave every few steps,
+    so the rows of its steps wander over a few sizes (12-16 at 16 clients); kept per exact
+    size, a step time was the median of one or two steps (a 15-row depth-1 step learned
+    10.6 ms where 14 and 16 rows took 7.4 and 8.4), and a learned step prices the size it
+    ran at by the target's curve (:meth:`AutoBudget.seconds`)."""
+    if rows <= 4:
+        return max(rows, 1)
+    p = 1 << (rows.bit_length() - 1)
+    return max(k for k in (p, p + p // 4, p + p // 2) if k <= rows)
 
 
 @dataclass
@@ -177,14 +196,23 @@ class AutoBudget:
     #: the ratio of a plain step's wall seconds to its target forward's curve where no
     #: batch size is measured
     plain_ratio: float = 1.0
-    #: per batch size (rows): running ratio of a plain step's wall seconds to its curve
+    #: per batch size (:func:`batch_key`): running ratio of a plain step's wall seconds
+    #: to its curve
     plain_ratios: dict[int, float] = field(default_factory=dict)
-    #: per (rows, depth): running seconds of a step beyond its target forward (the draft
-    #: part). Per batch size too: a Serve replica's budget lives through every batch
-    #: size its clients bring, and a draft part learned at one row (EAGLE's tree on the
-    #: reference pair: 5 ms) priced the same depth at 14 rows (33 ms there), where its
-    #: steps, rows joining all the time, seldom teach one
-    draft_part: dict[tuple[int, int], float] = field(default_factory=dict)
+    #: per (batch size, depth) (:func:`batch_key`): running ratio of a drafted step's wall
+    #: seconds to the target's curve over its tokens (so a step learned at 13 rows prices
+    #: one of 15). Its draft part (:meth:`draft_s`) is what it took beyond its target
+    #: part, read against the ``r0`` in force when asked: a part fixed when the step was
+    #: learned kept the ``r0`` of
+    #: then, and once ``r0`` was measured at that batch size the model's step no longer
+    #: cost what the step had cost (a colocated chain replica at 15 rows learned 3 ms
+    #: against an ``r0`` of 1.08 borrowed from 4 rows; measured there, ``r0`` was about
+    #: 0.5, and the model priced a 12 ms step at 8). Per batch size too: a Serve
+    #: replica's budget lives through every batch size its clients bring, and a draft
+    #: part learned at one row (EAGLE's tree on the reference pair: 5 ms) priced the
+    #: same depth at 14 rows (33 ms there), where its steps, rows joining all the time,
+    #: seldom teach one
+    step_ratios: dict[tuple[int, int], float] = field(default_factory=dict)
     #: the running step times above are the median of this many recent steps (a running
     #: mean moved by a wall-time outlier: one 38 ms depth-1 step of EAGLE-3 on SmolLM2,
     #: among steady ones of 1-9 ms, lifted a mean with weight 0.2 from 3 to 11 ms)
@@ -218,7 +246,7 @@ class AutoBudget:
     _churned: int = -1
     _dirty: bool = False  # the step being reported ran on a changed batch
     _curves: dict = field(default_factory=dict)  # (side, rows, tokens) -> seconds
-    _plain_probes: dict = field(default_factory=dict)  # rows -> plain steps spent measuring
+    _plain_probes: dict = field(default_factory=dict)  # batch key -> plain steps measuring
     _probe_gap: int = 0  # decisions of one choice in a row before a probe (0: probe_every)
     _probing: bool = False  # the decision in force is a probe
     _probers: set | None = None  # the rows the probe drafts (chosen when the first asks)
@@ -308,15 +336,25 @@ class AutoBudget:
         return out
 
     def ratio(self, rows: int) -> float:
-        """``r0(rows)``: the running ratio of a plain step of ``rows`` rows to its curve;
-        at a batch size not measured, that of the nearest one measured (in log rows),
-        before any :attr:`plain_ratio`."""
-        if rows in self.plain_ratios:
-            return self.plain_ratios[rows]
+        """``r0(rows)``: the running ratio of a plain step of ``rows`` rows to its curve
+        (learned under :func:`batch_key`); at a batch size not measured, that of the
+        nearest one measured (in log rows), before any :attr:`plain_ratio`."""
+        key = batch_key(rows)
+        if key in self.plain_ratios:
+            return self.plain_ratios[key]
         if not self.plain_ratios:
             return self.plain_ratio
-        near = min(self.plain_ratios, key=lambda r: (abs(math.log(r / max(rows, 1))), r))
-        return self.plain_ratios[near]
+        return self.plain_ratios[_nearest(self.plain_ratios, key)]
+
+    def step_s(self, depth: int, rows: int) -> float | None:
+        """The running wall seconds of a drafted step of ``depth`` at ``rows`` rows where
+        its batch size (:func:`batch_key`) measured one, priced at ``rows`` by the
+        target's curve; else None."""
+        r = self.step_ratios.get((batch_key(rows), depth))
+        if r is None:
+            return None
+        nodes = self.nodes.get(depth, self.width * depth)
+        return r * self.curve("target", rows, 1 + round(nodes))
 
     def verify_s(self, depth: int, rows: int, nodes: float | None = None) -> float:
         """Seconds of the step's target part: the curve's forward over the root and
@@ -337,16 +375,16 @@ class AutoBudget:
         drafters without one). 0 at depth 0."""
         if depth == 0:
             return 0.0
-        measured = {r for r, _ in self.draft_part}
+        measured = {r for r, _ in self.step_ratios}
         if not measured:
             if self.costs.draft is None:
                 return 0.0
             return depth * self.curve("draft", rows, max(round(self.width), 1))
-        near = rows if rows in measured else min(
-            measured, key=lambda r: (abs(math.log(r / max(rows, 1))), r))
+        key = batch_key(rows)
+        if key in measured:
+            return self._draft_at(depth, rows)
+        near = _nearest(measured, key)
         part = self._draft_at(depth, near)
-        if near == rows:
-            return part
         if self.costs.draft is not None:
             w = max(round(self.width), 1)
             return part * self.curve("draft", rows, w) / max(self.curve("draft", near, w),
@@ -354,11 +392,18 @@ class AutoBudget:
         return part * rows / near
 
     def _draft_at(self, depth: int, rows: int) -> float:
-        """The draft part at ``depth`` from the depths measured at ``rows`` (some are):
-        as measured there, else a line through them (one: proportional to depth)."""
-        if (rows, depth) in self.draft_part:
-            return self.draft_part[rows, depth]
-        pts = sorted((d, v) for (r, d), v in self.draft_part.items() if r == rows)
+        """The draft part at ``depth`` from the depths measured at ``rows``' batch size
+        (some are): a measured step's time beyond its target part (:meth:`verify_s`, at
+        the ``r0`` in force), else a line through those parts (one: proportional to
+        depth)."""
+        pts = []
+        for d in range(1, self.max_depth + 1):
+            t = self.step_s(d, rows)
+            if t is not None:
+                pts.append((d, max(t - self.verify_s(d, rows), 0.0)))
+        for d, v in pts:
+            if d == depth:
+                return v
         if len(pts) >= 2:
             n = len(pts)
             mx = sum(d for d, _ in pts) / n
@@ -410,16 +455,17 @@ class AutoBudget:
         rates = self.rates()
         best = max(range(len(rates)), key=rates.__getitem__)
         rows = max(len(self._rows), 1)
+        at = batch_key(rows)
         self._probing, self._probers = False, None
         warm = len(self.decisions) < self.warmup  # the warm-up drafts at once
         if warm and best == 0:  # the prior says plain: it looks where optimism says, as
             best = self.explore()  # a probe
             self._probing = best > 0
-        if (best > 0 and not warm and rows not in self.plain_ratios
-                and self._plain_probes.get(rows, 0) < self.plain_probes
+        if (best > 0 and not warm and at not in self.plain_ratios
+                and self._plain_probes.get(at, 0) < self.plain_probes
                 and self._r0_decides(rows)):
             best = 0  # drafting wins against an r0 not measured at this batch size: measure
-            self._plain_probes[rows] = self._plain_probes.get(rows, 0) + 1
+            self._plain_probes[at] = self._plain_probes.get(at, 0) + 1
         elif not warm:
             best = self._look(best)
         self._catching_up = False  # set by the first row that catches up (RowBudget.choose)
@@ -436,15 +482,18 @@ class AutoBudget:
         drafting wins even then, no plain step is spent measuring ``r0``: on
         ``reference-large`` the rows left as a batch ended (2-7) took up to 3 plain steps
         per row count where the estimates put drafting 1.2-1.8x ahead, and most of those
-        steps ran on a changed batch, so they measured nothing."""
-        if self.r0_doubt <= 0.0:
+        steps ran on a changed batch, so they measured nothing. Where no batch size within
+        a factor of 2 of ``rows`` is measured, the estimate in use is a guess, and the
+        answer is yes."""
+        at = batch_key(rows)
+        if self.r0_doubt <= 0.0 or not any(0.5 <= r / at <= 2.0 for r in self.plain_ratios):
             return True
         guess = self.ratio(rows)
-        self.plain_ratios[rows] = guess * self.r0_doubt
+        self.plain_ratios[at] = guess * self.r0_doubt
         try:
             rates = self.rates()
         finally:
-            del self.plain_ratios[rows]
+            del self.plain_ratios[at]
         return rates[0] >= max(rates[1:])
 
     def _look(self, best: int) -> int:
@@ -540,14 +589,14 @@ class AutoBudget:
             rows = max(len(self._rows), 1)
             if budget <= 0:
                 r = seconds / max(self.curve("target", rows, 1), 1e-12)
-                self._learn("plain_ratios", rows, r)
+                self._learn("plain_ratios", batch_key(rows), r)
             elif not self._catching_up:  # (see _catching_up)
-                part = max(seconds - self.verify_s(budget, rows, drafted), 0.0)
-                self._learn("draft_part", (rows, budget), part)
+                r = seconds / max(self.curve("target", rows, 1 + round(drafted)), 1e-12)
+                self._learn("step_ratios", (batch_key(rows), budget), r)
         self._observed = True
 
     def _learn(self, name: str, key: int | tuple[int, int], value: float) -> None:
-        """``self.<name>[key]`` (``plain_ratios`` or ``draft_part``) becomes the median of
+        """``self.<name>[key]`` (``plain_ratios`` or ``step_ratios``) becomes the median of
         its last :attr:`window` values, ``value`` the newest (a value resumed from another
         budget, :meth:`resume`, counts as one)."""
         table = getattr(self, name)
@@ -565,7 +614,7 @@ class AutoBudget:
         (:meth:`resume`): a short generate then starts where the last one stopped."""
         ended = self._ended
         return {"plain_ratio": self.plain_ratio, "plain_ratios": dict(self.plain_ratios),
-                "draft_part": [[r, d, v] for (r, d), v in self.draft_part.items()],
+                "step_ratios": [[r, d, v] for (r, d), v in self.step_ratios.items()],
                 "nodes": dict(self.nodes), "width": self.width,
                 "ended": None if ended is None else [list(ended.judged), list(ended.hits)]}
 
@@ -573,7 +622,7 @@ class AutoBudget:
         """Start from another budget's :meth:`state` (no warm-up: it measured already)."""
         self.plain_ratio, self.width = state["plain_ratio"], state["width"]
         self.plain_ratios = {int(r): v for r, v in state.get("plain_ratios", {}).items()}
-        self.draft_part = {(int(r), int(d)): v for r, d, v in state["draft_part"]}
+        self.step_ratios = {(int(r), int(d)): v for r, d, v in state["step_ratios"]}
         self.nodes = dict(state["nodes"])
         self._recent.clear()  # each resumed value starts its window
         if state.get("ended") is not None and len(state["ended"][0]) == self.max_depth:
@@ -634,3 +683,9 @@ class RowBudget:
     def close(self) -> None:
         """The sequence ended."""
         self.shared.end(self.key)
+
+
+def _nearest(keys, key: int) -> int:
+    """The measured batch size in ``keys`` nearest ``key`` in log rows (ties: the
+    smaller)."""
+    return min(keys, key=lambda r: (abs(math.log(r / max(key, 1))), r))
