@@ -20,7 +20,8 @@ other app's idle processes. Prints a table (tokens/s, share of the in-process fi
 latency, tau, target calls per token, every served output equal to the in-process one,
 the speedup over ar with its interval) and where a round's time went (ingress, draft
 model, target call: hop, target model forward and the target's rules, batch wait), and
-writes JSON.
+writes JSON (per method and client count also the rounds per draft budget and what the
+method's replicas' ``auto`` budgets had learned by then, from ``/health``).
 """
 
 from __future__ import annotations
@@ -265,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
                             results += res
                             walls += summ["wall_s"]
                         s = _served(results, summarize(results, n, walls), local[name])
+                    # what the method's replicas' auto budgets learned by now (None: fixed)
+                    s["replica_budgets"] = [
+                        r.get("budget") for r in requests.get(url + "/health",
+                                                              timeout=60).json()["draft"]]
                     report["methods"][name]["serve"][n] = s
                     rows.append((name, n, s))
                     print(f"[{name}] {n} clients: {s['tokens_per_s']:.1f} tok/s, p50 "

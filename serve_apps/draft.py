@@ -21,6 +21,7 @@ import asyncio
 import importlib
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -375,6 +376,17 @@ class DraftDeployment(RequestStates):
             task = asyncio.create_task(self._end_target(key, rid))
             self._ending.add(task)
             task.add_done_callback(self._ending.discard)
+
+    async def stats(self, probe: str = "") -> dict:
+        """The sessions' stats (:meth:`RequestStates.stats`) plus ``budget``: what this
+        replica's ``auto`` budget learned (:meth:`AutoBudget.state`) and ``steps``, its
+        recent steps (the last 2,048 to 4,096) per depth, ``{depth: steps}``; None before
+        an auto request. ``/health`` shows it for every draft replica."""
+        out = await super().stats(probe)
+        b = self._budget
+        out["budget"] = None if b is None else {
+            **b.state(), "steps": {str(d): n for d, n in sorted(Counter(b.decisions).items())}}
+        return out
 
     async def _auto_budget(self, key: str) -> AutoBudget:
         """This replica's ``auto`` budget (:mod:`speclab.decoding.budget`), shared by its

@@ -60,6 +60,7 @@ def test_the_serve_bench_pairs_a_method_with_plain_decoding(tmp_path, tiny):  # 
     assert sum(chain["round_budgets"].values()) == round(
         chain["target_calls_per_token"] * chain["tokens"])
     assert max(int(k) for k in chain["round_budgets"]) >= 1
+    assert chain["replica_budgets"] == [None]  # a fixed budget: no auto budget learned
     ar = report["methods"]["ar"]["serve"]["1"]["chain"]  # the AR runs paired with chain
     assert ar["requests"] == 6 and ar["identical_to_in_process"] is True
     assert ar["tau"] == 1.0

@@ -101,6 +101,14 @@ def test_an_auto_budget_through_serve_keeps_outputs_and_shows_its_choices(tmp_pa
         for b in results:
             assert b["token_ids"] == want[b["prompt"]]
         assert (tmp_path / "home" / "calibration").is_dir()  # stored for the next start
+        # /health shows what the draft replica's budget learned and its steps' depths
+        # (requests share a step's decision: at most one step per round)
+        learned = requests.get(url + "/health", timeout=60).json()["draft"][0]["budget"]
+        assert learned is not None and learned["plain_ratios"]
+        steps = {int(d): n for d, n in learned["steps"].items()}
+        assert set(steps) <= set(range(4)) and 0 in steps
+        assert 0 < sum(steps.values()) <= sd["target_calls"] + sum(
+            b["stats"]["target_calls"] for b in results)
         # every round chose its budget but, per request, at most its last (one token
         # left: nothing to draft); Ray exports the histogram periodically, so it is read
         # until all of them are in
