@@ -228,6 +228,8 @@ class DraftDeployment(RequestStates):
         ready, proposals = [r for r, _ in kept], [p for _, p in kept]
         draft_s = time.perf_counter() - t0
         # 2. the target: starts and verifies of each key, all keys at once
+        if joins and self._budget is not None:  # their prefills are in this step's time
+            self._budget.changed()
         calls, parts = [], []
         for key in sorted({s.key for _, s in joins}):
             mine = [(i, s) for i, s in joins if s.key == key]

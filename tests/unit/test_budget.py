@@ -588,14 +588,17 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     batch size (the nearest measured stands in for one not measured); a step that ran
     right after rows joined or left (its one-off costs) and a drafted step right after a
     plain one (the catch-up) teach no step time, not even at a depth never measured."""
-    # (r0_doubt 0.1: r0 could be far lower than the estimate, so it is worth measuring)
+    # (r0_doubt 0.1: r0 could be far lower than the estimate, so it is worth measuring;
+    # one plain step measures it here)
     auto = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2, prior=[0.9], warmup=2, driven=True,
-                      r0_doubt=0.1)
+                      r0_doubt=0.1, plain_probes=1)
     rows = [auto.row() for _ in range(4)]
 
-    def step(seconds: float) -> int:
+    def step(seconds: float, prefills: bool = False) -> int:
         picks = {r.choose() for r in rows}
         assert len(picks) == 1
+        if prefills:  # the driver prefills joining rows in this step (Serve)
+            auto.changed()
         auto.next_step()
         for r in rows:
             r.observe(picks.pop() if picks else auto._decision, 1, 2, seconds)
@@ -619,11 +622,14 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
     assert (auto.step_ratios, auto.plain_ratios) == before
     step(0.0045)  # then steady again: learned
     assert auto.step_ratios != before[0] or auto.plain_ratios != before[1]
+    before = dict(auto.step_ratios), dict(auto.plain_ratios)
+    step(0.050, prefills=True)  # a step that prefilled rows joining: not learned
+    assert (auto.step_ratios, auto.plain_ratios) == before
     resumed = AutoBudget(RoundCosts(_linear(1e-3, 0.0)), 2).resume(auto.state())
     assert resumed.plain_ratios == auto.plain_ratios and resumed.warmup == 0
-    # a batch size whose plain steps all ran on a changed batch: at most 3 tries
+    # a batch size whose plain steps all ran on a changed batch: at most plain_tries
     tries = AutoBudget(RoundCosts(_linear(1e-3, 0.0), _linear(0.5e-3, 0.0)), 2, prior=[0.9],
-                       warmup=0, driven=True, r0_doubt=0.1)
+                       warmup=0, driven=True, r0_doubt=0.1, plain_tries=3)
     row = tries.row()
     picks = []
     for _ in range(5):
@@ -632,6 +638,18 @@ def test_both_sides_are_measured_per_batch_size_and_a_changed_batch_teaches_no_t
         tries.next_step()
         row.observe(picks[-1], 1, 2, 0.002)
     assert picks == [0, 0, 0, 2, 2] and tries.plain_ratios == {}
+    # by default r0 rests on 3 plain steps (their median) before drafting stands: one
+    # slow plain step no longer prices every later one
+    three = AutoBudget(RoundCosts(_linear(1e-3, 0.0), _linear(0.5e-3, 0.0)), 2, prior=[0.9],
+                       warmup=0, driven=True, r0_doubt=0.1)
+    row = three.row()
+    picks = []
+    for seconds in (0.009, 0.003, 0.001, 0.001, 0.002, 0.002):  # (the first: it joined)
+        picks.append(row.choose())
+        three.next_step()
+        row.observe(picks[-1], 1, 2, seconds)
+    assert picks[:4] == [0, 0, 0, 0] and picks[4] > 0
+    assert three.plain_ratios == {1: pytest.approx(1.0)}
 
 
 def test_a_plain_step_measures_r0_only_where_it_could_change_the_decision():

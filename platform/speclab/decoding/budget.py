@@ -38,8 +38,9 @@ The model of a step of depth ``d`` over the ``R`` live rows:
 Both sides of the comparison are measured where the decision is made: ``r0`` is kept per
 batch size (a plain step's cost beyond its curve is not the same at 1 row and at 16, and
 the curve, calibrated at one context length, was 28% above a plain step of 4 rows), and
-a drafting choice at a batch size with no plain step measured is first replaced by one
-(at most :attr:`AutoBudget.plain_probes` tries there), where the decision hangs on it:
+a drafting choice at a batch size with fewer than :attr:`AutoBudget.plain_probes` plain
+steps measured is first replaced by one (at most :attr:`AutoBudget.plain_tries` there),
+where the decision hangs on it:
 where plain decoding would win with ``r0`` 30% below the estimate in use there
 (:attr:`AutoBudget.r0_doubt`), or where no batch size within a factor of 2 has ``r0``
 measured (the calibrated curve's error is not the same at 4 rows and at 15: a colocated
@@ -183,9 +184,14 @@ class AutoBudget:
     #: deviations above its estimate (0: always probe)
     probe_z: float = 2.0
     warmup: int = 2
-    #: at most this many plain steps per batch size to measure ``r0`` there before a
-    #: drafting choice stands (a step on a changed batch measures nothing)
+    #: plain steps measured per batch size (``r0`` is their median) before a drafting
+    #: choice stands there. While a budget drafts, its plain steps are these alone: with
+    #: one, a colocated chain replica at 12-15 rows priced a plain step at 5.2 ms where
+    #: they took 3.7-4.1, and drafted at 0.84-0.97x plain decoding's speed
     plain_probes: int = 3
+    #: at most this many plain steps per batch size spent measuring ``r0`` (a step on a
+    #: changed batch measures nothing)
+    plain_tries: int = 9
     #: such a plain step is spent only where plain decoding would win with ``r0`` at this
     #: fraction of the estimate in use there (the nearest batch size's): where drafting
     #: wins even then, measuring ``r0`` could not change the decision (0: always measure)
@@ -461,8 +467,8 @@ class AutoBudget:
         if warm and best == 0:  # the prior says plain: it looks where optimism says, as
             best = self.explore()  # a probe
             self._probing = best > 0
-        if (best > 0 and not warm and at not in self.plain_ratios
-                and self._plain_probes.get(at, 0) < self.plain_probes
+        if (best > 0 and not warm and self._r0_samples(at) < self.plain_probes
+                and self._plain_probes.get(at, 0) < self.plain_tries
                 and self._r0_decides(rows)):
             best = 0  # drafting wins against an r0 not measured at this batch size: measure
             self._plain_probes[at] = self._plain_probes.get(at, 0) + 1
@@ -475,9 +481,18 @@ class AutoBudget:
         self._timed = False
         return best
 
+    def _r0_samples(self, at: int) -> int:
+        """How many plain steps ``r0`` at batch size ``at`` rests on (a resumed value
+        counts as one)."""
+        recent = self._recent.get(("plain_ratios", at))
+        if recent is not None:
+            return len(recent)
+        return 1 if at in self.plain_ratios else 0
+
     def _r0_decides(self, rows: int) -> bool:
-        """Whether plain decoding would win at ``rows`` rows (where ``r0`` is not measured)
-        with ``r0`` at :attr:`r0_doubt` times the estimate in use: a lower ``r0`` makes
+        """Whether plain decoding would win at ``rows`` rows (where ``r0`` rests on fewer
+        than :attr:`plain_probes` plain steps) with ``r0`` at :attr:`r0_doubt` times the
+        estimate in use: a lower ``r0`` makes
         the target part cheaper against the draft part, so plain decoding gains. Where
         drafting wins even then, no plain step is spent measuring ``r0``: on
         ``reference-large`` the rows left as a batch ended (2-7) took up to 3 plain steps
@@ -488,12 +503,15 @@ class AutoBudget:
         at = batch_key(rows)
         if self.r0_doubt <= 0.0 or not any(0.5 <= r / at <= 2.0 for r in self.plain_ratios):
             return True
-        guess = self.ratio(rows)
-        self.plain_ratios[at] = guess * self.r0_doubt
+        had = self.plain_ratios.get(at)
+        self.plain_ratios[at] = self.ratio(rows) * self.r0_doubt
         try:
             rates = self.rates()
         finally:
-            del self.plain_ratios[at]
+            if had is None:
+                del self.plain_ratios[at]
+            else:
+                self.plain_ratios[at] = had
         return rates[0] >= max(rates[1:])
 
     def _look(self, best: int) -> int:
@@ -539,6 +557,14 @@ class AutoBudget:
         self.driven = True
         self._dirty = self._churned == self._step  # rows joined or left before it ran
         self._step += 1
+
+    def changed(self) -> None:
+        """The driver's step now running changes the batch (it prefills joining rows):
+        like rows joining or leaving (:meth:`row`, :meth:`end`), its time teaches nothing.
+        A Serve replica takes a request's row when the request arrives, while its prompt's
+        prefill runs in a later step: that step, unmarked, taught plain steps of 2 and 4
+        rows at 4.6x and 2.9x their curve while 16 clients' requests came in."""
+        self._churned = self._step
 
     def current(self) -> int:
         """The decision in force: a new one per step of a driver (:meth:`next_step`),
