@@ -88,6 +88,7 @@ drafting). Pure Python: no Ray, no MLflow, no tensors.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -99,6 +100,7 @@ from dataclasses import dataclass, field
 Cost = Callable[[int, int], float]
 
 
+@functools.lru_cache(maxsize=1024)
 def batch_key(rows: int) -> int:
     """The batch size a step of ``rows`` rows learns its times under: ``rows`` up to 4,
     above it the largest of ``p``, ``1.25 p``, ``1.5 p`` (``p`` a power of 2) not above
@@ -320,12 +322,21 @@ class AutoBudget:
         return self.expected_all(depth, key, boost)[depth]
 
     def expected_all(self, top: int, key: int | None = None,
-                     boost: Sequence[float] = ()) -> list[float]:
+                     boost: Sequence[float] = (),
+                     priors: Sequence[float] | None = None) -> list[float]:
         """``[E(0), ..., E(top)]`` for row ``key`` in one pass over the positions (what
-        :meth:`rates` asks for every depth; :meth:`expected_tokens` is one of them)."""
+        :meth:`rates` asks for every depth; :meth:`expected_tokens` is one of them).
+        ``priors``: :meth:`q` without a row at positions ``1..top``, when the caller has
+        them (every row shares them: :meth:`rates` computes them once per call)."""
+        if priors is None:
+            priors = [self.q(k) for k in range(1, top + 1)]
+        acc = self._rows.get(key) if key is not None else None
+        w = self.prior_weight
         out, total, p = [1.0], 1.0, 1.0
         for k in range(1, top + 1):
-            p *= min(self.q(k, key) + (boost[k - 1] if boost else 0.0), 1.0)
+            q = priors[k - 1] if acc is None else (
+                (acc.hits[k - 1] + w * priors[k - 1]) / (acc.judged[k - 1] + w))
+            p *= min(q + (boost[k - 1] if boost else 0.0), 1.0)
             total += p
             out.append(total)
         return out
@@ -433,7 +444,8 @@ class AutoBudget:
         keys = list(self._rows) or [None]
         lag = self.laggards()
         up = self.optimism(z) if z > 0.0 else ()
-        per_row = [self.expected_all(top, k, up) for k in (lag or keys)]
+        priors = [self.q(k) for k in range(1, top + 1)]  # shared by every row
+        per_row = [self.expected_all(top, k, up, priors) for k in (lag or keys)]
         if lag:  # nobody waits: the slowest row's progress, scaled to the batch's tokens
             return [min(e[d] for e in per_row) * len(keys)
                     / max(self.seconds(d, len(keys)), 1e-12) for d in range(top + 1)]
