@@ -210,16 +210,15 @@ class AutoBudget:
     #: per (batch size, depth) (:func:`batch_key`): running ratio of a drafted step's wall
     #: seconds to the target's curve over its tokens (so a step learned at 13 rows prices
     #: one of 15). Its draft part (:meth:`draft_s`) is what it took beyond its target
-    #: part, read against the ``r0`` in force when asked: a part fixed when the step was
-    #: learned kept the ``r0`` of
-    #: then, and once ``r0`` was measured at that batch size the model's step no longer
-    #: cost what the step had cost (a colocated chain replica at 15 rows learned 3 ms
-    #: against an ``r0`` of 1.08 borrowed from 4 rows; measured there, ``r0`` was about
-    #: 0.5, and the model priced a 12 ms step at 8). Per batch size too: a Serve
-    #: replica's budget lives through every batch size its clients bring, and a draft
-    #: part learned at one row (EAGLE's tree on the reference pair: 5 ms) priced the
-    #: same depth at 14 rows (33 ms there), where its steps, rows joining all the time,
-    #: seldom teach one
+    #: part, read against the ``r0`` in force when asked. A part fixed when the step was
+    #: learned kept the ``r0`` of then, and once ``r0`` was measured at that batch size
+    #: the model's step no longer cost what the step had cost (a colocated chain replica
+    #: at 15 rows learned 3 ms against an ``r0`` of 1.08 borrowed from 4 rows; measured
+    #: there, ``r0`` was about 0.5, and the model priced a 12 ms step at 8). Per batch
+    #: size too: a Serve replica's budget lives through every batch size its clients
+    #: bring, and a draft part learned at one row (EAGLE's tree on the reference pair:
+    #: 5 ms) priced the same depth at 14 rows (33 ms there), where its steps, rows
+    #: joining all the time, seldom teach one
     step_ratios: dict[tuple[int, int], float] = field(default_factory=dict)
     #: the running step times above are the median of this many recent steps (a running
     #: mean moved by a wall-time outlier: one 38 ms depth-1 step of EAGLE-3 on SmolLM2,
@@ -504,14 +503,13 @@ class AutoBudget:
     def _r0_decides(self, rows: int) -> bool:
         """Whether plain decoding would win at ``rows`` rows (where ``r0`` rests on fewer
         than :attr:`plain_probes` plain steps) with ``r0`` at :attr:`r0_doubt` times the
-        estimate in use: a lower ``r0`` makes
-        the target part cheaper against the draft part, so plain decoding gains. Where
-        drafting wins even then, no plain step is spent measuring ``r0``: on
-        ``reference-large`` the rows left as a batch ended (2-7) took up to 3 plain steps
-        per row count where the estimates put drafting 1.2-1.8x ahead, and most of those
-        steps ran on a changed batch, so they measured nothing. Where no batch size within
-        a factor of 2 of ``rows`` is measured, the estimate in use is a guess, and the
-        answer is yes."""
+        estimate in use: a lower ``r0`` makes the target part cheaper against the draft
+        part, so plain decoding gains. Where drafting wins even then, no plain step is
+        spent measuring ``r0``: on ``reference-large`` the rows left as a batch ended
+        (2-7) took up to 3 plain steps per row count where the estimates put drafting
+        1.2-1.8x ahead, and most of those steps ran on a changed batch, so they measured
+        nothing. Where no batch size within a factor of 2 of ``rows`` is measured, the
+        estimate in use is a guess, and the answer is yes."""
         at = batch_key(rows)
         if self.r0_doubt <= 0.0 or not any(0.5 <= r / at <= 2.0 for r in self.plain_ratios):
             return True
