@@ -295,6 +295,10 @@ class AutoBudget:
             return prior
         return (acc.hits[k - 1] + w * prior) / (acc.judged[k - 1] + w)
 
+    def _priors(self, top: int) -> list[float]:
+        """:meth:`q` without a row (the prior) at positions ``1..top``."""
+        return [self.q(k) for k in range(1, top + 1)]
+
     def optimism(self, z: float) -> list[float]:
         """Per draft position, what an optimistic estimate adds to every row's :meth:`q`:
         ``z`` standard deviations of the live rows' mean acceptance, as a binomial sample
@@ -328,7 +332,7 @@ class AutoBudget:
         ``priors``: :meth:`q` without a row at positions ``1..top``, when the caller has
         them (every row shares them: :meth:`rates` computes them once per call)."""
         if priors is None:
-            priors = [self.q(k) for k in range(1, top + 1)]
+            priors = self._priors(top)
         acc = self._rows.get(key) if key is not None else None
         w = self.prior_weight
         out, total, p = [1.0], 1.0, 1.0
@@ -412,14 +416,14 @@ class AutoBudget:
         (some are): a measured step's time beyond its target part (:meth:`verify_s`, at
         the ``r0`` in force), else a line through those parts (one: proportional to
         depth)."""
+        t = self.step_s(depth, rows)
+        if t is not None:  # measured there
+            return max(t - self.verify_s(depth, rows), 0.0)
         pts = []
         for d in range(1, self.max_depth + 1):
             t = self.step_s(d, rows)
             if t is not None:
                 pts.append((d, max(t - self.verify_s(d, rows), 0.0)))
-        for d, v in pts:
-            if d == depth:
-                return v
         if len(pts) >= 2:
             n = len(pts)
             mx = sum(d for d, _ in pts) / n
@@ -443,7 +447,7 @@ class AutoBudget:
         keys = list(self._rows) or [None]
         lag = self.laggards()
         up = self.optimism(z) if z > 0.0 else ()
-        priors = [self.q(k) for k in range(1, top + 1)]  # shared by every row
+        priors = self._priors(top)  # shared by every row
         per_row = [self.expected_all(top, k, up, priors) for k in (lag or keys)]
         if lag:  # nobody waits: the slowest row's progress, scaled to the batch's tokens
             return [min(e[d] for e in per_row) * len(keys)
