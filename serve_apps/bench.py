@@ -1,10 +1,11 @@
-"""Serve benchmark: each method through Serve at several client counts, paired with plain
-decoding through Serve, next to the in-process engine on the same prompts.
+"""Serve benchmark: each method through Serve at several loads (client counts, open-loop
+request rates), paired with plain decoding through Serve, next to the in-process engine
+on the same prompts.
 
     .venv/bin/python -m serve_apps.bench --config experiments/serve_reference.yaml \\
         [--methods ar,chain,eagle,medusa] [--clients 1,4,16] [--requests 8] [--passes 6] \\
-        [--max-tokens 48] [--eagle-model URI] [--medusa-model URI] \\
-        [--out bench_out/serve_bench.json] [key=value ...]
+        [--rates 2,8 --rate-requests 64] [--max-tokens 48] [--eagle-model URI] \\
+        [--medusa-model URI] [--out bench_out/serve_bench.json] [key=value ...]
 
 First, with no server up, the in-process :class:`speclab.api.Decoder` decodes the load
 test's 8 prompts one at a time for each method (greedy; with 8 requests per client, one
@@ -15,13 +16,18 @@ plain decoding's app stays up throughout and each other method is timed PAIRED w
 (:func:`serve_apps.paired.paired_load`: ``--passes`` passes, alternating which side goes
 first; one client: a pair per request, more: a pair per pass), so its speedup over plain
 decoding through Serve has a 95% interval (:func:`speclab.paired_timing.speedup_figures`;
-6 passes or more for a true 95%). Both apps being up, each side's timings include the
-other app's idle processes. Prints a table (tokens/s, share of the in-process figure, p50
-latency, tau, target calls per token, every served output equal to the in-process one,
-the speedup over ar with its interval) and where a round's time went (ingress, draft
-model, target call: hop, target model forward and the target's rules, batch wait), and
-writes JSON (per method and client count also the rounds per draft budget and what the
-method's replicas' ``auto`` budgets had learned by then, from ``/health``).
+6 passes or more for a true 95%). ``--rates`` adds open-loop loads (alone, they replace
+the default client counts): ``--rate-requests`` requests a pass arriving as a Poisson
+process of each rate, the same seeded schedule on both apps of a pair
+(:func:`serve_apps.paired.paired_open_load`; the pair compares the requests' summed
+latencies, since under an open loop tokens/s follows the offered rate). Both apps being
+up, each side's timings include the other app's idle processes. Prints a table (tokens/s,
+share of the in-process figure, mean and p50 latency, tau, target calls per token, every
+served output equal to the in-process one, the speedup over ar with its interval) and
+where a round's time went (ingress, draft model, target call: hop, target model forward
+and the target's rules, batch wait), and writes JSON (per method and load also the rounds
+per draft budget and what the method's replicas' ``auto`` budgets had learned by then,
+from ``/health``).
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ from pathlib import Path
 
 import requests
 
-from serve_apps.loadtest import PROMPTS, run_load, summarize
-from serve_apps.paired import paired_load
+from serve_apps.loadtest import PROMPTS, load_label, run_load, run_open_load, summarize
+from serve_apps.paired import paired_load, paired_open_load
 from speclab.api import Decoder
 from speclab.bench import EAGLE_RUN
 from speclab.config import ServeJob
@@ -163,21 +169,23 @@ def breakdown(results: list[dict]) -> dict:
     return {"per_round": t, "per_request": per_req}
 
 
-def _row_line(name: str, n: int, s: dict, base: dict) -> str:
-    """One line of the results table (``base``: the method's first client count)."""
+def _row_line(name: str, s: dict, base: dict) -> str:
+    """One line of the results table (``base``: the method's first load)."""
     cell = "-"
     if "speedup" in s:
         cell = f"{s['speedup']:.2f}x [{s['speedup_lo']:.2f}, {s['speedup_hi']:.2f}]"
-    return (f"{name:<8} {n:>7} {s['tokens_per_s']:>8.1f} {s['share_of_in_process']:>8.2f} "
-            f"{s['tokens_per_s'] / base['tokens_per_s']:>9.2f} {s['p50_s']:>6.2f} "
+    return (f"{name:<8} {load_label(s):>7} {s['tokens_per_s']:>8.1f} "
+            f"{s['share_of_in_process']:>8.2f} "
+            f"{s['tokens_per_s'] / base['tokens_per_s']:>9.2f} {s['mean_s']:>6.2f} "
+            f"{s['p50_s']:>6.2f} "
             f"{s['tau']:>5.2f} {s['target_calls_per_token']:>9.3f} {s['errors']:>6} "
             f"{str(s['identical_to_in_process']):>5} {cell:>20}"
             + (" noisy" if s.get("noisy") else ""))
 
 
-def _breakdown_line(name: str, n: int, s: dict) -> str:
+def _breakdown_line(name: str, s: dict) -> str:
     r, q = s["per_round"], s["per_request"]
-    return (f"{name:<8} {n:>3} clients: queue {1e3 * r['queue_s']:.2f}, draft "
+    return (f"{name:<8} {load_label(s):>7}: queue {1e3 * r['queue_s']:.2f}, draft "
             f"{1e3 * r['draft_model_s']:.2f}, call {1e3 * r['target_call_s']:.2f} (hop "
             f"{1e3 * r['hop_s']:.2f}), target {1e3 * r['target_model_s']:.2f}, rules "
             f"{1e3 * r['target_rule_s']:.2f}, ahead {1e3 * r['ahead_s']:.2f}, rows "
@@ -205,8 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="ar,chain",
                    help="comma-separated; 'chain' takes the config's method params; with "
                         "'ar' and others, each other method is timed paired with 'ar'")
-    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--clients", help="closed-loop loads: client counts (default 1,4,16 "
+                                     "unless --rates is given)")
+    p.add_argument("--rates", help="open-loop loads: request rates per second (Poisson "
+                                   "arrivals, seeded per pass; a pair compares the "
+                                   "requests' summed latencies)")
     p.add_argument("--requests", type=int, default=8, help="requests per client and pass")
+    p.add_argument("--rate-requests", type=int, default=64,
+                   help="requests per pass of an open-loop load")
     p.add_argument("--passes", type=int, default=6,
                    help="timed passes per client count (paired with ar: its speedup's "
                         "interval needs >= 6 for 95%%)")
@@ -220,9 +234,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = ServeJob.from_yaml(a.config, a.overrides)
-        clients = [int(c) for c in a.clients.split(",")]
-        if min(clients) < 1 or a.requests < 1 or a.max_tokens < 1 or a.passes < 1:
-            raise ValueError("clients, requests, passes and max-tokens must be >= 1")
+        clients = a.clients or ("" if a.rates else "1,4,16")
+        loads = ([("clients", int(c)) for c in clients.split(",") if c]
+                 + [("rate", float(r)) for r in (a.rates or "").split(",") if r])
+        if not loads or min(n for _, n in loads) <= 0:
+            raise ValueError("clients and rates must be > 0")
+        if min(a.requests, a.rate_requests, a.max_tokens, a.passes) < 1:
+            raise ValueError("requests, rate-requests, passes and max-tokens must be >= 1")
         names = list(dict.fromkeys(a.methods.split(",")))
         methods = {name: bench_method(cfg, name, a.eagle_model, a.medusa_model)
                    for name in names}
@@ -238,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}] in process: {local[name]['tokens_per_s']:.1f} tok/s, tau "
               f"{local[name]['tau']:.2f}", flush=True)
     report = {"config": a.config, "max_tokens": a.max_tokens, "passes": a.passes,
+              "requests": a.requests, "rate_requests": a.rate_requests,
               "paired_with_ar": paired, "methods": {
                   name: {"in_process": {k: v for k, v in local[name].items()
                                         if k != "outputs"}, "serve": {}}
@@ -250,29 +269,28 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             proc, url = _start(a, name, methods[name], out)
             try:
-                for n in clients:
+                for kind, n in loads:
+                    key = n if kind == "clients" else f"{n:g}/s"
                     if paired:
-                        pairs, got, sums = paired_load(ar[1], url, n, a.requests,
-                                                       a.max_tokens, a.passes)
+                        pairs, got, sums = (
+                            paired_load(ar[1], url, n, a.requests, a.max_tokens, a.passes)
+                            if kind == "clients" else
+                            paired_open_load(ar[1], url, n, a.rate_requests,
+                                             a.max_tokens, a.passes))
                         s = {**_served(got["method"], sums["method"], local[name]),
                              **speedup_figures(normalize_ar(pairs))}
                         base = _served(got["ar"], sums["ar"], local["ar"])
-                        report["methods"]["ar"]["serve"].setdefault(n, {})[name] = base
-                        rows.append(("ar", n, base))
+                        report["methods"]["ar"]["serve"].setdefault(key, {})[name] = base
+                        rows.append(("ar", base))
                     else:
-                        results, walls = [], 0.0
-                        for _ in range(a.passes):
-                            res, summ = run_load(url, n, a.requests, a.max_tokens)
-                            results += res
-                            walls += summ["wall_s"]
-                        s = _served(results, summarize(results, n, walls), local[name])
+                        s = _served(*_unpaired(url, kind, n, a), local[name])
                     # what the method's replicas' auto budgets learned by now (None: fixed)
                     s["replica_budgets"] = [
                         r.get("budget") for r in requests.get(url + "/health",
                                                               timeout=60).json()["draft"]]
-                    report["methods"][name]["serve"][n] = s
-                    rows.append((name, n, s))
-                    print(f"[{name}] {n} clients: {s['tokens_per_s']:.1f} tok/s, p50 "
+                    report["methods"][name]["serve"][key] = s
+                    rows.append((name, s))
+                    print(f"[{name}] {load_label(s)}: {s['tokens_per_s']:.1f} tok/s, p50 "
                           f"{s['p50_s']:.2f}s, identical {s['identical_to_in_process']}"
                           + (f", {s['speedup']:.2f}x [{s['speedup_lo']:.2f}, "
                              f"{s['speedup_hi']:.2f}] over ar" if paired else "")
@@ -284,25 +302,41 @@ def main(argv: list[str] | None = None) -> int:
         if ar is not None:
             stop_server(ar[0])
     firsts = {}
-    for name, _n, s in rows:
+    for name, s in rows:
         firsts.setdefault(name, s)
-    print(f"\n{'method':<8} {'clients':>7} {'tok/s':>8} {'/in-proc':>8} {'/1st load':>9} "
-          f"{'p50 s':>6} {'tau':>5} {'calls/tok':>9} {'errors':>6} {'same':>5} "
-          f"{'over ar [95%]':>20}")
-    for name, n, s in rows:
-        print(_row_line(name, n, s, firsts[name]))
+    print(f"\n{'method':<8} {'load':>7} {'tok/s':>8} {'/in-proc':>8} {'/1st load':>9} "
+          f"{'mean s':>6} {'p50 s':>6} {'tau':>5} {'calls/tok':>9} {'errors':>6} "
+          f"{'same':>5} {'over ar [95%]':>20}")
+    for name, s in rows:
+        print(_row_line(name, s, firsts[name]))
     print("\nper round (ms): queue, draft model, target call (hop + target model + target "
           "rules), target model, target rules, drafting ahead during the call, rows per "
           "target forward; rounds drafted ahead and their hit rate")
-    for name, n, s in rows:
-        print(_breakdown_line(name, n, s))
+    for name, s in rows:
+        print(_breakdown_line(name, s))
     if paired:
         print(f"\nover ar: each method's paired speedup through Serve, {a.passes} passes "
-              f"(one client: a pair per request; more: a pair per pass), median "
+              f"(one client: a pair per request; more clients, or an open-loop rate: a "
+              f"pair per pass, the rate's pair comparing summed latencies), median "
               f"[95% interval]; ar's rows are the runs paired with the method above them")
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"written {out}")
     return 0
+
+
+def _unpaired(url: str, kind: str, n: float, a: argparse.Namespace
+              ) -> tuple[list[dict], dict]:
+    """``a.passes`` passes of one load (``kind`` "clients": ``n`` closed-loop clients;
+    "rate": ``n`` requests per second, pass ``k``'s schedule seeded ``k``) on the app at
+    ``url``: every response and their summary row over the passes' summed wall."""
+    results, walls = [], 0.0
+    for k in range(a.passes):
+        res, summ = (run_load(url, int(n), a.requests, a.max_tokens) if kind == "clients"
+                     else run_open_load(url, n, a.rate_requests, a.max_tokens, k))
+        results += res
+        walls += summ["wall_s"]
+    return results, (summarize(results, int(n), walls) if kind == "clients"
+                     else summarize(results, 0, walls, n))
 
 
 def _start(a: argparse.Namespace, name: str, method: dict, out: Path

@@ -1,12 +1,16 @@
 """Load benchmark of a running speclab Serve app: concurrent clients over HTTP.
 
     .venv/bin/python -m serve_apps.loadtest --url http://127.0.0.1:8000 --clients 16 \\
-        --requests 3 --max-tokens 32 [--out bench_out/serve_load.json]
+        --requests 3 --max-tokens 32 [--rate R] [--out bench_out/serve_load.json]
 
-Each client thread sends ``--requests`` ``POST /generate`` calls one after another
-(prompts cycle through a fixed list of code openings). Prints a table (requests, errors,
-p50 / p95 / max latency, tokens/s over the wall time, mean tau and target calls per
-token from the servers' SD stats) and writes it as JSON; ``/health`` before and after
+Closed loop (the default): each of ``--clients`` client threads sends ``--requests``
+``POST /generate`` calls one after another, so at most ``--clients`` requests are in
+flight. Open loop (``--rate R``): ``--requests`` requests in all arrive as a Poisson
+process of ``R`` requests per second (seeded: the same schedule on every run), each
+sent at its arrival whatever is still in flight, as users' requests arrive at a service.
+Prompts cycle through a fixed list of code openings. Prints a table (requests, errors,
+mean / p50 / p95 / max latency, tokens/s over the wall time, mean tau and target calls
+per token from the servers' SD stats) and writes it as JSON; ``/health`` before and after
 shows each replica's live request states and resident memory (and its peak GPU memory,
 ``peak_gpu_mb``, where a replica on CUDA reports one).
 """
@@ -14,6 +18,7 @@ shows each replica's live request states and resident memory (and its peak GPU m
 import argparse
 import json
 import math
+import random
 import statistics
 import sys
 import time
@@ -61,6 +66,38 @@ def send_load(url: str, jobs: list[str], clients: int, max_tokens: int,
     return results, time.perf_counter() - t0
 
 
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Arrival times (seconds from the start, increasing) of ``n`` requests of a Poisson
+    process of ``rate`` requests per second: exponential gaps from a ``seed``-ed
+    generator, so the same ``seed`` gives the same schedule."""
+    if n < 1 or not rate > 0:
+        raise ValueError(f"an open-loop load needs requests >= 1 and rate > 0, got "
+                         f"{n} and {rate}")
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def send_open(url: str, jobs: list[str], arrivals: list[float], max_tokens: int,
+              send: Send = one_request) -> tuple[list[dict], float]:
+    """Open loop: ``jobs[i]`` (a prompt) sent to ``url`` at ``arrivals[i]`` seconds after
+    the start, whatever is still in flight (a thread per request). Every response, and
+    the wall seconds until the last one came back."""
+    if len(jobs) != len(arrivals):
+        raise ValueError(f"{len(jobs)} jobs but {len(arrivals)} arrival times")
+    t0 = time.perf_counter()
+
+    def at(i: int) -> dict:
+        time.sleep(max(t0 + arrivals[i] - time.perf_counter(), 0.0))
+        return send(url, jobs[i], max_tokens)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(at, range(len(jobs))))
+    return results, time.perf_counter() - t0
+
+
 def run_load(url: str, clients: int, per_client: int, max_tokens: int,
              prompts: list[str] = PROMPTS) -> tuple[list[dict], dict]:
     """Every response, and the summary row (latencies in seconds)."""
@@ -69,18 +106,31 @@ def run_load(url: str, clients: int, per_client: int, max_tokens: int,
     return results, summarize(results, clients, wall)
 
 
-def summarize(results: list[dict], clients: int, wall: float) -> dict:
+def run_open_load(url: str, rate: float, n: int, max_tokens: int, seed: int = 0,
+                  prompts: list[str] = PROMPTS) -> tuple[list[dict], dict]:
+    """``n`` requests arriving at ``rate`` per second (:func:`poisson_arrivals` with
+    ``seed``; request ``i`` sends prompt ``i``, cycling): every response, and the
+    summary row (``clients`` 0, ``rate`` set)."""
+    results, wall = send_open(url, load_jobs(1, n, prompts), poisson_arrivals(n, rate, seed),
+                              max_tokens)
+    return results, summarize(results, 0, wall, rate)
+
+
+def summarize(results: list[dict], clients: int, wall: float,
+              rate: float | None = None) -> dict:
     """The summary row of ``results`` (responses of :func:`one_request`) sent by
-    ``clients`` clients in ``wall`` seconds: requests, errors, p50 / p95 / max latency
-    (seconds), tokens and tokens/s over ``wall``, mean tau, target calls per token, and
-    ``round_budgets``: rounds per draft budget in levels (0: plain), from each
-    response's per-round statistics (``round_reach``: an ``auto`` budget's choices)."""
+    ``clients`` clients (0 for an open-loop load of ``rate`` requests per second) in
+    ``wall`` seconds: requests, errors, mean / p50 / p95 / max latency (seconds), tokens
+    and tokens/s over ``wall``, mean tau, target calls per token, and ``round_budgets``:
+    rounds per draft budget in levels (0: plain), from each response's per-round
+    statistics (``round_reach``: an ``auto`` budget's choices)."""
     ok = [r for r in results if r["status"] == 200]
     lat = sorted(r["latency_s"] for r in ok) or [0.0]
     tokens = sum(len(r["token_ids"]) for r in ok)
     calls = sum(r["stats"]["target_calls"] for r in ok)
     summary = {
-        "clients": clients, "requests": len(results), "errors": len(results) - len(ok),
+        "clients": clients, "rate": rate, "requests": len(results),
+        "errors": len(results) - len(ok), "mean_s": statistics.mean(lat),
         "p50_s": statistics.median(lat), "p95_s": lat[int(0.95 * (len(lat) - 1))],
         "max_s": lat[-1], "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
         "tau": statistics.mean(r["stats"]["tau"] for r in ok) if ok else 0.0,
@@ -90,26 +140,43 @@ def summarize(results: list[dict], clients: int, wall: float) -> dict:
     return summary
 
 
+def load_label(summary: dict) -> str:
+    """How a summary row's load was offered: ``"16 cl"`` (closed loop, 16 clients) or
+    ``"2.5/s"`` (open loop, 2.5 requests per second)."""
+    rate = summary.get("rate")
+    return f"{summary['clients']} cl" if rate is None else f"{rate:g}/s"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--requests", type=int, default=3, help="requests per client")
+    p.add_argument("--requests", type=int, default=3,
+                   help="requests per client (closed loop) or in all (--rate)")
+    p.add_argument("--rate", type=float,
+                   help="open loop: requests arrive as a Poisson process of RATE per second")
+    p.add_argument("--seed", type=int, default=0, help="the open loop's arrival schedule")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--out", default="bench_out/serve_load.json")
     a = p.parse_args(argv)
     if a.clients < 1 or a.requests < 1 or a.max_tokens < 1:
         print("error: clients, requests and max-tokens must be >= 1", file=sys.stderr)
         return 2
+    if a.rate is not None and not a.rate > 0:
+        print(f"error: rate must be > 0, got {a.rate}", file=sys.stderr)
+        return 2
     before = requests.get(a.url + "/health", timeout=60).json()
-    _, s = run_load(a.url, a.clients, a.requests, a.max_tokens)
+    if a.rate is None:
+        _, s = run_load(a.url, a.clients, a.requests, a.max_tokens)
+    else:
+        _, s = run_open_load(a.url, a.rate, a.requests, a.max_tokens, a.seed)
     after = requests.get(a.url + "/health", timeout=60).json()
-    print(f"{'clients':>7} {'requests':>8} {'errors':>6} {'p50 s':>7} {'p95 s':>7} "
+    print(f"{'load':>9} {'requests':>8} {'errors':>6} {'mean s':>7} {'p50 s':>7} {'p95 s':>7} "
           f"{'max s':>7} {'tok/s':>8} {'tau':>5} {'calls/tok':>9}")
-    print(f"{s['clients']:>7} {s['requests']:>8} {s['errors']:>6} {s['p50_s']:>7.2f} "
-          f"{s['p95_s']:>7.2f} {s['max_s']:>7.2f} {s['tokens_per_s']:>8.1f} {s['tau']:>5.2f} "
-          f"{s['target_calls_per_token']:>9.3f}")
+    print(f"{load_label(s):>9} {s['requests']:>8} {s['errors']:>6} {s['mean_s']:>7.2f} "
+          f"{s['p50_s']:>7.2f} {s['p95_s']:>7.2f} {s['max_s']:>7.2f} {s['tokens_per_s']:>8.1f} "
+          f"{s['tau']:>5.2f} {s['target_calls_per_token']:>9.3f}")
     for side in ("target", "draft"):
         print(f"{side}: live states after {[r['sessions'] for r in after[side]]}, rss MB "
               f"{[round(r['rss_mb']) for r in before[side]]} -> "

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from serve_apps.loadtest import PROMPTS, one_request, run_load
+from serve_apps import loadtest
+from serve_apps.loadtest import PROMPTS, one_request, run_load, run_open_load
 from tests.conftest import build_rec_pair
 from tests.integration.conftest import ROOT, free_port, listening_addresses, stop_process_tree
 
@@ -855,6 +856,24 @@ def test_load_of_16_concurrent_clients_is_answered_correctly_without_leaks(serve
     for st in after.values():  # every request's state was freed on both sides
         assert st["sessions"] == 0 and st["cached_tokens"] == 0, st
         assert st["evicted"] == 0 and st["expired"] == 0, st
+
+
+def test_an_open_loop_load_is_answered_correctly(server, offline, tmp_path, capsys):
+    """Requests arriving as a Poisson process (serve_apps.loadtest --rate), sent whatever
+    is in flight: each gets its exact offline output; the CLI's table and JSON say the
+    offered rate."""
+    url = server["url"]
+    results, s = run_open_load(url, rate=30.0, n=12, max_tokens=24, seed=5)
+    assert s["requests"] == 12 and s["errors"] == 0 and s["rate"] == 30.0
+    for body in results:
+        assert body["token_ids"] == offline[body["prompt"]][0]
+    out = tmp_path / "load.json"
+    assert loadtest.main(["--url", url, "--rate", "30", "--requests", "6", "--max-tokens",
+                          "24", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["rate"] == 30.0 and summary["requests"] == 6 and summary["errors"] == 0
+    assert "30/s" in capsys.readouterr().out
+    assert loadtest.main(["--url", url, "--rate", "0"]) == 2
 
 
 @pytest.mark.parametrize("side", ["target", "draft"])

@@ -1,7 +1,8 @@
 """``serve_apps.bench`` as a user runs it: plain decoding's app and a method's app up
 together on 127.0.0.1, timed in pairs, the speedup through Serve written with its
 interval, every served output checked against the in-process engine's, and every
-process the bench started stopped (tiny pair, colocated, one client, two passes)."""
+process the bench started stopped (tiny pair, colocated, two passes of one client and of
+an open-loop load)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def test_the_serve_bench_pairs_a_method_with_plain_decoding(tmp_path, tiny):  # 
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve_apps.bench", "--config", "experiments/smoke/serve.yaml",
          "--methods", "ar,chain", "--clients", "1", "--requests", "3", "--passes", "2",
-         "--max-tokens", "12", "--out", str(out), f"models.target={target}",
-         f"models.draft={draft}", "serve.topology=colocated"],
+         "--rates", "40", "--rate-requests", "4", "--max-tokens", "12", "--out", str(out),
+         f"models.target={target}", f"models.draft={draft}", "serve.topology=colocated"],
         cwd=repo_root(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[int] = set()
     try:
@@ -61,6 +62,14 @@ def test_the_serve_bench_pairs_a_method_with_plain_decoding(tmp_path, tiny):  # 
         chain["target_calls_per_token"] * chain["tokens"])
     assert max(int(k) for k in chain["round_budgets"]) >= 1
     assert chain["replica_budgets"] == [None]  # a fixed budget: no auto budget learned
+    # the open-loop load: 4 requests a pass at 40/s, a pair per pass (summed latencies)
+    opened = report["methods"]["chain"]["serve"]["40/s"]
+    assert opened["rate"] == 40.0 and opened["clients"] == 0
+    assert opened["speedup_pairs"] == 2 and opened["requests"] == 8
+    assert opened["errors"] == 0 and opened["identical_to_in_process"] is True
+    assert opened["speedup_lo"] <= opened["speedup"] <= opened["speedup_hi"]
+    assert report["methods"]["ar"]["serve"]["40/s"]["chain"]["requests"] == 8
+    assert any(x.startswith("chain ") and " 40/s " in x for x in stdout.splitlines())
     ar = report["methods"]["ar"]["serve"]["1"]["chain"]  # the AR runs paired with chain
     assert ar["requests"] == 6 and ar["identical_to_in_process"] is True
     assert ar["tau"] == 1.0

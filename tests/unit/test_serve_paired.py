@@ -4,11 +4,13 @@ them (a fake ``send`` stands for the HTTP calls; the real bench: docs/serve.md).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
-from serve_apps.paired import paired_load
+from serve_apps.loadtest import poisson_arrivals, send_open
+from serve_apps.paired import paired_load, paired_open_load
 from speclab.paired_timing import normalize_ar, speedup_figures
 
 AR, CHAIN = "http://127.0.0.1:1", "http://127.0.0.1:2"
@@ -105,3 +107,63 @@ def test_counts_below_one_are_refused(args):
     clients, per_client, passes = args
     with pytest.raises(ValueError, match="passes, clients and per_client"):
         paired_load(AR, CHAIN, clients, per_client, 10, passes, send=FakeApps())
+
+
+def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
+    a = poisson_arrivals(4000, 8.0, seed=3)
+    assert a == poisson_arrivals(4000, 8.0, seed=3)
+    assert a != poisson_arrivals(4000, 8.0, seed=4)
+    assert all(x < y for x, y in zip(a, a[1:], strict=False)) and a[0] > 0
+    assert a[-1] / len(a) == pytest.approx(1 / 8.0, rel=0.1)  # the mean gap
+    for n, rate in ((0, 1.0), (3, 0.0), (3, -2.0), (3, float("nan"))):
+        with pytest.raises(ValueError, match="requests >= 1 and rate > 0"):
+            poisson_arrivals(n, rate)
+
+
+def test_an_open_loop_sends_each_request_at_its_arrival_whatever_is_in_flight():
+    lock, live, peak, sent = threading.Lock(), [0], [0], {}
+    t0 = time.perf_counter()
+
+    def send(url, prompt, max_tokens):
+        with lock:
+            sent[prompt] = time.perf_counter() - t0
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.2)  # every request still in flight when the last one arrives
+        with lock:
+            live[0] -= 1
+        return {"status": 200, "latency_s": 0.2, "prompt": prompt}
+
+    arrivals = [0.0, 0.01, 0.02, 0.08]
+    results, wall = send_open(AR, ["a", "b", "c", "d"], arrivals, 5, send)
+    assert [r["prompt"] for r in results] == ["a", "b", "c", "d"]
+    assert all(sent[p] >= t for p, t in zip("abcd", arrivals, strict=True))
+    assert peak[0] == 4  # a closed loop of fewer clients would have waited
+    assert wall >= 0.28
+    with pytest.raises(ValueError, match="2 jobs but 1 arrival"):
+        send_open(AR, ["a", "b"], [0.0], 5, send)
+
+
+def test_an_open_loop_pairs_whole_passes_by_their_summed_latencies():
+    apps = FakeApps(speedup=1.6, tokens=4)
+    starts = []
+
+    def send(url, prompt, max_tokens):
+        starts.append((url, prompt))
+        return apps(url, prompt, max_tokens)
+
+    pairs, got, sums = paired_open_load(AR, CHAIN, 400.0, 6, 4, passes=3,
+                                        prompts=["a", "b", "c"], send=send)
+    assert [(p.unit, p.pass_index) for p in pairs] == [(-1, 0), (-1, 1), (-1, 2)]
+    # a side's time is the sum of its latencies: the ratio is the per-token latency's
+    assert all(p.ar_s == pytest.approx(6 * 0.04) for p in pairs)
+    assert all(p.ratio == pytest.approx(1.6) for p in pairs)
+    assert all(p.tokens == p.ar_tokens == 24 for p in pairs)
+    urls = [u for u, _ in starts]  # pass 1 runs the method first
+    assert urls[:6] == [AR] * 6 and urls[6:12] == [CHAIN] * 6 and urls[12:18] == [CHAIN] * 6
+    assert sorted(p for _, p in starts[:6]) == ["a", "a", "b", "b", "c", "c"]
+    assert sums["method"]["rate"] == 400.0 and sums["method"]["clients"] == 0
+    assert sums["method"]["requests"] == 18 and len(got["ar"]) == 18
+    assert sums["ar"]["mean_s"] == pytest.approx(0.04)
+    with pytest.raises(ValueError, match="passes and requests"):
+        paired_open_load(AR, CHAIN, 1.0, 0, 4, passes=1, send=send)
