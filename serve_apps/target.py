@@ -121,27 +121,24 @@ class TargetDeployment(RequestStates):
         return len(set(self.sources.values()))
 
     async def _run(self, steps: list) -> list:
-        """One batch: the joining rows of each start call in one prefill, then every
-        tree of every verify call in ONE forward. With ``prefill_chunk``, a prompt enters
-        the cache at most that many tokens per batch (its first chunk when it joins,
-        then one forward per batch feeds the prefilling rows ``prefill_chunk`` tokens in
-        all), so a long prompt never holds the other requests' rounds for more than a
-        chunk; its start call answers (:data:`AGAIN` until then) once its rows are in."""
+        """One batch: the joining rows of each start call, then every tree of every verify
+        call in ONE forward. A joining prompt no longer than that forward's widest tree
+        rides in it as one more row; the others are prefilled in one forward before it
+        (all of them, when the batch verifies nothing). With ``prefill_chunk``, a prompt
+        enters the cache at most that many tokens per batch (its first chunk when it
+        joins, then one forward per batch feeds the prefilling rows ``prefill_chunk``
+        tokens in all), so a long prompt never holds the other requests' rounds for more
+        than a chunk; its start call answers (:data:`AGAIN` until then) once its rows are
+        in."""
         out: list = [None] * len(steps)
         starts = [i for i, s in enumerate(steps) if isinstance(s, _Starts)]
         verifies = [i for i, s in enumerate(steps) if isinstance(s, _Verifies)]
         for i in starts:
             if steps[i].key not in self._waiting:
-                self._waiting[steps[i].key] = self._start(steps[i])
+                self._waiting[steps[i].key] = self._start(steps[i], ride=bool(verifies))
         if self.pool.prefilling:
             for rid, p in self.pool.prefill_step(self.prefill_chunk or 1).items():
-                step, j = self._pending.pop(rid)
-                if step.key in self._waiting:
-                    self._waiting[step.key][j] = self._started(step, rid, p)
-        for i in starts:
-            replies = self._waiting[steps[i].key]
-            out[i] = AGAIN if any(r is None for r in replies) else \
-                self._waiting.pop(steps[i].key)
+                self._answer(rid, p)
         if verifies:
             t0 = now(self.pool.runner.device)
             flat: list[tuple[int, int, str, dict | None, bytes | None]] = []
@@ -171,9 +168,24 @@ class TargetDeployment(RequestStates):
                              "target_rule_s": rule_s, "rows": len(flat),
                              "rng": None if rng is None else
                              generator_state(self.pool.generator(rid))}
+        self.pool.settle()  # the joining rows no verify forward took
+        for rid, p in self.pool.take_ridden().items():
+            self._answer(rid, p)
+        for i in starts:
+            replies = self._waiting[steps[i].key]
+            out[i] = AGAIN if any(r is None for r in replies) else \
+                self._waiting.pop(steps[i].key)
         return out
 
-    def _start(self, step: _Starts) -> list[dict]:
+    def _answer(self, rid: str, p) -> None:
+        """Row ``rid``'s prompt is in: its place in its start call's replies."""
+        step, j = self._pending.pop(rid)
+        if step.key in self._waiting:
+            self._waiting[step.key][j] = self._started(step, rid, p)
+
+    def _start(self, step: _Starts, ride: bool = False) -> list[dict]:
+        """A start call's rows join (``ride``: their prefill waits for this batch's verify
+        forward, :meth:`TargetPool.start`); their replies, None where still to come."""
         rows, replies = [], [None] * len(step.rows)
         for j, r in enumerate(step.rows):
             try:
@@ -192,7 +204,8 @@ class TargetDeployment(RequestStates):
             except (ValueError, TypeError) as exc:
                 return [row_error(ValueError(f"features: {exc}")) for _ in step.rows]
         started = (self.pool.start([r for _, r in rows], step.prefill_top_k,
-                                   spec if step.features else True, self.prefill_chunk)
+                                   spec if step.features else True, self.prefill_chunk,
+                                   ride=ride)
                    if rows else [])
         for (j, row), p in zip(rows, started, strict=True):
             if p is None:  # still prefilling: answered by a later batch

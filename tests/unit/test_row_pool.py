@@ -19,6 +19,7 @@ from speclab.decoding.row_pool import DraftPool, NewRow, TargetPool, seeded
 from speclab.decoding.rules import RuleSpec
 from speclab.decoding.runner import ModelRunner
 from speclab.decoding.sampling import SamplingParams
+from speclab.decoding.tree import TokenTree
 from speclab.drafters.registry import BuildContext, build_drafter, make_batch_drafter
 
 from .test_engine_greedy import prompts
@@ -412,6 +413,69 @@ def test_a_prompt_prefilled_in_chunks_gives_what_one_prefill_gives(tiny_pair):
     alone.start([NewRow("s", prompts(1)[0][:3], greedy, RuleSpec("greedy"), seeded(0))])
     assert out == [alone.verify([("s", None)])[0].new for _ in out]
     assert pool.rids == ["s", "r0"] and pool.verify([("r0", None)])[0].new == b[0].new
+
+
+def test_a_short_prompt_rides_in_the_verify_forward_and_gets_what_its_own_prefill_gives(
+        tiny_pair):
+    """``TargetPool.start(ride=True)`` (a Serve target replica joining rows while its
+    batch verifies others): prompts no longer than the verify forward's widest tree are
+    prefilled inside that forward as rows of their own, the longer ones in one forward
+    before it. Each gets the top tokens, features and prompt log-probs its own prefill
+    gives, the verified rows the same verdicts, and the riders then decode as rows
+    prefilled alone; a riding row can leave before it boards, and ``settle`` prefills
+    the riders when no verify forward comes."""
+    dec = Decoder.from_pretrained(tiny_pair["target"], tiny_pair["close"])
+    greedy = SamplingParams()
+
+    def row(rid, p):
+        return NewRow(rid, p, greedy, RuleSpec("greedy"), seeded(0), logprobs=2, echo=True)
+
+    base = {"b0": prompts(2)[0] + [3, 4], "b1": prompts(2)[1] + [5]}
+    joins = {"j0": [5, 6, 7], "j1": [9, 3, 2, 8, 1], "j2": list(range(1, 20))}  # 2, 4, 18
+    ref = TargetPool(BatchRunner(dec.target.model), features=True)
+    pool = TargetPool(BatchRunner(dec.target.model), features=True)
+    for p in (ref, pool):
+        p.start([row(rid, q) for rid, q in base.items()], prefill_top_k=3)
+    want = {rid: ref.start([row(rid, q)], prefill_top_k=3)[0] for rid, q in joins.items()}
+    assert pool.start([row(rid, q) for rid, q in joins.items()], prefill_top_k=3,
+                      ride=True) == [None] * 3
+    assert [st.row.rid for st in pool.riding] == list(joins) and "j0" not in pool
+
+    def chains(p):  # 5 tokens wide: j0 and j1 fit, j2 does not
+        return [(rid, TokenTree.chain(p.roots[p.rids.index(rid)], [1, 2, 3, 4]).to_wire())
+                for rid in base]
+
+    calls = pool.runner.calls
+    got = pool.verify(chains(pool))
+    assert pool.runner.calls == calls + 2  # j2's own prefill, then the verify forward
+    assert [r.new for r in got] == [r.new for r in ref.verify(chains(ref))]
+    ridden = pool.take_ridden()
+    assert set(ridden) == set(joins) and pool.take_ridden() == {} and not pool.riding
+    for rid, w in want.items():
+        g = ridden[rid]
+        assert g.top == w.top
+        assert torch.allclose(g.features, w.features, atol=1e-5)
+        flat = [json.loads(json.dumps(x)) for x in (g.prompt_logprobs, w.prompt_logprobs)]
+        assert _close(*flat)
+    for _ in range(3):  # the riders decode on as rows prefilled alone
+        assert ([r.new for r in pool.verify([(rid, None) for rid in joins])]
+                == [r.new for r in ref.verify([(rid, None) for rid in joins])])
+    pool.start([row("k", [4, 4]), row("m", [1, 2, 3])], ride=True)
+    assert pool.end("k") and not pool.end("k") and "k" not in pool
+    pool.settle()  # no verify forward came: m is prefilled alone
+    assert set(pool.take_ridden()) == {"m"} and "m" in pool and not pool.riding
+    # a runner's empty rows take their prompts in the next forward, with or without a cache
+    for rows_first in (0, 2):
+        a, b = BatchRunner(dec.target.model), BatchRunner(dec.target.model)
+        for r in (a, b):
+            r.add_rows([[1, 2, 3], [4, 5]][:rows_first])
+        want_logits = a.add_rows([[7, 8, 9, 10]])
+        b.add_empty_rows(1)
+        assert b.rows == rows_first + 1 and b.length(rows_first) == 0
+        got_logits = b.forward([torch.zeros(0, dtype=torch.long)] * rows_first
+                               + [torch.tensor([7, 8, 9, 10])])
+        assert torch.allclose(got_logits[rows_first], want_logits[0], atol=1e-5)
+        assert b.length(rows_first) == 4
 
 
 def test_a_replica_calls_cancellation_is_a_failure_and_the_callers_own_stays_one():

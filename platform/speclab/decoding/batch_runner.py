@@ -206,6 +206,28 @@ class BatchRunner(TracksFeatures):
                                  for k in feats[0]}
         return _rows_in_order(outs, back) if logits else None
 
+    @inference
+    def add_empty_rows(self, k: int) -> None:
+        """Append ``k`` rows that hold nothing yet: the next :meth:`forward` gives them
+        their prompts (rows of length 0 take causal tokens from position 0), so a short
+        prompt's prefill rides in a forward the batch runs anyway instead of one of its
+        own (:meth:`speclab.decoding.row_pool.TargetPool.start` with ``ride``)."""
+        if k < 1:
+            return
+        empty = [torch.zeros(0, dtype=torch.long) for _ in range(k)]
+        if self.cache is None:  # no forward yet: every row is empty
+            self.slots, self.width = self.slots + empty, 0
+            self.live = torch.zeros(self.rows, 0, dtype=torch.bool)
+            self.slot_pos = torch.zeros(self.rows, 0, dtype=torch.long)
+            return
+        kv = []
+        for layer in self.cache.layers:
+            shape = (k, layer.keys.shape[1], 0, layer.keys.shape[3])
+            kv.append((layer.keys.new_zeros(shape), layer.values.new_zeros(
+                k, layer.values.shape[1], 0, layer.values.shape[3])))
+        self._append(kv, empty, torch.zeros(k, 0, dtype=torch.bool),
+                     torch.zeros(k, 0, dtype=torch.long), 0)
+
     def _reorder_tail(self, first: int, order: torch.Tensor) -> None:
         """Row ``first + j`` takes what row ``first + order[j]`` held (``order``: ``[R]``,
         a permutation of the rows from ``first`` on), cache and all."""

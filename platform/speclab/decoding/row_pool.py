@@ -171,6 +171,11 @@ class TargetPool:
         #: rows whose prompt is still entering a cache of its own (the staging runner's
         #: rows, in this order; :meth:`start` with ``chunk``)
         self.prefilling: dict[str, _Prefilling] = {}
+        #: rows whose prompt waits for the next :meth:`verify` forward (:meth:`start` with
+        #: ``ride``), and what the prefill gave the rows that joined since
+        #: :meth:`take_ridden` was last called
+        self.riding: list[_Prefilling] = []
+        self.ridden: dict[str, Prefilled] = {}
 
     def __contains__(self, rid: str) -> bool:
         return rid in self.rids
@@ -192,14 +197,22 @@ class TargetPool:
 
     def start(self, rows: list[NewRow], prefill_top_k: int = 0,
               feature_spec: FeatureSpec | bool = True,
-              chunk: int | None = None) -> list[Prefilled | None]:
+              chunk: int | None = None, ride: bool = False) -> list[Prefilled | None]:
         """Prefill ``prompt_ids[:-1]`` of every new row in ONE forward (a row id that is
         already here starts over). Returns per row what the prefill gives it
         (:class:`Prefilled`). ``feature_spec``: the features these rows get (True: the
         pool's; tracked with :meth:`track_features` first). ``chunk``: a row with more
         prompt tokens than that is prefilled apart, ``chunk`` tokens now and the rest by
         :meth:`prefill_step` (None in its place until then; it joins the verified rows
-        once its prompt is in), so a long prompt never makes one forward long."""
+        once its prompt is in), so a long prompt never makes one forward long.
+        ``ride``: the rows (but those prefilled apart) wait for the next :meth:`verify`,
+        which prefills them in its own forward where their prompt is no longer than
+        that forward's widest tree (a row more, no padding more) and the others in one
+        forward just before it, or for :meth:`settle`; None in their place, and what
+        their prefill gives them comes from :meth:`take_ridden` after that call. A
+        short prompt then costs no forward of its own: at 16 rows of the reference pair
+        a step whose joins had their own prefill forward took 12.6 ms of target time
+        against 6.9 ms without."""
         spec = self.spec if feature_spec is True else self._resolve(feature_spec)
         if len({r.rid for r in rows}) != len(rows):
             raise ValueError("rows: a request id appears twice")
@@ -212,9 +225,12 @@ class TargetPool:
         states = [_Prefilling(r, spec, prefill_top_k) for r in rows]
         long = [st for st in states if chunk is not None and st.total > chunk]
         whole = [st for st in states if st not in long]
-        self._prefill(self.runner, whole, None)
-        for st in whole:
-            self._join(st)
+        if ride:
+            self.riding += whole
+        else:
+            self._prefill(self.runner, whole, None)
+            for st in whole:
+                self._join(st)
         if long:
             if self.staging is None:
                 self.staging = BatchRunner(self.runner.model)
@@ -223,7 +239,33 @@ class TargetPool:
             self._prefill(self.staging, long, chunk)
             for st in long:
                 self.prefilling[st.row.rid] = st
-        return [None if st in long else st.result() for st in states]
+        return [None if ride or st in long else st.result() for st in states]
+
+    def settle(self, states: list[_Prefilling] | None = None) -> None:
+        """Prefill the riding rows ``states`` (default: all of them) in ONE forward of
+        their own; they join the verified rows (their results: :meth:`take_ridden`)."""
+        states = list(self.riding) if states is None else states
+        if not states:
+            return
+        self.riding = [st for st in self.riding if all(st is not x for x in states)]
+        self._prefill(self.runner, states, None)
+        for st in states:
+            self._join(st)
+            self.ridden[st.row.rid] = st.result()
+
+    def take_ridden(self) -> dict[str, Prefilled]:
+        """``{row id: Prefilled}`` of the riding rows that joined since the last call."""
+        out, self.ridden = self.ridden, {}
+        return out
+
+    def _board(self, width: int) -> list[_Prefilling]:
+        """The riding rows whose prompt fits a forward ``width`` tokens wide, given empty
+        rows after the verified ones; the others are prefilled now (:meth:`settle`)."""
+        riders = [st for st in self.riding if st.total <= width]
+        self.settle([st for st in self.riding if st.total > width])
+        self.riding = []
+        self.runner.add_empty_rows(len(riders))
+        return riders
 
     def _prefill(self, runner: BatchRunner, states: list[_Prefilling],
                  chunk: int | None) -> None:
@@ -297,7 +339,11 @@ class TargetPool:
         trees = [TokenTree.from_wire(t) if isinstance(t, dict)
                  else t if t is not None else TokenTree(self.roots[b])
                  for (_, t), b in zip(items, rows, strict=True)]
+        riders = self._board(max((len(t) for t in trees), default=0))
+        first = len(self.rids)  # the riding rows' first runner row
         tokens = [torch.zeros(0, dtype=torch.long) for _ in range(self.runner.rows)]
+        for j, st in enumerate(riders):
+            tokens[first + j] = torch.tensor(st.row.prompt_ids[:-1], dtype=torch.long)
         positions: list[torch.Tensor | None] = [None] * self.runner.rows
         allowed: list[torch.Tensor | None] = [None] * self.runner.rows
         prefix = []
@@ -311,7 +357,17 @@ class TargetPool:
             if not tree.is_chain():
                 positions[b] = tree.position_ids(n)
                 allowed[b] = tree.ancestor_matrix()  # + the whole prefix
-        logits = self.runner.forward(tokens, positions, allowed)
+        try:
+            logits = self.runner.forward(tokens, positions, allowed)
+        except BaseException:  # the riders wait for the next forward again
+            self.runner.drop(list(range(first, first + len(riders))))
+            self.riding = riders + self.riding
+            raise
+        for j, st in enumerate(riders):  # their prompts are in: they join
+            feats = self.runner.features(st.spec)[first + j] if self.features else None
+            st.absorb(logits[first + j], feats, st.total)
+            self._join(st)
+            self.ridden[st.row.rid] = st.result()
         # every row's rule reduces its logits on the device; ONE fetch for the batch
         prepared: list = []
         for b, tree in zip(rows, trees, strict=True):
@@ -360,6 +416,10 @@ class TargetPool:
 
     def end(self, rid: str) -> bool:
         """Row ``rid`` leaves (False if it was not here)."""
+        riding = [st for st in self.riding if st.row.rid == rid]
+        if riding:  # its prompt is not in any cache yet
+            self.riding.remove(riding[0])
+            return True
         if rid in self.prefilling:  # not verified yet: its cache is the staging runner's
             self.staging.drop([list(self.prefilling).index(rid)])
             del self.prefilling[rid]
