@@ -234,11 +234,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = ServeJob.from_yaml(a.config, a.overrides)
-        clients = a.clients or ("" if a.rates else "1,4,16")
-        loads = ([("clients", int(c)) for c in clients.split(",") if c]
-                 + [("rate", float(r)) for r in (a.rates or "").split(",") if r])
-        if not loads or min(n for _, n in loads) <= 0:
-            raise ValueError("clients and rates must be > 0")
+        loads = (_loads("clients", a.clients or ("" if a.rates else "1,4,16"), int)
+                 + _loads("rates", a.rates or "", float))
         if min(a.requests, a.rate_requests, a.max_tokens, a.passes) < 1:
             raise ValueError("requests, rate-requests, passes and max-tokens must be >= 1")
         names = list(dict.fromkeys(a.methods.split(",")))
@@ -322,6 +319,21 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=1, default=str))
     print(f"written {out}")
     return 0
+
+
+def _loads(flag: str, text: str, kind: type) -> list[tuple[str, float]]:
+    """``--clients`` / ``--rates`` as ``[("clients" | "rate", value)]``; ValueError naming
+    the flag for an entry that is not a positive number."""
+    out = []
+    for x in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            value = kind(x)
+        except ValueError:
+            value = 0
+        if not value > 0:
+            raise ValueError(f"--{flag}: {x!r} is not a positive number")
+        out.append(("clients" if flag == "clients" else "rate", value))
+    return out
 
 
 def _unpaired(url: str, kind: str, n: float, a: argparse.Namespace

@@ -167,3 +167,15 @@ def test_an_open_loop_pairs_whole_passes_by_their_summed_latencies():
     assert sums["ar"]["mean_s"] == pytest.approx(0.04)
     with pytest.raises(ValueError, match="passes and requests"):
         paired_open_load(AR, CHAIN, 1.0, 0, 4, passes=1, send=send)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--rates", "0,abc"], "--rates: '0' is not a positive number"),
+    (["--clients", "4,x"], "--clients: 'x' is not a positive number"),
+    (["--rates", "2", "--rate-requests", "0"], "rate-requests"),
+])
+def test_the_serve_bench_refuses_bad_loads_by_name(argv, msg, capsys):
+    from serve_apps.bench import main
+
+    assert main(argv) == 2
+    assert msg in capsys.readouterr().err
